@@ -1,0 +1,374 @@
+"""LLMEngine: requests in, token outputs out, one step at a time.
+
+    plan = scheduler.schedule()          # which tokens run, copy/zero plans   (pure Python)
+    logits = runner.execute(plan)        # zero, restore, forward, save        (torch)
+    sampled = self._sample(logits)       # next tokens, logprobs
+    return self._emit(plan, sampled)     # scheduler.update, stops, detokenize
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+from .config import ConfigError, EngineConfig, ModelConfig
+from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+
+log = logging.getLogger("deltaserve")
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses (empty or too-long prompt, bad sampling values, bad token ids).
+
+    The message says what to fix; the server turns it into an HTTP 400. Other requests are unaffected.
+    """
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    pages_total: int
+    pages_used: int  # pages held by live requests (cached, unreferenced pages are free to evict)
+    slots_total: int
+    slots_used: int
+    kv_cache_usage: float  # fraction of pages in use
+    prefix_cache_queries: int  # tokens looked up (vLLM's vllm:prefix_cache_queries)
+    prefix_cache_hits: int  # tokens served from the cache
+    checkpoints_saved: int
+    checkpoints_restored: int
+    evictions: int
+    preemptions: int
+    prompt_tokens: int  # total prompt tokens computed
+    generation_tokens: int  # total tokens generated
+
+
+@dataclass
+class _Live:
+    """The engine's side of one request: sampling, detokenization, stops, what it returned so far."""
+
+    request_id: str
+    prompt: str | None
+    prompt_ids: list[int]
+    params: object  # SamplingParams
+    sampling: object  # SamplingState
+    detok: object  # IncrementalDetokenizer
+    metrics: RequestMetrics
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)
+    sent_text: int = 0  # chars of text already returned
+    sent_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+
+def _resolve_dtype(requested: str, mc: ModelConfig) -> str:
+    d = mc.dtype if requested == "auto" else requested
+    if d not in ("bfloat16", "float16", "float32"):
+        d = "bfloat16"
+    return d
+
+
+class LLMEngine:
+    """Synchronous engine. Not thread-safe: one thread calls add_request/abort_request/step.
+
+    add_request(request_id, prompt, params, cache_salt=None, arrival_time=None)
+        prompt: str | list[int] | {"prompt": str} | {"prompt_token_ids": list[int]}.
+        Raises EngineInputError for bad input; nothing is queued then.
+    abort_request(request_id)   frees everything the request holds; unknown ids are ignored.
+    step() -> list[RequestOutput]  one output per request that advanced (or finished/aborted) this step.
+    """
+
+    def __init__(self, config: EngineConfig):
+        import torch
+
+        from .embedded import ensure_model
+        from .memory import MemoryManager
+        from .model.loader import load_model
+        from .runner.cache import CacheStore
+        from .runner.platform import default_kv_budget, select_device, tune_allocator
+        from .runner.runner import ModelRunner
+        from .sampler import Sampler
+        from .scheduler import Scheduler
+        from .sizing import ENGINE_KERNEL_ALIGNMENT, alignment_for, cdiv, geometry, hybrid_block_size, plan_pool
+        from .tokenizer import load_tokenizer
+
+        self.config = config
+        tune_allocator()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = select_device(config.device)
+        path = config.model or ensure_model(config.preset, seed=config.seed)
+        self.model_path = path
+        self.model_name = config.model or f"deltaserve/{config.preset}"
+        mc = ModelConfig.from_path(path)
+        self.model_config = mc
+        self.dtype = _resolve_dtype(config.dtype, mc)
+        if self.dtype == "float16" and self.device.type == "cpu":
+            log.warning("float16 has no fast matmul path on most CPUs (~150x slower than bfloat16 here); "
+                        "prefer --dtype bfloat16")
+        self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.tokenizer = load_tokenizer(path)
+
+        # memory: block size by vLLM's rule at this engine's alignment (a multiple of the 64-token GDN chunk)
+        geom = geometry(mc, kv_dtype=self.dtype, conv_dtype=self.dtype, ssm_dtype="float32")
+        user_bs = ENGINE_KERNEL_ALIGNMENT * cdiv(config.block_size, ENGINE_KERNEL_ALIGNMENT)
+        self.block_size = hybrid_block_size(geom, alignment_for(ENGINE_KERNEL_ALIGNMENT, user_bs))
+        budget = config.kv_cache_memory or default_kv_budget(self.device, config.memory_utilization, self.model)
+        pool = plan_pool(geom, budget, self.block_size, config.max_num_seqs, config.cache_layout)
+        if pool.num_pages < 2:
+            raise ConfigError(f"a {budget:,}-byte cache budget holds {pool.num_pages} pages of {self.block_size} tokens "
+                              f"after {pool.num_slots} GDN slots of {pool.slot_bytes:,} bytes; raise --kv-cache-memory "
+                              f"or lower --max-num-seqs")
+        self.pool = pool
+        caching = config.enable_prefix_caching
+        max_len = config.max_model_len or min(mc.max_position_embeddings, pool.pool_tokens)
+        if max_len > pool.pool_tokens:
+            raise ConfigError(f"--max-model-len {max_len} exceeds the KV pool ({pool.pool_tokens:,} tokens); "
+                              f"raise --kv-cache-memory or lower --max-model-len")
+        self.max_model_len = max_len
+        self.store = CacheStore(mc, pool, kv_dtype=getattr(torch, self.dtype), conv_dtype=getattr(torch, self.dtype),
+                                device=self.device)
+        self.runner = ModelRunner(self.model, self.store, self.device)
+        self.memory = MemoryManager(num_pages=pool.num_pages, num_slots=pool.num_slots, block_size=self.block_size,
+                                    num_gdn_groups=pool.num_gdn_groups, caching=caching, layout=config.cache_layout)
+        self.scheduler = Scheduler(self.memory, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens)
+        self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece)
+        self._live: dict[str, _Live] = {}
+        self._seed_counter = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        log.info("model %s (%s), dtype %s, device %s", self.model_name, mc.model_type, self.dtype, self.device)
+        log.info("KV pool %s tokens (%s pages of %d tokens, layout %s, prefix caching %s); KV %s bytes/token; "
+                 "GDN slot %s bytes x %d; max model len %d",
+                 f"{pool.pool_tokens:,}", f"{pool.num_pages:,}", self.block_size, config.cache_layout,
+                 "on" if caching else "off", f"{geom.kv_bytes_per_token:,}", f"{pool.slot_bytes:,}",
+                 pool.num_slots, max_len)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLMEngine":
+        return cls(config)
+
+    # ------------------------------------------------------------------ requests
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise EngineInputError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+            if "prompt_token_ids" in prompt:
+                prompt = list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise EngineInputError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise EngineInputError("a prompt is a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+
+    def add_request(self, request_id: str, prompt, params=None, cache_salt: str | None = None,
+                    arrival_time: float | None = None) -> None:
+        from .sampler import SamplingState
+        from .sampling_params import SamplingParams
+        from .scheduler import Request
+        from .tokenizer import IncrementalDetokenizer
+
+        if request_id in self._live:
+            raise EngineInputError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, dict) and cache_salt is None:
+            cache_salt = prompt.get("cache_salt")
+        text, ids = self._prompt_ids(prompt)
+        params = params if params is not None else SamplingParams()
+        if not ids:
+            raise EngineInputError("the prompt is empty; send at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise EngineInputError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        try:
+            params.validate_for(vocab)
+        except ValueError as e:
+            raise EngineInputError(str(e)) from None
+        if params.n != 1:
+            raise EngineInputError("the engine takes n=1 per request; the server and LLM fan n out into requests")
+        if len(ids) >= self.max_model_len:
+            raise EngineInputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
+                f"{len(ids)} tokens, which leaves no room for the completion. Please shorten the prompt.")
+        if params.max_tokens is None:
+            params = params.clone()
+            params.max_tokens = self.max_model_len - len(ids)
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise EngineInputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
+                f"completion). Please reduce the prompt or max_tokens.")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise EngineInputError("cache_salt must be a string")
+        now = time.time() if arrival_time is None else arrival_time
+        seed = None
+        if params.seed is None:
+            seed = self.config.seed * 1_000_003 + self._seed_counter
+            self._seed_counter += 1
+        state = SamplingState.create(params, ids, eos_token_ids=self.tokenizer.eos_token_ids, seed=seed)
+        req = Request(request_id=request_id, prompt_token_ids=ids, max_tokens=params.max_tokens,
+                      cache_salt=cache_salt, arrival_time=now,
+                      skip_cache_lookup=params.prompt_logprobs is not None)
+        self.scheduler.add(req)
+        self._live[request_id] = _Live(
+            request_id, text, ids, params, state,
+            IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
+            RequestMetrics(arrival_time=now), logprobs=[] if params.logprobs is not None else None)
+
+    def abort_request(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._live)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        logits = self.runner.execute(plan)
+        sampled = self._sample(plan, logits)
+        return self._emit(plan, sampled)
+
+    def _sample(self, plan, logits) -> dict[str, object]:
+        import torch
+
+        now = time.time()
+        for w in plan.work:
+            live = self._live[w.request_id]
+            if live.metrics.first_scheduled_time is None:
+                live.metrics.first_scheduled_time = now
+            if w.request_id in logits.prompt and live.params.prompt_logprobs is not None:
+                self._prompt_logprobs(live, w, logits.prompt[w.request_id])
+        owners = list(logits.sample)
+        if not owners:
+            return {}
+        rows = torch.stack([logits.sample[r] for r in owners])
+        outs = self.sampler.sample(rows, [self._live[r].sampling for r in owners])
+        return dict(zip(owners, outs))
+
+    def _prompt_logprobs(self, live: _Live, w, chunk_logits) -> None:
+        """Logits at position p score token p + 1; only positions whose next token is in the prompt."""
+        n_prompt = len(live.prompt_ids)
+        positions = [w.start_pos + i for i in range(len(w.token_ids)) if w.start_pos + i + 1 < n_prompt]
+        if not positions:
+            return
+        k = positions[0] - w.start_pos
+        targets = [live.prompt_ids[p + 1] for p in positions]
+        lps = self.sampler.prompt_logprobs(chunk_logits[k: k + len(positions)], targets, live.params.prompt_logprobs)
+        for p, lp in zip(positions, lps):
+            live.prompt_logprobs[p + 1] = lp
+
+    def _emit(self, plan, sampled: dict[str, object]) -> list[RequestOutput]:
+        tokens = {rid: s.token_id for rid, s in sampled.items() if s.error is None}
+        self.scheduler.update(plan, tokens)
+        for w in plan.work:
+            if not w.is_decode:
+                self.prompt_tokens_total += len(w.token_ids)
+        now = time.time()
+        outputs = []
+        for rid, s in sampled.items():
+            live = self._live.get(rid)
+            if live is None:
+                continue
+            if s.error is not None:
+                self.scheduler.finish(rid, "abort")
+                live.finish_reason = "abort"
+                live.stop_reason = s.error
+            else:
+                self._append(live, s, now)
+            outputs.append(self._output(live))
+            if live.finish_reason is not None:
+                live.metrics.finished_time = now
+                del self._live[rid]
+        return outputs
+
+    def _append(self, live: _Live, s, now: float) -> None:
+        req = self.scheduler.get(live.request_id)
+        live.num_cached_tokens = req.num_cached_tokens
+        live.metrics.num_preemptions = req.num_preemptions
+        if live.metrics.first_token_time is None:
+            live.metrics.first_token_time = now
+        live.metrics.last_token_time = now
+        tok = s.token_id
+        self.generation_tokens_total += 1
+        live.token_ids.append(tok)
+        if live.logprobs is not None:
+            live.logprobs.append(s.logprobs)
+        p = live.params
+        delta = live.detok.add(tok)
+        live.text += delta
+        n_out = len(live.token_ids)
+        reason, stop = None, None
+        if n_out >= p.min_tokens:
+            if tok in self.tokenizer.eos_token_ids and not p.ignore_eos:
+                reason = "stop"
+            elif p.stop_token_ids and tok in p.stop_token_ids:
+                reason, stop = "stop", tok
+            elif p.stop:
+                hit = self._find_stop(live, len(delta))
+                if hit is not None:
+                    reason, stop = "stop", hit
+            elif s.guide_finished:
+                reason = "stop"
+        if reason is None and (n_out >= p.max_tokens or len(live.prompt_ids) + n_out >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            live.finish_reason, live.stop_reason = reason, stop
+            self.scheduler.finish(live.request_id, reason)
+
+    def _find_stop(self, live: _Live, new_chars: int) -> str | None:
+        """Look for a stop string in the new text (and the tail it may complete); truncate the text there."""
+        p = live.params
+        longest = max(len(x) for x in p.stop)
+        start = max(0, len(live.text) - new_chars - longest + 1)
+        for s in p.stop:
+            i = live.text.find(s, start)
+            if i != -1:
+                live.text = live.text[: i + (len(s) if p.include_stop_str_in_output else 0)]
+                return s
+        return None
+
+    def _output(self, live: _Live) -> RequestOutput:
+        hold = 0
+        if live.finish_reason is None and live.params.stop and not live.params.include_stop_str_in_output:
+            hold = max(len(s) for s in live.params.stop) - 1  # text that may still become a stop string
+        visible = max(live.sent_text, len(live.text) - hold)
+        new_text = live.text[live.sent_text: visible]
+        live.sent_text = visible
+        new_ids = live.token_ids[live.sent_tokens:]
+        live.sent_tokens = len(live.token_ids)
+        plp = None
+        if live.params.prompt_logprobs is not None:
+            plp = [None] + [live.prompt_logprobs.get(i) for i in range(1, len(live.prompt_ids))]
+        comp = CompletionOutput(index=0, text=live.text[:visible],
+                                token_ids=list(live.token_ids),
+                                logprobs=list(live.logprobs) if live.logprobs is not None else None,
+                                finish_reason=live.finish_reason, stop_reason=live.stop_reason)
+        return RequestOutput(request_id=live.request_id, prompt=live.prompt, prompt_token_ids=live.prompt_ids,
+                             outputs=[comp], finished=live.finish_reason is not None,
+                             num_cached_tokens=live.num_cached_tokens, prompt_logprobs=plp, metrics=live.metrics,
+                             new_token_ids=new_ids, new_text=new_text)
+
+    # ------------------------------------------------------------------ stats
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        m = self.memory
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            pages_total=m.num_pages, pages_used=m.num_pages_in_use, slots_total=m.num_slots,
+            slots_used=m.num_slots_in_use, kv_cache_usage=m.num_pages_in_use / max(1, m.num_pages),
+            prefix_cache_queries=s["prefix_queries"], prefix_cache_hits=s["prefix_hits"],
+            checkpoints_saved=s["checkpoints_saved"], checkpoints_restored=s["checkpoints_restored"],
+            evictions=s["evictions"], preemptions=s["preemptions"],
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)

@@ -1,0 +1,44 @@
+"""The prefix-cache hash chain over full blocks. Pure Python, deterministic across processes.
+
+    root             = sha256("deltaserve-root" | cache_salt | extra keys)
+    hash(block j)    = sha256(hash(block j-1) | token ids of block j)      (hash(block -1) = root)
+
+The salt and the extra keys (anything else that changes the KV: adapters, media, ...) enter once, at
+the root, and reach every block through the chain; two requests with different salts therefore never
+share a hash. Python's hash() is not used (salted per process for str/bytes). A cache hit compares the
+stored parent hash and token tuple too, so a hit never rests on the hash alone.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from typing import Iterable, Sequence
+
+BlockHash = bytes
+
+_ROOT_TAG = b"deltaserve-root-v1"
+
+
+def _encode_key(k: object) -> bytes:
+    if isinstance(k, bytes):
+        return b"b" + struct.pack("<Q", len(k)) + k
+    if isinstance(k, str):
+        b = k.encode("utf-8")
+        return b"s" + struct.pack("<Q", len(b)) + b
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"extra cache keys must be str, bytes or int, not {type(k).__name__}")
+    return b"i" + struct.pack("<q", k)
+
+
+def root_hash(cache_salt: str | None, extra_keys: Iterable[object] = ()) -> BlockHash:
+    """The parent hash of block 0. None and "" are different salts (None = no salt)."""
+    h = hashlib.sha256(_ROOT_TAG)
+    h.update(b"\x00" if cache_salt is None else b"\x01" + _encode_key(cache_salt))
+    for k in extra_keys:
+        h.update(_encode_key(k))
+    return h.digest()
+
+
+def block_hash(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    """Hash of one full block, chained on its parent's hash."""
+    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()

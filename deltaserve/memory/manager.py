@@ -1,0 +1,552 @@
+"""The memory manager: one pool of pages, the live GDN slots, and the hybrid prefix cache. No torch.
+
+Terms
+  page   the memory unit. Page p has `group_size` layer positions; an attention layer keeps the K/V of
+         block_size tokens at its position of the page. One page per block of a sequence.
+  block  block_size consecutive tokens of a sequence; the unit of hashing and of checkpoints.
+  slot   a live GDN state (conv window + recurrent state of every GDN layer) of one running sequence.
+  checkpoint  the GDN state after exactly the last token of a full block.
+           in-page layout: `num_gdn_groups` pool pages, page location[g] owned by GDN group g;
+           per-block layout: (attention page of that block,), an index into a separate state tensor,
+           so it costs no pool page.
+
+Every page is in exactly one of three places:
+  free       unreferenced, holds nothing anyone will read (owner kind None);
+  evictable  unreferenced, holds cached content (a published block or a checkpoint); the eviction
+             policy (LRU by default) picks which one to reclaim when the free list is empty;
+  held       referenced by sequences (ref count = number of holders). Holders: a sequence's page table
+             (attention pages), its latest checkpoint and its pending (planned, not yet run) save.
+Each allocated page has one owner kind: ATTN (-1) or a GDN group g >= 0.
+
+The prefix cache maps a block hash (memory/hashing.py) to a CacheEntry: the attention page holding
+that block's K/V, the block's tokens and parent hash (a hit compares them, not only the hash), and
+optionally the checkpoint taken at the end of the block. A prefix hit is the longest chain of cached
+blocks whose LAST block has a checkpoint (every GDN group, by construction: the groups' pages of a
+checkpoint are attached and dropped together). Evicting an entry's attention page drops the entry and
+its checkpoint; evicting a checkpoint page drops only the checkpoint. Blocks after an evicted one stay
+in the cache but are unreachable (the chain walk stops) until they are evicted in turn.
+
+Choices (and why)
+  * A running sequence HOLDS its latest checkpoint until the next one is published (vLLM's "2 + N":
+    N attention pages + the latest checkpoint + the one being written). Cost: num_gdn_groups pages per
+    running sequence (in-page). Gain: a preempted sequence can always resume from its last block
+    boundary while its own pages survive (they are released last, so LRU evicts them last), and
+    concurrent sequences sharing the prefix can hit it. Older checkpoints are released as soon as a
+    newer one is published, so under pressure intermediate checkpoints go first.
+  * New attention pages are zeroed (listed for StepPlan.zero_pages): attention reads whole pages and
+    a mask does not cancel a NaN. New checkpoint pages are not zeroed: the save overwrites the whole
+    state region before anything reads it, and the padding is never read.
+  * A sequence that computes a block already cached by someone else keeps its own copy uncached (the
+    "duplicate"). When it frees, its duplicates are published if their hash has left the cache
+    meanwhile (and so is its orphaned latest checkpoint), so concurrent identical prefixes survive the
+    eviction of whichever copy won the race.
+  * Fail closed: reserving a save at a position that is not a block boundary, saving into a shared
+    cached page, or admitting a hit that is no longer cached raises CheckpointError.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ..config import ConfigError
+from .eviction import EvictionPolicy, LRUEviction
+from .hashing import BlockHash, block_hash
+
+ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
+LAYOUTS = ("in-page", "per-block")
+
+
+class CheckpointError(RuntimeError):
+    """Fail closed: a GDN state copy that could serve a wrong state."""
+
+
+class OutOfPagesError(RuntimeError):
+    """An allocation was attempted without checking num_allocatable() first."""
+
+
+@dataclass
+class CacheEntry:
+    hash: BlockHash
+    parent: BlockHash
+    tokens: tuple[int, ...]
+    page: int  # the attention page holding this block's K/V
+    checkpoint: tuple[int, ...] | None = None  # GDN state after the block's last token, if kept
+
+    def matches(self, parent: BlockHash, tokens: Sequence[int]) -> bool:
+        return self.parent == parent and self.tokens == tuple(tokens)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """The usable cached prefix of a sequence: num_blocks full blocks and the checkpoint after them."""
+
+    num_blocks: int
+    block_size: int
+    page_ids: tuple[int, ...] = ()
+    checkpoint: tuple[int, ...] | None = None  # restore location; () on a model without GDN layers
+    hashes: tuple[BlockHash, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass
+class CacheStats:
+    """Monotonic counters (the server exports them as metrics)."""
+
+    prefix_query_tokens: int = 0  # tokens of sequences looked up in the cache (each admission)
+    prefix_hit_tokens: int = 0  # of those, tokens served by the cache
+    checkpoints_saved: int = 0  # saves that ran (counted when their step is committed)
+    checkpoints_restored: int = 0  # restores planned
+    evicted_pages: int = 0  # cached pages whose content was dropped (including sibling checkpoint pages)
+    preemptions: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    pages_total: int
+    pages_used: int  # referenced by running sequences
+    pages_cached: int  # unreferenced, cached, evictable
+    pages_free: int
+    slots_total: int
+    slots_used: int
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of pages referenced by running sequences (cached-but-free pages count as free)."""
+        return self.pages_used / self.pages_total if self.pages_total else 0.0
+
+
+@dataclass
+class _Seq:
+    slot: int
+    pages: list[int] = field(default_factory=list)  # attention page table
+    keys: list[tuple[BlockHash, BlockHash, tuple[int, ...]]] = field(default_factory=list)  # published blocks
+    ckpt: tuple[int, ...] | None = None  # in-page: the held latest checkpoint
+    ckpt_block: int = -1
+    pending: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block index -> planned save location
+    orphan_saves: set[int] = field(default_factory=set)  # per-block: saved blocks not attached to an entry
+
+
+class MemoryManager:
+    """Pages, slots and the prefix cache. See the module docstring for the invariants."""
+
+    def __init__(self, num_pages: int, num_slots: int, block_size: int, num_gdn_groups: int,
+                 caching: bool = True, layout: str = "in-page", eviction: EvictionPolicy | None = None):
+        if layout not in LAYOUTS:
+            raise ConfigError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        if block_size < 1 or num_slots < 1 or num_gdn_groups < 0:
+            raise ConfigError("block_size and num_slots must be >= 1, num_gdn_groups >= 0")
+        self.num_pages = num_pages
+        self.num_slots = num_slots
+        self.block_size = block_size
+        self.num_gdn_groups = num_gdn_groups
+        self.caching = caching
+        self.layout = layout
+        self._inpage = layout == "in-page"
+        # pages a save takes from the pool (in-page only; per-block states live beside the pool)
+        self.checkpoint_pages = num_gdn_groups if (caching and self._inpage) else 0
+        if num_pages < 1 + 2 * self.checkpoint_pages:
+            raise ConfigError(f"{num_pages} pages cannot hold one block and two checkpoints of "
+                              f"{num_gdn_groups} GDN groups; give the pool more memory")
+        self._ref = [0] * num_pages
+        self._kind: list[int | None] = [None] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+        self._evictor: EvictionPolicy = eviction if eviction is not None else LRUEviction()
+        self._cache: dict[BlockHash, CacheEntry] = {}
+        self._role: dict[int, BlockHash] = {}  # cached page -> hash of the entry it serves
+        self._free_slots: deque[int] = deque(range(num_slots))
+        self._slot_owner: dict[int, str] = {}
+        self._seqs: dict[str, _Seq] = {}
+        self.stats = CacheStats()
+
+    @classmethod
+    def from_plan(cls, plan, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
+        """From a sizing.PoolPlan."""
+        return cls(plan.num_pages, plan.num_slots, plan.block_size, plan.num_gdn_groups, caching,
+                   plan.layout, eviction)
+
+    # ------------------------------------------------------------------ queries
+    def num_allocatable(self) -> int:
+        """Pages an allocation can get now: free plus evictable."""
+        return len(self._free) + len(self._evictor)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request can ever hold, alone in the pool.
+
+        Reserves the two checkpoints (held + pending) a sequence may hold in the in-page layout.
+        The engine refuses requests above this; they could never finish.
+        """
+        return (self.num_pages - 2 * self.checkpoint_pages) * self.block_size
+
+    def has_seq(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def page_table(self, seq_id: str) -> tuple[int, ...]:
+        return tuple(self._seqs[seq_id].pages)
+
+    def slot_of(self, seq_id: str) -> int:
+        return self._seqs[seq_id].slot
+
+    def pages_needed(self, seq_id: str | None, num_tokens: int, have: int = 0) -> int:
+        """New attention pages to cover positions [0, num_tokens)."""
+        n = have if seq_id is None else len(self._seqs[seq_id].pages)
+        return max(0, -(-num_tokens // self.block_size) - n)
+
+    def usage(self) -> MemoryUsage:
+        used = sum(1 for r in self._ref if r)
+        return MemoryUsage(self.num_pages, used, len(self._evictor), len(self._free), self.num_slots,
+                           len(self._slot_owner))
+
+    def free_page_ids(self) -> tuple[int, ...]:
+        """Pages nobody will read (for tests that plant garbage there)."""
+        return tuple(self._free)
+
+    def free_slot_ids(self) -> tuple[int, ...]:
+        return tuple(self._free_slots)
+
+    def num_cached_blocks(self) -> int:
+        return len(self._cache)
+
+    # ------------------------------------------------------------------ prefix lookup
+    def find_prefix(self, root: BlockHash, hashes: Sequence[BlockHash],
+                    block_tokens: Callable[[int], Sequence[int]], max_blocks: int) -> PrefixHit:
+        """The longest cached prefix (at most max_blocks blocks) whose last block has a checkpoint.
+
+        hashes[j] is the chain hash of block j (root is the parent of block 0); block_tokens(j) its tokens.
+        No side effects: admit() takes the hit.
+        """
+        if not self.caching:
+            return PrefixHit(0, self.block_size)
+        parent, best, best_ckpt, pages = root, 0, None, []
+        for j in range(min(max_blocks, len(hashes))):
+            e = self._cache.get(hashes[j])
+            if e is None or not e.matches(parent, block_tokens(j)):
+                break
+            pages.append(e.page)
+            if self.num_gdn_groups == 0:
+                best, best_ckpt = j + 1, ()
+            elif e.checkpoint is not None:
+                best, best_ckpt = j + 1, e.checkpoint
+            parent = hashes[j]
+        if best == 0:
+            return PrefixHit(0, self.block_size)
+        return PrefixHit(best, self.block_size, tuple(pages[:best]), best_ckpt, tuple(hashes[:best]))
+
+    def pin_cost(self, hit: PrefixHit | None) -> int:
+        """How many allocatable (evictable) pages taking this hit would pin."""
+        if hit is None or not hit.num_blocks:
+            return 0
+        n = sum(1 for p in hit.page_ids if self._ref[p] == 0)
+        if self._inpage and hit.checkpoint:
+            n += sum(1 for q in hit.checkpoint if self._ref[q] == 0)
+        return n
+
+    # ------------------------------------------------------------------ sequence lifecycle
+    def admit(self, seq_id: str, hit: PrefixHit | None = None) -> tuple[int, tuple[int, ...] | None]:
+        """Give seq_id a slot and take its prefix hit (pages referenced, checkpoint held).
+
+        Returns (slot, restore location or None). With no restore the caller must zero the slot.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already holds memory")
+        if not self._free_slots:
+            raise OutOfPagesError("no free GDN slot")
+        seq = _Seq(slot=self._free_slots.popleft())
+        self._slot_owner[seq.slot] = seq_id
+        self._seqs[seq_id] = seq
+        location = None
+        if hit is not None and hit.num_blocks:
+            if not self.caching or hit.block_size != self.block_size:
+                raise CheckpointError("prefix hit on a pool without caching or with another block size")
+            for j, (h, p) in enumerate(zip(hit.hashes, hit.page_ids)):
+                e = self._cache.get(h)
+                if e is None or e.page != p:
+                    raise CheckpointError(f"stale prefix hit: block {j} is no longer cached in page {p}")
+                self._ref_cached(p)
+                seq.pages.append(p)
+                seq.keys.append((e.hash, e.parent, e.tokens))
+            last = self._cache[hit.hashes[-1]]
+            if self.num_gdn_groups:
+                if last.checkpoint is None or last.checkpoint != hit.checkpoint:
+                    raise CheckpointError("stale prefix hit: its checkpoint is no longer cached")
+                location = last.checkpoint
+                if self._inpage:
+                    for q in location:
+                        self._ref_cached(q)
+                    seq.ckpt, seq.ckpt_block = location, hit.num_blocks - 1
+                self.stats.checkpoints_restored += 1
+        return seq.slot, location
+
+    def append_pages(self, seq_id: str, num_tokens: int) -> list[int]:
+        """Grow seq_id's page table to cover positions [0, num_tokens). Returns the new pages (to zero)."""
+        seq = self._seqs[seq_id]
+        n = self.pages_needed(seq_id, num_tokens)
+        if n > self.num_allocatable():
+            raise OutOfPagesError(f"{n} pages wanted, {self.num_allocatable()} allocatable")
+        new = [self._take_page(ATTN) for _ in range(n)]
+        seq.pages.extend(new)
+        return new
+
+    def reserve_checkpoint(self, seq_id: str, end: int) -> tuple[int, ...]:
+        """Plan a save of seq_id's slot after the step whose chunk ends at position `end`.
+
+        Returns the location (in-page: num_gdn_groups new pages; per-block: the block's attention page).
+        Raises CheckpointError unless `end` is the end of a full block the sequence holds.
+        """
+        seq = self._seqs[seq_id]
+        if not self.caching or not self.num_gdn_groups:
+            raise CheckpointError("checkpoints need caching on and GDN layers")
+        if end <= 0 or end % self.block_size:
+            raise CheckpointError(f"save after position {end}: not the end of a full block "
+                                  f"(block size {self.block_size})")
+        k = end // self.block_size - 1
+        if k >= len(seq.pages) or k in seq.pending or k < len(seq.keys):
+            raise CheckpointError(f"save of block {k}: not a block this sequence is computing")
+        if self._inpage:
+            if self.checkpoint_pages > self.num_allocatable():
+                raise OutOfPagesError("no pages for a checkpoint")
+            loc = tuple(self._take_page(g) for g in range(self.num_gdn_groups))
+        else:
+            p = seq.pages[k]
+            if p in self._role:
+                raise CheckpointError(f"save into page {p}, which is shared through the cache")
+            loc = (p,)
+        seq.pending[k] = loc
+        return loc
+
+    def publish(self, seq_id: str, blocks: Sequence[tuple[BlockHash, BlockHash, Sequence[int]]]) -> None:
+        """Publish the next blocks of seq_id (their K/V has been written): (hash, parent hash, tokens).
+
+        Call only after the step that wrote them has run. A hash already cached (another copy won) leaves
+        this sequence's page uncached (a duplicate).
+        """
+        if not self.caching:
+            return
+        seq = self._seqs[seq_id]
+        for h, parent, toks in blocks:
+            j = len(seq.keys)
+            toks = tuple(toks)
+            if j >= len(seq.pages) or len(toks) != self.block_size:
+                raise CheckpointError(f"publish of block {j}: not a full block this sequence holds")
+            p = seq.pages[j]
+            seq.keys.append((h, parent, toks))
+            if h not in self._cache and p not in self._role:
+                self._cache[h] = CacheEntry(h, parent, toks, p)
+                self._role[p] = h
+
+    def commit_checkpoints(self, seq_id: str) -> int:
+        """The planned saves of published blocks have run: attach them to their cache entries.
+
+        in-page: the sequence then holds this newest checkpoint (the entry's own if it already had one)
+        and releases the previous. Returns the number committed.
+        """
+        seq = self._seqs[seq_id]
+        done = sorted(k for k in seq.pending if k < len(seq.keys))
+        for k in done:
+            loc = seq.pending.pop(k)
+            self.stats.checkpoints_saved += 1
+            h, parent, toks = seq.keys[k]
+            e = self._cache.get(h)
+            ok = e is not None and e.matches(parent, toks)
+            if not self._inpage:
+                if ok and e.page == loc[0]:
+                    if e.checkpoint is None:
+                        e.checkpoint = loc
+                else:
+                    seq.orphan_saves.add(k)
+                continue
+            if ok and e.checkpoint is None:
+                e.checkpoint = loc
+                for q in loc:
+                    self._role[q] = h
+                self._hold_ckpt(seq, loc, k)
+            elif ok:  # the entry already has one: hold that, drop ours
+                for q in e.checkpoint:
+                    self._ref_cached(q)
+                for q in loc:
+                    self._release(q)
+                self._hold_ckpt(seq, e.checkpoint, k)
+            else:  # no entry (a colliding or evicted hash): keep ours, maybe attached at free()
+                self._hold_ckpt(seq, loc, k)
+        return len(done)
+
+    def free(self, seq_id: str) -> None:
+        """Release everything seq_id holds: pages, checkpoints, slot. Published blocks stay cached."""
+        seq = self._seqs.pop(seq_id)
+        if self.caching:
+            self._republish(seq)
+        if self._inpage:
+            for loc in seq.pending.values():
+                for q in loc:
+                    self._release(q)
+        for p in reversed(seq.pages):
+            self._release(p)
+        if seq.ckpt is not None:
+            for q in seq.ckpt:
+                self._release(q)
+        del self._slot_owner[seq.slot]
+        self._free_slots.append(seq.slot)
+
+    # ------------------------------------------------------------------ internals
+    def _take_page(self, kind: int) -> int:
+        if self._free:
+            p = self._free.popleft()
+        elif len(self._evictor):
+            p = self._evictor.pop()
+            self._evict(p)
+        else:
+            raise OutOfPagesError("the pool is exhausted")
+        assert self._ref[p] == 0 and p not in self._role
+        self._ref[p] = 1
+        self._kind[p] = kind
+        return p
+
+    def _evict(self, p: int) -> None:
+        """p was just popped from the evictor: drop the cache content it carries."""
+        h = self._role.pop(p)
+        e = self._cache[h]
+        self.stats.evicted_pages += 1
+        if e.page == p:
+            del self._cache[h]
+            if self._inpage and e.checkpoint:
+                for q in e.checkpoint:
+                    self._drop_role(q)
+        else:
+            ck, e.checkpoint = e.checkpoint, None
+            for q in ck:
+                if q != p:
+                    self._drop_role(q)
+        self._kind[p] = None
+
+    def _drop_role(self, q: int) -> None:
+        del self._role[q]
+        if self._ref[q] == 0:
+            self._evictor.remove(q)
+            self._free.append(q)
+            self._kind[q] = None
+            self.stats.evicted_pages += 1
+
+    def _ref_cached(self, p: int) -> None:
+        if self._ref[p] == 0:
+            self._evictor.remove(p)
+        self._ref[p] += 1
+
+    def _release(self, p: int) -> None:
+        self._ref[p] -= 1
+        assert self._ref[p] >= 0, f"page {p} released more often than taken"
+        if self._ref[p] == 0:
+            if p in self._role:
+                self._evictor.push(p)
+            else:
+                self._free.append(p)
+                self._kind[p] = None
+
+    def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int) -> None:
+        old = seq.ckpt
+        seq.ckpt, seq.ckpt_block = loc, k
+        if old is not None:
+            for q in old:
+                self._release(q)
+
+    def _republish(self, seq: _Seq) -> None:
+        for j, (h, parent, toks) in enumerate(seq.keys):
+            p = seq.pages[j]
+            if p not in self._role and h not in self._cache:
+                self._cache[h] = CacheEntry(h, parent, toks, p)
+                self._role[p] = h
+        if self._inpage and seq.ckpt is not None and seq.ckpt[0] not in self._role:
+            h, parent, toks = seq.keys[seq.ckpt_block]
+            e = self._cache.get(h)
+            if e is not None and e.matches(parent, toks) and e.checkpoint is None:
+                e.checkpoint = seq.ckpt
+                for q in seq.ckpt:
+                    self._role[q] = h
+        for k in seq.orphan_saves:
+            h, parent, toks = seq.keys[k]
+            e = self._cache.get(h)
+            if e is not None and e.page == seq.pages[k] and e.checkpoint is None:
+                e.checkpoint = (e.page,)
+
+    # ------------------------------------------------------------------ invariants
+    def check_integrity(self, deep: bool = True) -> None:
+        """Assert every invariant of the pool, the slots and the cache (tests call it after every op)."""
+        n, G, bs = self.num_pages, self.num_gdn_groups, self.block_size
+        refs = [0] * n
+        slots_seen: dict[int, str] = {}
+        for sid, seq in self._seqs.items():
+            assert self._slot_owner.get(seq.slot) == sid, f"slot {seq.slot} not owned by {sid}"
+            assert seq.slot not in slots_seen, f"slot {seq.slot} held twice"
+            slots_seen[seq.slot] = sid
+            assert len(seq.keys) <= len(seq.pages)
+            for p in seq.pages:
+                refs[p] += 1
+                assert self._kind[p] == ATTN, f"page {p} in a page table is owned by {self._kind[p]}"
+            for j, (h, parent, toks) in enumerate(seq.keys):
+                assert len(toks) == bs and (j == 0 or parent == seq.keys[j - 1][0])
+                if deep:
+                    assert block_hash(parent, toks) == h, "published key does not hash to itself"
+            if seq.ckpt is not None:
+                assert self._inpage and len(seq.ckpt) == G and 0 <= seq.ckpt_block < len(seq.keys)
+                for g, q in enumerate(seq.ckpt):
+                    refs[q] += 1
+                    assert self._kind[q] == g, f"checkpoint page {q} not owned by GDN group {g}"
+            for k, loc in seq.pending.items():
+                assert len(seq.keys) <= k < len(seq.pages), f"pending save of block {k} out of range"
+                if self._inpage:
+                    assert len(loc) == G
+                    for g, q in enumerate(loc):
+                        refs[q] += 1
+                        assert self._kind[q] == g
+                else:
+                    assert loc == (seq.pages[k],)
+            for k in seq.orphan_saves:
+                assert not self._inpage and k < len(seq.keys)
+        assert refs == self._ref, "ref counts do not match holders"
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        evictable = set(self._evictor)
+        assert len(evictable) == len(self._evictor)
+        held = {p for p in range(n) if self._ref[p] > 0}
+        assert not (free & evictable) and not (free & held) and not (evictable & held), "page states overlap"
+        assert len(free) + len(evictable) + len(held) == n, "pages unaccounted for"
+        for p in free:
+            assert self._kind[p] is None and p not in self._role
+        for p in evictable:
+            assert p in self._role and self._kind[p] is not None
+        for p in held:
+            assert self._kind[p] is not None
+        if not self.caching:
+            assert not self._cache and not self._role and not evictable
+        roles: dict[int, BlockHash] = {}
+        for h, e in self._cache.items():
+            assert e.hash == h and len(e.tokens) == bs
+            if deep:
+                assert block_hash(e.parent, e.tokens) == h, "cache entry does not hash to its key"
+            roles[e.page] = h
+            assert self._kind[e.page] == ATTN, f"cached attention page {e.page} owned by {self._kind[e.page]}"
+            if e.checkpoint is not None:
+                assert G > 0
+                if self._inpage:
+                    assert len(e.checkpoint) == G
+                    for g, q in enumerate(e.checkpoint):
+                        assert q not in roles, f"page {q} serves two cache roles"
+                        roles[q] = h
+                        assert self._kind[q] == g
+                else:
+                    assert e.checkpoint == (e.page,)
+        assert roles == self._role, "page roles do not match cache entries"
+        assert set(self._slot_owner) == set(slots_seen), "slot owners do not match sequences"
+        fs = set(self._free_slots)
+        assert len(fs) == len(self._free_slots) and not (fs & set(slots_seen))
+        assert len(fs) + len(slots_seen) == self.num_slots and all(0 <= s < self.num_slots for s in fs)

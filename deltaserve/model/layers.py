@@ -1,0 +1,214 @@
+"""The decoder layers of the hybrid models: GDN (linear attention) and gated full attention token mixers,
+dense SwiGLU / sparse MoE channel mixers. Weights are held fused (one GEMM per projection group); the
+loader (loader.py) maps checkpoint tensors onto these names.
+
+Linear layers run over all T tokens of a step at once; GDN prefill runs per sequence (conv + chunked
+rule from the sequence's slot, absolute grid), GDN decode is batched over the step's decode sequences;
+attention writes K/V into the paged pool, then prefill spans attend tile by tile and decode spans one by one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .batch import ForwardBatch
+from .ops.attention import apply_rotary, decode_attention, kv_gather, kv_write, prefill_attention
+from .ops.conv import causal_conv1d_prefill, causal_conv1d_step
+from .ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
+from .ops.mlp import moe, swiglu
+from .ops.norm import rms_norm, rms_norm_gated
+
+
+def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+@dataclass
+class StepContext:
+    """Per-step tensors shared by every layer, built once per forward from the ForwardBatch."""
+
+    batch: ForwardBatch
+    cos: torch.Tensor  # [T, rotary_dim] model dtype
+    sin: torch.Tensor
+    kv_pages: torch.Tensor  # [T] the page each token's K/V goes to
+    kv_rows: torch.Tensor  # [T] the row inside that page
+    decode_rows: torch.Tensor | None  # [B] flat rows of the decode tokens
+    decode_slots: torch.Tensor | None  # [B] their GDN slots
+
+
+class GDNMixer(nn.Module):
+    """Gated DeltaNet token mixer.
+
+    in_proj rows: [q (Hk*dk) | k (Hk*dk) | v (Hv*dv) | z (Hv*dv) | b (Hv) | a (Hv)]: value heads grouped
+    per key head (value head h belongs to key head h // (Hv // Hk)), qwen3_5's in_proj_qkv/z/b/a stacked.
+    conv_weight [conv_dim, K]; A_log, dt_bias [Hv] float32; norm_weight [dv]; out_proj [H, Hv*dv].
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
+        self.conv_dim = cfg.conv_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.in_proj = _param(self.conv_dim + self.value_dim + 2 * self.hv, cfg.hidden_size, dtype=dtype)
+        self.conv_weight = _param(self.conv_dim, self.kernel, dtype=dtype)
+        self.A_log = _param(self.hv, dtype=torch.float32)
+        self.dt_bias = _param(self.hv, dtype=torch.float32)
+        self.norm_weight = _param(self.dv, dtype=dtype)
+        self.out_proj = _param(cfg.hidden_size, self.value_dim, dtype=dtype)
+
+    def _split_qkv(self, x: torch.Tensor):
+        n = x.shape[0]
+        q = x[:, :self.key_dim].view(n, self.hk, self.dk)
+        k = x[:, self.key_dim:2 * self.key_dim].view(n, self.hk, self.dk)
+        v = x[:, 2 * self.key_dim:].view(n, self.hv, self.dv)
+        return q, k, v
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> torch.Tensor:
+        """h [T, H] (normed). conv_cache [slots, K-1, conv_dim]; ssm_cache [slots, Hv, dv, dk] fp32."""
+        T = h.shape[0]
+        proj = F.linear(h, self.in_proj)
+        c, vd, hv = self.conv_dim, self.value_dim, self.hv
+        mixed, z = proj[:, :c], proj[:, c:c + vd]
+        b, a = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
+        core = torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
+        for s in ctx.batch.prefill_spans:
+            rows = slice(s.start, s.start + s.length)
+            fresh = s.pos == 0  # a new sequence starts from zero states whatever the slot holds
+            x, conv_state = causal_conv1d_prefill(mixed[rows], self.conv_weight,
+                                                  None if fresh else conv_cache[s.slot])
+            conv_cache[s.slot].copy_(conv_state)
+            q, k, v = self._split_qkv(x)
+            o, state = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows],
+                                              None if fresh else ssm_cache[s.slot], start_pos=s.pos)
+            ssm_cache[s.slot].copy_(state)
+            core[rows] = o
+        if ctx.decode_rows is not None:
+            rows, slots = ctx.decode_rows, ctx.decode_slots
+            conv_state = conv_cache.index_select(0, slots)
+            x = causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)
+            conv_cache.index_copy_(0, slots, conv_state)
+            q, k, v = self._split_qkv(x)
+            state = ssm_cache.index_select(0, slots).float()
+            o = recurrent_gated_delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), state)
+            ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
+            core.index_copy_(0, rows, o)
+        core = rms_norm_gated(core.view(T * hv, self.dv), z.reshape(T * hv, self.dv), self.norm_weight, self.eps)
+        return F.linear(core.view(T, vd), self.out_proj)
+
+
+class AttentionMixer(nn.Module):
+    """Gated full attention. qkv_proj rows: [q_proj (per head: D query rows then D gate rows) | k_proj | v_proj];
+    q_norm, k_norm [D] zero-centred RMSNorm; partial rotary on the first rotary_dim dims; out = o_proj(attn * sigmoid(gate))."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.scale = self.d ** -0.5
+        self.qkv_proj = _param((2 * self.hq + 2 * self.hkv) * self.d, cfg.hidden_size, dtype=dtype)
+        self.q_norm = _param(self.d, dtype=dtype)
+        self.k_norm = _param(self.d, dtype=dtype)
+        self.o_proj = _param(cfg.hidden_size, self.hq * self.d, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
+        """h [T, H] (normed); kv_cache [pages, 2, block_size, Hkv, D]."""
+        T = h.shape[0]
+        hq, hkv, d = self.hq, self.hkv, self.d
+        proj = F.linear(h, self.qkv_proj)
+        qg = proj[:, :2 * hq * d].view(T, hq, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)
+        k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
+        v = proj[:, (2 * hq + hkv) * d:].view(T, hkv, d)
+        q = apply_rotary(rms_norm(q, self.q_norm, self.eps), ctx.cos, ctx.sin)
+        k = apply_rotary(rms_norm(k, self.k_norm, self.eps), ctx.cos, ctx.sin)
+        kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)
+        out = torch.empty(T, hq, d, dtype=h.dtype, device=h.device)
+        for s in ctx.batch.spans:
+            rows = slice(s.start, s.start + s.length)
+            keys, values = kv_gather(kv_cache, s.page_ids, s.pos + s.length)
+            if s.is_decode:
+                out[s.start] = decode_attention(q[s.start], keys, values, self.scale)
+            else:
+                out[rows] = prefill_attention(q[rows], keys, values, s.pos, self.scale)
+        out = out.view(T, hq * d) * torch.sigmoid(gate)
+        return F.linear(out, self.o_proj)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: gate_up [2I, H] = cat(gate_proj, up_proj); down [H, I]."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up = _param(2 * inter, hidden, dtype=dtype)
+        self.down = _param(hidden, inter, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_up, self.down)
+
+
+class SparseMoE(nn.Module):
+    """router [E, H]; experts_gate_up [E, 2I, H]; experts_down [E, H, I]; shared expert (shared_gate_up,
+    shared_down) scaled by sigmoid(shared_gate [1, H] . x)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, norm_topk_prob: bool):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = norm_topk_prob
+        self.router = _param(E, H, dtype=dtype)
+        self.experts_gate_up = _param(E, 2 * I, H, dtype=dtype)
+        self.experts_down = _param(E, H, I, dtype=dtype)
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            Is = cfg.shared_expert_intermediate_size
+            self.shared_gate_up = _param(2 * Is, H, dtype=dtype)
+            self.shared_down = _param(H, Is, dtype=dtype)
+            self.shared_gate = _param(1, H, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.has_shared:
+            return moe(x, self.router, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob,
+                       self.shared_gate_up, self.shared_down, self.shared_gate)
+        return moe(x, self.router, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob)
+
+
+def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
+    """transformers' rule: qwen3_5_moe_text has a sparse MoE block in every layer; qwen3_next follows
+    num_experts, mlp_only_layers and decoder_sparse_step (ModelConfig.is_moe_layer)."""
+    if cfg.model_type == "qwen3_5_moe_text":
+        return True
+    return cfg.is_moe_layer(index)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
+        super().__init__()
+        self.is_gdn = cfg.layer_types[index] == "linear_attention"
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        if self.is_gdn:
+            self.linear_attn = GDNMixer(cfg, dtype)
+        else:
+            self.self_attn = AttentionMixer(cfg, dtype)
+        if is_moe_layer(cfg, index):
+            # qwen3_5_moe always renormalises the top-k weights; qwen3_next follows norm_topk_prob
+            norm = True if cfg.model_type == "qwen3_5_moe_text" else cfg.norm_topk_prob
+            self.mlp = SparseMoE(cfg, dtype, norm)
+        else:
+            self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        h = rms_norm(x, self.input_layernorm, self.eps)
+        h = self.linear_attn(h, ctx, *cache) if self.is_gdn else self.self_attn(h, ctx, *cache)
+        x = x + h
+        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))

@@ -1,0 +1,123 @@
+"""Gated full attention's pieces: partial rotary, the paged KV pool, prefill and decode attention.
+
+Paged KV pool of one attention layer: kv [num_pages, 2, block_size, kv_heads, head_dim]; [:, 0] keys,
+[:, 1] values. Position p of a sequence lives in page page_ids[p // block_size], row p % block_size.
+
+Bit-exactness:
+- prefill_attention computes queries in tiles of TILE rows anchored at absolute positions: tile
+  [t, t + TILE) ∩ span attends keys [0, min(t + TILE, span end)) under a causal mask, so a row's result
+  depends only on its absolute tile, never on where the prefill chunk started (when chunk starts are
+  multiples of TILE).
+- decode_attention handles one sequence with a plain GQA matmul-softmax-matmul: a request's result does
+  not depend on which other sequences share the step.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+TILE = 64
+
+
+# ---- rotary ---------------------------------------------------------------------------------------------
+
+def rotary_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[rotary_dim // 2] float32, transformers' default rope."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device) / rotary_dim))
+
+
+def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] -> cos, sin [T, rotary_dim] in dtype (computed in fp32 then cast, as transformers)."""
+    freqs = positions[:, None].float() * inv_freq.to(device=positions.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, R] with R <= D: rotates the first R dims of every head (partial rotary)."""
+    r = cos.shape[-1]
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot, rest = x[..., :r], x[..., r:]
+    return torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1)
+
+
+# ---- the paged pool -------------------------------------------------------------------------------------
+
+def page_slots(page_ids: torch.Tensor, positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page index, row) of each position through one sequence's page table."""
+    return page_ids[positions // block_size], positions % block_size
+
+
+def kv_write(kv: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """kv [P, 2, bs, Hkv, D]; pages, rows [T]; k, v [T, Hkv, D]: kv[pages[i], 0, rows[i]] = k[i] (and v)."""
+    kv[pages, 0, rows] = k.to(kv.dtype)
+    kv[pages, 1, rows] = v.to(kv.dtype)
+
+
+def kv_gather(kv: torch.Tensor, page_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` positions of one sequence as contiguous K, V [length, Hkv, D]."""
+    bs = kv.shape[2]
+    n = -(-length // bs)
+    pages = kv.index_select(0, page_ids[:n])  # [n, 2, bs, Hkv, D]
+    k = pages[:, 0].reshape(n * bs, *kv.shape[3:])[:length]
+    v = pages[:, 1].reshape(n * bs, *kv.shape[3:])[:length]
+    return k, v
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float,
+                      tile: int = TILE) -> torch.Tensor:
+    """One sequence's prefill chunk. q [n, Hq, D] at absolute positions pos .. pos + n - 1; k, v [>= pos + n,
+    Hkv, D] the sequence's keys/values from position 0. Returns [n, Hq, D] in q's dtype.
+
+    Query tiles anchored at absolute multiples of `tile`; SDPA per tile with an explicit causal mask.
+    """
+    n = q.shape[0]
+    end = pos + n
+    kh = k[:end].transpose(0, 1).contiguous()  # [Hkv, end, D]
+    vh = v[:end].transpose(0, 1).contiguous()
+    gqa = q.shape[1] != kh.shape[0]
+    out = torch.empty_like(q)
+    t = pos - pos % tile
+    while t < end:
+        qs, qe = max(t, pos), min(t + tile, end)
+        qt = q[qs - pos: qe - pos].transpose(0, 1).unsqueeze(0)  # [1, Hq, tq, D]
+        qpos = torch.arange(qs, qe, device=q.device)
+        mask = torch.arange(qe, device=q.device)[None, :] <= qpos[:, None]  # [tq, qe]
+        o = F.scaled_dot_product_attention(qt, kh[None, :, :qe], vh[None, :, :qe], attn_mask=mask,
+                                           scale=scale, enable_gqa=gqa)
+        out[qs - pos: qe - pos] = o[0].transpose(0, 1)
+        t += tile
+    return out
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence, one query token. q [Hq, D]; k, v [L, Hkv, D] (all of its keys). Returns [Hq, D].
+
+    transformers' eager order: scores in the model dtype, softmax in fp32, probabilities cast back.
+    """
+    hq, d = q.shape
+    hkv = k.shape[1]
+    qh = q.view(hkv, hq // hkv, d)  # [Hkv, G, D]: query head h uses kv head h // G
+    scores = torch.matmul(qh, k.permute(1, 2, 0)) * scale  # [Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v.transpose(0, 1)).reshape(hq, d)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
+    """Plain causal attention for rows at positions pos .. pos + n - 1 over keys 0 .. pos + n - 1, in fp32."""
+    n, hq, d = q.shape
+    end = pos + n
+    rep = hq // k.shape[1]
+    kf = k[:end].float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [Hq, end, D]
+    vf = v[:end].float().repeat_interleave(rep, dim=1).transpose(0, 1)
+    s = (q.float().transpose(0, 1) @ kf.transpose(-1, -2)) * scale  # [Hq, n, end]
+    qpos = torch.arange(pos, end, device=q.device)[:, None]
+    s = s.masked_fill(torch.arange(end, device=q.device)[None, :] > qpos, float("-inf"))
+    return (torch.softmax(s, -1) @ vf).transpose(0, 1).to(q.dtype)

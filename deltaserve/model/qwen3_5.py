@@ -1,0 +1,124 @@
+"""HybridModel: Qwen3.5 dense (qwen3_5_text), Qwen3.5-MoE (qwen3_5_moe_text) and Qwen3-Next (qwen3_next).
+
+The layer pattern comes from config.layer_types: "linear_attention" layers are Gated DeltaNet,
+"full_attention" layers are gated full attention over the paged KV pool. Build one with loader.load_model
+(from a checkpoint) or HybridModel(cfg, dtype) + load_state_dict(..., assign=True).
+
+forward(batch, caches) -> hidden [T, hidden] (final norm applied); compute_logits(hidden [N, hidden]) ->
+[N, vocab] float32. Caches: caches.kv[a] for the a-th attention layer, caches.conv[l] / caches.ssm[l] for
+the l-th GDN layer (see batch.Caches).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from .batch import Caches, ForwardBatch
+from .layers import DecoderLayer, StepContext, _param
+from .ops.attention import rotary_cos_sin, rotary_inv_freq
+from .ops.norm import rms_norm
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return TORCH_DTYPES[str(name).replace("torch.", "")]
+    except KeyError:
+        raise ConfigError(f"unsupported dtype {name!r}; use one of {', '.join(TORCH_DTYPES)}") from None
+
+
+class HybridModel(nn.Module):
+    """Parameters (state_dict names): embed_tokens [V, H]; layers.{i}.*; norm [H]; lm_head [V, H] unless tied.
+
+    dtype: the weight / activation / KV / conv-state dtype. The GDN recurrent state is always float32.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | str = torch.float32):
+        super().__init__()
+        if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
+            raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if cfg.num_attention_heads % cfg.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
+        dtype = torch_dtype(dtype)
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        self.tied = cfg.tie_word_embeddings
+        if not self.tied:
+            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.inv_freq = rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta)  # plain attribute: not a weight
+
+    # ---- what the runner allocates -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.device
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    @property
+    def conv_dtype(self) -> torch.dtype:
+        return self.dtype
+
+    ssm_dtype = torch.float32
+
+    def cache_shapes(self, num_slots: int, num_pages: int, block_size: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Per-layer shapes and dtypes of Caches' tensors: kv (per attention layer), conv and ssm (per GDN layer)."""
+        c = self.config
+        return {
+            "kv": ((num_pages, 2, block_size, c.num_key_value_heads, c.head_dim), self.kv_dtype),
+            "conv": ((num_slots, c.linear_conv_kernel_dim - 1, c.conv_dim), self.conv_dtype),
+            "ssm": ((num_slots, c.linear_num_value_heads, c.linear_value_head_dim, c.linear_key_head_dim), self.ssm_dtype),
+        }
+
+    # ---- forward -------------------------------------------------------------------------------------
+    def _context(self, batch: ForwardBatch, caches: Caches) -> StepContext:
+        dev = self.device
+        if self.inv_freq.device != dev:
+            self.inv_freq = self.inv_freq.to(dev)
+        positions = batch.positions.to(dev)
+        cos, sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)
+        bs = caches.block_size
+        pages, rows = [], []
+        dec_rows, dec_slots = [], []
+        for s in batch.spans:
+            if s.is_decode:
+                if s.length != 1:
+                    raise ValueError(f"a decode span has one token, not {s.length}")
+                dec_rows.append(s.start)
+                dec_slots.append(s.slot)
+            p = torch.arange(s.pos, s.pos + s.length, device=dev)
+            pages.append(s.page_ids.to(dev)[p // bs])
+            rows.append(p % bs)
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev) if xs else None  # noqa: E731
+        empty = torch.empty(0, dtype=torch.long, device=dev)
+        return StepContext(batch=batch, cos=cos, sin=sin,
+                           kv_pages=torch.cat(pages) if pages else empty, kv_rows=torch.cat(rows) if rows else empty,
+                           decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots))
+
+    def forward(self, batch: ForwardBatch, caches: Caches) -> torch.Tensor:
+        """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm)."""
+        ctx = self._context(batch, caches)
+        x = F.embedding(batch.input_ids.to(self.device), self.embed_tokens)
+        gi = ai = 0
+        for layer in self.layers:
+            if layer.is_gdn:
+                x = layer(x, ctx, (caches.conv[gi], caches.ssm[gi]))
+                gi += 1
+            else:
+                x = layer(x, ctx, (caches.kv[ai],))
+                ai += 1
+        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        w = self.embed_tokens if self.tied else self.lm_head
+        return F.linear(hidden, w).float()

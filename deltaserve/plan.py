@@ -1,0 +1,445 @@
+"""`deltaserve plan`: the memory arithmetic of a GDN hybrid as a command and a library function.
+
+Uses deltaserve.sizing, the module the engine sizes its pool with, so plan and engine cannot disagree.
+Flags follow vLLM's names. Pure Python, no torch: weight bytes come from safetensors headers (an 8-byte
+length, then a JSON header) or from the parameter count times the weight dtype.
+
+    deltaserve plan --model qwen3.5-27b --device cuda --budget 20GB
+    deltaserve plan --model /ckpt/Qwen3.5-27B --device-memory 96GiB --gpu-memory-utilization 0.6 --json
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import re
+import struct
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from . import sizing as S
+from .config import ConfigError, EngineConfig, ModelConfig
+from .presets import is_preset, load_preset, preset_names, preset_source
+
+# Layouts the planner reports: the engine's two (sizing.LAYOUTS) and the per-block arm with one GDN
+# group's state per page, which is what seed 000's upstream per-block pool measures.
+REPORT_LAYOUTS = {
+    "in-page": ("in-page", "model"),
+    "per-block": ("per-block", "model"),
+    "per-block-group": ("per-block", "group"),
+}
+LAYOUT_NOTES = {
+    "in-page": "live slots + pages; checkpoints in pages owned by GDN groups",
+    "per-block": "+ one whole-model GDN state per page (this engine's per-block arm)",
+    "per-block-group": "+ one GDN group's state per page (vllm-gaudi's per-block tensors)",
+}
+_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'20000000000', '20GB', '96GiB', '1.5e9', '512 MiB' -> bytes. Decimal units are powers of 1000."""
+    if isinstance(text, int):
+        return text
+    mt = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not mt or mt.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 20GB, 96GiB, 1.5e10)")
+    return int(float(mt.group(1)) * _UNITS[mt.group(2).lower()])
+
+
+def parse_count(text: str | int) -> int:
+    """'262144', '256k', '27B' (billions), '1.5e9' -> an integer count (k = 1024 for token counts is not
+    used: 'k' is 1000, '256Ki' is 262,144)."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "k": 10**3, "ki": 2**10, "m": 10**6, "mi": 2**20, "b": 10**9, "g": 10**9, "t": 10**12}
+    mt = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not mt or mt.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 262144, 256Ki, 27B)")
+    return int(float(mt.group(1)) * units[mt.group(2).lower()])
+
+
+# ---------------------------------------------------------------- model and weights
+
+@dataclass(frozen=True)
+class ModelSource:
+    config: ModelConfig
+    name: str  # what --model said
+    kind: str  # "preset", "checkpoint", "config"
+    source: str  # preset citation or file path
+    checkpoint_dir: str | None  # where safetensors may live
+
+
+def resolve_model(spec: str | None) -> ModelSource:
+    """--model: a preset name, a checkpoint directory or a config.json (a multimodal Qwen3.5 config works)."""
+    spec = spec or _ENGINE_DEFAULTS.get("preset", "tiny")
+    if os.path.isdir(spec):
+        path = os.path.join(spec, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{spec} is a directory without a config.json")
+        return ModelSource(ModelConfig.from_path(spec), spec, "checkpoint", os.path.abspath(path), spec)
+    if os.path.isfile(spec):
+        d = os.path.dirname(os.path.abspath(spec))
+        has_weights = bool(glob.glob(os.path.join(d, "*.safetensors")))
+        return ModelSource(ModelConfig.from_path(spec), spec, "config", os.path.abspath(spec),
+                           d if has_weights else None)
+    if is_preset(spec):
+        return ModelSource(ModelConfig.from_hf(load_preset(spec)), spec, "preset", preset_source(spec), None)
+    raise ConfigError(f"--model {spec!r} is neither a directory, a config.json nor a preset; "
+                      f"presets: {', '.join(preset_names(include_aliases=True))}")
+
+
+def safetensors_header(path: str) -> dict[str, Any]:
+    """The JSON header of one .safetensors file (tensor name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ConfigError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise ConfigError(f"{path}: implausible safetensors header length {n}")
+        return json.loads(f.read(n))
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    bytes: int
+    source: str
+    tensors: int = 0
+    skipped_bytes: int = 0
+
+
+def checkpoint_weight_bytes(directory: str, skip_prefixes: tuple[str, ...] = ("mtp.",)) -> WeightBytes | None:
+    """Sum the tensor byte ranges of every *.safetensors file in `directory` (None if there are none).
+
+    Tensors whose name starts with one of `skip_prefixes` (the MTP head, which vLLM loads only for
+    speculative decoding) are left out and reported as skipped.
+    """
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        return None
+    total = skipped = count = 0
+    for path in files:
+        for name, info in safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            start, end = info["data_offsets"]
+            if name.startswith(skip_prefixes):
+                skipped += end - start
+            else:
+                total += end - start
+                count += 1
+    return WeightBytes(total, f"safetensors headers of {len(files)} file(s) in {directory}", count, skipped)
+
+
+# ---------------------------------------------------------------- the plan
+
+def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = None,
+         device_memory: int | None = None, gpu_memory_utilization: float = 0.9,
+         weight_bytes: int | None = None, num_params: int | None = None, weight_dtype: str | None = None,
+         reserve_bytes: int = 0, tensor_parallel_size: int = 1, block_size: int | None = None,
+         device: str = "deltaserve", kernel_alignment: int | None = None, dtype: str = "auto",
+         kv_cache_dtype: str = "auto", mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
+         mamba_cache_mode: str = "align", mamba_block_size: int | None = None,
+         num_speculative_tokens: int = 0, max_model_len: int | None = None, max_num_seqs: int | None = None,
+         layout: str = "in-page") -> dict[str, Any]:
+    """Everything `deltaserve plan` prints, as a JSON-able dict (keys documented in docs/planner.md)."""
+    src = model if isinstance(model, ModelSource) else (
+        ModelSource(model, "<ModelConfig>", "config", "", None) if isinstance(model, ModelConfig)
+        else resolve_model(model))
+    m = src.config
+    warnings: list[str] = []
+    tp = int(tensor_parallel_size)
+    block_size = int(block_size if block_size is not None else _ENGINE_DEFAULTS.get("block_size", 16))
+    max_num_seqs = int(max_num_seqs if max_num_seqs is not None else _ENGINE_DEFAULTS.get("max_num_seqs", 16))
+    max_model_len = int(max_model_len or m.max_position_embeddings)
+    for flag, val in (("--tensor-parallel-size", tp), ("--block-size", block_size),
+                      ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
+        if val < 1:
+            raise ConfigError(f"{flag} must be >= 1, not {val}")
+    if num_speculative_tokens < 0:
+        raise ConfigError("--num-speculative-tokens must be >= 0")
+    if layout not in REPORT_LAYOUTS:
+        raise ConfigError(f"--layout must be one of {', '.join(REPORT_LAYOUTS)}, not {layout!r}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
+
+    # dtypes and per-rank geometry
+    dt = S.resolve_cache_dtypes(m, dtype, kv_cache_dtype, mamba_cache_dtype, mamba_ssm_cache_dtype)
+    g = S.geometry(m, dt.kv, dt.conv, dt.ssm, tp=tp, num_speculative_tokens=num_speculative_tokens)
+    kernel = int(kernel_alignment) if kernel_alignment else S.kernel_alignment_for(device)
+    alignment = S.alignment_for(kernel, block_size)
+    chunk = mamba_block_size or None
+    block = S.resolve_block_size(g, kernel, block_size, mamba_cache_mode, chunk)
+    engine_block = S.resolve_block_size(g, S.ENGINE_KERNEL_ALIGNMENT, block_size, mamba_cache_mode, chunk)
+    page_bytes = block * g.kv_bytes_per_token_per_layer
+    padding = page_bytes - g.gdn_state_bytes if g.n_gdn_layers and g.n_attn_layers else 0
+    groups = S.kv_groups(m)
+    group_size = max(1, g.n_attn_layers) if g.n_attn_layers else max(1, g.n_gdn_layers)
+    pages_per_layer = S.gdn_pages_per_layer(mamba_cache_mode, num_speculative_tokens, max_model_len, block)
+    gdn_pages = g.n_gdn_layers * pages_per_layer
+    gdn_blocks = S.cdiv(gdn_pages, group_size) if gdn_pages else 0
+
+    # weights and budget
+    weights: WeightBytes | None = None
+    params = None
+    if weight_bytes is not None:
+        weights = WeightBytes(int(weight_bytes), "--weight-bytes")
+    elif src.checkpoint_dir and num_params is None:
+        skip = ("mtp.",) if num_speculative_tokens == 0 else ()
+        weights = checkpoint_weight_bytes(src.checkpoint_dir, skip)
+    if weights is None:
+        params = int(num_params) if num_params is not None else S.param_count(m)
+        wdt = S.normalize_dtype(weight_dtype) if weight_dtype else dt.model
+        how = "--num-params" if num_params is not None else "parameters counted from config.json"
+        weights = WeightBytes(params * S.dtype_bytes(wdt), f"{how} ({params:,}) x {wdt}")
+    weight_per_rank = S.cdiv(weights.bytes, tp)
+
+    budget_source = None
+    if budget_bytes is not None:
+        budget, budget_source = int(budget_bytes), "--budget"
+    elif device_memory is not None:
+        usable = int(device_memory * gpu_memory_utilization)
+        budget = usable - weight_per_rank - int(reserve_bytes)
+        budget_source = (f"--device-memory {device_memory:,} x --gpu-memory-utilization {gpu_memory_utilization}"
+                         f" - weights per rank {weight_per_rank:,} - --reserve {int(reserve_bytes):,}")
+        if reserve_bytes == 0:
+            warnings.append("runtime reserves are not modeled: activations, CUDA/HPU graphs, the sampler and "
+                            "non-torch allocations come out of the same memory (pass --reserve to subtract them)")
+        if budget <= 0:
+            warnings.append(f"the weights ({weight_per_rank:,} B per rank) leave no room for the cache at "
+                            f"--gpu-memory-utilization {gpu_memory_utilization}")
+            budget = 0
+    else:
+        budget = None
+        warnings.append("no --budget or --device-memory given: pool sizes are not computed")
+
+    # pools per layout
+    pools: dict[str, Any] = {}
+    pool_tokens: dict[str, int | None] = {}
+    pool_blocks: dict[str, int | None] = {}
+    concurrent: dict[str, int | None] = {}
+    for name, (lay, state) in REPORT_LAYOUTS.items():
+        if budget is None:
+            pool_tokens[name] = pool_blocks[name] = concurrent[name] = None
+            continue
+        p = S.plan_pool(g, budget, block, max_num_seqs, lay, state)
+        pool_tokens[name], pool_blocks[name] = p.pool_tokens, p.num_pages
+        concurrent[name] = S.max_concurrent_seqs(p, max_model_len, mamba_cache_mode)
+        pools[name] = {**dataclasses.asdict(p), "pool_tokens": p.pool_tokens, "bytes_per_page": p.bytes_per_page,
+                       "total_bytes": p.total_bytes,
+                       "pages_per_seq": S.pages_per_seq(p, max_model_len, mamba_cache_mode),
+                       "note": LAYOUT_NOTES[name]}
+    ratio = None
+    if budget is not None and pool_tokens["per-block"]:
+        ratio = pool_tokens["in-page"] / pool_tokens["per-block"]
+
+    # warnings
+    if mamba_cache_mode != "none" and g.n_gdn_layers:
+        warnings.append(f"prompts shorter than {block} tokens never hit: a hit is a whole number of "
+                        f"{block}-token blocks")
+    if budget is not None:
+        chosen = pool_tokens[layout]
+        short = chosen is not None and chosen < max_model_len
+        if short:
+            warnings.append(f"the {layout} pool holds {chosen:,} tokens, less than --max-model-len "
+                            f"{max_model_len:,}: one full-length sequence does not fit")
+        if budget < max_num_seqs * g.gdn_state_bytes_per_seq:
+            warnings.append(f"the budget does not cover the {max_num_seqs} live GDN slots "
+                            f"({max_num_seqs * g.gdn_state_bytes_per_seq:,} B); lower --max-num-seqs")
+        elif not short and concurrent[layout] is not None and concurrent[layout] < max_num_seqs:
+            warnings.append(f"only {concurrent[layout]} of --max-num-seqs {max_num_seqs} sequences of "
+                            f"{max_model_len:,} tokens fit in the {layout} pool at once")
+    if g.n_gdn_layers and (dt.ssm != dt.model or dt.conv != dt.model):
+        share = 100.0 * g.gdn_ssm_bytes / g.gdn_state_bytes
+        warnings.append(f"state dtype differs from weight dtype: GDN recurrent state {dt.ssm} ({dt.ssm_source}), "
+                        f"conv state {dt.conv}, weights {dt.model}; the recurrent state is {share:.1f}% of the "
+                        f"GDN state, so its dtype sets the state size")
+    if (mamba_ssm_cache_dtype != "auto" and m.mamba_ssm_dtype
+            and S.normalize_dtype(mamba_ssm_cache_dtype) != S.normalize_dtype(m.mamba_ssm_dtype)):
+        warnings.append(f"--mamba-ssm-cache-dtype {mamba_ssm_cache_dtype} overrides the config's mamba_ssm_dtype "
+                        f"{m.mamba_ssm_dtype} (vLLM warns and uses yours); outputs will differ from the reference")
+    if tp > m.num_key_value_heads:
+        warnings.append(f"--tensor-parallel-size {tp} exceeds the {m.num_key_value_heads} KV heads: each rank "
+                        f"holds a replicated KV head")
+    if mamba_cache_mode == "all":
+        warnings.append("mamba_cache_mode all keeps a GDN state per block (pages grow with the context); "
+                        "deltaserve's engine implements align")
+    if kernel != S.ENGINE_KERNEL_ALIGNMENT and engine_block != block:
+        warnings.append(f"these are vLLM's figures at kernel alignment {kernel}; deltaserve's engine aligns to "
+                        f"{S.ENGINE_KERNEL_ALIGNMENT} and uses {engine_block}-token blocks")
+
+    return {
+        "model": {
+            "name": src.name, "kind": src.kind, "source": src.source, "model_type": m.model_type,
+            "num_hidden_layers": m.num_hidden_layers, "gdn_layers": len(m.gdn_layers),
+            "attention_layers": len(m.attn_layers), "max_position_embeddings": m.max_position_embeddings,
+        },
+        "tensor_parallel_size": tp,
+        "dtypes": {"model": dt.model, "kv_cache": dt.kv, "mamba_cache": dt.conv, "mamba_ssm_cache": dt.ssm,
+                   "mamba_ssm_cache_source": dt.ssm_source},
+        "device": device, "kernel_alignment": kernel, "user_block_size": block_size, "alignment": alignment,
+        "mamba_cache_mode": mamba_cache_mode, "num_speculative_tokens": num_speculative_tokens,
+        "block_size": block, "engine_block_size": engine_block,
+        "page_bytes": page_bytes, "page_padding_bytes": padding,
+        "gdn_conv_bytes_per_layer": g.gdn_conv_bytes, "gdn_ssm_bytes_per_layer": g.gdn_ssm_bytes,
+        "gdn_state_bytes_per_layer": g.gdn_state_bytes, "gdn_state_bytes_per_seq": g.gdn_state_bytes_per_seq,
+        "kv_bytes_per_token_per_layer": g.kv_bytes_per_token_per_layer, "kv_bytes_per_token": g.kv_bytes_per_token,
+        "kv_groups": [{"kind": k, "layers": list(ls)} for k, ls in groups], "group_size": group_size,
+        "gdn_pages_per_layer": pages_per_layer, "gdn_pages_per_request": gdn_pages,
+        "gdn_blocks_per_request": gdn_blocks,
+        "weight_bytes": weights.bytes, "weight_bytes_per_rank": weight_per_rank, "weight_source": weights.source,
+        "weight_bytes_skipped": weights.skipped_bytes, "num_params": params,
+        "budget_bytes": budget, "budget_source": budget_source,
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
+        "num_slots": max_num_seqs, "slot_bytes": g.gdn_state_bytes_per_seq,
+        "layout": layout, "pool_tokens": pool_tokens, "pool_blocks": pool_blocks,
+        "max_concurrent_seqs": concurrent, "pool_ratio_in_page_to_per_block": ratio, "pools": pools,
+        "warnings": warnings,
+    }
+
+
+# ---------------------------------------------------------------- output
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n / 1e3:,.1f} kB"
+
+
+def _mib(n: int) -> str:
+    if n >= 2**30:
+        return f"{n / 2**30:,.2f} GiB"
+    return f"{n / 2**20:,.2f} MiB" if n >= 2**20 else f"{n / 2**10:,.1f} KiB"
+
+
+def format_table(r: dict[str, Any]) -> str:
+    """The plan as a readable table."""
+    md, dt = r["model"], r["dtypes"]
+    out: list[str] = []
+
+    def row(key: str, val: str) -> None:
+        out.append(f"{key:<24}{val}")
+
+    row("model", f"{md['name']} ({md['kind']}) · {md['model_type']} · {md['num_hidden_layers']} layers: "
+                 f"{md['gdn_layers']} GDN + {md['attention_layers']} attention")
+    row("per TP rank", f"--tensor-parallel-size {r['tensor_parallel_size']} (heads divide by it)")
+    row("dtypes", f"weights {dt['model']} · KV {dt['kv_cache']} · conv {dt['mamba_cache']} · "
+                  f"SSM {dt['mamba_ssm_cache']} ({dt['mamba_ssm_cache_source']})")
+    out.append("")
+    conv, ssm, st = r["gdn_conv_bytes_per_layer"], r["gdn_ssm_bytes_per_layer"], r["gdn_state_bytes_per_layer"]
+    row("GDN state per layer", f"{conv:,} conv + {ssm:,} recurrent = {st:,} B ({_mib(st)})")
+    row("GDN state per sequence", f"{md['gdn_layers']} layers x {st:,} = {r['gdn_state_bytes_per_seq']:,} B "
+                                  f"({_mb(r['gdn_state_bytes_per_seq'])})")
+    row("KV per token", f"{md['attention_layers']} layers x {r['kv_bytes_per_token_per_layer']:,} = "
+                        f"{r['kv_bytes_per_token']:,} B")
+    a, kv1 = r["alignment"], r["kv_bytes_per_token_per_layer"]
+    how = (f"{a} * cdiv({st:,}, {a} * {kv1:,})" if r["mamba_cache_mode"] != "all"
+           else "lcm(chunk, alignment) * cdiv(cdiv(state, KV per token per layer), lcm)")
+    row("hybrid block", f"{how} = {r['block_size']} tokens "
+                        f"(alignment max(kernel {r['kernel_alignment']}, --block-size {r['user_block_size']}) = {a})")
+    if r["engine_block_size"] != r["block_size"]:
+        row("", f"deltaserve's engine (alignment {S.ENGINE_KERNEL_ALIGNMENT}): {r['engine_block_size']} tokens")
+    row("page", f"{r['page_bytes']:,} B per layer position; GDN state padded by {r['page_padding_bytes']:,} B")
+    gdn_groups = [gr for gr in r["kv_groups"] if gr["kind"] == "gdn"]
+    attn_groups = [gr for gr in r["kv_groups"] if gr["kind"] == "attention"]
+    row("KV groups", f"{len(attn_groups)} attention + {len(gdn_groups)} GDN, {r['group_size']} layers each "
+                     "(a block belongs to one group at a time)")
+    row("GDN pages per request", f"{md['gdn_layers']} mamba layer(s) x {r['gdn_pages_per_layer']} page(s) = "
+                                 f"{r['gdn_pages_per_request']} page(s) per request ({r['mamba_cache_mode']} mode)"
+                                 f" -> {r['gdn_blocks_per_request']} block(s)")
+    out.append("")
+    row("weights", f"{r['weight_bytes']:,} B ({_mib(r['weight_bytes'])}); {r['weight_source']}")
+    if r["budget_bytes"] is not None:
+        row("budget", f"{r['budget_bytes']:,} B ({_mib(r['budget_bytes'])}) per rank; {r['budget_source']}")
+        row("live GDN slots", f"{r['num_slots']} x {r['slot_bytes']:,} B (one per running sequence)")
+        out.append("")
+        out.append(f"  {'layout':<17}{'pages':>10}{'tokens':>14}  {'seqs @ ' + format(r['max_model_len'], ','):>16}"
+                   "  what a page costs")
+        for name, p in r["pools"].items():
+            mark = "*" if name == r["layout"] else " "
+            out.append(f"{mark} {name:<17}{p['num_pages']:>10,}{p['pool_tokens']:>14,}"
+                       f"  {r['max_concurrent_seqs'][name]:>16,}  {p['bytes_per_page']:,} B: {p['note']}")
+        if r["pool_ratio_in_page_to_per_block"]:
+            pg = r["pool_tokens"]
+            extra = (f", {pg['in-page'] / pg['per-block-group']:.2f}x per-block-group"
+                     if pg.get("per-block-group") else "")
+            out.append(f"  in-page holds {r['pool_ratio_in_page_to_per_block']:.2f}x the per-block pool{extra}")
+    if r["warnings"]:
+        out.append("")
+        out.append("warnings:")
+        out.extend(f"  - {w}" for w in r["warnings"])
+    return "\n".join(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="deltaserve plan",
+        description="Memory plan of a Gated DeltaNet hybrid: GDN state and KV bytes, the hybrid block size, "
+                    "GDN pages per request and the pool per layout. Flags use vLLM's names; figures are per TP rank.")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint directory, config.json or preset "
+                         f"({', '.join(preset_names(include_aliases=True))}); default: the engine's preset")
+    ap.add_argument("--block-size", type=int, default=None,
+                    help=f"vLLM's --block-size (default {_ENGINE_DEFAULTS.get('block_size', 16)}); "
+                         "the alignment is max(kernel block size, --block-size)")
+    ap.add_argument("--device", default="deltaserve", choices=sorted(S.KERNEL_ALIGNMENTS),
+                    help="sets the kernel alignment: cuda 16 (flash-attention), gaudi 128, "
+                         f"cpu / deltaserve {S.ENGINE_KERNEL_ALIGNMENT} (this engine, default)")
+    ap.add_argument("--kernel-alignment", type=int, default=None, help="the attention kernel's smallest block "
+                    "size, overriding --device")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--dtype", default="auto", help="model dtype (auto = the config's)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | float32 | fp8 (fp8_e4m3, fp8_e5m2)")
+    ap.add_argument("--mamba-cache-dtype", default="auto", help="GDN conv state dtype (auto = model dtype)")
+    ap.add_argument("--mamba-ssm-cache-dtype", default="auto",
+                    help="GDN recurrent state dtype (auto = config mamba_ssm_dtype, else the conv dtype)")
+    ap.add_argument("--mamba-cache-mode", default="align", choices=S.MAMBA_CACHE_MODES,
+                    help="none (no prefix caching), align (prefix caching, default), all")
+    ap.add_argument("--mamba-block-size", type=int, default=None,
+                    help=f"chunk the block aligns to in 'all' mode (default {S.GDN_CHUNK_SIZE}, the GDN kernel chunk)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP tokens: conv rows and state pages")
+    ap.add_argument("--max-model-len", type=parse_count, default=None,
+                    help="context length (default the config's max_position_embeddings); 256Ki = 262,144")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help=f"running sequences = live GDN slots (default {_ENGINE_DEFAULTS.get('max_num_seqs', 16)})")
+    ap.add_argument("--layout", default="in-page", choices=sorted(REPORT_LAYOUTS), help="the layout warnings refer to")
+    ap.add_argument("--budget", "--kv-cache-memory", dest="budget", type=parse_bytes, default=None,
+                    help="bytes per rank for the cache (pages + GDN slots), e.g. 20GB or 18GiB")
+    ap.add_argument("--device-memory", type=parse_bytes, default=None,
+                    help="device memory per rank; budget = memory x --gpu-memory-utilization - weights - --reserve")
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--weight-bytes", type=parse_bytes, default=None,
+                    help="total weight bytes (default: the checkpoint's safetensors headers, else parameters x dtype)")
+    ap.add_argument("--num-params", type=parse_count, default=None, help="parameter count, e.g. 27B")
+    ap.add_argument("--weight-dtype", default=None, help="dtype for --num-params (default the model dtype)")
+    ap.add_argument("--reserve", type=parse_bytes, default=0,
+                    help="bytes for activations, graphs and other runtime reserves (not modeled; default 0)")
+    ap.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        r = plan(args.model, budget_bytes=args.budget, device_memory=args.device_memory,
+                 gpu_memory_utilization=args.gpu_memory_utilization, weight_bytes=args.weight_bytes,
+                 num_params=args.num_params, weight_dtype=args.weight_dtype, reserve_bytes=args.reserve,
+                 tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size, device=args.device,
+                 kernel_alignment=args.kernel_alignment, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                 mamba_cache_dtype=args.mamba_cache_dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+                 mamba_cache_mode=args.mamba_cache_mode, mamba_block_size=args.mamba_block_size,
+                 num_speculative_tokens=args.num_speculative_tokens, max_model_len=args.max_model_len,
+                 max_num_seqs=args.max_num_seqs, layout=args.layout)
+    except (ConfigError, OSError, ValueError) as e:
+        print(f"deltaserve plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(r, indent=2) if args.json else format_table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The model runner: carries out a StepPlan on the caches and samples the next tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.batch import ForwardBatch, Span
+from ..scheduler.plan import SeqWork, StepPlan
+from .cache import CacheStore
+
+
+class StateCopyError(RuntimeError):
+    """Fail closed: a checkpoint copy that would serve a wrong GDN state."""
+
+
+@dataclass
+class StepLogits:
+    """Per request: the logits that sample its next token, and (if asked) those of its prompt chunk."""
+
+    sample: dict[str, torch.Tensor]  # request id -> [V] float32
+    prompt: dict[str, torch.Tensor]  # request id -> [len(chunk), V] float32
+
+
+class ModelRunner:
+    def __init__(self, model, store: CacheStore, device: torch.device | str = "cpu"):
+        self.model = model
+        self.store = store
+        self.device = torch.device(device)
+
+    def _check_copies(self, plan: StepPlan) -> None:
+        bs = self.store.block_size
+        by_slot = {w.slot: w for w in plan.work}
+        for c in plan.restores:
+            w = by_slot.get(c.slot)
+            if w is None or w.start_pos % bs:
+                raise StateCopyError(f"restore into slot {c.slot} off a block boundary "
+                                     f"(start {None if w is None else w.start_pos}, block {bs})")
+        for c in plan.saves:
+            w = by_slot.get(c.slot)
+            if w is None or (w.start_pos + len(w.token_ids)) % bs:
+                raise StateCopyError(f"save of slot {c.slot} after a partial block")
+
+    def build_batch(self, work: list[SeqWork]) -> ForwardBatch:
+        ids, pos, spans, start = [], [], [], 0
+        for w in work:
+            n = len(w.token_ids)
+            ids.extend(w.token_ids)
+            pos.extend(range(w.start_pos, w.start_pos + n))
+            spans.append(Span(start=start, length=n, pos=w.start_pos, slot=w.slot,
+                              page_ids=torch.tensor(w.page_ids, dtype=torch.long, device=self.device),
+                              is_decode=w.is_decode))
+            start += n
+        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+                            positions=torch.tensor(pos, dtype=torch.long, device=self.device), spans=spans)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepLogits:
+        """zero -> restore -> forward -> save; returns the logits the engine samples from."""
+        self._check_copies(plan)
+        self.store.zero_pages(plan.zero_pages)
+        self.store.zero_slots(plan.zero_slots)
+        for c in plan.restores:
+            self.store.restore(c)
+        out = StepLogits({}, {})
+        if plan.work:
+            # prefill spans first, then decodes (the model batches the decodes together)
+            work = [w for w in plan.work if not w.is_decode] + [w for w in plan.work if w.is_decode]
+            batch = self.build_batch(work)
+            hidden = self.model.forward(batch, self.store.caches())  # [T, hidden]
+            rows, owners = [], []
+            for w, s in zip(work, batch.spans):
+                if w.prompt_logprobs:
+                    out.prompt[w.request_id] = self.model.compute_logits(hidden[s.start: s.start + s.length])
+                if w.sample:
+                    rows.append(s.start + s.length - 1)
+                    owners.append(w.request_id)
+            if rows:
+                logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+                out.sample = {rid: logits[i] for i, rid in enumerate(owners)}
+        for c in plan.saves:
+            self.store.save(c)
+        return out

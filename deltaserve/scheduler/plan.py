@@ -1,0 +1,61 @@
+"""What one engine step does: the scheduler's output, carried out by the model runner.
+
+Pure data, no torch. The runner executes a StepPlan in this order:
+  1. zero `zero_pages` (every layer position of each page) and `zero_slots` (conv + recurrent state);
+  2. `restores`: copy each checkpoint location into its slot (bit-exact byte copies);
+  3. run the model over `work` and sample where `SeqWork.sample` is set;
+  4. `saves`: copy each slot into its checkpoint location.
+Then the scheduler's update() publishes the hashes of blocks this step completed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SeqWork:
+    """One sequence's share of a step.
+
+    Tokens token_ids sit at absolute positions start_pos .. start_pos + len(token_ids) - 1.
+    page_ids is the request's attention page table: page_ids[j] holds positions
+    j*block_size .. (j+1)*block_size - 1, and it covers every position up to the last one computed.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start_pos: int
+    slot: int  # the request's live GDN state slot
+    page_ids: tuple[int, ...]
+    is_decode: bool  # True: generated token through the decode path; False: prefill path (prompt or recompute)
+    sample: bool  # the last token's logits yield the next token (prompt complete, or decode)
+    prompt_logprobs: bool = False  # the request wants logits at every prompt position of this chunk
+
+
+@dataclass(frozen=True)
+class StateCopy:
+    """A GDN state moving between a live slot and a checkpoint.
+
+    location: in-page layout: one page id per GDN group (the GDN layers of group g keep their
+    state in page location[g], one layer per layer position); per-block layout: (page id,),
+    the index into the separate per-page state tensor (the attention page of that block).
+    """
+
+    slot: int
+    location: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    work: tuple[SeqWork, ...] = ()
+    zero_pages: tuple[int, ...] = ()
+    zero_slots: tuple[int, ...] = ()
+    restores: tuple[StateCopy, ...] = ()  # before the forward: location -> slot
+    saves: tuple[StateCopy, ...] = ()  # after the forward: slot -> location
+    preempted: tuple[str, ...] = ()  # request ids preempted while planning this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(w.token_ids) for w in self.work)
+
+    def is_empty(self) -> bool:
+        return not self.work

@@ -1,0 +1,47 @@
+"""Where checkpoints are taken, and so where prefill chunks may end: a small policy object.
+
+The scheduler asks the policy two things:
+  chunk_end(start, limit, total): where a prefill chunk that starts at `start` ends, given it may run
+      to `limit` (start + token budget left) and the sequence has `total` tokens to compute. Returning
+      `start` means "not this step".
+  save_at(end): whether the step whose chunk ends at `end` saves the slot into a checkpoint.
+
+Later policies (seed 004: checkpoints on a chunk grid and at the end of every request) implement the
+same two methods; the memory manager still refuses any save that is not at the end of a full block.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class CheckpointPolicy(Protocol):
+    def chunk_end(self, start: int, limit: int, total: int) -> int: ...
+    def save_at(self, end: int) -> bool: ...
+
+
+class AlignEveryBlock:
+    """vLLM's align mode, seed 000: chunks that do not reach the end of the sequence end on a block
+    boundary, and every step that ends on a block boundary (a decode that completes a block included)
+    saves a checkpoint, so every checkpoint is exact and a hit can resume at any cached block."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+
+    def chunk_end(self, start: int, limit: int, total: int) -> int:
+        if limit >= total:
+            return total
+        end = limit // self.block_size * self.block_size
+        return end if end > start else start
+
+    def save_at(self, end: int) -> bool:
+        return end % self.block_size == 0
+
+
+class NoCheckpoints:
+    """Caching off: chunks are not floored, nothing is saved."""
+
+    def chunk_end(self, start: int, limit: int, total: int) -> int:
+        return min(limit, total)
+
+    def save_at(self, end: int) -> bool:
+        return False

@@ -1,0 +1,101 @@
+"""A request as the scheduler sees it: token ids, progress, and where its memory is. No torch, no sampling.
+
+The engine owns sampling, stop strings and eos; it calls Scheduler.finish(request_id, reason). The
+scheduler itself stops a request at max_tokens (reason "length").
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ..memory.hashing import BlockHash, block_hash, root_hash
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # back in the waiting queue; recomputes (from the cache) when rescheduled
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+                 "abort": RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int  # the scheduler finishes the request with reason "length" after this many outputs
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    prompt_logprobs: bool = False  # wants logits at prompt positions: its first prefill skips the cache
+    extra_keys: tuple = ()  # anything else that changes the KV (enters the block hashes)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V and GDN state are in this request's memory
+    num_cached_tokens: int = 0  # prompt tokens served by the cache when first scheduled (a block multiple)
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    page_ids: tuple[int, ...] = ()  # attention page table (a snapshot, refreshed every step it runs)
+    slot: int | None = None  # live GDN slot while running
+    _root: BlockHash | None = field(default=None, repr=False)
+    _block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+
+    # ---- tokens ----
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    # ---- the hash chain (computed lazily, extended as tokens become known) ----
+    @property
+    def root_hash(self) -> BlockHash:
+        if self._root is None:
+            self._root = root_hash(self.cache_salt, self.extra_keys)
+        return self._root
+
+    def block_hashes(self, num_blocks: int, block_size: int) -> list[BlockHash]:
+        """Chain hashes of the first num_blocks full blocks (all must be known tokens)."""
+        if num_blocks * block_size > self.num_tokens:
+            raise ValueError(f"block {num_blocks - 1} is not full yet")
+        hs = self._block_hashes
+        while len(hs) < num_blocks:
+            j = len(hs)
+            hs.append(block_hash(hs[-1] if hs else self.root_hash, self.tokens(j * block_size, (j + 1) * block_size)))
+        return hs
+
+    def block_key(self, j: int, block_size: int) -> tuple[BlockHash, BlockHash, list[int]]:
+        """(hash, parent hash, tokens) of full block j."""
+        hs = self.block_hashes(j + 1, block_size)
+        return hs[j], (hs[j - 1] if j else self.root_hash), self.tokens(j * block_size, (j + 1) * block_size)

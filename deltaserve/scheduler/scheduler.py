@@ -1,0 +1,307 @@
+"""The scheduler: continuous batching, chunked prefill, align mode, preemption. Pure Python, no torch.
+
+One step (schedule() -> StepPlan, the runner executes it, then update(plan, sampled)):
+  1. decodes: every running request with exactly one token left to compute (its last sampled token)
+     gets 1 token, in admission order, while the token budget lasts;
+  2. running prefills (prompt chunks, or recomputation after a preemption), in admission order;
+  3. waiting requests, first come first served, while there is budget, a free slot, room under
+     max_num_seqs and pages. A request that does not fit stops admission (strict FCFS). Nothing new is
+     admitted in a step that preempted, or in which a running prefill could not get budget (so a
+     long prompt is not starved by a stream of short ones).
+
+Align mode (caching on): a prefill chunk that does not reach the end of the sequence ends on a block
+boundary (the checkpoint policy floors it); with less than one block of budget left such a chunk waits
+for the next step. A budget below one block could never move a long prompt, so the constructor refuses
+it (ConfigError). Every step that ends on a block boundary saves the slot (decodes included).
+
+Memory: when a running request needs pages that the pool cannot give (free + evictable), the most
+recently admitted running request is preempted (even if it was already scheduled in this step: its
+work is withdrawn): its pages and slot are freed (published blocks stay cached, evictable), and it goes
+back to the front of the waiting queue with num_computed_tokens = 0. When readmitted it looks up the
+cache like any request (it usually hits its own blocks) and recomputes the rest, prompt and generated
+tokens alike, through the prefill path; the chunk reaching its last token samples the next one.
+Waiting requests never preempt running ones.
+
+update() is where a step's results become visible: num_computed_tokens advances, the blocks the step
+completed are published (never at scheduling time), checkpoints the step saved are attached, sampled
+tokens are appended, and requests that reached max_tokens finish ("length").
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from ..config import ConfigError
+from ..memory.manager import CacheStats, CheckpointError, MemoryManager, MemoryUsage, PrefixHit
+from .plan import SeqWork, StateCopy, StepPlan
+from .policy import AlignEveryBlock, CheckpointPolicy, NoCheckpoints
+from .request import FINISH_STATUS, Request, RequestStatus
+
+
+@dataclass
+class _Scheduled:
+    req: Request
+    start: int
+    end: int
+    is_decode: bool
+    new_pages: list[int] = field(default_factory=list)
+    zero_slot: bool = False
+    restore: tuple[int, ...] | None = None
+    save: tuple[int, ...] | None = None
+
+
+class Scheduler:
+    def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 checkpoint_policy: CheckpointPolicy | None = None):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if memory.caching and max_num_batched_tokens < memory.block_size:
+            raise ConfigError(
+                f"with prefix caching on, prefill chunks end on block boundaries, so "
+                f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least the block size "
+                f"({memory.block_size}); raise it or turn caching off")
+        self.memory = memory
+        self.block_size = memory.block_size
+        self.caching = memory.caching
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        if checkpoint_policy is None:
+            checkpoint_policy = AlignEveryBlock(memory.block_size) if memory.caching else NoCheckpoints()
+        self.policy = checkpoint_policy
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        # per-step scratch
+        self._budget = 0
+        self._recs: dict[str, _Scheduled] = {}
+        self._preempted: list[str] = []
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(self, request: Request) -> None:
+        """Queue a request. Raises ValueError for one that can never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, not {request.max_tokens}")
+        cap = self.max_request_tokens()
+        if request.num_tokens + request.max_tokens - len(request.output_token_ids) > cap:
+            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
+                             f"exceeds the {cap} tokens one request can hold in this pool")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + max_tokens) one request can ever hold; the engine refuses more."""
+        return self.memory.max_request_tokens()
+
+    def finish(self, request_id: str, reason: str) -> bool:
+        """Finish a request ("stop", "length" or "abort") and free everything it holds.
+
+        Safe at any moment (between schedule() and update() too: update() then skips its work).
+        Returns False if the request is unknown or already finished.
+        """
+        if reason not in FINISH_STATUS:
+            raise ValueError(f"finish reason must be one of {sorted(FINISH_STATUS)}, not {reason!r}")
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.memory.free(request_id)
+        else:
+            self.waiting.remove(req)
+        req.status = FINISH_STATUS[reason]
+        req.finish_reason = reason
+        req.slot, req.page_ids = None, ()
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        return self.finish(request_id, "abort")
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self.requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def stats(self) -> CacheStats:
+        return self.memory.stats
+
+    def usage(self) -> MemoryUsage:
+        return self.memory.usage()
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> StepPlan:
+        self._budget = self.max_num_batched_tokens
+        self._recs = {}
+        self._preempted = []
+        stalled = False
+        for req in list(self.running):  # 1. decodes
+            if self._budget < 1:
+                break
+            if req.status is RequestStatus.RUNNING and self._in_decode(req):
+                start = req.num_computed_tokens
+                self._schedule_running(req, start, start + 1, True)
+        for req in list(self.running):  # 2. running prefills
+            if req.status is not RequestStatus.RUNNING or req.request_id in self._recs or self._in_decode(req):
+                continue
+            start = req.num_computed_tokens
+            assert start < req.num_tokens, f"running request {req.request_id} has nothing to compute"
+            end = self.policy.chunk_end(start, start + self._budget, req.num_tokens)
+            if end <= start:
+                stalled = True
+                continue
+            self._schedule_running(req, start, end, False)
+        if not self._preempted and not stalled:  # 3. waiting, FCFS
+            while (self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs
+                   and self.memory.num_free_slots):
+                if not self._admit(self.waiting[0]):
+                    break
+        return self._build_plan()
+
+    def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
+        """The runner has executed `plan`: advance, publish, append sampled tokens.
+
+        sampled maps request id -> token for every SeqWork with sample=True (requests finished or
+        aborted since schedule() may be missing). Returns the requests that received a token, in plan
+        order; those that reached max_tokens are already finished ("length").
+        """
+        bs = self.block_size
+        advanced: list[Request] = []
+        for w in plan.work:
+            req = self.requests.get(w.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted after scheduling
+            if req.num_computed_tokens != w.start_pos:
+                raise RuntimeError(f"plan out of date for {w.request_id}: starts at {w.start_pos}, "
+                                   f"request has {req.num_computed_tokens} computed tokens")
+            end = w.start_pos + len(w.token_ids)
+            req.num_computed_tokens = end
+            if self.caching:
+                have = self.memory.num_published(w.request_id)
+                if end // bs > have:
+                    self.memory.publish(w.request_id, [req.block_key(j, bs) for j in range(have, end // bs)])
+                self.memory.commit_checkpoints(w.request_id)
+            if w.sample:
+                try:
+                    tok = sampled[w.request_id]
+                except KeyError:
+                    raise KeyError(f"no sampled token for {w.request_id}") from None
+                req.output_token_ids.append(int(tok))
+                advanced.append(req)
+                if len(req.output_token_ids) >= req.max_tokens:
+                    self.finish(req.request_id, "length")
+        return advanced
+
+    # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _in_decode(req: Request) -> bool:
+        return (req.num_tokens - req.num_computed_tokens == 1
+                and req.num_computed_tokens >= req.num_prompt_tokens)
+
+    def _wants_save(self, end: int) -> bool:
+        return self.caching and self.memory.num_gdn_groups > 0 and self.policy.save_at(end)
+
+    def _schedule_running(self, req: Request, start: int, end: int, is_decode: bool) -> bool:
+        rid = req.request_id
+        save = self._wants_save(end)
+        need = self.memory.pages_needed(rid, end) + (self.memory.checkpoint_pages if save else 0)
+        while need > self.memory.num_allocatable():
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        rec = _Scheduled(req, start, end, is_decode, self.memory.append_pages(rid, end))
+        if save:
+            rec.save = self.memory.reserve_checkpoint(rid, end)
+        self._recs[rid] = rec
+        self._budget -= end - start
+        return True
+
+    def _preempt(self, victim: Request) -> None:
+        rid = victim.request_id
+        self.running.remove(victim)
+        rec = self._recs.pop(rid, None)
+        if rec is not None:
+            self._budget += rec.end - rec.start
+        self.memory.free(rid)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.slot, victim.page_ids = None, ()
+        self.waiting.appendleft(victim)
+        self._preempted.append(rid)
+        self.memory.stats.preemptions += 1
+
+    def _admit(self, req: Request) -> bool:
+        bs, mem = self.block_size, self.memory
+        total = req.num_tokens
+        hit: PrefixHit | None = None
+        if self.caching and not (req.prompt_logprobs and not req._prompt_done):
+            nb = (total - 1) // bs  # a hit leaves at least one token to compute
+            hashes = req.block_hashes(nb, bs)
+            hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
+        start = hit.num_tokens if hit is not None else 0
+        end = self.policy.chunk_end(start, start + self._budget, total)
+        if end <= start:
+            return False
+        save = self._wants_save(end)
+        need = (mem.pages_needed(None, end, have=hit.num_blocks if hit else 0)
+                + (mem.checkpoint_pages if save else 0) + mem.pin_cost(hit))
+        if need > mem.num_allocatable():
+            return False
+        rid = req.request_id
+        slot, location = mem.admit(rid, hit)
+        if location is not None and start % bs:
+            raise CheckpointError(f"restore for {rid} at position {start}, not a block boundary")
+        rec = _Scheduled(req, start, end, end - start == 1 and end == total and start >= req.num_prompt_tokens,
+                         mem.append_pages(rid, end), zero_slot=location is None, restore=location)
+        if save:
+            rec.save = mem.reserve_checkpoint(rid, end)
+        mem.stats.prefix_query_tokens += total if self.caching else 0
+        mem.stats.prefix_hit_tokens += start
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = start
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = start
+        self.waiting.popleft()
+        self.running.append(req)
+        self._recs[rid] = rec
+        self._budget -= end - start
+        return True
+
+    def _build_plan(self) -> StepPlan:
+        work, zero_pages, zero_slots, restores, saves = [], [], [], [], []
+        for rid, rec in self._recs.items():
+            req = rec.req
+            req.page_ids = self.memory.page_table(rid)
+            req.slot = slot = self.memory.slot_of(rid)
+            work.append(SeqWork(
+                request_id=rid, token_ids=tuple(req.tokens(rec.start, rec.end)), start_pos=rec.start,
+                slot=slot, page_ids=req.page_ids, is_decode=rec.is_decode, sample=rec.end == req.num_tokens,
+                prompt_logprobs=req.prompt_logprobs and not rec.is_decode and rec.start < req.num_prompt_tokens
+                and not req._prompt_done))
+            zero_pages.extend(rec.new_pages)
+            if rec.zero_slot:
+                zero_slots.append(slot)
+            if rec.restore is not None:
+                restores.append(StateCopy(slot, rec.restore))
+            if rec.save is not None:
+                saves.append(StateCopy(slot, rec.save))
+        plan = StepPlan(work=tuple(work), zero_pages=tuple(zero_pages), zero_slots=tuple(zero_slots),
+                        restores=tuple(restores), saves=tuple(saves), preempted=tuple(self._preempted))
+        self._recs = {}
+        return plan

@@ -1,0 +1,288 @@
+"""The memory arithmetic: GDN state bytes, KV bytes per token, the hybrid block size, pool sizes.
+
+One module used by the engine (to size its pool), the planner (`deltaserve plan`) and the
+simulator, so they can never disagree. Pure Python, no torch. Everything is per TP rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import DTYPE_BYTES, ConfigError, ModelConfig
+
+ENGINE_KERNEL_ALIGNMENT = 64  # deltaserve's GDN chunk: blocks are multiples of it (DESIGN rule 8)
+LAYOUTS = ("in-page", "per-block")
+# What the per-block layout's side tensor holds per page: "model" = one whole-model GDN state (this engine's
+# per-block arm); "group" = one GDN group's state (group_size layer states: a page belongs to one KV group at
+# a time), which is what vllm-gaudi's per-block tensors amount to and what seed 000's 150,775 tokens measure.
+PER_BLOCK_STATES = ("model", "group")
+MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's cache_config.mamba_cache_mode
+# The attention kernel's smallest block size: vLLM flash-attention on CUDA, vllm-gaudi, and this engine
+# (whose blocks are multiples of its GDN chunk on every device).
+KERNEL_ALIGNMENTS = {"cuda": 16, "gaudi": 128, "cpu": ENGINE_KERNEL_ALIGNMENT, "deltaserve": ENGINE_KERNEL_ALIGNMENT}
+# GDN chunk size used for mamba_cache_mode "all" when the config names none (mamba_chunk_size / chunk_size).
+GDN_CHUNK_SIZE = 64
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+    "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "fp8_inc": "fp8",
+}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def normalize_dtype(name: str) -> str:
+    """'torch.bfloat16' / 'bf16' / 'fp8_e4m3' -> the DTYPE_BYTES name ('bfloat16', 'fp8', ...)."""
+    key = str(name).replace("torch.", "").strip().lower()
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {name!r}; known: {', '.join(sorted(set(DTYPE_BYTES) | set(_DTYPE_ALIASES)))}")
+    return key
+
+
+def dtype_bytes(name: str) -> int:
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        return DTYPE_BYTES[normalize_dtype(name)]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Per-TP-rank byte sizes of one model's caches."""
+
+    n_attn_layers: int
+    n_gdn_layers: int
+    kv_bytes_per_token_per_layer: int  # K + V of one attention layer for one token
+    gdn_conv_bytes: int  # conv window of one GDN layer for one sequence
+    gdn_ssm_bytes: int  # recurrent state of one GDN layer for one sequence
+
+    @property
+    def gdn_state_bytes(self) -> int:
+        """One GDN layer's whole state for one sequence (conv + recurrent)."""
+        return self.gdn_conv_bytes + self.gdn_ssm_bytes
+
+    @property
+    def gdn_state_bytes_per_seq(self) -> int:
+        return self.n_gdn_layers * self.gdn_state_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.n_attn_layers * self.kv_bytes_per_token_per_layer
+
+
+def geometry(m: ModelConfig, kv_dtype: str, conv_dtype: str, ssm_dtype: str, tp: int = 1,
+             num_speculative_tokens: int = 0) -> Geometry:
+    """Bytes per rank. Heads divide by tp; KV heads are replicated when tp exceeds them (as vLLM does)."""
+    if m.linear_num_key_heads % tp or m.linear_num_value_heads % tp:
+        raise ConfigError(f"GDN heads ({m.linear_num_key_heads} key, {m.linear_num_value_heads} value) "
+                          f"do not divide by tensor-parallel size {tp}")
+    kv_heads = max(1, m.num_key_value_heads // tp)
+    kv = 2 * kv_heads * m.head_dim * dtype_bytes(kv_dtype)
+    conv_rows = m.linear_conv_kernel_dim - 1 + num_speculative_tokens
+    conv = m.conv_dim // tp * conv_rows * dtype_bytes(conv_dtype)
+    ssm = (m.linear_num_value_heads // tp) * m.linear_value_head_dim * m.linear_key_head_dim * dtype_bytes(ssm_dtype)
+    return Geometry(len(m.attn_layers), len(m.gdn_layers), kv, conv, ssm)
+
+
+def hybrid_block_size(g: Geometry, alignment: int) -> int:
+    """vLLM's rule: the smallest multiple of `alignment` whose attention page holds one GDN layer state.
+
+    alignment = max(the attention kernel's smallest block size, --block-size).
+    """
+    if g.n_gdn_layers == 0 or g.n_attn_layers == 0:
+        return alignment
+    return alignment * cdiv(g.gdn_state_bytes, alignment * g.kv_bytes_per_token_per_layer)
+
+
+def alignment_for(kernel_block_size: int, user_block_size: int) -> int:
+    return max(kernel_block_size, user_block_size)
+
+
+def kernel_alignment_for(device: str) -> int:
+    """The smallest attention kernel block size: cuda 16, gaudi 128, cpu / deltaserve 64 (this engine)."""
+    try:
+        return KERNEL_ALIGNMENTS[device]
+    except KeyError:
+        raise ConfigError(f"unknown device {device!r}; known: {', '.join(KERNEL_ALIGNMENTS)}") from None
+
+
+def resolve_block_size(g: Geometry, kernel_block_size: int, user_block_size: int = 16,
+                       mamba_cache_mode: str = "align", mamba_chunk_size: int | None = None) -> int:
+    """The block size vLLM ends up with (platform _align_hybrid_block_size), for any cache mode.
+
+    none / align: hybrid_block_size(g, max(kernel, --block-size)); all: the block is also a multiple of
+    the mamba chunk size: lcm(chunk, alignment) * cdiv(cdiv(state, kv per token per layer), lcm).
+    The user's --block-size wins only when it is larger.
+    """
+    if mamba_cache_mode not in MAMBA_CACHE_MODES:
+        raise ConfigError(f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, not {mamba_cache_mode!r}")
+    alignment = alignment_for(kernel_block_size, user_block_size)
+    if g.n_gdn_layers == 0 or g.n_attn_layers == 0:
+        return user_block_size
+    if mamba_cache_mode == "all":
+        chunk = math.lcm(mamba_chunk_size or GDN_CHUNK_SIZE, alignment)
+        block = chunk * cdiv(cdiv(g.gdn_state_bytes, g.kv_bytes_per_token_per_layer), chunk)
+    else:
+        block = hybrid_block_size(g, alignment)
+    return max(user_block_size, block)
+
+
+def gdn_pages_per_layer(mamba_cache_mode: str, num_speculative_tokens: int = 0, max_model_len: int = 0,
+                        block_size: int = 1) -> int:
+    """GDN pages one request holds per GDN layer (vLLM MambaSpec.max_memory_usage_bytes / page size):
+    1 + N without caching, 2 + N in align mode (running state + last checkpoint), one per block in all mode."""
+    n = num_speculative_tokens
+    if mamba_cache_mode == "none":
+        return 1 + n
+    if mamba_cache_mode == "align":
+        return 2 + n
+    if mamba_cache_mode == "all":
+        return cdiv(max_model_len, block_size) + n
+    raise ConfigError(f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, not {mamba_cache_mode!r}")
+
+
+def kv_groups(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """vLLM's KV cache groups: one attention group, the GDN layers cut into groups of the same layer count.
+
+    A block belongs to one group at a time; every group has group_size layer positions (the last GDN
+    group may be short, vLLM pads it).
+    """
+    attn, gdn = m.attn_layers, m.gdn_layers
+    size = len(attn) or len(gdn) or 1
+    groups: list[tuple[str, tuple[int, ...]]] = [("attention", attn)] if attn else []
+    groups += [("gdn", gdn[i:i + size]) for i in range(0, len(gdn), size)]
+    return groups
+
+
+@dataclass(frozen=True)
+class CacheDtypes:
+    """Resolved dtypes of the caches, as vLLM resolves 'auto'."""
+
+    model: str  # weights / activations
+    kv: str  # attention K/V (--kv-cache-dtype)
+    conv: str  # GDN conv window (--mamba-cache-dtype)
+    ssm: str  # GDN recurrent state (--mamba-ssm-cache-dtype)
+    ssm_source: str  # where the SSM dtype came from
+
+
+def resolve_cache_dtypes(m: ModelConfig, dtype: str = "auto", kv_cache_dtype: str = "auto",
+                         mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto") -> CacheDtypes:
+    """vLLM's rules: KV and conv dtypes 'auto' = the model dtype; SSM dtype 'auto' = the config's
+    mamba_ssm_dtype (vLLM's Qwen3.5 config hook), else the conv dtype (MambaStateDtypeCalculator), which is
+    the model dtype on Qwen3-Next."""
+    model = normalize_dtype(m.dtype if dtype == "auto" else dtype)
+    kv = model if kv_cache_dtype == "auto" else normalize_dtype(kv_cache_dtype)
+    conv = model if mamba_cache_dtype == "auto" else normalize_dtype(mamba_cache_dtype)
+    if mamba_ssm_cache_dtype != "auto":
+        ssm, src = normalize_dtype(mamba_ssm_cache_dtype), "--mamba-ssm-cache-dtype"
+    elif m.mamba_ssm_dtype:
+        ssm, src = normalize_dtype(m.mamba_ssm_dtype), "config mamba_ssm_dtype"
+    else:
+        ssm, src = conv, "auto: the conv-state dtype (config has no mamba_ssm_dtype)"
+    return CacheDtypes(model, kv, conv, ssm, src)
+
+
+def param_count(m: ModelConfig) -> int:
+    """Parameters of the text model as config.json describes it (no MTP head, no vision tower).
+
+    Gated attention (q_proj doubled for the output gate, q/k norms), GDN (qkv, z, b, a projections, conv,
+    dt_bias, A_log, gated norm, out_proj), dense or MoE MLP (router, experts, shared expert and its gate).
+    """
+    h, v = m.hidden_size, m.vocab_size
+    total = v * h * (1 if m.tie_word_embeddings else 2) + h  # embeddings, lm_head, final norm
+    hd = m.head_dim
+    attn = (h * m.num_attention_heads * hd * 2 + 2 * h * m.num_key_value_heads * hd
+            + m.num_attention_heads * hd * h + 2 * hd)
+    hv, dv = m.linear_num_value_heads, m.linear_value_head_dim
+    gdn = (h * m.conv_dim + h * hv * dv + 2 * h * hv + m.conv_dim * m.linear_conv_kernel_dim
+           + 2 * hv + dv + hv * dv * h)
+    for i, kind in enumerate(m.layer_types):
+        total += 2 * h + (attn if kind == "full_attention" else gdn)
+        if m.is_moe_layer(i):
+            total += h * m.num_experts + m.num_experts * 3 * h * m.moe_intermediate_size
+            if m.shared_expert_intermediate_size:
+                total += 3 * h * m.shared_expert_intermediate_size + h
+        else:
+            total += 3 * h * m.intermediate_size
+    return total
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """How a byte budget splits into pages and GDN slots for one layout.
+
+    The pool has `group_size` layer positions; page p at position i is page_bytes long. An attention
+    layer uses one position; the GDN layers are cut into `num_gdn_groups` groups of group_size layers,
+    and a page owned by GDN group g holds one state of each of its layers (in-page checkpoints).
+    """
+
+    layout: str
+    block_size: int
+    page_bytes: int  # one layer position of one page: block_size * kv_bytes_per_token_per_layer
+    page_padding_bytes: int  # page_bytes - gdn_state_bytes (room left when a page holds a GDN state)
+    group_size: int  # layer positions per page (= attention layer count)
+    num_gdn_groups: int
+    num_slots: int  # live GDN state slots (one per running sequence)
+    slot_bytes: int  # all GDN layers' state for one sequence
+    num_pages: int
+    per_page_state_bytes: int  # per-block layout: the extra state tensor's bytes per page (0 in-page)
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.num_pages * self.block_size
+
+    @property
+    def bytes_per_page(self) -> int:
+        """What one page costs from the budget, every layer position and any per-page state."""
+        return self.group_size * self.page_bytes + self.per_page_state_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page + self.num_slots * self.slot_bytes
+
+
+def plan_pool(g: Geometry, budget_bytes: int, block_size: int, num_slots: int, layout: str = "in-page",
+              per_block_state: str = "model") -> PoolPlan:
+    """Split `budget_bytes` into `num_slots` live GDN slots and as many pages as fit.
+
+    in-page: checkpoints are stored in pages of the pool itself (no second allocation).
+    per-block: a separate tensor holds one whole-model GDN state per page, next to the pool
+    (per_block_state="group": one GDN group's state per page instead, as vllm-gaudi's per-block tensors).
+    """
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+    if per_block_state not in PER_BLOCK_STATES:
+        raise ConfigError(f"per_block_state must be one of {PER_BLOCK_STATES}, not {per_block_state!r}")
+    group_size = max(1, g.n_attn_layers)
+    num_gdn_groups = cdiv(g.n_gdn_layers, group_size) if g.n_gdn_layers else 0
+    page_bytes = block_size * g.kv_bytes_per_token_per_layer
+    if g.n_gdn_layers and page_bytes < g.gdn_state_bytes:
+        raise ConfigError(f"block size {block_size} gives {page_bytes}-byte pages, too small for a "
+                          f"{g.gdn_state_bytes}-byte GDN state; use hybrid_block_size()")
+    per_page_state = 0
+    if layout == "per-block":
+        per_page_state = (g.gdn_state_bytes_per_seq if per_block_state == "model"
+                          else min(group_size, g.n_gdn_layers) * g.gdn_state_bytes)
+    slot_bytes = g.gdn_state_bytes_per_seq
+    left = budget_bytes - num_slots * slot_bytes
+    num_pages = max(0, left // (group_size * page_bytes + per_page_state))
+    return PoolPlan(layout, block_size, page_bytes, page_bytes - g.gdn_state_bytes if g.n_gdn_layers else 0,
+                    group_size, num_gdn_groups, num_slots, slot_bytes, num_pages, per_page_state)
+
+
+def pages_per_seq(p: PoolPlan, seq_len: int, mamba_cache_mode: str = "align") -> int:
+    """Pool pages one sequence of seq_len tokens holds: its attention pages, plus, in-page with caching on,
+    the pages of its GDN checkpoints (one page per GDN group per checkpoint: the latest in align mode, one
+    per block in all mode). The per-block layout keeps checkpoints in its side tensor, not in pages."""
+    pages = cdiv(seq_len, p.block_size)
+    if p.layout == "in-page" and mamba_cache_mode != "none":
+        pages += p.num_gdn_groups * (1 if mamba_cache_mode == "align" else cdiv(seq_len, p.block_size))
+    return pages
+
+
+def max_concurrent_seqs(p: PoolPlan, seq_len: int, mamba_cache_mode: str = "align") -> int:
+    """How many sequences of seq_len tokens fit at once: bounded by the live slots and by the pages."""
+    return min(p.num_slots, p.num_pages // max(1, pages_per_seq(p, seq_len, mamba_cache_mode)))
