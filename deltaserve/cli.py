@@ -1,4 +1,4 @@
-"""`deltaserve` command line: serve, generate, make-model, plan, bench."""
+"""`deltaserve` command line: serve, generate, make-model, plan, bench, profile, simulate."""
 from __future__ import annotations
 
 import argparse
@@ -80,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         "make-model": _make_model,
         "plan": lambda r: __import__("deltaserve.plan", fromlist=["main"]).main(r),
         "bench": lambda r: __import__("deltaserve.bench", fromlist=["main"]).main(r),
+        "profile": lambda r: __import__("deltaserve.profile", fromlist=["main"]).main(r),
+        "simulate": lambda r: __import__("deltaserve.sim", fromlist=["main"]).main(r),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:
         print("usage: deltaserve {" + ",".join(cmds) + "} [options]\n"
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
               "  generate    print one completion\n"
               "  make-model  write a preset model in Hugging Face format\n"
               "  plan        the memory planner\n"
-              "  bench       benchmarks (throughput, agent)")
+              "  bench       benchmarks (throughput, agent)\n"
+              "  profile     measure this engine's step costs into a bundle (and `profile coverage`)\n"
+              "  simulate    serving simulation on the engine's own scheduler with a profiled latency model")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return int(cmds[argv[0]](argv[1:]) or 0)
 

@@ -218,8 +218,11 @@ class LLMEngine:
         state = SamplingState.create(params, ids, eos_token_ids=self.tokenizer.eos_token_ids, seed=seed)
         req = Request(request_id=request_id, prompt_token_ids=ids, max_tokens=params.max_tokens,
                       cache_salt=cache_salt, arrival_time=now,
-                      skip_cache_lookup=params.prompt_logprobs is not None)
-        self.scheduler.add(req)
+                      prompt_logprobs=params.prompt_logprobs is not None)
+        try:
+            self.scheduler.add(req)
+        except ValueError as e:
+            raise EngineInputError(str(e)) from None
         self._live[request_id] = _Live(
             request_id, text, ids, params, state,
             IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
@@ -315,15 +318,15 @@ class LLMEngine:
                 reason = "stop"
             elif p.stop_token_ids and tok in p.stop_token_ids:
                 reason, stop = "stop", tok
-            elif p.stop:
-                hit = self._find_stop(live, len(delta))
-                if hit is not None:
-                    reason, stop = "stop", hit
+            elif p.stop and (hit := self._find_stop(live, len(delta))) is not None:
+                reason, stop = "stop", hit
             elif s.guide_finished:
                 reason = "stop"
         if reason is None and (n_out >= p.max_tokens or len(live.prompt_ids) + n_out >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            if stop is None or isinstance(stop, int):
+                live.text += live.detok.flush()  # a stream ending mid-character
             live.finish_reason, live.stop_reason = reason, stop
             self.scheduler.finish(live.request_id, reason)
 

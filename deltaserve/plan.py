@@ -175,8 +175,12 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
     kernel = int(kernel_alignment) if kernel_alignment else S.kernel_alignment_for(device)
     alignment = S.alignment_for(kernel, block_size)
     chunk = mamba_block_size or None
-    block = S.resolve_block_size(g, kernel, block_size, mamba_cache_mode, chunk)
-    engine_block = S.resolve_block_size(g, S.ENGINE_KERNEL_ALIGNMENT, block_size, mamba_cache_mode, chunk)
+    engine_block = S.engine_block_size(g, block_size, mamba_cache_mode)
+    if kernel_alignment is None and kernel == S.ENGINE_KERNEL_ALIGNMENT and mamba_cache_mode != "all":
+        block = engine_block  # this engine: --block-size rounded up to its 64-token grid
+        alignment = S.alignment_for(kernel, S.ENGINE_KERNEL_ALIGNMENT * S.cdiv(block_size, kernel))
+    else:
+        block = S.resolve_block_size(g, kernel, block_size, mamba_cache_mode, chunk)
     page_bytes = block * g.kv_bytes_per_token_per_layer
     padding = page_bytes - g.gdn_state_bytes if g.n_gdn_layers and g.n_attn_layers else 0
     groups = S.kv_groups(m)

@@ -130,6 +130,13 @@ def resolve_block_size(g: Geometry, kernel_block_size: int, user_block_size: int
     return max(user_block_size, block)
 
 
+def engine_block_size(g: Geometry, user_block_size: int = 16, mamba_cache_mode: str = "align") -> int:
+    """The block this engine uses: --block-size rounded up to a multiple of ENGINE_KERNEL_ALIGNMENT (its GDN
+    chunk grid), then vLLM's rule at that alignment."""
+    user = ENGINE_KERNEL_ALIGNMENT * cdiv(user_block_size, ENGINE_KERNEL_ALIGNMENT)
+    return resolve_block_size(g, ENGINE_KERNEL_ALIGNMENT, user, mamba_cache_mode)
+
+
 def gdn_pages_per_layer(mamba_cache_mode: str, num_speculative_tokens: int = 0, max_model_len: int = 0,
                         block_size: int = 1) -> int:
     """GDN pages one request holds per GDN layer (vLLM MambaSpec.max_memory_usage_bytes / page size):

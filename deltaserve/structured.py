@@ -152,7 +152,8 @@ class GuideFactory:
         seq = []
         for j, (pname, pschema) in enumerate(props.items()):
             if not _NAME_RE.match(pname):
-                raise GrammarError(f"function {name!r}: parameter name {pname!r} cannot be written as a qwen3_coder tag")
+                raise GrammarError(f"function {name!r}: parameter name {pname!r} cannot be written "
+                                   "as a qwen3_coder tag")
             rule = f"p_{i}_{j}"
             value = self._value_rule(name, pname, pschema)
             # regex values are terminals (UPPERCASE: & and ~ work on terminals only); %json and enums are rules
@@ -254,7 +255,8 @@ class GrammarGuide:
             self._finished = True
             return
         if not self._m.consume_token(token_id):
-            log.warning("constrained decoding: token %d rejected (%s)", token_id, _short_error(self._m.get_error())[:200])
+            log.warning("constrained decoding: token %d rejected (%s)", token_id,
+                        _short_error(self._m.get_error())[:200])
             self._finished = True
         elif self._m.is_stopped():
             self._finished = True

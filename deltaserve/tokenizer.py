@@ -184,7 +184,7 @@ class Tokenizer:
         msgs = _prepare_messages(messages)
         try:
             text = self.hf.apply_chat_template(msgs, tools=tools or None, add_generation_prompt=add_generation_prompt,
-                                               tokenize=False, chat_template=template, **kwargs)
+                                               tokenize=False, chat_template=chat_template, **kwargs)
         except TokenizerError:
             raise
         except Exception as e:  # jinja errors, raise_exception(...) in the template, bad message shapes

@@ -284,3 +284,22 @@ def test_greedy_ignores_generator_and_nan_free():
     st = _state(temperature=1.0, top_p=0.5, min_p=0.5, top_k=2)
     assert Sampler().sample_row(row, st).token_id == 3
     assert not math.isnan(float(torch.softmax(Sampler().processed_logits(row, st), -1)[3]))
+
+
+@pytest.mark.parametrize("prefixes", [(8,), (8, 64), (4096,)])
+def test_top_p_prefix_search_and_top_k_combo(prefixes, monkeypatch):
+    """top_p's cut found in a topk prefix, past it (full sort), and after top_k: same sets as the reference."""
+    monkeypatch.setattr(Sampler, "TOP_P_PREFIXES", prefixes)
+    row = _logits(1, seed=21)[0] * 0.3  # flat: the 0.9 cut lies past a small prefix
+    for top_k, top_p in ((0, 0.2), (0, 0.9), (30, 0.5), (300, 0.9)):
+        x = row.clone()
+        if top_k:
+            x[torch.argsort(x, descending=True)[top_k:]] = float("-inf")
+        probs = torch.softmax(x.double(), -1).tolist()
+        ref, cum = set(), 0.0
+        for i in sorted(range(V), key=lambda i: -probs[i]):
+            ref.add(i)
+            cum += probs[i]
+            if cum >= top_p:
+                break
+        assert _kept(Sampler().processed_logits(row, _state(top_k=top_k, top_p=top_p))) == ref

@@ -241,3 +241,11 @@ def test_pages_per_seq_and_concurrency():
     assert S.pages_per_seq(per, 784 * 10, "align") == 10
     assert S.max_concurrent_seqs(inp, 1000, "align") == 4  # bounded by the slots
     assert S.max_concurrent_seqs(inp, 262_144, "align") == inp.num_pages // (S.cdiv(262_144, 784) + 3)
+
+
+def test_engine_block_rounds_the_user_block_to_its_grid():
+    g = geo("qwen3.5-27b")
+    assert S.engine_block_size(g, 16) == 832
+    assert S.engine_block_size(g, 100) == 128 * S.cdiv(3_207_168, 128 * 4_096) == 896
+    assert S.engine_block_size(geo("tiny"), 16) == 128
+    assert S.engine_block_size(geo("tiny"), 200) == 256

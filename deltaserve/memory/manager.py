@@ -36,6 +36,9 @@ Choices (and why)
   * New attention pages are zeroed (listed for StepPlan.zero_pages): attention reads whole pages and
     a mask does not cancel a NaN. New checkpoint pages are not zeroed: the save overwrites the whole
     state region before anything reads it, and the padding is never read.
+  * Eviction (memory/eviction.py): LRU by release time, except that a checkpoint replaced by a newer
+    one and never hit goes first, so a running sequence's stale checkpoints are evicted before the
+    resume point of a sequence it just preempted.
   * A sequence that computes a block already cached by someone else keeps its own copy uncached (the
     "duplicate"). When it frees, its duplicates are published if their hash has left the cache
     meanwhile (and so is its orphaned latest checkpoint), so concurrent identical prefixes survive the
@@ -72,6 +75,7 @@ class CacheEntry:
     tokens: tuple[int, ...]
     page: int  # the attention page holding this block's K/V
     checkpoint: tuple[int, ...] | None = None  # GDN state after the block's last token, if kept
+    hits: int = 0  # prefix hits that ended at this block (restored its checkpoint)
 
     def matches(self, parent: BlockHash, tokens: Sequence[int]) -> bool:
         return self.parent == parent and self.tokens == tuple(tokens)
@@ -181,6 +185,15 @@ class MemoryManager:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
+    @property
+    def num_pages_in_use(self) -> int:
+        """Pages referenced by running sequences (cached-but-unreferenced pages are not in use)."""
+        return self.num_pages - len(self._free) - len(self._evictor)
+
+    @property
+    def num_slots_in_use(self) -> int:
+        return len(self._slot_owner)
+
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + max_tokens) one request can ever hold, alone in the pool.
 
@@ -195,17 +208,24 @@ class MemoryManager:
     def page_table(self, seq_id: str) -> tuple[int, ...]:
         return tuple(self._seqs[seq_id].pages)
 
+    def num_published(self, seq_id: str) -> int:
+        """Blocks of seq_id published so far (its next publish() starts at this block index)."""
+        return len(self._seqs[seq_id].keys)
+
     def slot_of(self, seq_id: str) -> int:
         return self._seqs[seq_id].slot
 
-    def pages_needed(self, seq_id: str | None, num_tokens: int, have: int = 0) -> int:
-        """New attention pages to cover positions [0, num_tokens)."""
-        n = have if seq_id is None else len(self._seqs[seq_id].pages)
-        return max(0, -(-num_tokens // self.block_size) - n)
+    def pages_needed(self, seq_id: str, num_tokens: int) -> int:
+        """New attention pages seq_id needs to cover positions [0, num_tokens)."""
+        return max(0, self.pages_for(num_tokens) - len(self._seqs[seq_id].pages))
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Attention pages that hold positions [0, num_tokens)."""
+        return -(-num_tokens // self.block_size)
 
     def usage(self) -> MemoryUsage:
-        used = sum(1 for r in self._ref if r)
-        return MemoryUsage(self.num_pages, used, len(self._evictor), len(self._free), self.num_slots,
+        cached, free = len(self._evictor), len(self._free)
+        return MemoryUsage(self.num_pages, self.num_pages - cached - free, cached, free, self.num_slots,
                            len(self._slot_owner))
 
     def free_page_ids(self) -> tuple[int, ...]:
@@ -277,6 +297,7 @@ class MemoryManager:
                 seq.pages.append(p)
                 seq.keys.append((e.hash, e.parent, e.tokens))
             last = self._cache[hit.hashes[-1]]
+            last.hits += 1
             if self.num_gdn_groups:
                 if last.checkpoint is None or last.checkpoint != hit.checkpoint:
                     raise CheckpointError("stale prefix hit: its checkpoint is no longer cached")
@@ -301,8 +322,9 @@ class MemoryManager:
     def reserve_checkpoint(self, seq_id: str, end: int) -> tuple[int, ...]:
         """Plan a save of seq_id's slot after the step whose chunk ends at position `end`.
 
-        Returns the location (in-page: num_gdn_groups new pages; per-block: the block's attention page).
-        Raises CheckpointError unless `end` is the end of a full block the sequence holds.
+        Call after append_pages(seq_id, end). Returns the location (in-page: num_gdn_groups new pages;
+        per-block: the block's attention page). Raises CheckpointError unless `end` is the end of the
+        last block of the page table, a full block not yet published.
         """
         seq = self._seqs[seq_id]
         if not self.caching or not self.num_gdn_groups:
@@ -311,8 +333,9 @@ class MemoryManager:
             raise CheckpointError(f"save after position {end}: not the end of a full block "
                                   f"(block size {self.block_size})")
         k = end // self.block_size - 1
-        if k >= len(seq.pages) or k in seq.pending or k < len(seq.keys):
-            raise CheckpointError(f"save of block {k}: not a block this sequence is computing")
+        if k != len(seq.pages) - 1 or k in seq.pending or k < len(seq.keys):
+            raise CheckpointError(f"save of block {k}: not the last block of the chunk being computed "
+                                  f"(page table holds {len(seq.pages)} blocks, {len(seq.keys)} published)")
         if self._inpage:
             if self.checkpoint_pages > self.num_allocatable():
                 raise OutOfPagesError("no pages for a checkpoint")
@@ -442,12 +465,12 @@ class MemoryManager:
             self._evictor.remove(p)
         self._ref[p] += 1
 
-    def _release(self, p: int) -> None:
+    def _release(self, p: int, low_value: bool = False) -> None:
         self._ref[p] -= 1
         assert self._ref[p] >= 0, f"page {p} released more often than taken"
         if self._ref[p] == 0:
             if p in self._role:
-                self._evictor.push(p)
+                self._evictor.push(p, low_value)
             else:
                 self._free.append(p)
                 self._kind[p] = None
@@ -455,9 +478,11 @@ class MemoryManager:
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int) -> None:
         old = seq.ckpt
         seq.ckpt, seq.ckpt_block = loc, k
-        if old is not None:
+        if old is not None:  # replaced: low value unless some request has hit it
+            h = self._role.get(old[0])
+            low = h is None or self._cache[h].hits == 0
             for q in old:
-                self._release(q)
+                self._release(q, low)
 
     def _republish(self, seq: _Seq) -> None:
         for j, (h, parent, toks) in enumerate(seq.keys):

@@ -11,20 +11,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from .batch import ForwardBatch
-from .ops.attention import apply_rotary, decode_attention, kv_gather, kv_write, prefill_attention
+from .ops.attention import (
+    apply_rotary,
+    decode_attention,
+    kv_gather,
+    kv_write,
+    prefill_attention,
+)
 from .ops.conv import causal_conv1d_prefill, causal_conv1d_step
 from .ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
+from .ops.linear import PackedWeight, linear
 from .ops.mlp import moe, swiglu
 from .ops.norm import rms_norm, rms_norm_gated
+from .ops.pointwise import sigmoid, softplus
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+def prepack(module: nn.Module, names: tuple[str, ...]) -> None:
+    """Replace module's weights `names` by PackedWeights (3D expert stacks: a list, one per expert).
+    The original parameters are dropped (they leave the state_dict)."""
+    for name in names:
+        w = module._parameters.pop(name)
+        setattr(module, name, [PackedWeight(x) for x in w] if w.dim() == 3 else PackedWeight(w))
 
 
 @dataclass
@@ -38,6 +53,7 @@ class StepContext:
     kv_rows: torch.Tensor  # [T] the row inside that page
     decode_rows: torch.Tensor | None  # [B] flat rows of the decode tokens
     decode_slots: torch.Tensor | None  # [B] their GDN slots
+    decode_slot_range: tuple[int, int] | None = None  # (a, b) when decode_slots == a, a+1, .., b-1: update in place
 
 
 class GDNMixer(nn.Module):
@@ -47,6 +63,8 @@ class GDNMixer(nn.Module):
     per key head (value head h belongs to key head h // (Hv // Hk)), qwen3_5's in_proj_qkv/z/b/a stacked.
     conv_weight [conv_dim, K]; A_log, dt_bias [Hv] float32; norm_weight [dv]; out_proj [H, Hv*dv].
     """
+
+    PACKABLE = ("in_proj", "out_proj")
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -73,12 +91,12 @@ class GDNMixer(nn.Module):
     def forward(self, h: torch.Tensor, ctx: StepContext, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> torch.Tensor:
         """h [T, H] (normed). conv_cache [slots, K-1, conv_dim]; ssm_cache [slots, Hv, dv, dk] fp32."""
         T = h.shape[0]
-        proj = F.linear(h, self.in_proj)
+        proj = linear(h, self.in_proj)
         c, vd, hv = self.conv_dim, self.value_dim, self.hv
         mixed, z = proj[:, :c], proj[:, c:c + vd]
         b, a = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
+        beta = sigmoid(b)
+        g = -self.A_log.float().exp() * softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
         core = torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
         for s in ctx.batch.prefill_spans:
             rows = slice(s.start, s.start + s.length)
@@ -93,21 +111,29 @@ class GDNMixer(nn.Module):
             core[rows] = o
         if ctx.decode_rows is not None:
             rows, slots = ctx.decode_rows, ctx.decode_slots
-            conv_state = conv_cache.index_select(0, slots)
+            # consecutive slots: update the caches in place; otherwise gather, step, scatter
+            in_place = ctx.decode_slot_range is not None and ssm_cache.dtype == torch.float32
+            if in_place:
+                a, b = ctx.decode_slot_range
+                conv_state, state = conv_cache[a:b], ssm_cache[a:b]
+            else:
+                conv_state, state = conv_cache.index_select(0, slots), ssm_cache.index_select(0, slots).float()
             x = causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)
-            conv_cache.index_copy_(0, slots, conv_state)
             q, k, v = self._split_qkv(x)
-            state = ssm_cache.index_select(0, slots).float()
             o = recurrent_gated_delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), state)
-            ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
+            if not in_place:
+                conv_cache.index_copy_(0, slots, conv_state)
+                ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
             core.index_copy_(0, rows, o)
         core = rms_norm_gated(core.view(T * hv, self.dv), z.reshape(T * hv, self.dv), self.norm_weight, self.eps)
-        return F.linear(core.view(T, vd), self.out_proj)
+        return linear(core.view(T, vd), self.out_proj)
 
 
 class AttentionMixer(nn.Module):
     """Gated full attention. qkv_proj rows: [q_proj (per head: D query rows then D gate rows) | k_proj | v_proj];
     q_norm, k_norm [D] zero-centred RMSNorm; partial rotary on the first rotary_dim dims; out = o_proj(attn * sigmoid(gate))."""
+
+    PACKABLE = ("qkv_proj", "o_proj")
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -123,7 +149,7 @@ class AttentionMixer(nn.Module):
         """h [T, H] (normed); kv_cache [pages, 2, block_size, Hkv, D]."""
         T = h.shape[0]
         hq, hkv, d = self.hq, self.hkv, self.d
-        proj = F.linear(h, self.qkv_proj)
+        proj = linear(h, self.qkv_proj)
         qg = proj[:, :2 * hq * d].view(T, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)
         k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
@@ -139,12 +165,14 @@ class AttentionMixer(nn.Module):
                 out[s.start] = decode_attention(q[s.start], keys, values, self.scale)
             else:
                 out[rows] = prefill_attention(q[rows], keys, values, s.pos, self.scale)
-        out = out.view(T, hq * d) * torch.sigmoid(gate)
-        return F.linear(out, self.o_proj)
+        out = out.view(T, hq * d) * sigmoid(gate)
+        return linear(out, self.o_proj)
 
 
 class DenseMLP(nn.Module):
     """SwiGLU: gate_up [2I, H] = cat(gate_proj, up_proj); down [H, I]."""
+
+    PACKABLE = ("gate_up", "down")
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
         super().__init__()
@@ -158,6 +186,8 @@ class DenseMLP(nn.Module):
 class SparseMoE(nn.Module):
     """router [E, H]; experts_gate_up [E, 2I, H]; experts_down [E, H, I]; shared expert (shared_gate_up,
     shared_down) scaled by sigmoid(shared_gate [1, H] . x)."""
+
+    PACKABLE = ("experts_gate_up", "experts_down", "shared_gate_up", "shared_down")
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, norm_topk_prob: bool):
         super().__init__()

@@ -10,14 +10,17 @@ the l-th GDN layer (see batch.Caches).
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from .batch import Caches, ForwardBatch
-from .layers import DecoderLayer, StepContext, _param
+from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import rotary_cos_sin, rotary_inv_freq
+from .ops.linear import PackedWeight, can_prepack, linear
 from .ops.norm import rms_norm
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,6 +33,13 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
         return TORCH_DTYPES[str(name).replace("torch.", "")]
     except KeyError:
         raise ConfigError(f"unsupported dtype {name!r}; use one of {', '.join(TORCH_DTYPES)}") from None
+
+
+def _consecutive(xs: list[int]) -> tuple[int, int] | None:
+    """(xs[0], xs[-1] + 1) when xs is a, a+1, a+2, ...; else None."""
+    if xs and all(b == a + 1 for a, b in itertools.pairwise(xs)):
+        return xs[0], xs[-1] + 1
+    return None
 
 
 class HybridModel(nn.Module):
@@ -95,14 +105,18 @@ class HybridModel(nn.Module):
                     raise ValueError(f"a decode span has one token, not {s.length}")
                 dec_rows.append(s.start)
                 dec_slots.append(s.slot)
+            if s.page_ids.numel() * bs < s.pos + s.length:
+                raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
+                                 f"needs {s.pos + s.length}")
             p = torch.arange(s.pos, s.pos + s.length, device=dev)
             pages.append(s.page_ids.to(dev)[p // bs])
             rows.append(p % bs)
-        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev) if xs else None  # noqa: E731
+        as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev) if xs else None
         empty = torch.empty(0, dtype=torch.long, device=dev)
         return StepContext(batch=batch, cos=cos, sin=sin,
                            kv_pages=torch.cat(pages) if pages else empty, kv_rows=torch.cat(rows) if rows else empty,
-                           decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots))
+                           decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots),
+                           decode_slot_range=_consecutive(dec_slots))
 
     def forward(self, batch: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm)."""
@@ -120,5 +134,24 @@ class HybridModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
-        w = self.embed_tokens if self.tied else self.lm_head
-        return F.linear(hidden, w).float()
+        w = self.packed_head if self.packed_head is not None else (self.embed_tokens if self.tied else self.lm_head)
+        return linear(hidden, w).float()
+
+    packed_head: PackedWeight | None = None
+
+    def prepack_linears(self) -> bool:
+        """Where it helps and keeps bits (bf16 weights on a CPU with oneDNN): reorder every projection and
+        the head once into oneDNN's layout; same logits bit for bit, faster small-batch GEMMs. The packed
+        weights replace the parameters (they leave state_dict; the embedding stays for lookups). Returns
+        whether it packed; call once, after loading, before serving."""
+        if self.packed_head is not None or not can_prepack(self.dtype, self.device):
+            return False
+        for module in self.modules():
+            names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
+            if names:
+                prepack(module, names)
+        if self.tied:
+            self.packed_head = PackedWeight(self.embed_tokens)
+        else:
+            self.packed_head = PackedWeight(self._parameters.pop("lm_head"))
+        return True

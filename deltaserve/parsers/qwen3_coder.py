@@ -242,7 +242,9 @@ def _parse_function_body(body: str) -> tuple[str, list[tuple[str, str]]] | None:
 
 
 def _parse_call(text: str, start: int, final: bool) -> tuple[str, Any]:
-    """Parse the call whose marker is at text[start]. -> ("ok", (name, params, end)) | ("wait", None) | ("bad", None)."""
+    """Parse the call whose marker is at text[start].
+
+    -> ("ok", (name, params, end)) | ("wait", None) while it may still complete | ("bad", None)."""
     i = start
     wrapped = text.startswith(TOOL_CALL_START, i)
     if wrapped:

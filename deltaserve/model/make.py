@@ -1,0 +1,129 @@
+"""make_random_model: a checkpoint of seeded random weights in Hugging Face format (config.json + model.safetensors).
+
+Same bytes on every machine: values come from torch.rand on a CPU torch.Generator (24-bit integers scaled
+by powers of two: no transcendental functions, no fused multiply-adds), then one multiply by a Python
+float and a cast, each correctly rounded. GDN decay parameters come from a fixed table of dyadic values.
+
+Initialisation: uniform with std 0.02 for projections and embeddings; conv weights uniform in
++-1/sqrt(kernel) (PyTorch's Conv1d default); zero-centred RMSNorm weights 0 and the gated GDN norm 1
+(neutral); A_log in [0, 2.75] (A = exp(A_log) in [1, 15.6]) and dt_bias in [-6.875, -2.25] (softplus(dt_bias)
+~ 0.001-0.1, Mamba's dt range), stored float32.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig
+from .layers import is_moe_layer
+from .qwen3_5 import torch_dtype
+
+STD = 0.02
+_DRAW = 1 << 22  # values drawn per torch.rand call (fixed: the stream must not depend on it changing)
+
+
+def _uniform(gen: torch.Generator, shape: tuple[int, ...], bound: float, dtype: torch.dtype) -> torch.Tensor:
+    """Uniform in [-bound, bound), computed in float32 and cast to dtype, deterministic across machines."""
+    n = math.prod(shape)
+    out = torch.empty(n, dtype=dtype)
+    for s in range(0, n, _DRAW):
+        u = torch.rand(min(_DRAW, n - s), generator=gen, dtype=torch.float32)
+        out[s:s + u.numel()] = ((u * 2.0 - 1.0) * bound).to(dtype)
+    return out.reshape(shape)
+
+
+def _specs(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """(checkpoint name, shape, init) in the checkpoint format of cfg.model_type."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    out = [(prefix + "embed_tokens.weight", (V, H), "normal")]
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"{prefix}layers.{i}."
+        out += [(p + "input_layernorm.weight", (H,), "zeros"), (p + "post_attention_layernorm.weight", (H,), "zeros")]
+        if kind == "linear_attention":
+            a = p + "linear_attn."
+            hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            if cfg.model_type == "qwen3_next":
+                out += [(a + "in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, H), "normal"),
+                        (a + "in_proj_ba.weight", (2 * hv, H), "normal")]
+            else:
+                out += [(a + "in_proj_qkv.weight", (cfg.conv_dim, H), "normal"),
+                        (a + "in_proj_z.weight", (hv * dv, H), "normal"),
+                        (a + "in_proj_b.weight", (hv, H), "normal"),
+                        (a + "in_proj_a.weight", (hv, H), "normal")]
+            out += [(a + "conv1d.weight", (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim), "conv"),
+                    (a + "A_log", (hv,), "A_log"), (a + "dt_bias", (hv,), "dt_bias"),
+                    (a + "norm.weight", (dv,), "ones"), (a + "out_proj.weight", (H, hv * dv), "normal")]
+        else:
+            a = p + "self_attn."
+            hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+            out += [(a + "q_proj.weight", (2 * hq * d, H), "normal"), (a + "k_proj.weight", (hkv * d, H), "normal"),
+                    (a + "v_proj.weight", (hkv * d, H), "normal"), (a + "q_norm.weight", (d,), "zeros"),
+                    (a + "k_norm.weight", (d,), "zeros"), (a + "o_proj.weight", (H, hq * d), "normal")]
+        m = p + "mlp."
+        if is_moe_layer(cfg, i):
+            inter = cfg.moe_intermediate_size
+            out.append((m + "gate.weight", (cfg.num_experts, H), "normal"))
+            for e in range(cfg.num_experts):
+                out += [(f"{m}experts.{e}.gate_proj.weight", (inter, H), "normal"),
+                        (f"{m}experts.{e}.up_proj.weight", (inter, H), "normal"),
+                        (f"{m}experts.{e}.down_proj.weight", (H, inter), "normal")]
+            if cfg.shared_expert_intermediate_size:
+                si = cfg.shared_expert_intermediate_size
+                out += [(m + "shared_expert.gate_proj.weight", (si, H), "normal"),
+                        (m + "shared_expert.up_proj.weight", (si, H), "normal"),
+                        (m + "shared_expert.down_proj.weight", (H, si), "normal"),
+                        (m + "shared_expert_gate.weight", (1, H), "normal")]
+        else:
+            out += [(m + "gate_proj.weight", (cfg.intermediate_size, H), "normal"),
+                    (m + "up_proj.weight", (cfg.intermediate_size, H), "normal"),
+                    (m + "down_proj.weight", (H, cfg.intermediate_size), "normal")]
+    out.append((prefix + "norm.weight", (H,), "zeros"))
+    if not cfg.tie_word_embeddings:
+        out.append(("lm_head.weight", (V, H), "normal"))
+    return out
+
+
+def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors (Hugging Face names, config dtype; A_log / dt_bias float32) of a random model."""
+    cfg = ModelConfig.from_hf(hf_config)
+    dtype = torch_dtype(cfg.dtype)
+    prefix = "model.language_model." if hf_config.get("model_type") in MULTIMODAL_MODEL_TYPES else "model."
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    sd: dict[str, torch.Tensor] = {}
+    for name, shape, init in _specs(cfg, prefix):
+        if init == "normal":
+            t = _uniform(gen, shape, STD * math.sqrt(3.0), dtype)
+        elif init == "conv":
+            t = _uniform(gen, shape, 1.0 / math.sqrt(cfg.linear_conv_kernel_dim), dtype)
+        elif init == "zeros":
+            t = torch.zeros(shape, dtype=dtype)
+        elif init == "ones":
+            t = torch.ones(shape, dtype=dtype)
+        elif init == "A_log":  # k/8 for k in 0..22: A in [1, 15.6]
+            t = torch.tensor([((h * 7) % 23) / 8.0 for h in range(shape[0])], dtype=torch.float32)
+        elif init == "dt_bias":  # -2.25 - k/8 for k in 0..37
+            t = torch.tensor([-2.25 - ((h * 5) % 38) / 8.0 for h in range(shape[0])], dtype=torch.float32)
+        else:  # pragma: no cover
+            raise AssertionError(init)
+        sd[name] = t.contiguous()
+    return sd
+
+
+def make_random_model(hf_config: dict, out_dir: str, seed: int = 0) -> None:
+    """Write config.json and model.safetensors (seeded random weights) to out_dir, in the checkpoint format
+    of hf_config's model_type (qwen3_5_text, qwen3_5_moe_text, qwen3_next, or the text part of qwen3_5 /
+    qwen3_5_moe under model.language_model.*)."""
+    from safetensors.torch import save_file
+
+    config = dict(hf_config)
+    config.setdefault("dtype", "bfloat16")
+    sd = random_state_dict(config, seed)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})

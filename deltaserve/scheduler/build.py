@@ -1,0 +1,77 @@
+"""Build the memory manager and the scheduler from a model's geometry and the engine's flags.
+
+One function for the engine and the simulator, so the block size, the pool, the GDN slots and the
+chunking rules of a simulated replica are the ones the engine would have. Pure Python, no torch.
+
+    shape = resolve_shape(model_config, dtype="bfloat16", block_size=16, kv_cache_memory=64 << 20,
+                          max_num_seqs=8)
+    memory, scheduler = build_scheduler(shape, max_num_seqs=8, max_num_batched_tokens=512,
+                                        enable_prefix_caching=True)
+
+This mirrors LLMEngine.__init__ (engine.py): the block size is vLLM's rule at this engine's alignment
+(--block-size rounded up to a multiple of the 64-token GDN chunk), the pool is sizing.plan_pool over the
+cache budget with one GDN slot per --max-num-seqs, the conv state and KV take the model dtype and the
+recurrent state float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ConfigError, ModelConfig
+from ..memory.manager import MemoryManager
+from ..sizing import (ENGINE_KERNEL_ALIGNMENT, Geometry, PoolPlan, alignment_for, cdiv, geometry,
+                      hybrid_block_size, plan_pool)
+from .scheduler import Scheduler
+
+MODEL_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def resolve_dtype(requested: str, mc: ModelConfig) -> str:
+    """--dtype auto = the checkpoint's dtype; anything the engine cannot run falls back to bfloat16."""
+    d = mc.dtype if requested == "auto" else requested
+    return d if d in MODEL_DTYPES else "bfloat16"
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What the engine derives from the model and its flags before it allocates anything."""
+
+    dtype: str
+    geometry: Geometry
+    block_size: int
+    pool: PoolPlan
+    max_model_len: int
+
+
+def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16, kv_cache_memory: int,
+                  max_num_seqs: int, cache_layout: str = "in-page", max_model_len: int | None = None) -> EngineShape:
+    """The engine's block size, pool and max model length for a cache budget of kv_cache_memory bytes.
+
+    Raises ConfigError where the engine would refuse to start."""
+    dt = resolve_dtype(dtype, mc)
+    geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")
+    user_bs = ENGINE_KERNEL_ALIGNMENT * cdiv(block_size, ENGINE_KERNEL_ALIGNMENT)
+    bs = hybrid_block_size(geom, alignment_for(ENGINE_KERNEL_ALIGNMENT, user_bs))
+    pool = plan_pool(geom, kv_cache_memory, bs, max_num_seqs, cache_layout)
+    if pool.num_pages < 2:
+        raise ConfigError(f"a {kv_cache_memory:,}-byte cache budget holds {pool.num_pages} pages of {bs} tokens "
+                          f"after {pool.num_slots} GDN slots of {pool.slot_bytes:,} bytes; raise --kv-cache-memory "
+                          f"or lower --max-num-seqs")
+    max_len = max_model_len or min(mc.max_position_embeddings, pool.pool_tokens)
+    if max_len > pool.pool_tokens:
+        raise ConfigError(f"--max-model-len {max_len} exceeds the KV pool ({pool.pool_tokens:,} tokens); "
+                          f"raise --kv-cache-memory or lower --max-model-len")
+    return EngineShape(dt, geom, bs, pool, max_len)
+
+
+def build_memory(shape: EngineShape, *, enable_prefix_caching: bool = True) -> MemoryManager:
+    p = shape.pool
+    return MemoryManager(num_pages=p.num_pages, num_slots=p.num_slots, block_size=shape.block_size,
+                         num_gdn_groups=p.num_gdn_groups, caching=enable_prefix_caching, layout=p.layout)
+
+
+def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_tokens: int,
+                    enable_prefix_caching: bool = True) -> tuple[MemoryManager, Scheduler]:
+    """A fresh MemoryManager and the Scheduler over it, as the engine builds them."""
+    memory = build_memory(shape, enable_prefix_caching=enable_prefix_caching)
+    return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)

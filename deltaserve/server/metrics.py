@@ -1,0 +1,151 @@
+"""Prometheus metrics, one CollectorRegistry per app (no global state): vLLM's names where vLLM has one.
+
+Engine-wide numbers (running / waiting, KV usage, prefix-cache queries and hits, token counters,
+pages, GDN slots, checkpoints) come from the engine thread's latest EngineStats snapshot at scrape
+time. Per-request latencies (time to first token, inter-token latency, end to end) are observed by
+the server as outputs arrive.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# (metric name, EngineStats field, help). Gauges:
+_GAUGES = (
+    ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
+    ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
+    ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+    ("deltaserve_pages_in_use", "pages_used", "Pages referenced by live requests."),
+    ("deltaserve_pages_total", "pages_total", "Pages in the pool."),
+    ("deltaserve_gdn_slots_in_use", "slots_used", "GDN state slots held by live requests."),
+    ("deltaserve_gdn_slots_total", "slots_total", "GDN state slots in the pool."),
+)
+# Counters (exposed with the _total suffix, as vLLM's are):
+_COUNTERS = (
+    ("vllm:prefix_cache_queries", "prefix_cache_queries", "Prefix-cache queries, in tokens."),
+    ("vllm:prefix_cache_hits", "prefix_cache_hits", "Prefix-cache hits, in tokens."),
+    ("vllm:prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+    ("vllm:num_preemptions", "preemptions", "Cumulative number of preemptions."),
+    ("deltaserve_checkpoints_saved", "checkpoints_saved", "GDN state checkpoints saved into pages."),
+    ("deltaserve_checkpoints_restored", "checkpoints_restored", "GDN state checkpoints restored on a hit."),
+    ("deltaserve_evictions", "evictions", "Cached pages evicted."),
+)
+
+
+_INFO = (
+    ("deltaserve_block_size", "block_size", "Tokens per page (the hybrid block size)."),
+    ("deltaserve_max_model_len", "max_model_len", "The longest prompt plus completion, in tokens."),
+)
+
+
+class _EngineStatsCollector:
+    def __init__(self, get_stats, model_name: str, get_info=None):
+        self._get = get_stats
+        self._info = get_info
+        self._model = model_name
+
+    def collect(self):
+        info = self._info() if self._info is not None else None
+        for name, field, doc in _INFO:
+            v = getattr(info, field, None)
+            if isinstance(v, (int, float)):
+                g = GaugeMetricFamily(name, doc, labels=["model_name"])
+                g.add_metric([self._model], float(v))
+                yield g
+        stats = self._get()
+        if stats is None:
+            return
+        for name, field, doc in _GAUGES:
+            v = getattr(stats, field, None)
+            if v is None:
+                continue
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric([self._model], float(v))
+            yield g
+        for name, field, doc in _COUNTERS:
+            v = getattr(stats, field, None)
+            if v is None:
+                continue
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric([self._model], float(v))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, get_stats, model_name: str, get_info=None):
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.model_name = model_name
+        self.registry.register(_EngineStatsCollector(get_stats, model_name, get_info))
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=_ITL_BUCKETS, registry=self.registry).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                             labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                labels + ["finished_reason"], registry=self.registry)
+        self._http = Counter("deltaserve_http_requests", "HTTP requests answered, by route and status.",
+                             ["route", "status"], registry=self.registry)
+
+    def finished(self, reason: str | None) -> None:
+        self._success.labels(self.model_name, reason or "unknown").inc()
+
+    def http(self, route: str, status: int) -> None:
+        self._http.labels(route, str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Latency bookkeeping of one engine request (event loop thread)."""
+
+    __slots__ = ("metrics", "start", "last", "tokens", "done")
+
+    def __init__(self, metrics: ServerMetrics, start: float):
+        self.metrics = metrics
+        self.start = start
+        self.last: float | None = None
+        self.tokens = 0
+        self.done = False
+
+    def tokens_arrived(self, n: int, now: float) -> None:
+        if n <= 0:
+            return
+        self.tokens += n
+        if self.last is None:
+            self.metrics.ttft.observe(now - self.start)
+        else:
+            gap = (now - self.last) / n
+            for _ in range(n):
+                self.metrics.itl.observe(gap)
+        self.last = now
+
+    def finish(self, reason: str | None, now: float) -> None:
+        if not self.done:
+            self.done = True
+            self.metrics.e2e.observe(now - self.start)
+            self.metrics.finished(reason)
+
+
+def stats_dict(stats: Any) -> dict:
+    if stats is None:
+        return {}
+    try:
+        import dataclasses
+        return dataclasses.asdict(stats)
+    except TypeError:
+        return dict(vars(stats))

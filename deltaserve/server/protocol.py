@@ -1,0 +1,224 @@
+"""Request models of the OpenAI-compatible API (vLLM's field names and extensions).
+
+Every model forbids unknown fields: a field deltaserve does not implement is refused with a 400
+that names it, never silently ignored. Types are strict (no "0.5" for a number, no 1 for true).
+Ranges that SamplingParams checks are left to it, so one message wording holds everywhere.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 64
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class JsonSchemaSpec(_Strict):
+    name: str = Field(default="response", max_length=256)
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute in pydantic; keep the wire name
+    json_schema: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _need_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"response_format of type {self.type} takes no json_schema")
+        return self
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    prompt_logprobs: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=4096)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None  # informational (OpenAI's end-user id); logged nowhere, changes nothing
+
+    @field_validator("seed")
+    @classmethod
+    def _seed_range(cls, v: int | None) -> int | None:
+        if v is not None and not -(2**63) <= v < 2**64:
+            raise ValueError("seed must fit in 64 bits")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_opts(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _nonempty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be an empty list")
+        return v
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any]
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts(cls, v):
+        if isinstance(v, list):
+            for i, p in enumerate(v):
+                if isinstance(p, dict) and p.get("type") not in (None, "text"):
+                    raise ValueError(f"content part {i}: type {p.get('type')!r} is not supported "
+                                     "(this server serves text models; only 'text' parts)")
+        return v
+
+    @model_validator(mode="after")
+    def _roles(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry tool_calls")
+        if self.reasoning_content is not None and self.role != "assistant":
+            raise ValueError("only assistant messages carry reasoning_content")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("only tool messages carry tool_call_id")
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "assistant" and self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+    def text(self) -> str | None:
+        if isinstance(self.content, list):
+            return "\n".join(p.text for p in self.content)
+        return self.content
+
+
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v):
+        if v is None:
+            return v
+        if v.get("type", "object") != "object":
+            raise ValueError("function parameters must be a JSON schema of type object")
+        props = v.get("properties", {})
+        if not isinstance(props, dict) or not all(isinstance(p, (dict, bool)) for p in props.values()):
+            raise ValueError("function parameters.properties must map names to schemas")
+        req = v.get("required", [])
+        if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+            raise ValueError("function parameters.required must be a list of names")
+        return v
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _checks(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("give max_tokens or max_completion_tokens, not two different values")
+        tc = self.tool_choice
+        if tc is not None and tc not in ("none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(tc, NamedToolChoice) and tc.function.name not in {t.function.name for t in self.tools or []}:
+            raise ValueError(f"tool_choice names function {tc.function.name!r}, which is not in tools")
+        if self.tools:
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ValueError("tools have duplicate function names")
+        forced = tc == "required" or isinstance(tc, NamedToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format cannot be combined with a forced tool_choice")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

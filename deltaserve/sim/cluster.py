@@ -1,0 +1,257 @@
+"""The discrete-event simulation: replicas that run the engine's own Scheduler and MemoryManager, with the
+latency model in place of the model runner, behind a router. No torch.
+
+A replica does what LLMEngine.step does, with time taken from the latency model:
+
+    plan = scheduler.schedule()                      # the real scheduler, the real memory manager
+    t_end = now + latency.step_seconds(plan)         # instead of runner.execute(plan) and sampling
+    scheduler.update(plan, {rid: TOKEN ...})         # at t_end: tokens of this step are stamped t_end
+
+Sampled tokens are a fixed id (the trace gives output lengths; a request finishes at its output length,
+as with ignore_eos). Requests arriving while a step runs are seen by the next schedule(), as in the
+engine's loop; an idle replica starts a step the moment a request arrives.
+
+Cluster config (JSON):
+
+    {"profile": "path/to/bundle",              # relative to the config file
+     "router": "round-robin" | "least-loaded" | {"policy": "prefix-affinity", "max_imbalance": 4},
+     "replicas": [{"count": 2, "max_num_seqs": 8, "max_num_batched_tokens": 512,
+                   "kv_cache_memory": 67108864, "enable_prefix_caching": true}]}
+
+Replica keys are the engine's flags (EngineConfig names): dtype, block_size, kv_cache_memory, max_num_seqs,
+max_num_batched_tokens, enable_prefix_caching, cache_layout, max_model_len, num_threads; plus count, name,
+tp and profile (a bundle for this replica group).
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import os
+from dataclasses import dataclass, fields
+
+from ..config import ModelConfig
+from ..scheduler import Request
+from ..scheduler.build import build_scheduler, resolve_shape
+from .bundle import Bundle, load_bundle
+from .latency import LatencyModel
+from .report import RequestRecord
+from .router import Router, make_router
+from .trace import TraceRequest
+
+log = logging.getLogger("deltaserve.sim")
+
+SAMPLED_TOKEN = 11  # what every simulated step "samples"
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory: int | None = None
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    cache_layout: str = "in-page"
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    tp: int = 1
+    name: str | None = None
+    profile: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ReplicaConfig":
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"unknown replica option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
+        return cls(**d)
+
+
+class Replica:
+    def __init__(self, index: int, cfg: ReplicaConfig, bundle: Bundle, latency: LatencyModel | None = None):
+        self.index = index
+        self.name = cfg.name or f"replica-{index}"
+        self.cfg = cfg
+        self.bundle = bundle
+        mc = ModelConfig.from_hf(bundle.config)
+        kv = cfg.kv_cache_memory or (bundle.meta.get("engine") or {}).get("kv_cache_memory")
+        if not kv:
+            raise ValueError(f"{self.name}: kv_cache_memory is required (the bundle records none)")
+        dtype = cfg.dtype if cfg.dtype != "auto" else (bundle.meta.get("dtypes") or {}).get("model", "auto")
+        self.shape = resolve_shape(mc, dtype=dtype, block_size=cfg.block_size, kv_cache_memory=int(kv),
+                                   max_num_seqs=cfg.max_num_seqs, cache_layout=cfg.cache_layout,
+                                   max_model_len=cfg.max_model_len)
+        self.memory, self.scheduler = build_scheduler(self.shape, max_num_seqs=cfg.max_num_seqs,
+                                                      max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                                      enable_prefix_caching=cfg.enable_prefix_caching)
+        recorded = bundle.block_size(cfg.tp)
+        if recorded is not None and recorded != self.shape.block_size and cfg.block_size == 16:
+            log.warning("%s: block size %d differs from the bundle's engine-resolved %d (tp %d)", self.name,
+                        self.shape.block_size, recorded, cfg.tp)
+        threads = (bundle.meta.get("hardware") or {}).get("torch_threads")
+        if cfg.num_threads is not None and threads is not None and cfg.num_threads != threads:
+            log.warning("%s: num_threads %d, but the bundle was profiled with %d", self.name, cfg.num_threads, threads)
+        self.latency = latency or LatencyModel(bundle, tp=cfg.tp)
+        self.max_model_len = self.shape.max_model_len
+        self.records: dict[str, RequestRecord] = {}
+        self._reqs: dict[str, Request] = {}
+        self.plan = None
+        self.busy_until: float | None = None
+        self.num_steps = 0
+        self.busy_time = 0.0
+        self._queued_tokens = 0
+
+    # ---------------------------------------------------------------- load, for routers
+    def outstanding(self) -> int:
+        return self.scheduler.num_running + self.scheduler.num_waiting
+
+    def queued_tokens(self) -> int:
+        return sum(r.num_tokens for r in self.scheduler.waiting)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- requests
+    def submit(self, tr: TraceRequest, req: Request, now: float) -> RequestRecord:
+        rec = RequestRecord(tr.request_id, tr.session_id, self.index, tr.arrival_time, req.num_prompt_tokens,
+                            tr.output_length)
+        self.records[tr.request_id] = rec
+        n, m = req.num_prompt_tokens, req.max_tokens
+        if n >= self.max_model_len or n + m > self.max_model_len:
+            rec.status = f"rejected: {n} + {m} tokens exceed max_model_len {self.max_model_len}"
+            return rec
+        try:
+            self.scheduler.add(req)
+        except ValueError as e:
+            rec.status = f"rejected: {e}"
+            return rec
+        self._reqs[tr.request_id] = req
+        return rec
+
+    # ---------------------------------------------------------------- steps
+    def start(self, now: float) -> float | None:
+        """Plan a step at `now`; returns its end time, or None when there is nothing to run."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty():
+            self.plan, self.busy_until = None, None
+            return None
+        dt = self.latency.step_seconds(plan)
+        self.plan, self.busy_until = plan, now + dt
+        self.num_steps += 1
+        self.busy_time += dt
+        return self.busy_until
+
+    def complete(self, now: float) -> list[RequestRecord]:
+        """The step in flight ends at `now`: its tokens are out. Returns the records that finished."""
+        plan, self.plan, self.busy_until = self.plan, None, None
+        sampled = {w.request_id: SAMPLED_TOKEN for w in plan.work if w.sample}
+        advanced = self.scheduler.update(plan, sampled)
+        done = []
+        for req in advanced:
+            rec = self.records[req.request_id]
+            rec.output_tokens += 1
+            rec.cached_tokens = req.num_cached_tokens
+            rec.preemptions = req.num_preemptions
+            if rec.first_token is None:
+                rec.first_token = now
+            if req.is_finished:
+                rec.finish = now
+                del self._reqs[req.request_id]
+                done.append(rec)
+        return done
+
+
+@dataclass
+class ClusterConfig:
+    replicas: list[ReplicaConfig]
+    router: object
+    profile: str | None
+
+    @classmethod
+    def load(cls, path: str) -> "ClusterConfig":
+        with open(path) as f:
+            d = json.load(f)
+        return cls.from_dict(d, os.path.dirname(os.path.abspath(path)))
+
+    @classmethod
+    def from_dict(cls, d: dict, base: str = ".") -> "ClusterConfig":
+        unknown = sorted(set(d) - {"replicas", "router", "profile", "_comment"})
+        if unknown:
+            raise ValueError(f"unknown cluster option(s): {', '.join(unknown)}")
+        reps = []
+        for g in d.get("replicas") or [{}]:
+            g = dict(g)
+            count = int(g.pop("count", 1))
+            if g.get("profile"):
+                g["profile"] = os.path.join(base, g["profile"])
+            for i in range(count):
+                c = ReplicaConfig.from_dict(g)
+                reps.append(c)
+        prof = d.get("profile")
+        return cls(reps, d.get("router", "round-robin"), os.path.join(base, prof) if prof else None)
+
+
+class Simulation:
+    def __init__(self, cluster: ClusterConfig, bundle: Bundle | None = None, router: Router | None = None):
+        bundles: dict[str, Bundle] = {}
+        models: dict[str, LatencyModel] = {}
+        self.replicas: list[Replica] = []
+        for i, rc in enumerate(cluster.replicas):
+            path = rc.profile or cluster.profile
+            if bundle is not None and rc.profile is None:
+                b = bundle
+            else:
+                if path is None:
+                    raise ValueError("no profile bundle: give one in the cluster config ('profile') or --profile")
+                b = bundles.get(path) or bundles.setdefault(path, load_bundle(path))
+            key = f"{id(b)}/{rc.tp}"
+            lm = models.get(key) or models.setdefault(key, LatencyModel(b, tp=rc.tp))
+            self.replicas.append(Replica(i, rc, b, lm))
+        self.router = router or make_router(cluster.router)
+
+    def run(self, trace: list[TraceRequest]) -> list[RequestRecord]:
+        """Serve the trace (arrival times in seconds from 0); one record per request, in trace order."""
+        reps = self.replicas
+        records: list[RequestRecord] = []
+        heap: list[tuple[float, int]] = []
+        arrivals = sorted(trace, key=lambda r: r.arrival_time)
+        i = 0
+        now = 0.0
+        while i < len(arrivals) or heap:
+            t_arr = arrivals[i].arrival_time if i < len(arrivals) else float("inf")
+            if heap and heap[0][0] < t_arr:
+                now, k = heapq.heappop(heap)
+                r = reps[k]
+                r.complete(now)
+                end = r.start(now) if r.has_work() else None
+                if end is not None:
+                    heapq.heappush(heap, (end, k))
+                continue
+            tr = arrivals[i]
+            i += 1
+            now = t_arr
+            if tr.prompt_token_ids is None:
+                raise ValueError(f"request {tr.request_id} has no token ids: materialize() the trace first")
+            req = Request(tr.request_id, tr.prompt_token_ids, max_tokens=tr.output_length,
+                          cache_salt=tr.cache_salt, arrival_time=tr.arrival_time)
+            k = self.router.route(req, tr.session_id, reps)
+            self.router.observe(k, req, tr.session_id)
+            records.append(reps[k].submit(tr, req, now))
+            r = reps[k]
+            if r.busy_until is None and r.has_work():
+                end = r.start(now)
+                if end is not None:
+                    heapq.heappush(heap, (end, k))
+        for r in reps:  # anything left can never be scheduled (no step could make progress)
+            for rid in list(r._reqs):
+                r.records[rid].status = "unfinished"
+        return records
+
+    def stats(self) -> list[dict]:
+        out = []
+        for r in self.replicas:
+            st = r.scheduler.stats()
+            out.append({"replica": r.index, "name": r.name, "block_size": r.shape.block_size,
+                        "num_pages": r.shape.pool.num_pages, "steps": r.num_steps, "busy_s": r.busy_time, **st})
+        return out

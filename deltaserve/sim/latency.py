@@ -1,0 +1,237 @@
+"""The latency model: the time of one engine step as a function of its StepPlan, from a profile bundle. No torch.
+
+    step time = dense(T) + lm_head(S) + sampler(S)                                  always-on kernels
+              + n_gdn  * [ sum over prefill spans  conv_prefill(L) + post_conv(L) + prefill(L + lead)
+                           + (if D decodes)        conv_decode(D) + decode(D) + decode_glue(D) ]
+              + n_attn * [ sum over prefill spans  attn_prefill(L, pos + L)
+                           + sum over decodes       attn_decode(context) ]
+              + copies: zero_pages(P) + zero_slots(Z) + restore(R) + save(W)
+              + overhead: scheduler(N) + batch_prep(N) + engine_emit(S)
+              + calibrated residual: fixed + per_seq * N + per_prefill * P (and the compute scale)
+    wall time = wall_per_cpu * all of it   (1 when the bundle was timed in wall time)
+
+T tokens in the step, S sampled rows, N sequences, L a prefill span's length, lead its start position
+modulo the 64-token GDN chunk (the chunked kernel pads to its grid). This mirrors how the engine runs a
+step: linear layers over all T tokens at once, GDN prefill and attention per sequence, GDN decode batched.
+Tables are interpolated piecewise-linearly and extrapolated with the slope of their last segment.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass
+
+from .bundle import DENSE_KERNELS, Bundle
+
+GDN_CHUNK = 64
+
+
+class Interp1D:
+    """Piecewise-linear y(x) through sorted points; linear extrapolation, clamped at 0."""
+
+    __slots__ = ("xs", "ys")
+
+    def __init__(self, points):
+        pts: dict[float, list[float]] = {}
+        for x, y in points:
+            pts.setdefault(float(x), []).append(float(y))
+        if not pts:
+            raise ValueError("no points to interpolate")
+        self.xs = sorted(pts)
+        self.ys = [sorted(pts[x])[len(pts[x]) // 2] for x in self.xs]
+
+    def __call__(self, x: float) -> float:
+        xs, ys = self.xs, self.ys
+        n = len(xs)
+        if n == 1:
+            return ys[0] * (x / xs[0]) if xs[0] > 0 else ys[0]
+        i = bisect_right(xs, x) - 1
+        if i < 0:
+            i = 0
+        elif i >= n - 1:
+            i = n - 2
+        x0, x1 = xs[i], xs[i + 1]
+        y = ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+        return y if y > 0.0 else 0.0
+
+
+class Interp2D:
+    """y(q, c): piecewise-linear in c along each profiled q, then linear in q between the two nearest q."""
+
+    def __init__(self, points):
+        rows: dict[float, list[tuple[float, float]]] = {}
+        for q, c, y in points:
+            rows.setdefault(float(q), []).append((c, y))
+        self.qs = sorted(rows)
+        self.rows = [Interp1D(rows[q]) for q in self.qs]
+
+    def __call__(self, q: float, c: float) -> float:
+        qs = self.qs
+        if len(qs) == 1:
+            return self.rows[0](c) * q / qs[0]
+        i = bisect_right(qs, q) - 1
+        i = min(max(i, 0), len(qs) - 2)
+        y0, y1 = self.rows[i](c), self.rows[i + 1](c)
+        y = y0 + (y1 - y0) * (q - qs[i]) / (qs[i + 1] - qs[i])
+        return y if y > 0.0 else 0.0
+
+
+@dataclass
+class StepShape:
+    """What the latency model reads from a StepPlan."""
+
+    prefill: list[tuple[int, int]]  # (length, start position) per prefill span
+    decode_ctx: list[int]  # context length (tokens attended, itself included) per decode
+    n_sample: int
+    zero_pages: int = 0
+    zero_slots: int = 0
+    restores: int = 0
+    saves: int = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return sum(n for n, _ in self.prefill) + len(self.decode_ctx)
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.prefill) + len(self.decode_ctx)
+
+    @classmethod
+    def of(cls, plan) -> "StepShape":
+        prefill, decode, sample = [], [], 0
+        for w in plan.work:
+            n = len(w.token_ids)
+            if w.is_decode:
+                decode.append(w.start_pos + 1)
+            else:
+                prefill.append((n, w.start_pos))
+            if w.sample:
+                sample += 1
+        return cls(prefill, decode, sample, len(plan.zero_pages), len(plan.zero_slots), len(plan.restores),
+                   len(plan.saves))
+
+
+class LatencyModel:
+    """step_us(plan) -> microseconds, from a profile bundle."""
+
+    def __init__(self, bundle: Bundle, tp: int = 1, wall_per_cpu: float | None = None):
+        """wall_per_cpu: the machine's contention to simulate (default: the bundle's, measured while profiling)."""
+        self.bundle = bundle
+        meta = bundle.meta
+        layers = meta.get("layers") or {}
+        self.n_gdn = int(layers.get("gdn", 0))
+        self.n_attn = int(layers.get("attention", 0))
+        if tp != 1 and bundle.block_size(tp) is None:
+            raise ValueError(f"the bundle has no entry for tensor-parallel size {tp}")
+        # dense: one combined per-token curve and one per-sampled-row curve (sum over kernels of layers * time)
+        tok, row = {}, {}
+        for r in bundle.rows("dense.csv"):
+            k = r["kernel"]
+            kind = DENSE_KERNELS.get(k, "tokens")
+            (row if kind == "rows" else tok).setdefault(k, []).append((r["tokens"], r["time_us"] * r["layers"]))
+        if not tok:
+            raise ValueError(f"{bundle.path}: dense.csv has no rows")
+        self.dense_kernels = {k: Interp1D(v) for k, v in tok.items()}
+        self.row_kernels = {k: Interp1D(v) for k, v in row.items()}
+        grid = sorted({x for f in self.dense_kernels.values() for x in f.xs})
+        self.dense = Interp1D([(x, sum(f(x) for f in self.dense_kernels.values())) for x in grid])
+        rgrid = sorted({x for f in self.row_kernels.values() for x in f.xs}) or [1.0]
+        self.rows_fn = Interp1D([(x, sum(f(x) for f in self.row_kernels.values())) for x in rgrid]) \
+            if self.row_kernels else None
+        # GDN, by regime
+        pre: dict[str, list] = {}
+        dec: dict[str, list] = {}
+        for r in bundle.rows("linear_attention.csv"):
+            if r["regime"] == "prefill":
+                pre.setdefault(r["kernel"], []).append((r["prefill_tokens"], r["time_us"]))
+            elif r["regime"] == "decode":
+                dec.setdefault(r["kernel"], []).append((r["n_decode"], r["time_us"]))
+        self.gdn_prefill_chunked = Interp1D(pre.pop("gdn_prefill")) if "gdn_prefill" in pre else None
+        pgrid = sorted({x for v in pre.values() for x, _ in v}) or [1.0]
+        fs = [Interp1D(v) for v in pre.values()]
+        self.gdn_prefill_other = Interp1D([(x, sum(f(x) for f in fs)) for x in pgrid]) if fs else None
+        dgrid = sorted({x for v in dec.values() for x, _ in v}) or [1.0]
+        fs = [Interp1D(v) for v in dec.values()]
+        self.gdn_decode = Interp1D([(x, sum(f(x) for f in fs)) for x in dgrid]) if fs else None
+        # attention
+        ap = [(r["query_tokens"], r["context_len"], r["time_us"]) for r in bundle.rows("attention.csv")
+              if r["kernel"] == "attn_prefill"]
+        ad = [(r["context_len"], r["time_us"]) for r in bundle.rows("attention.csv") if r["kernel"] == "attn_decode"]
+        self.attn_prefill = Interp2D(ap) if ap else None
+        self.attn_decode = Interp1D(ad) if ad else None
+        # copies and overhead
+        cp: dict[str, list] = {}
+        for r in bundle.rows("copies.csv"):
+            cp.setdefault(r["op"], []).append((r["count"], r["time_us"]))
+        self.copies = {k: Interp1D(v) for k, v in cp.items()}
+        ov: dict[str, list] = {}
+        for r in bundle.rows("overhead.csv"):
+            x = r["tokens"] if r["component"] == "engine_emit" else r["n_seqs"]
+            ov.setdefault(r["component"], []).append((x, r["time_us"]))
+        self.overhead = {k: Interp1D(v) for k, v in ov.items()}
+        cal = bundle.calibration
+        self.fixed_us = float(cal.get("fixed_us", 0.0))
+        self.per_seq_us = float(cal.get("per_seq_us", 0.0))
+        self.per_prefill_us = float(cal.get("per_prefill_us", 0.0))
+        self.compute_scale = float(cal.get("compute_scale", 1.0))
+        self.wall_per_cpu = float(wall_per_cpu if wall_per_cpu is not None else cal.get("wall_per_cpu", 1.0))
+        self._dense_cache: dict[int, float] = {}
+        self._dec_cache: dict[int, float] = {}
+
+    # ------------------------------------------------------------------ parts
+    def _dense(self, t: int) -> float:
+        v = self._dense_cache.get(t)
+        if v is None:
+            v = self._dense_cache[t] = self.dense(t)
+        return v
+
+    def _gdn_decode(self, d: int) -> float:
+        v = self._dec_cache.get(d)
+        if v is None:
+            v = self._dec_cache[d] = self.gdn_decode(d) if self.gdn_decode else 0.0
+        return v
+
+    def compute_us(self, s: StepShape) -> float:
+        """The model's share of the step (kernels and copies), before calibration."""
+        t = s.n_tokens
+        us = self._dense(t) if t else 0.0
+        if s.n_sample and self.rows_fn is not None:
+            us += self.rows_fn(s.n_sample)
+        gdn = attn = 0.0
+        for n, pos in s.prefill:
+            if self.gdn_prefill_other is not None:
+                gdn += self.gdn_prefill_other(n)
+            if self.gdn_prefill_chunked is not None:
+                gdn += self.gdn_prefill_chunked(n + pos % GDN_CHUNK)
+            if self.attn_prefill is not None:
+                attn += self.attn_prefill(n, pos + n)
+        if s.decode_ctx:
+            gdn += self._gdn_decode(len(s.decode_ctx))
+            if self.attn_decode is not None:
+                f = self.attn_decode
+                attn += sum(f(c) for c in s.decode_ctx)
+        us += self.n_gdn * gdn + self.n_attn * attn
+        for name, n in (("zero_pages", s.zero_pages), ("zero_slots", s.zero_slots), ("restore", s.restores),
+                        ("save", s.saves)):
+            if n and name in self.copies:
+                us += self.copies[name](n)
+        return us
+
+    def overhead_us(self, s: StepShape) -> float:
+        n = s.n_seqs
+        us = self.fixed_us + self.per_seq_us * n + self.per_prefill_us * len(s.prefill)
+        for name, x in (("scheduler", n), ("batch_prep", n), ("engine_emit", s.n_sample)):
+            f = self.overhead.get(name)
+            if f is not None:
+                us += f(x)
+        return us
+
+    def shape_us(self, s: StepShape) -> float:
+        if not s.n_seqs:
+            return 0.0
+        return self.wall_per_cpu * (self.compute_scale * self.compute_us(s) + self.overhead_us(s))
+
+    def step_us(self, plan) -> float:
+        return self.shape_us(StepShape.of(plan))
+
+    def step_seconds(self, plan) -> float:
+        return self.step_us(plan) * 1e-6

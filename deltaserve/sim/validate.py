@@ -1,0 +1,380 @@
+"""The gate: replay the same trace on the real engine and in the simulator, and compare request by request.
+
+    deltaserve simulate validate --out DIR [--presets tiny,qwen3.5-0.8b-shape] [--loads light,saturated,overloaded]
+                                 [--caching on,off] [--reprofile] [--quick]
+
+For each preset: profile the engine on this machine into DIR/bundles/PRESET (unless a bundle is there), make an
+agent-session trace, and pick three arrival-time scales for it from the simulator's own estimate of the
+engine's capacity (light: ~30% busy; saturated: ~90% busy; overloaded: arrivals about twice as fast as the
+engine can serve). Each (load, caching) scenario then runs:
+
+  real   a fresh LLMEngine (same flags), a few warm-up requests under their own cache salt, then the trace
+         replayed offline, each request added once its arrival time has passed (time.time()), engine.step()
+         in a loop, sleeping when idle; TTFT / TPOT / E2E from the engine's RequestMetrics
+  sim    one simulated replica with the same flags, the same warm-up requests, the same trace
+
+and the table compares mean and p90 TTFT, mean TPOT and mean E2E (bars: 5%, 5%, 2%, 3%), plus the mean
+per-request absolute error. The machine is shared: the bundle's CPU-time tables do not move with the load, but
+wall time does, so the simulator is run with the contention (wall / CPU time of this process) measured in
+three ways: as profiled (`bundle`), on the warm-up steps just before the replay (`probe`, the default for the
+bars: it uses nothing from the replay itself), and over the replay itself (`replay`, a diagnostic that
+separates the latency model's error from the load's drift).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, replace
+
+from .bundle import load_bundle
+from .cluster import ClusterConfig, ReplicaConfig, Simulation
+from .report import RequestRecord, mean, percentile, summarize
+from .trace import AgentTraceSpec, TraceRequest, agent_trace
+
+log = logging.getLogger("deltaserve.sim")
+
+BARS = {"ttft_mean": 5.0, "ttft_p90": 5.0, "tpot_mean": 2.0, "e2e_mean": 3.0}
+
+
+@dataclass
+class Scenario:
+    preset: str
+    engine: dict  # engine flags (EngineConfig names)
+    spec: AgentTraceSpec
+    warmup: int = 6  # warm-up requests (64 + 96 i prompt tokens, 8 + 4 i outputs), run at once before the trace
+
+
+def preset_scenario(preset: str, quick: bool = False) -> Scenario:
+    if preset == "tiny":
+        eng = dict(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=64 << 20)
+        spec = AgentTraceSpec(num_sessions=8 if quick else 16, session_rate=1.0, turns=(2, 4), system_tokens=300,
+                              first_user_tokens=(32, 160), new_tokens=(16, 128), output_tokens=(8, 40),
+                              think_time=2.0, seed=7)
+    elif preset == "qwen3.5-0.8b-shape":
+        eng = dict(max_num_seqs=6, max_num_batched_tokens=1152, kv_cache_memory=1 << 30)
+        spec = AgentTraceSpec(num_sessions=3 if quick else 5, session_rate=1.0, turns=(2, 3), system_tokens=640,
+                              first_user_tokens=(32, 200), new_tokens=(16, 160), output_tokens=(6, 16),
+                              think_time=2.0, seed=7)
+    else:
+        eng = dict(max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_memory=1 << 30)
+        spec = AgentTraceSpec(num_sessions=6, seed=7)
+    return Scenario(preset, eng, spec, warmup=4 if preset == "qwen3.5-0.8b-shape" else 6)
+
+
+def _scale(trace: list[TraceRequest], k: float) -> list[TraceRequest]:
+    return [replace(r, arrival_time=r.arrival_time * k, prompt_token_ids=list(r.prompt_token_ids)) for r in trace]
+
+
+def _warmup_requests(n: int, vocab: int, seed: int = 99) -> list[TraceRequest]:
+    rng = random.Random(seed)
+    return [TraceRequest(f"warmup-{i}", 0.0, 8 + 4 * i, prompt_token_ids=[rng.randrange(10, min(vocab, 4000))
+                                                                           for _ in range(64 + 96 * i)],
+                         cache_salt="warmup") for i in range(n)]
+
+
+# ------------------------------------------------------------------------------------------------ simulator side
+def _cluster(engine_flags: dict, caching: bool, bundle_path: str) -> ClusterConfig:
+    rc = ReplicaConfig(enable_prefix_caching=caching, num_threads=None,
+                       **{k: v for k, v in engine_flags.items() if k in ReplicaConfig.__dataclass_fields__})
+    return ClusterConfig([rc], "round-robin", bundle_path)
+
+
+def run_sim(bundle, engine_flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
+            wall_per_cpu: float | None = None) -> tuple[list[RequestRecord], Simulation]:
+    from .latency import LatencyModel
+
+    sim = Simulation(_cluster(engine_flags, caching, bundle.path), bundle)
+    rep = sim.replicas[0]
+    if wall_per_cpu is not None:
+        rep.latency = LatencyModel(bundle, wall_per_cpu=wall_per_cpu)
+    if warmup:  # the real engine's warm-up requests, all at once: they leave the same pages cached
+        from ..scheduler import Request
+
+        for w in warmup:
+            rep.submit(w, Request(w.request_id, w.prompt_token_ids, max_tokens=w.output_length,
+                                  cache_salt=w.cache_salt), 0.0)
+        while rep.has_work():
+            if rep.start(0.0) is None:
+                break
+            rep.complete(0.0)
+        rep.records.clear()
+        rep.num_steps, rep.busy_time = 0, 0.0
+    return sim.run(trace), sim
+
+
+def utilization(bundle, flags: dict, caching: bool, trace: list[TraceRequest]) -> float:
+    recs, sim = run_sim(bundle, flags, caching, trace, [])
+    span = max(r.finish for r in recs if r.finish is not None) - min(r.arrival for r in recs)
+    return sim.replicas[0].busy_time / span if span > 0 else 1.0
+
+
+def pick_scales(bundle, flags: dict, trace: list[TraceRequest], caching: bool = False) -> dict[str, float]:
+    """Arrival-time scale factors for light (~30% busy), saturated (~90% busy) and overloaded (arrivals twice as
+    fast as the saturated scale's) load, found by bisection on the simulator's busy fraction (caching off:
+    the heavier case, so saturated with caching on is a little lighter)."""
+    def find(target: float) -> float:
+        lo, hi = 0.01, 100.0
+        for _ in range(30):
+            mid = (lo * hi) ** 0.5
+            u = utilization(bundle, flags, caching, _scale(trace, mid))
+            if u > target:
+                lo = mid
+            else:
+                hi = mid
+        return hi
+    sat = find(0.9)
+    return {"light": find(0.3), "saturated": sat, "overloaded": sat / 2}
+
+
+# ------------------------------------------------------------------------------------------------ real side
+def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
+             num_threads: int | None, clock: str = "wall", progress: bool = True) -> tuple[list[RequestRecord], dict]:
+    """Replay the trace on a fresh LLMEngine; per-request records and replay facts.
+
+    clock "wall": arrival times and token times in wall-clock seconds (time.time()), sleeping while idle.
+    clock "cpu": a virtual clock that advances by this thread's CPU time while the engine works (add_request and
+    step, one torch thread) and jumps to the next arrival while it is idle: the engine on a core of its own,
+    whatever else the shared machine runs. Requests are added once the clock passes their arrival time."""
+    from ..config import EngineConfig
+    from ..engine import LLMEngine
+    from ..sampling_params import SamplingParams
+    from .latency import StepShape
+
+    cfg = EngineConfig(preset=preset, dtype="auto", enable_prefix_caching=caching, num_threads=num_threads,
+                       **engine_flags)
+    eng = LLMEngine(cfg)
+    captured, steps = [], []
+    orig = eng.scheduler.schedule
+
+    def schedule():
+        p = orig()
+        captured.append(p)
+        return p
+    params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    eng.scheduler.schedule = schedule
+    warm_steps = []
+    for w in warmup:  # all at once: prefills, mixed steps and decode batches, the probe of the machine's speed
+        eng.add_request(w.request_id, {"prompt_token_ids": w.prompt_token_ids, "cache_salt": w.cache_salt},
+                        params(w.output_length))
+    while eng.has_unfinished_requests():
+        c, t = time.thread_time(), time.perf_counter()
+        eng.step()
+        dw, dc = time.perf_counter() - t, time.thread_time() - c
+        if captured:
+            warm_steps.append((StepShape.of(captured[-1]), dw * 1e6, dc * 1e6))
+            captured.clear()
+    wall = sum(x[1] for x in warm_steps)
+    cpu = sum(x[2] for x in warm_steps)
+    probe = wall / cpu if cpu > 0 else 1.0
+    eng.scheduler.schedule = schedule
+    pending = sorted(trace, key=lambda r: r.arrival_time)
+    by_id = {r.request_id: r for r in trace}
+    recs: dict[str, RequestRecord] = {}
+    k = 0
+    virtual = 0.0
+    t0 = time.time() + 0.01
+    now = (lambda: virtual) if clock == "cpu" else (lambda: time.time() - t0)  # noqa: E731
+    c0, w0 = time.thread_time(), time.perf_counter()
+    busy_wall = busy_cpu = 0.0
+    last_print = time.time()
+    while k < len(pending) or eng.has_unfinished_requests():
+        c, t = time.thread_time(), time.perf_counter()
+        while k < len(pending) and pending[k].arrival_time <= now():
+            r = pending[k]
+            eng.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, params(r.output_length),
+                            cache_salt=r.cache_salt, arrival_time=t0 + r.arrival_time)
+            recs[r.request_id] = RequestRecord(r.request_id, r.session_id, 0, r.arrival_time, len(r.prompt_token_ids),
+                                               r.output_length)
+            k += 1
+        if not eng.has_unfinished_requests():
+            if clock == "cpu":
+                virtual = max(virtual, pending[k].arrival_time)
+            else:
+                time.sleep(max(0.0, pending[k].arrival_time - now()))
+            continue
+        outs = eng.step()
+        dw, dc = time.perf_counter() - t, time.thread_time() - c
+        virtual += dc
+        busy_wall += dw
+        busy_cpu += dc
+        if captured:
+            steps.append((StepShape.of(captured[-1]), dw * 1e6, dc * 1e6))
+            captured.clear()
+        t_out = now()
+        for o in outs:
+            rec = recs.get(o.request_id)
+            if rec is None or not o.outputs[0].token_ids:
+                continue
+            if rec.first_token is None:
+                rec.first_token = t_out
+            if o.finished:
+                rec.finish = t_out
+                rec.output_tokens = len(o.outputs[0].token_ids)
+                rec.cached_tokens = o.num_cached_tokens
+                rec.preemptions = o.metrics.num_preemptions if o.metrics else 0
+        if progress and time.time() - last_print > 15:
+            n_done = sum(1 for r in recs.values() if r.finish is not None)
+            print(f"    real ({clock} clock): {n_done}/{len(trace)} done, {k} arrived, t={now():.1f}s", file=sys.stderr,
+                  flush=True)
+            last_print = time.time()
+    info = {"clock": clock, "probe_wall_per_cpu": round(probe, 4),
+            "replay_wall_per_cpu": round(busy_wall / busy_cpu, 4) if busy_cpu > 0 else 1.0,
+            "replay_wall_s": round(time.perf_counter() - w0, 2), "replay_cpu_s": round(time.thread_time() - c0, 2),
+            "load_avg": os.getloadavg()[0], "steps": steps, "warmup_steps": warm_steps}
+    del eng
+    return [recs[r.request_id] for r in trace], info
+
+
+# ------------------------------------------------------------------------------------------------ comparison
+def compare(real: list[RequestRecord], sim: list[RequestRecord]) -> dict:
+    def metric(recs, name):
+        return [getattr(r, name) for r in recs if getattr(r, name) is not None]
+
+    out = {}
+    for name, fn, key in (("ttft", mean, "ttft_mean"), ("ttft", lambda xs: percentile(xs, 90), "ttft_p90"),
+                          ("tpot", mean, "tpot_mean"), ("e2e", mean, "e2e_mean")):
+        a, b = fn(metric(real, name)), fn(metric(sim, name))
+        out[key] = {"real": a, "sim": b, "err_pct": 100.0 * (b - a) / a if a else float("nan")}
+    by = {r.request_id: r for r in sim}
+    per = []
+    for r in real:
+        s = by.get(r.request_id)
+        if s is not None and r.e2e and s.e2e is not None:
+            per.append(abs(s.e2e - r.e2e) / r.e2e)
+    out["per_request_e2e_mape_pct"] = 100.0 * mean(per) if per else float("nan")
+    out["cached_tokens"] = {"real": sum(r.cached_tokens for r in real), "sim": sum(r.cached_tokens for r in sim)}
+    out["preemptions"] = {"real": sum(r.preemptions for r in real), "sim": sum(r.preemptions for r in sim)}
+    out["pass"] = all(abs(out[k]["err_pct"]) <= v for k, v in BARS.items())
+    return out
+
+
+def speed_factor(bundle, steps, clock: str) -> float:
+    """How much slower (>1) or faster this machine ran `steps` than the bundle's CPU-time model predicts:
+    measured time on the replay's clock / predicted CPU time. On the warm-up steps it is the probe of the
+    machine's present speed (contention included on the wall clock); on the replay's own steps, the oracle."""
+    from .latency import LatencyModel
+
+    lm = LatencyModel(bundle, wall_per_cpu=1.0)
+    pred = sum(lm.shape_us(s) for s, _, _ in steps)
+    meas = sum((w if clock == "wall" else c) for _, w, c in steps)
+    return meas / pred if pred > 0 else 1.0
+
+
+def step_model_error(bundle, steps) -> float:
+    """The latency model's total error over the real replay's own steps (CPU time, wall_per_cpu 1), in %."""
+    from .latency import LatencyModel
+
+    lm = LatencyModel(bundle, wall_per_cpu=1.0)
+    meas = sum(c for _, _, c in steps)
+    pred = sum(lm.shape_us(s) for s, _, _ in steps)
+    return 100.0 * (pred - meas) / meas if meas else float("nan")
+
+
+def format_table(results: list[dict], variants: dict[str, str]) -> str:
+    """variants: clock -> which simulated variant to show for it."""
+    head = ("| preset | load | caching | clock | reqs | real TTFT mean / p90 (s) | TTFT mean err | TTFT p90 err | "
+            "real TPOT (ms) | TPOT err | real E2E (s) | E2E err | per-req E2E err | cached tok real / sim | "
+            "step-model err | speed probe / oracle | pass |")
+    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    for r in results:
+        v = variants.get(r["clock"])
+        if v is None or v not in r["compare"]:
+            continue
+        c = r["compare"][v]
+        f = lambda k: f"{c[k]['err_pct']:+.1f}%"  # noqa: E731
+        info = r["real_info"]
+        lines.append(
+            f"| {r['preset']} | {r['load']} | {'on' if r['caching'] else 'off'} | {r['clock']} ({v}) | {r['requests']} | "
+            f"{c['ttft_mean']['real']:.3f} / {c['ttft_p90']['real']:.3f} | {f('ttft_mean')} | {f('ttft_p90')} | "
+            f"{1000 * c['tpot_mean']['real']:.1f} | {f('tpot_mean')} | {c['e2e_mean']['real']:.3f} | {f('e2e_mean')} | "
+            f"{c['per_request_e2e_mape_pct']:.1f}% | {c['cached_tokens']['real']} / {c['cached_tokens']['sim']} | "
+            f"{r['step_model_err_pct']:+.1f}% | {info['probe_factor']:.2f} / {info['oracle_factor']:.2f} | "
+            f"{'yes' if c['pass'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deltaserve simulate validate",
+                                description="replay traces on the real engine and in the simulator; compare")
+    p.add_argument("--out", required=True, help="directory for bundles, traces, per-request CSVs and the table")
+    p.add_argument("--presets", default="tiny,qwen3.5-0.8b-shape")
+    p.add_argument("--loads", default="light,saturated,overloaded")
+    p.add_argument("--caching", default="on,off")
+    p.add_argument("--clocks", default="cpu,wall", help="replay clocks: cpu (the engine on a core of its own), wall")
+    p.add_argument("--num-threads", type=int, default=1, help="torch threads for profiling and the real engine")
+    p.add_argument("--reprofile", action="store_true", help="profile again even if a bundle exists")
+    p.add_argument("--quick", action="store_true", help="fewer sessions and a quick profile (a smoke run)")
+    p.add_argument("--quick-profile", default="qwen3.5-0.8b-shape",
+                   help="presets profiled on the quick grid even without --quick (comma-separated)")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    os.makedirs(a.out, exist_ok=True)
+    from ..profile import make_engine
+    from ..profile.profiler import profile as run_profile
+    from .report import write_csv
+    from .trace import write_trace
+
+    results = []
+    out_json = os.path.join(a.out, "validation.json")
+    for preset in a.presets.split(","):
+        sc = preset_scenario(preset, a.quick)
+        bdir = os.path.join(a.out, "bundles", preset)
+        if a.reprofile or not os.path.exists(os.path.join(bdir, "meta.yaml")):
+            print(f"[{preset}] profiling into {bdir}", file=sys.stderr, flush=True)
+            eng = make_engine(None, preset, num_threads=a.num_threads, **sc.engine)
+            run_profile(eng, bdir, quick=a.quick or preset in a.quick_profile.split(","), source=f"preset:{preset}")
+            del eng
+        bundle = load_bundle(bdir)
+        vocab = int(bundle.config.get("vocab_size", 4096))
+        base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000)))
+        warm = _warmup_requests(sc.warmup, vocab)
+        scales = pick_scales(bundle, sc.engine, base)
+        print(f"[{preset}] {len(base)} requests; arrival scales {scales}", file=sys.stderr, flush=True)
+        for load in a.loads.split(","):
+            trace = _scale(base, scales[load])
+            write_trace(os.path.join(a.out, f"trace-{preset}-{load}.jsonl"), trace)
+            for caching in [c == "on" for c in a.caching.split(",")]:
+                for clock in a.clocks.split(","):
+                    tag = f"{preset}-{load}-{'on' if caching else 'off'}-{clock}"
+                    print(f"[{tag}] real replay ({trace[-1].arrival_time:.1f} s of arrivals)", file=sys.stderr,
+                          flush=True)
+                    real, info = run_real(preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock)
+                    steps = info.pop("steps")
+                    write_csv(os.path.join(a.out, f"real-{tag}.csv"), real)
+                    warm_steps = info.pop("warmup_steps")
+                    probe = speed_factor(bundle, warm_steps, clock)
+                    oracle = speed_factor(bundle, steps, clock)
+                    info["probe_factor"], info["oracle_factor"] = round(probe, 4), round(oracle, 4)
+                    static = 1.0 if clock == "cpu" else None  # CPU tables as measured / the bundle's wall per CPU
+                    variants = {"probe": probe, "static": static, "oracle": oracle}
+                    cmp, sims = {}, {}
+                    for variant, wpc in variants.items():
+                        t = time.perf_counter()
+                        recs, _ = run_sim(bundle, sc.engine, caching, trace, warm, wpc)
+                        sims[variant] = round(time.perf_counter() - t, 3)
+                        write_csv(os.path.join(a.out, f"sim-{tag}-{variant}.csv"), recs)
+                        cmp[variant] = compare(real, recs)
+                    res = {"preset": preset, "load": load, "caching": caching, "clock": clock,
+                           "requests": len(trace), "scale": scales[load], "real_info": info,
+                           "step_model_err_pct": step_model_error(bundle, steps), "real_summary": summarize(real),
+                           "compare": cmp, "sim_wall_s": sims}
+                    results.append(res)
+                    print(format_table([res], {"cpu": "probe", "wall": "probe"}).splitlines()[-1], file=sys.stderr,
+                          flush=True)
+                    with open(out_json, "w") as f:
+                        json.dump({"results": results, "bars_pct": BARS}, f, indent=2, default=str)
+    text = ["## The gate: real engine vs simulator, speed probed on the warm-up steps before each replay", "",
+            format_table(results, {"cpu": "probe", "wall": "probe"}), "",
+            "## Without the probe: the bundle as profiled (CPU tables; wall clock: the profile's wall/CPU)", "",
+            format_table(results, {"cpu": "static", "wall": "static"}), "",
+            "## Oracle speed (the replay's own total step time): what is left is the latency model's shape", "",
+            format_table(results, {"cpu": "oracle", "wall": "oracle"})]
+    with open(os.path.join(a.out, "validation.md"), "w") as f:
+        f.write("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0

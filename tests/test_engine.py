@@ -1,0 +1,130 @@
+"""Engine foundation gates (issue 2): chunked == unchunked, paged == contiguous, concurrent == solo,
+preempted == uninterrupted, bad input refused while other requests carry on."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deltaserve import SamplingParams
+from deltaserve.engine import EngineInputError
+
+from util import greedy, make_llm, random_tokens, run, signature
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = random.Random(1)
+    return [random_tokens(rng, n) for n in (1, 63, 64, 65, 200, 300, 700)]
+
+
+def test_chunked_equals_unchunked(prompts):
+    whole = make_llm(enable_prefix_caching=False, max_num_batched_tokens=4096)
+    on_grid = make_llm(enable_prefix_caching=False, max_num_batched_tokens=64)
+    off_grid = make_llm(enable_prefix_caching=False, max_num_batched_tokens=100)
+    ref = [signature(o) for o in run(whole, prompts)]
+    assert [signature(o) for o in run(on_grid, prompts)] == ref  # bit-identical logprobs on the 64 grid
+    assert [signature(o)[0] for o in run(off_grid, prompts)] == [r[0] for r in ref]  # greedy-identical
+
+
+def test_paged_equals_contiguous_and_concurrent_equals_solo(prompts):
+    llm = make_llm(enable_prefix_caching=False)
+    solo = [signature(run(llm, [p])[0]) for p in prompts]
+    # a fresh engine allocates pages in order (a contiguous run); after churn the free list is scattered
+    rng = random.Random(2)
+    run(llm, [random_tokens(rng, rng.randrange(50, 400)) for _ in range(12)], params=greedy(max_tokens=3))
+    together = [signature(o) for o in run(llm, prompts)]
+    assert [t[0] for t in together] == [s[0] for s in solo]  # tokens never depend on the batch
+    assert together == solo  # and here the logprobs are bit-identical too
+
+
+def test_preempted_equals_uninterrupted():
+    rng = random.Random(3)
+    prompts = [random_tokens(rng, 200 + 40 * i) for i in range(6)]
+    params = greedy(max_tokens=120, logprobs=None)
+    big = make_llm(enable_prefix_caching=False)
+    ref = [signature(run(big, [p], params=params)[0])[0] for p in prompts]
+    # 8 pages of 128 tokens cannot hold six ~400-token sequences at once
+    small = make_llm(enable_prefix_caching=False, kv_cache_memory=_budget_for_pages(small_pages=10), max_num_seqs=6)
+    outs = run(small, prompts, params=params)
+    assert small.engine.stats().preemptions > 0
+    assert [signature(o)[0] for o in outs] == ref
+    assert small.engine.stats().pages_used == 0 and small.engine.stats().slots_used == 0
+
+
+def _budget_for_pages(small_pages: int) -> int:
+    from deltaserve.config import ModelConfig
+    from deltaserve.embedded import ensure_model
+    from deltaserve.sizing import geometry, hybrid_block_size, plan_pool
+
+    mc = ModelConfig.from_path(ensure_model("tiny"))
+    g = geometry(mc, "bfloat16", "bfloat16", "float32")
+    p = plan_pool(g, 1 << 30, hybrid_block_size(g, 64), 6)
+    return 6 * p.slot_bytes + small_pages * p.bytes_per_page
+
+
+def test_bad_input_refused_and_others_carry_on():
+    llm = make_llm()
+    eng = llm.engine
+    good = random_tokens(random.Random(4), 150)
+    eng.add_request("good", {"prompt_token_ids": good}, greedy(max_tokens=6))
+    bad = [
+        ({"prompt_token_ids": []}, SamplingParams(), "empty"),
+        ({"prompt_token_ids": [1] * (eng.max_model_len + 1)}, SamplingParams(), "maximum context length"),
+        ({"prompt_token_ids": [eng.model_config.vocab_size + 5]}, SamplingParams(), "out of range"),
+        ({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=eng.max_model_len), "maximum context length"),
+        ({"prompt_token_ids": [5, 6]}, SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
+    ]
+    for i, (prompt, params, needle) in enumerate(bad):
+        with pytest.raises(EngineInputError, match=needle):
+            eng.add_request(f"bad{i}", prompt, params)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o for o in eng.step() if o.finished]
+    assert [o.request_id for o in done] == ["good"] and len(done[0].outputs[0].token_ids) == 6
+    assert eng.stats().pages_used == 0
+
+
+def test_abort_frees_everything():
+    llm = make_llm()
+    eng = llm.engine
+    rng = random.Random(5)
+    for i in range(4):
+        eng.add_request(f"r{i}", {"prompt_token_ids": random_tokens(rng, 300)}, greedy(max_tokens=50))
+    for _ in range(3):
+        eng.step()
+    for i in range(4):
+        eng.abort_request(f"r{i}")
+    assert not eng.has_unfinished_requests()
+    assert eng.stats().pages_used == 0 and eng.stats().slots_used == 0
+
+
+def test_stop_strings_and_tokens():
+    llm = make_llm()
+    p = random_tokens(random.Random(6), 40)
+    free = run(llm, [p], params=greedy(max_tokens=12, logprobs=None))[0].outputs[0]
+    tok = free.token_ids[5]
+    o = run(llm, [p], params=greedy(max_tokens=12, logprobs=None, stop_token_ids=[tok]))[0].outputs[0]
+    assert o.token_ids[-1] == tok and o.finish_reason == "stop" and o.stop_reason == tok
+    text = free.text
+    if len(text) >= 6:
+        stop = text[3:6]
+        o = run(llm, [p], params=greedy(max_tokens=12, logprobs=None, stop=[stop]))[0].outputs[0]
+        assert o.finish_reason == "stop" and o.stop_reason == stop and stop not in o.text
+        assert text.startswith(o.text)
+
+
+def test_generate_api_shapes():
+    llm = make_llm()
+    outs = llm.generate(["Hello there", [5, 6, 7], {"prompt": "Hi"}], SamplingParams(max_tokens=4, n=2, seed=7),
+                        use_tqdm=False)
+    assert len(outs) == 3 and all(len(o.outputs) == 2 for o in outs)
+    assert all(len(c.token_ids) <= 4 for o in outs for c in o.outputs)
+    chat = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert len(chat) == 1
+    o = llm.generate([5, 6, 7], SamplingParams(max_tokens=3, prompt_logprobs=2), use_tqdm=False)[0]
+    assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == 3 and all(o.prompt_logprobs[1:])

@@ -1,0 +1,114 @@
+"""Hybrid prefix caching gates (issue 3) on the tiny preset (block 128 in bf16).
+
+Every hit is compared with a cold run of the same prompt under a different cache_salt:
+greedy tokens identical and logprobs bit-identical.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from util import greedy, make_llm, random_tokens, run, signature
+
+BLOCK = 128
+
+
+def agent_prompts(rng: random.Random) -> list[list[int]]:
+    """32 prompts in four shapes, lengths from under one block to many blocks, in the order they are sent."""
+    out: list[list[int]] = []
+    for n in (40, 128, 300, 1000):  # one prompt repeated (sent twice)
+        p = random_tokens(rng, n)
+        out += [p, p]
+    conv = random_tokens(rng, 150)  # a multi-turn agent conversation: each turn extends the last
+    for _ in range(8):
+        conv = conv + random_tokens(rng, rng.randrange(30, 200))
+        out.append(list(conv))
+    for n in (100, 256, 500, 777):  # an extension of an earlier prompt
+        p = random_tokens(rng, n)
+        out += [p, p + random_tokens(rng, rng.randrange(1, 300))]
+    for n in (129, 384, 640, 900):  # a diverging prefix
+        p = random_tokens(rng, n)
+        out += [p + random_tokens(rng, 50), p + random_tokens(rng, 70)]
+    assert len(out) == 32
+    return out
+
+
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+@pytest.mark.parametrize("budget", [BLOCK, 3 * BLOCK + 64])
+def test_hit_equals_cold(layout, budget):
+    prompts = agent_prompts(random.Random(7))
+    llm = make_llm(cache_layout=layout, max_num_batched_tokens=budget, kv_cache_memory=128 << 20)
+    hits = [run(llm, [p], salt="shared")[0] for p in prompts]  # sequential: later prompts hit earlier ones
+    colds = run(llm, prompts, salt=[f"cold-{i}" for i in range(len(prompts))])  # all at once, none can hit
+    cold_sigs = [signature(run(llm, [p], salt=f"cold-again-{i}")[0]) for i, p in enumerate(prompts[:4])]
+    assert cold_sigs == [signature(c) for c in colds[:4]]  # cold == cold, alone or batched
+    mismatches = [i for i, (h, c) in enumerate(zip(hits, colds)) if signature(h) != signature(c)]
+    assert mismatches == []
+    cached = [h.num_cached_tokens for h in hits]
+    assert all(c % BLOCK == 0 for c in cached)
+    assert sum(c > 0 for c in cached) >= 16, cached  # most shapes do hit
+    assert all(c.num_cached_tokens == 0 for c in colds)
+    s = llm.engine.stats()
+    assert s.checkpoints_restored > 0 and s.checkpoints_saved > 0 and s.pages_used == 0 and s.slots_used == 0
+
+
+def test_drift_zero_with_unrelated_request_between():
+    rng = random.Random(8)
+    p = random_tokens(rng, 700)
+    llm = make_llm()
+    cold = signature(run(llm, [p], salt="cold")[0])
+    run(llm, [p], salt="s")  # fill
+    run(llm, [random_tokens(rng, 500)], salt="s")  # unrelated request between fill and hit
+    hit = run(llm, [p], salt="s")[0]
+    assert hit.num_cached_tokens == 640
+    assert signature(hit) == cold  # drift 0.0
+
+
+def test_long_context_hit_equals_cold():
+    rng = random.Random(9)
+    p = random_tokens(rng, 16_500)
+    llm = make_llm(kv_cache_memory=256 << 20, max_num_batched_tokens=2048, max_num_seqs=2)
+    run(llm, [p[:16_400]], salt="s", params=greedy(max_tokens=1, logprobs=None))  # fill
+    hit = run(llm, [p], salt="s", params=greedy(max_tokens=4))[0]
+    assert hit.num_cached_tokens >= 16_000
+    cold = run(llm, [p], salt="cold", params=greedy(max_tokens=4))[0]
+    assert signature(hit) == signature(cold)
+
+
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+def test_preemption_mid_decode_resumes_from_cache(layout):
+    from test_engine import _budget_for_pages
+
+    rng = random.Random(10)
+    prompts = [random_tokens(rng, 300 + 50 * i) for i in range(5)]
+    params = greedy(max_tokens=150, logprobs=None)
+    big = make_llm(cache_layout=layout, enable_prefix_caching=False)
+    ref = [signature(run(big, [p], params=params)[0])[0] for p in prompts]
+    small = make_llm(cache_layout=layout, kv_cache_memory=_budget_for_pages(14 if layout == "in-page" else 12),
+                     max_num_seqs=6)
+    outs = run(small, prompts, salt="s", params=params)
+    s = small.engine.stats()
+    assert s.preemptions > 0 and s.checkpoints_restored > 0
+    assert [signature(o)[0] for o in outs] == ref
+    assert s.pages_used == 0 and s.slots_used == 0
+
+
+def test_poison_in_freed_pages_and_slots_never_reaches_output():
+    import torch
+
+    rng = random.Random(11)
+    prompts = [random_tokens(rng, n) for n in (90, 300, 520)]
+    clean = make_llm()
+    ref = [signature(o) for o in run(clean, prompts, salt="x")]
+    llm = make_llm()
+    run(llm, [random_tokens(rng, 400) for _ in range(4)], salt="y")  # use, then free, pages and slots
+    store, mem = llm.engine.store, llm.engine.memory
+    free_pages = torch.tensor(sorted(mem.free_page_ids()), dtype=torch.long)
+    assert len(free_pages) > 0
+    for t in store.pool:
+        t.view(torch.bfloat16)[free_pages] = float("nan")
+    for t in store.conv + store.ssm:
+        t.fill_(float("nan"))  # every slot is free now
+    outs = run(llm, prompts, salt="x")
+    assert [signature(o) for o in outs] == ref

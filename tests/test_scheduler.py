@@ -1,0 +1,338 @@
+"""The scheduler: chunking and align mode, budgets, decode-first mixing, preemption, aborts, isolation."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deltaserve.config import ConfigError
+from deltaserve.memory import MemoryManager
+from deltaserve.scheduler import Request, RequestStatus, Scheduler
+
+BS = 4
+
+
+def make(num_pages=32, slots=4, G=2, caching=True, layout="in-page", seqs=4, budget=16):
+    return Scheduler(MemoryManager(num_pages, slots, BS, G, caching, layout), seqs, budget)
+
+
+def tok(w):  # a deterministic "model": the next token depends on the request and the position
+    return 1 + (hash((w.request_id, w.start_pos + len(w.token_ids))) % 50)
+
+
+def step(s, sampler=tok):
+    plan = s.schedule()
+    s.memory.check_integrity()
+    s.update(plan, {w.request_id: sampler(w) for w in plan.work if w.sample})
+    s.memory.check_integrity()
+    return plan
+
+
+def spans(plan):
+    return [(w.request_id, w.start_pos, len(w.token_ids), w.is_decode, w.sample) for w in plan.work]
+
+
+def run_all(s, limit=10_000):
+    plans = []
+    while s.has_unfinished():
+        plans.append(step(s))
+        assert len(plans) < limit
+    return plans
+
+
+def test_align_mode_floors_prefill_chunks_and_saves_on_boundaries():
+    s = make(budget=10)
+    s.add(Request("a", list(range(1, 24)), max_tokens=3))  # 23 prompt tokens
+    p1, p2, p3, p4 = (step(s) for _ in range(4))
+    assert spans(p1) == [("a", 0, 8, False, False)] and len(p1.saves) == 1 and p1.zero_slots == (0,)
+    assert p1.zero_pages == (0, 1) and p1.saves[0].location == (2, 3)
+    assert spans(p2) == [("a", 8, 8, False, False)] and len(p2.saves) == 1
+    assert spans(p3) == [("a", 16, 7, False, True)] and not p3.saves  # reaches the end: not floored
+    assert spans(p4) == [("a", 23, 1, True, True)] and len(p4.saves) == 1  # a decode that completes a block
+    assert s.memory.stats.checkpoints_saved == 3
+
+
+def test_caching_off_chunks_are_not_floored():
+    s = make(budget=10, caching=False)
+    s.add(Request("a", list(range(1, 24)), max_tokens=2))
+    plans = run_all(s)
+    assert [spans(p) for p in plans] == [[("a", 0, 10, False, False)], [("a", 10, 10, False, False)],
+                                         [("a", 20, 3, False, True)], [("a", 23, 1, True, True)]]
+    assert not any(p.saves or p.restores for p in plans)
+    assert s.memory.stats.prefix_query_tokens == 0 and s.memory.num_cached_blocks() == 0
+
+
+def test_caching_off_chunks_stay_on_the_kernel_grid_whatever_the_batch():
+    s = make(num_pages=128, caching=False, budget=70)
+    s.add(Request("a", [1, 2, 3], max_tokens=5))
+    step(s)
+    s.add(Request("b", list(range(1, 201)), max_tokens=1))
+    p = step(s)
+    assert spans(p) == [("a", 3, 1, True, True), ("b", 0, 64, False, False)]  # 69 floored to 64
+    assert spans(step(s)) == [("a", 4, 1, True, True), ("b", 64, 64, False, False)]
+    s2 = make(num_pages=128, caching=False, budget=64)
+    s2.add(Request("a", [1, 2, 3], max_tokens=3))
+    step(s2)
+    s2.add(Request("b", list(range(1, 201)), max_tokens=1))
+    assert spans(step(s2)) == [("a", 3, 1, True, True)]  # b waits rather than cut 63 tokens
+    assert spans(step(s2)) == [("a", 4, 1, True, True)]
+    assert spans(step(s2)) == [("b", 0, 64, False, False)]
+    s3 = Scheduler(MemoryManager(128, 4, BS, 2, False), 4, 70, chunk_grid=1)
+    s3.add(Request("a", [1, 2, 3], max_tokens=5))
+    step(s3)
+    s3.add(Request("b", list(range(1, 201)), max_tokens=1))
+    assert spans(step(s3)) == [("a", 3, 1, True, True), ("b", 0, 69, False, False)]
+
+
+def test_budget_below_one_block_is_refused_with_caching_and_progresses_without():
+    with pytest.raises(ConfigError):
+        make(budget=BS - 1, seqs=2)
+    with pytest.raises(ConfigError):
+        make(budget=3, seqs=4, caching=False)  # below max_num_seqs
+    s = make(budget=BS - 1, seqs=2, caching=False)
+    s.add(Request("a", list(range(1, 11)), max_tokens=1))
+    plans = run_all(s)
+    assert [len(p.work[0].token_ids) for p in plans] == [3, 3, 3, 1]
+
+
+def test_prefill_waits_when_less_than_a_block_of_budget_is_left():
+    s = make(budget=BS)
+    s.add(Request("a", [1, 2, 3], max_tokens=3))
+    assert spans(step(s)) == [("a", 0, 3, False, True)]
+    s.add(Request("b", list(range(1, 13)), max_tokens=1))
+    s.add(Request("c", [5, 6], max_tokens=1))
+    # 3 tokens left after a's decode: b's chunk cannot reach a block boundary, so b (and c behind it) wait
+    assert spans(step(s)) == [("a", 3, 1, True, True)]
+    assert spans(step(s)) == [("a", 4, 1, True, True)]  # a finishes (3 tokens)
+    assert spans(step(s)) == [("b", 0, 4, False, False)]
+    assert s.num_waiting == 1  # c waits: FCFS, no budget left
+
+
+def test_max_num_seqs_and_token_budget():
+    s = make(num_pages=64, slots=4, seqs=2, budget=16)
+    for i in range(5):
+        s.add(Request(f"r{i}", [i + 1] * 6, max_tokens=4))
+    for p in run_all(s):
+        assert len(p.work) <= 2 and p.num_tokens <= 16 and s.num_running <= 2
+        assert len({w.slot for w in p.work}) == len(p.work)
+    assert s.memory.usage().slots_used == 0
+
+
+def test_slots_cap_admission():
+    s = make(num_pages=64, slots=2, seqs=8, budget=64)
+    for i in range(4):
+        s.add(Request(f"r{i}", [i + 1] * 6, max_tokens=3))
+    p = step(s)
+    assert [w.request_id for w in p.work] == ["r0", "r1"] and s.num_waiting == 2
+
+
+def test_decodes_first_then_prefill_chunks():
+    s = make(num_pages=64, budget=12)
+    s.add(Request("a", [1, 2], max_tokens=10))
+    s.add(Request("b", [3, 4, 5], max_tokens=10))
+    step(s)
+    s.add(Request("c", list(range(1, 30)), max_tokens=2))
+    p = step(s)
+    assert spans(p) == [("a", 2, 1, True, True), ("b", 3, 1, True, True), ("c", 0, 8, False, False)]
+    assert p.num_tokens == 10  # c's chunk floored from 10 to 8
+
+
+@pytest.mark.parametrize("replay_decode", [True, False])
+def test_preemption_resumes_from_cache(replay_decode):
+    s = Scheduler(MemoryManager(13, 2, BS, 1, True, "in-page"), 2, 32, replay_decode=replay_decode)
+    s.add(Request("a", list(range(1, 17)), max_tokens=12))
+    s.add(Request("b", list(range(101, 117)), max_tokens=12))
+    plans = run_all(s)
+    pre = [i for i, p in enumerate(plans) if p.preempted]
+    assert pre and plans[pre[0]].preempted == ("b",)  # the most recently admitted
+    assert plans[pre[0]].work[0].request_id == "a"
+    # b comes back restored from its own checkpoint after the prompt (block 3), with 4 tokens generated
+    after = [(p, w) for p in plans[pre[0] + 1:] for w in p.work if w.request_id == "b"]
+    p, w = after[0]
+    assert [r.slot for r in p.restores] == [w.slot] and w.start_pos == 16
+    if replay_decode:  # generated tokens recomputed through the decode path; only the last one samples
+        assert [(w.start_pos, len(w.token_ids), w.is_decode, w.sample) for _, w in after[:3]] == [
+            (16, 1, True, False), (17, 1, True, False), (18, 1, True, False)]
+        assert ("b", 19, 1, True, True) in [x for p in plans for x in spans(p)]
+    else:  # through prefill: one chunk, sampling at its end
+        assert (w.start_pos, len(w.token_ids), w.is_decode, w.sample) == (16, 4, False, True)
+    assert s.memory.stats.preemptions >= 1 and s.memory.stats.checkpoints_restored >= 1
+    assert s.memory.usage().pages_used == 0 and s.memory.usage().slots_used == 0
+
+
+def test_preempted_running_work_is_withdrawn():
+    # b (admitted after a) is scheduled first as a decode; then a's prefill chunk needs pages: b, the
+    # most recently admitted, is preempted and its already planned decode and save are withdrawn
+    s = make(num_pages=7, slots=2, G=1, seqs=2, budget=11)
+    s.add(Request("a", list(range(1, 17)), max_tokens=2))
+    s.add(Request("b", [7, 8, 9], max_tokens=4))
+    assert spans(step(s)) == [("a", 0, 8, False, False), ("b", 0, 3, False, True)]
+    p = step(s)
+    assert p.preempted == ("b",) and spans(p) == [("a", 8, 8, False, True)]
+    assert [c.slot for c in p.saves] == [p.work[0].slot] and s.num_waiting == 1
+    run_all(s)
+    assert s.get("b").finish_reason == "length" and s.usage().pages_used == 0
+
+
+def test_abort_at_any_moment_frees_everything():
+    s = make(num_pages=32, budget=8)
+    s.add(Request("a", list(range(1, 30)), max_tokens=5))
+    s.add(Request("b", list(range(1, 30)), max_tokens=5))
+    s.add(Request("w", [1, 2, 3], max_tokens=5))
+    step(s)  # a mid-prefill
+    assert s.abort("w") and "w" not in s.requests and s.get("w").is_finished  # waiting
+    plan = s.schedule()
+    assert s.abort("a")  # between schedule() and update(): update skips its work
+    s.update(plan, {w.request_id: 1 for w in plan.work if w.sample})
+    s.memory.check_integrity()
+    assert s.abort("b") and not s.abort("b") and not s.abort("nope")
+    u = s.usage()
+    assert (u.pages_used, u.slots_used, s.num_running, s.num_waiting) == (0, 0, 0, 0)
+    assert not s.has_unfinished()
+
+
+def test_finish_length_and_stop():
+    s = make()
+    a, b = Request("a", [1, 2, 3], max_tokens=2), Request("b", [4, 5], max_tokens=10)
+    s.add(a)
+    s.add(b)
+    out = s.update(s.schedule(), {"a": 11, "b": 12})
+    assert out == [a, b]
+    assert s.finish("b", "stop") and b.status is RequestStatus.FINISHED_STOPPED and b.finish_reason == "stop"
+    step(s)
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.finish_reason == "length" and len(a.output_token_ids) == 2
+    assert s.get("a") is a  # until the next schedule()
+    s.schedule()
+    assert s.get("a") is None
+    assert s.usage().pages_used == 0 and not s.has_unfinished()
+    with pytest.raises(ValueError):
+        s.finish("a", "bored")
+
+
+def test_add_validation():
+    s = make(num_pages=8, G=1)
+    assert s.max_request_tokens() == (8 - 2) * BS
+    with pytest.raises(ValueError):
+        s.add(Request("e", [], max_tokens=1))
+    with pytest.raises(ValueError):
+        s.add(Request("z", [1], max_tokens=0))
+    with pytest.raises(ValueError):
+        s.add(Request("l", [1] * 20, max_tokens=5))  # 25 > 24
+    s.add(Request("ok", [1] * 20, max_tokens=4))
+    with pytest.raises(ValueError):
+        s.add(Request("ok", [2], max_tokens=1))
+    run_all(s)
+
+
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+def test_hit_backs_off_to_a_block_with_a_checkpoint(layout):
+    # one-block chunks: checkpoints after every block, so an identical 8-token prompt hits 1 block
+    s = make(budget=BS, layout=layout)
+    s.add(Request("a", list(range(1, 9)), max_tokens=1))
+    run_all(s)
+    b = Request("b", list(range(1, 9)), max_tokens=1)
+    s.add(b)
+    p = step(s)
+    assert spans(p) == [("b", 4, 4, False, True)] and b.num_cached_tokens == 4 and len(p.restores) == 1
+    assert not p.zero_slots
+    # a chunk spanning two blocks leaves no checkpoint at the first one: no hit for the same prompt
+    s2 = make(budget=16, layout=layout)
+    s2.add(Request("a", list(range(1, 9)), max_tokens=1))
+    run_all(s2)
+    c = Request("c", list(range(1, 9)), max_tokens=1)
+    s2.add(c)
+    p = step(s2)
+    assert spans(p) == [("c", 0, 8, False, True)] and c.num_cached_tokens == 0 and p.zero_slots
+    # a longer prompt hits both blocks
+    d = Request("d", list(range(1, 12)), max_tokens=1)
+    s2.add(d)
+    p = step(s2)
+    assert spans(p) == [("d", 8, 3, False, True)] and d.num_cached_tokens == 8
+    assert s2.memory.stats.prefix_hit_tokens == 8 and s2.memory.stats.prefix_query_tokens == 8 + 8 + 11
+
+
+def test_multi_turn_extension_hits_previous_turn():
+    s = make(num_pages=64, budget=8)
+    a = Request("t1", list(range(1, 15)), max_tokens=6)
+    s.add(a)
+    run_all(s)
+    convo = a.prompt_token_ids + a.output_token_ids  # 20 tokens; the last one was never computed
+    t2 = Request("t2", convo + [40, 41, 42], max_tokens=2)
+    s.add(t2)
+    step(s)
+    assert t2.num_cached_tokens == 16  # blocks 0-3; block 4 ends at 20, past what turn 1 computed
+
+
+def test_prompt_logprobs_skip_the_cache():
+    s = make(budget=BS)
+    s.add(Request("a", list(range(1, 9)), max_tokens=1))
+    run_all(s)
+    b = Request("b", list(range(1, 9)), max_tokens=1, prompt_logprobs=True)
+    s.add(b)
+    p = step(s)
+    assert p.work[0].start_pos == 0 and p.work[0].prompt_logprobs and b.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+def test_isolation_24_rounds(layout):
+    """Interleaved requests under different salts: every page and checkpoint a request reads was written
+    by a request with its salt; hits happen within each salt; nothing is left allocated at the end."""
+    rng = random.Random(24)
+    s = make(num_pages=48, slots=4, seqs=4, budget=12, layout=layout)
+    salts = [None, "alice", "bob", "carol"]
+    system = [rng.randint(1, 50) for _ in range(18)]
+    writer: dict[int, object] = {}  # attention page -> salt of the request that wrote it
+    ckpt_writer: dict[tuple, object] = {}  # checkpoint location -> salt
+    salt_of: dict[str, object] = {}
+    n = 0
+    hits_by_salt = {x: 0 for x in salts}
+    for rnd in range(24):
+        batch = []
+        for _ in range(rng.randint(3, 6)):
+            n += 1
+            salt = rng.choice(salts)
+            prompt = system + [rng.randint(1, 50) for _ in range(rng.randint(0, 10))]
+            batch.append(Request(f"r{n}", prompt, max_tokens=rng.randint(1, 6), cache_salt=salt))
+            salt_of[f"r{n}"] = salt
+        while batch or s.has_unfinished():
+            if batch and rng.random() < 0.5:
+                s.add(batch.pop())
+            plan = s.schedule()
+            by_slot = {w.slot: w for w in plan.work}
+            for w in plan.work:
+                salt = salt_of[w.request_id]
+                for p in w.page_ids:
+                    if p in plan.zero_pages:
+                        writer[p] = salt
+                    assert writer[p] == salt, f"{w.request_id} ({salt!r}) reads page {p} of {writer[p]!r}"
+            for c in plan.restores:
+                salt = salt_of[by_slot[c.slot].request_id]
+                assert ckpt_writer[c.location] == salt
+                hits_by_salt[salt] += 1
+            for c in plan.saves:
+                ckpt_writer[c.location] = salt_of[by_slot[c.slot].request_id]
+            s.update(plan, {w.request_id: tok(w) for w in plan.work if w.sample})
+            s.memory.check_integrity()
+        u = s.usage()
+        assert (u.pages_used, u.slots_used) == (0, 0)
+    assert all(hits_by_salt.values()), hits_by_salt
+
+
+def test_missing_sample_then_finish():
+    s = make()
+    s.add(Request("a", [1, 2, 3], max_tokens=4))
+    plan = s.schedule()
+    assert s.update(plan, {}) == []  # sampling failed: no token; the engine finishes the request
+    assert s.finish("a", "abort") and s.usage().pages_used == 0
+
+
+def test_stats_and_usage_for_metrics():
+    s = make(budget=BS)
+    for rid in ("a", "b"):
+        s.add(Request(rid, list(range(1, 9)), max_tokens=1))
+        run_all(s)
+    st = s.stats()
+    assert st == {"prefix_queries": 16, "prefix_hits": 4, "checkpoints_saved": 3, "checkpoints_restored": 1,
+                  "evictions": 0, "preemptions": 0}
+    u = s.usage()
+    assert u.pages_used == s.memory.num_pages_in_use == 0 and u.pages_cached > 0 and u.kv_usage == 0.0

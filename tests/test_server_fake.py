@@ -1,0 +1,153 @@
+"""Server mechanics the real engine cannot be made to show on demand, on a fake engine in-process:
+503 while loading, Bearer auth, a failing engine step that the server survives."""
+import json
+import os
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from deltaserve.config import EngineConfig
+from deltaserve.server import build_app
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
+from test_server_support import FakeEngine, InProcessServer
+
+
+@pytest.fixture(scope="module")
+def slow_server():
+    gate = threading.Event()
+
+    def factory(cfg):
+        gate.wait(30)
+        return FakeEngine(cfg)
+
+    srv = InProcessServer(build_app(EngineConfig(), api_key="sekret", engine_factory=factory))
+    srv.gate = gate
+    yield srv
+    gate.set()
+    srv.stop()
+
+
+def test_503_until_ready_then_auth(slow_server):
+    base = slow_server.base
+    h = {"Authorization": "Bearer sekret"}
+    r = httpx.get(base + "/health")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready"
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=h)
+    assert r.status_code == 503 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+    slow_server.gate.set()
+    deadline = time.time() + 30
+    while httpx.get(base + "/health").status_code != 200:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    # auth
+    assert httpx.post(base + "/v1/completions", json={"prompt": "hi"}).status_code == 401
+    assert httpx.post(base + "/v1/completions", json={"prompt": "hi"},
+                      headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(base + "/v1/models").status_code == 401
+    client = openai.OpenAI(base_url=base + "/v1", api_key="sekret", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base + "/v1", api_key="nope", max_retries=0).models.list()
+    assert client.models.list().data[0].id == "deltaserve/tiny"
+    out = client.completions.create(model="deltaserve/tiny", prompt="hello", max_tokens=3)
+    assert len(out.choices[0].text) > 0 and out.usage.completion_tokens == 3
+    assert httpx.get(base + "/health").status_code == 200  # no auth on /health and /metrics
+    assert httpx.get(base + "/metrics").status_code == 200
+
+
+@pytest.fixture(scope="module")
+def fake():
+    srv = InProcessServer(build_app(EngineConfig(), engine_factory=FakeEngine, served_model_name=["a", "b"]))
+    from test_server_support import wait_healthy
+    wait_healthy(srv.base, 30)
+    yield srv
+    srv.stop()
+
+
+def test_step_failure_is_contained(fake):
+    client = openai.OpenAI(base_url=fake.base + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.InternalServerError):
+        client.completions.create(model="a", prompt="FAIL_STEP now", max_tokens=3)
+    # the server goes on serving
+    out = client.completions.create(model="b", prompt="hello", max_tokens=4)
+    assert out.usage.completion_tokens == 4 and out.model == "a"
+    assert httpx.get(fake.base + "/health").status_code == 200
+
+
+def test_step_failure_midstream(fake):
+    r = httpx.post(fake.base + "/v1/completions", json={"prompt": "FAIL_STEP", "max_tokens": 3, "stream": True})
+    assert r.status_code == 200
+    events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+
+
+def test_forced_tool_call_plumbing(fake):
+    client = openai.OpenAI(base_url=fake.base + "/v1", api_key="x", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"]}}}]
+    r = client.chat.completions.create(model="a", messages=[{"role": "user", "content": "weather?"}], tools=tools,
+                                       tool_choice="required", max_tokens=200, temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Oslo") and 1 <= args["days"] <= 9
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+SCRIPTED = ("<think>plan: call the tool</think>\n\nChecking. <tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+
+
+def _stream(client, **kw):
+    content, reasoning, calls, finish = "", "", {}, None
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+            reasoning += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            for d in c.delta.tool_calls or []:
+                e = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                if d.function is not None:
+                    e["name"] += d.function.name or ""
+                    e["arguments"] += d.function.arguments or ""
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("text, reasoning, content, calls", [
+    (SCRIPTED, "plan: call the tool", "Checking.", [("get_weather", {"city": "Paris", "days": 3})]),
+    ("<think>hmm</think>\n\nplain answer", "hmm", "plain answer", []),
+    ("no tags at all", None, "no tags at all", []),
+    ("Sure <tool_call>\n<function=get_weather>\n<parameter=city>\nRome", None,
+     "Sure <tool_call>\n<function=get_weather>\n<parameter=city>\nRome", []),  # malformed: content
+])
+def test_reasoning_and_auto_tool_parsing_end_to_end(fake, text, reasoning, content, calls):
+    client = openai.OpenAI(base_url=fake.base + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="a", messages=[{"role": "user", "content": f"SCRIPT<<{text}|||"}], tools=[WEATHER],
+              max_tokens=200)
+    r = client.chat.completions.create(**kw)
+    m = r.choices[0].message
+    assert (m.model_extra or {}).get("reasoning_content") == reasoning
+    assert (m.content or "") == content
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in m.tool_calls or []]
+    assert got == calls
+    assert r.choices[0].finish_reason == ("tool_calls" if calls else "stop")
+    s_content, s_reasoning, s_calls, s_finish = _stream(client, **kw)
+    assert s_content == content and s_reasoning == (reasoning or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == calls
+    assert s_finish == r.choices[0].finish_reason
+
+
+def test_no_tools_means_no_tool_parsing(fake):
+    client = openai.OpenAI(base_url=fake.base + "/v1", api_key="x", max_retries=0)
+    r = client.chat.completions.create(model="a", messages=[{"role": "user", "content": f"SCRIPT<<{SCRIPTED}|||"}],
+                                       max_tokens=200)
+    assert not r.choices[0].message.tool_calls and "<tool_call>" in r.choices[0].message.content
+    r = client.chat.completions.create(model="a", messages=[{"role": "user", "content": f"SCRIPT<<{SCRIPTED}|||"}],
+                                       max_tokens=200, tools=[WEATHER], tool_choice="none")
+    assert not r.choices[0].message.tool_calls

@@ -1,0 +1,359 @@
+"""Seed 000's CPU state-machine test (issue 3, gate 6).
+
+The REAL Scheduler and MemoryManager are driven by a toy executor that carries out their StepPlans on toy
+storage whose contents are checkable functions of the tokens:
+
+  * a slot's "GDN state" is one hash chain per GDN group: state' = H(state, token, group); zero = 0;
+  * an attention page holds one row per position: the token id written there (0 = zeroed);
+  * in-page checkpoints live in the pool's own pages (row 0 of page location[g] holds group g's state,
+    the other rows are padding); per-block checkpoints live in a separate per-page state store;
+  * freed pages and slots are filled with a sticky NaN-like sentinel (H(NaN, ...) = NaN), so a missing
+    zero, restore or save reads garbage;
+  * the toy "attention" reads every row of the page holding the last token (masked rows included: a mask
+    does not cancel a NaN), and the sampled token is a function of the states and of that page.
+
+Before each step the harness checks, for every scheduled sequence, that its slot holds the chain of its
+tokens [0, start_pos) and its page rows [0, start_pos) hold its tokens (a "state check"); every sampled
+token is checked against the token an exact model would produce. The workload is agent-like (multi-turn
+sessions that extend their earlier prompts, shared system prompts, salts), on a pool small enough to
+force preemption, with random aborts (also between schedule() and update()) and engine-side stops.
+Mutants (no save, no restore, no slot hand-back, no zeroing of new pages or slots) must each fail.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from deltaserve.memory import CheckpointError, MemoryManager
+from deltaserve.scheduler import Request, Scheduler, StepPlan
+
+NAN = -1  # sticky garbage
+MASK = (1 << 61) - 1
+VOCAB = 48
+STOP_TOKEN = 7  # the "engine" stops a request when it samples this
+
+
+def H(state: int, token: int, g: int) -> int:
+    if state == NAN:
+        return NAN
+    return hash((state, token, g)) & MASK
+
+
+class Stall(RuntimeError):
+    pass
+
+
+class Mismatch(AssertionError):
+    pass
+
+
+class ToyExecutor:
+    """Carries out StepPlans on toy storage, in the runner's order: zero, restore, check, forward, save."""
+
+    def __init__(self, mem: MemoryManager, mutant: str | None):
+        self.bs, self.G, self.layout = mem.block_size, mem.num_gdn_groups, mem.layout
+        self.kv = [[NAN] * self.bs for _ in range(mem.num_pages)]  # uninitialised memory is garbage
+        self.slots = [[NAN] * self.G for _ in range(mem.num_slots)]
+        self.block_state = [(NAN,) * self.G for _ in range(mem.num_pages)]  # per-block layout only
+        self.mutant = mutant
+
+    def plant(self, pages, slots) -> None:
+        for p in pages:
+            self.kv[p] = [NAN] * self.bs
+            self.block_state[p] = (NAN,) * self.G
+        for s in slots:
+            self.slots[s] = [NAN] * self.G
+
+    def pre(self, plan: StepPlan) -> None:
+        if self.mutant != "no_zero_pages":
+            for p in plan.zero_pages:
+                self.kv[p] = [0] * self.bs
+                self.block_state[p] = (0,) * self.G
+        if self.mutant != "no_zero_slots":
+            for s in plan.zero_slots:
+                self.slots[s] = [0] * self.G
+        by_slot = {w.slot: w for w in plan.work}
+        for c in plan.restores:  # the runner's fail-closed double check
+            w = by_slot.get(c.slot)
+            if w is None or w.start_pos % self.bs:
+                raise CheckpointError("restore off a block boundary")
+        for c in plan.saves:
+            w = by_slot.get(c.slot)
+            if w is None or (w.start_pos + len(w.token_ids)) % self.bs:
+                raise CheckpointError("save after a partial block")
+        if self.mutant == "no_restore":
+            return
+        for c in plan.restores:
+            if self.layout == "in-page":
+                self.slots[c.slot] = [self.kv[c.location[g]][0] for g in range(self.G)]
+            else:
+                self.slots[c.slot] = list(self.block_state[c.location[0]])
+
+    def forward(self, plan: StepPlan) -> dict[str, int]:
+        bs, out = self.bs, {}
+        for w in plan.work:
+            st = self.slots[w.slot]
+            for i, t in enumerate(w.token_ids):
+                pos = w.start_pos + i
+                self.kv[w.page_ids[pos // bs]][pos % bs] = t
+                for g in range(self.G):
+                    st[g] = H(st[g], t, g)
+            if w.sample:
+                end = w.start_pos + len(w.token_ids)
+                out[w.request_id] = sample(st, self.kv[w.page_ids[(end - 1) // bs]])
+        if self.mutant != "no_save":
+            for c in plan.saves:
+                if self.layout == "in-page":
+                    for g in range(self.G):
+                        self.kv[c.location[g]][0] = self.slots[c.slot][g]
+                else:
+                    self.block_state[c.location[0]] = tuple(self.slots[c.slot])
+        return out
+
+
+def sample(states, page_rows) -> int:
+    if NAN in states or NAN in page_rows:
+        return 1  # a NaN logit row: argmax lands on some fixed token
+    return 1 + hash((tuple(states), tuple(page_rows))) % VOCAB
+
+
+class Reference:
+    """What an exact model computes for a token sequence: chained states, and the token it samples."""
+
+    def __init__(self, G: int, bs: int):
+        self.G, self.bs = G, bs
+        self.memo: dict[str, list[tuple[int, ...]]] = {}
+
+    def states(self, rid: str, tokens: list[int], n: int) -> tuple[int, ...]:
+        chain = self.memo.setdefault(rid, [(0,) * self.G])
+        while len(chain) <= n:
+            t = tokens[len(chain) - 1]
+            chain.append(tuple(H(s, t, g) for g, s in enumerate(chain[-1])))
+        return chain[n]
+
+    def next_token(self, rid: str, tokens: list[int], end: int) -> int:
+        bs = self.bs
+        first = (end - 1) // bs * bs
+        rows = tokens[first:end] + [0] * (first + bs - end)
+        return sample(self.states(rid, tokens, end), rows)
+
+
+@dataclass
+class Result:
+    state_checks: int = 0
+    failures: int = 0
+    preemptions: int = 0
+    restores: int = 0
+    saves: int = 0
+    hit_tokens: int = 0
+    finished: int = 0
+    aborted: int = 0
+    steps: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: bool = True,
+                 caching: bool = True, replay_decode: bool = True) -> Result:
+    rng = random.Random(seed * 1000 + (layout == "per-block"))
+    bs = 4
+    G = 1 + seed % 3
+    num_pages = rng.randint(28, 44)
+    max_num_seqs = rng.randint(3, 5)
+    budget = bs * rng.randint(1, 5) + rng.randint(0, bs - 1)
+    mem = MemoryManager(num_pages, max_num_seqs, bs, G, caching=caching, layout=layout)
+    sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode)
+    ex = ToyExecutor(mem, mutant)
+    ref = Reference(G, bs)
+    res = Result()
+    cap = sch.max_request_tokens()
+    if mutant == "no_slot_handback":  # preemption frees pages but never gives the slot back
+        real_preempt = sch._preempt
+
+        def leaky_preempt(victim):
+            slot = mem.slot_of(victim.request_id)
+            real_preempt(victim)
+            mem._free_slots.remove(slot)
+            mem._slot_owner[slot] = f"leaked-{victim.request_id}"
+        sch._preempt = leaky_preempt
+
+    systems = [[rng.randint(1, VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(3)]
+    # a session: (salt, turns left, the conversation so far)
+    pending_sessions = []
+    for i in range(18):
+        salt = rng.choice([None, None, None, "tenant-a", "tenant-b"])
+        pending_sessions.append({"salt": salt, "turns": rng.randint(2, 5), "conv": list(rng.choice(systems)),
+                                 "name": f"s{i}"})
+    active: dict[str, tuple[dict, Request]] = {}  # request id -> (session, request)
+    n_req = 0
+
+    def start_turn(sess) -> None:
+        nonlocal n_req
+        sess["conv"] = sess["conv"] + [rng.randint(1, VOCAB) for _ in range(rng.randint(1, 24))]
+        max_tokens = rng.randint(1, 20)
+        if len(sess["conv"]) + max_tokens > cap:
+            return
+        n_req += 1
+        req = Request(f"{sess['name']}-r{n_req}", list(sess["conv"]), max_tokens, cache_salt=sess["salt"])
+        sch.add(req)
+        active[req.request_id] = (sess, req)
+
+    def done(rid: str) -> None:
+        sess, req = active.pop(rid)
+        if req.finish_reason == "abort":
+            res.aborted += 1
+        else:
+            res.finished += 1
+        sess["conv"] = list(req.prompt_token_ids) + list(req.output_token_ids)
+        sess["turns"] -= 1
+        if sess["turns"] > 0 and req.finish_reason != "abort":
+            start_turn(sess)
+        elif sess["turns"] > 0:
+            pending_sessions.append(sess)
+
+    def one_shot() -> None:  # a diverging prefix of a system prompt
+        nonlocal n_req
+        n_req += 1
+        base = rng.choice(systems)
+        toks = base[:rng.randint(1, len(base))] + [rng.randint(1, VOCAB) for _ in range(rng.randint(1, 40))]
+        req = Request(f"o-r{n_req}", toks, rng.randint(1, 12), cache_salt=rng.choice([None, "tenant-a"]))
+        sch.add(req)
+        active[req.request_id] = ({"conv": [], "turns": 0}, req)
+
+    empty_steps = 0
+    try:
+        while pending_sessions or active:
+            if pending_sessions and (len(active) < 6 or rng.random() < 0.1):
+                start_turn(pending_sessions.pop(0))
+            if rng.random() < 0.08:
+                one_shot()
+            if active and rng.random() < 0.01:  # abort between steps
+                rid = rng.choice(sorted(active))
+                sch.abort(rid)
+                done(rid)
+            ex.plant(mem.free_page_ids(), mem.free_slot_ids())
+            plan = sch.schedule()
+            res.steps += 1
+            if integrity:
+                mem.check_integrity()
+            if plan.is_empty():
+                empty_steps += 1
+                if sch.has_unfinished() and empty_steps > 3:
+                    raise Stall(f"no progress with {sch.num_waiting} waiting, {sch.num_running} running")
+                continue
+            empty_steps = 0
+            assert plan.num_tokens <= budget and len(plan.work) <= max_num_seqs
+            ex.pre(plan)
+            for w in plan.work:  # the state checks
+                req = active[w.request_id][1]
+                toks = req.all_token_ids
+                res.state_checks += 1
+                ok = list(w.token_ids) == toks[w.start_pos:w.start_pos + len(w.token_ids)]
+                # the path: the prompt through prefill, every generated token through decode, one a step
+                if w.is_decode:
+                    ok &= w.start_pos >= req.num_prompt_tokens and len(w.token_ids) == 1
+                elif replay_decode:
+                    ok &= w.start_pos + len(w.token_ids) <= req.num_prompt_tokens
+                ok &= ex.slots[w.slot] == list(ref.states(w.request_id, toks, w.start_pos))
+                for j in range(-(-w.start_pos // bs)):
+                    lo, hi = j * bs, min((j + 1) * bs, w.start_pos)
+                    ok &= ex.kv[w.page_ids[j]][:hi - lo] == toks[lo:hi]
+                if not ok:
+                    res.failures += 1
+                    raise Mismatch(f"state check failed for {w.request_id} at {w.start_pos} (step {res.steps})")
+            sampled = ex.forward(plan)
+            for w in plan.work:
+                if w.sample:
+                    req = active[w.request_id][1]
+                    end = w.start_pos + len(w.token_ids)
+                    if sampled[w.request_id] != ref.next_token(w.request_id, req.all_token_ids, end):
+                        res.failures += 1
+                        raise Mismatch(f"wrong token sampled for {w.request_id} at {end} (step {res.steps})")
+            if active and rng.random() < 0.01:  # abort between schedule() and update()
+                rid = rng.choice([w.request_id for w in plan.work])
+                sch.abort(rid)
+                done(rid)
+            advanced = sch.update(plan, sampled)
+            for req in advanced:
+                if not req.is_finished and req.output_token_ids[-1] == STOP_TOKEN:
+                    sch.finish(req.request_id, "stop")
+            for rid in [r for r, (_, q) in active.items() if q.is_finished]:
+                done(rid)
+            if integrity:
+                mem.check_integrity()
+            if res.steps > 20000:
+                raise Stall("too many steps")
+        u = mem.usage()
+        assert u.pages_used == 0 and u.slots_used == 0, f"left allocated: {u}"
+        assert not sch.has_unfinished()
+    except (AssertionError, CheckpointError, Stall, KeyError, RuntimeError) as e:
+        if not isinstance(e, Mismatch):
+            res.failures += 1
+        res.errors.append(f"{type(e).__name__}: {e}")
+    st = sch.memory.stats
+    res.preemptions, res.restores, res.saves, res.hit_tokens = (st.preemptions, st.checkpoints_restored,
+                                                                 st.checkpoints_saved, st.prefix_hit_tokens)
+    return res
+
+
+SEEDS = range(12)
+
+
+def test_state_machine_all_seeds_both_layouts():
+    totals = Result()
+    per_layout = {}
+    for layout in ("in-page", "per-block"):
+        restores = 0
+        for seed in SEEDS:
+            r = run_workload(seed, layout)
+            assert r.failures == 0, (seed, layout, r.errors)
+            totals.state_checks += r.state_checks
+            totals.preemptions += r.preemptions
+            totals.finished += r.finished
+            totals.aborted += r.aborted
+            restores += r.restores
+            assert r.saves > 0 and r.restores > 0, (seed, layout, r)
+        per_layout[layout] = restores
+    print(f"state machine: {len(SEEDS)} seeds x 2 layouts, {totals.state_checks} state checks, "
+          f"{totals.preemptions} preemptions, {totals.finished} finished, {totals.aborted} aborted, "
+          f"restores {per_layout}, 0 failures")
+    assert totals.state_checks >= 10_000
+    assert totals.preemptions >= 400
+    assert totals.aborted > 0
+
+
+def test_state_machine_caching_off():
+    """No cache: no saves, restores or hits; preempted requests recompute from a zeroed slot."""
+    checks = preemptions = 0
+    for seed in range(4):
+        r = run_workload(seed, "in-page", caching=False)
+        assert r.failures == 0, (seed, r.errors)
+        assert r.saves == r.restores == r.hit_tokens == 0
+        checks += r.state_checks
+        preemptions += r.preemptions
+    assert checks > 1000 and preemptions > 10
+
+
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+def test_state_machine_recompute_through_prefill(layout):
+    """replay_decode=False: preempted requests recompute generated tokens by prefill (vLLM's way)."""
+    checks = preemptions = 0
+    for seed in range(4):
+        r = run_workload(seed, layout, replay_decode=False)
+        assert r.failures == 0, (seed, r.errors)
+        checks += r.state_checks
+        preemptions += r.preemptions
+    assert checks > 1000 and preemptions > 20
+
+
+MUTANTS = ["no_save", "no_restore", "no_slot_handback", "no_zero_pages", "no_zero_slots"]
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+def test_mutant_is_caught(mutant, layout):
+    # the slot mutant is caught without check_integrity(): slots run dry and the engine stalls
+    integrity = mutant != "no_slot_handback"
+    caught = [run_workload(seed, layout, mutant, integrity) for seed in (3, 5, 7)]
+    assert all(r.failures > 0 for r in caught), [(r.failures, r.errors) for r in caught]

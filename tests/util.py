@@ -1,0 +1,37 @@
+"""Helpers shared by the engine-level gate tests (tiny embedded model)."""
+from __future__ import annotations
+
+import random
+
+from deltaserve import LLM, SamplingParams
+
+MiB = 1 << 20
+
+
+def make_llm(**kw) -> LLM:
+    args = dict(kv_cache_memory=64 * MiB, max_num_seqs=8, max_num_batched_tokens=512, seed=0)
+    args.update(kw)
+    return LLM(**args)
+
+
+def greedy(max_tokens: int = 8, logprobs: int | None = 5, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True, **kw)
+
+
+def signature(out):
+    """(token ids, logprobs as exact floats): equal signatures mean bit-identical logprobs."""
+    c = out.outputs[0]
+    lps = None if c.logprobs is None else [sorted((t, lp.logprob) for t, lp in pos.items()) for pos in c.logprobs]
+    return c.token_ids, lps
+
+
+def run(llm: LLM, prompts, salt: str | list[str] | None = None, params: SamplingParams | None = None):
+    """Generate for token-id prompts under one cache_salt (or one per prompt); the RequestOutputs in order."""
+    params = params or greedy()
+    salts = salt if isinstance(salt, list) else [salt] * len(prompts)
+    reqs = [{"prompt_token_ids": list(p), **({"cache_salt": s} if s is not None else {})} for p, s in zip(prompts, salts)]
+    return llm.generate(reqs, params, use_tqdm=False)
+
+
+def random_tokens(rng: random.Random, n: int, vocab: int = 3000) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
