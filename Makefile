@@ -20,7 +20,7 @@ generate: install
 	deltaserve generate --prompt "Hello, deltaserve" --max-tokens 32
 
 test: install-test
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q
 
 test-all: install-test
-	DELTASERVE_SLOW=1 $(PY) -m pytest -q -p no:cacheprovider
+	DELTASERVE_SLOW=1 $(PY) -m pytest -q

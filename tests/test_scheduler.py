@@ -43,13 +43,16 @@ def run_all(s, limit=10_000):
 def test_align_mode_floors_prefill_chunks_and_saves_on_boundaries():
     s = make(budget=10)
     s.add(Request("a", list(range(1, 24)), max_tokens=3))  # 23 prompt tokens
-    p1, p2, p3, p4 = (step(s) for _ in range(4))
+    p1, p2, p3, p4, p5 = (step(s) for _ in range(5))
     assert spans(p1) == [("a", 0, 8, False, False)] and len(p1.saves) == 1 and p1.zero_slots == (0,)
     assert p1.zero_pages == (0, 1) and p1.saves[0].location == (2, 3)
     assert spans(p2) == [("a", 8, 8, False, False)] and len(p2.saves) == 1
-    assert spans(p3) == [("a", 16, 7, False, True)] and not p3.saves  # reaches the end: not floored
-    assert spans(p4) == [("a", 23, 1, True, True)] and len(p4.saves) == 1  # a decode that completes a block
-    assert s.memory.stats.checkpoints_saved == 3
+    # the last chunk stops at the prompt's last block boundary (its checkpoint is the one later
+    # requests hit), the ragged tail follows
+    assert spans(p3) == [("a", 16, 4, False, False)] and len(p3.saves) == 1
+    assert spans(p4) == [("a", 20, 3, False, True)] and not p4.saves
+    assert spans(p5) == [("a", 23, 1, True, True)] and len(p5.saves) == 1  # a decode that completes a block
+    assert s.memory.stats.checkpoints_saved == 4
 
 
 def test_caching_off_chunks_are_not_floored():
@@ -336,3 +339,17 @@ def test_stats_and_usage_for_metrics():
                   "evictions": 0, "preemptions": 0}
     u = s.usage()
     assert u.pages_used == s.memory.num_pages_in_use == 0 and u.pages_cached > 0 and u.kv_usage == 0.0
+
+
+def test_align_policy_chunk_ends():
+    from deltaserve.scheduler import AlignEveryBlock, GridChunks
+    a = AlignEveryBlock(128)
+    assert a.chunk_end(0, 448, 1000) == 384  # a middle chunk floors to a boundary
+    assert a.chunk_end(0, 100, 1000) == 0  # less than a block of budget: wait
+    assert a.chunk_end(0, 64, 100) == 0  # no boundary before the end: wait until the end fits
+    assert a.chunk_end(0, 448, 100) == 100  # reaches the end
+    assert a.chunk_end(0, 448, 300) == 256  # stops at the last boundary; the tail runs next step
+    assert a.chunk_end(256, 448 + 256, 300) == 300
+    assert a.chunk_end(0, 448, 256) == 256
+    g = GridChunks(64)
+    assert (g.chunk_end(0, 100, 1000), g.chunk_end(0, 63, 1000), g.chunk_end(0, 100, 90)) == (64, 0, 90)

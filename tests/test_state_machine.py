@@ -253,8 +253,11 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
                 # the path: the prompt through prefill, every generated token through decode, one a step
                 if w.is_decode:
                     ok &= w.start_pos >= req.num_prompt_tokens and len(w.token_ids) == 1
-                elif replay_decode:
-                    ok &= w.start_pos + len(w.token_ids) <= req.num_prompt_tokens
+                else:  # a prefill chunk ends on a block boundary or at the end of what prefill computes
+                    end, target = w.start_pos + len(w.token_ids), (req.num_prompt_tokens if replay_decode
+                                                                    else req.num_tokens)
+                    ok &= end <= target and (end % bs == 0 or (end == target and caching)
+                                             or not caching)
                 ok &= ex.slots[w.slot] == list(ref.states(w.request_id, toks, w.start_pos))
                 for j in range(-(-w.start_pos // bs)):
                     lo, hi = j * bs, min((j + 1) * bs, w.start_pos)

@@ -20,18 +20,27 @@ class CheckpointPolicy(Protocol):
 
 
 class AlignEveryBlock:
-    """vLLM's align mode, seed 000: chunks that do not reach the end of the sequence end on a block
-    boundary, and every step that ends on a block boundary (a decode that completes a block included)
-    saves a checkpoint, so every checkpoint is exact and a hit can resume at any cached block."""
+    """vLLM's align mode, seed 000: prefill chunks end on block boundaries, and every step that ends on
+    a block boundary (a decode that completes a block included) saves a checkpoint, so every checkpoint
+    is exact and a hit can resume at any block that has one.
+
+    As vLLM does ("force to cache the last chunk"), a chunk that would run past the last block boundary
+    of the prompt to its ragged end stops at that boundary, and the tail (< one block) runs next step.
+    That checkpoint after the prompt's last full block is the one later requests hit (the next turn of
+    a conversation, an extension, a diverging suffix); without it, a prompt computed in one chunk would
+    leave no checkpoint at all. Cost: one more step for the tail.
+    """
 
     def __init__(self, block_size: int):
         self.block_size = block_size
 
     def chunk_end(self, start: int, limit: int, total: int) -> int:
-        if limit >= total:
-            return total
-        end = limit // self.block_size * self.block_size
-        return end if end > start else start
+        bs = self.block_size
+        if limit < total:  # a middle chunk ends on a block boundary, or waits for more budget
+            end = limit // bs * bs
+            return end if end > start else start
+        last = total // bs * bs  # the last block boundary of the prefill
+        return last if start < last < total else total  # stop there so its checkpoint is taken
 
     def save_at(self, end: int) -> bool:
         return end % self.block_size == 0

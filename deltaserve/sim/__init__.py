@@ -32,7 +32,7 @@ def simulate(cluster: ClusterConfig, trace: list[TraceRequest], bundle: Bundle |
     if num_reqs is not None:
         trace = trace[:num_reqs]
     vocab = min(r.bundle.config.get("vocab_size", 4096) for r in sim.replicas)
-    materialize(trace, vocab=min(vocab, 4000))
+    materialize(trace, vocab=vocab)
     return sim, sim.run(trace)
 
 

@@ -158,8 +158,8 @@ class _BlockTokens:
 
 def materialize(reqs: list[TraceRequest], vocab: int = DEFAULT_VOCAB, seed: int = 0) -> list[TraceRequest]:
     """Turn hash-id prompts into token ids (in place) and return the list. Token-id prompts are checked
-    against the vocabulary."""
-    blocks = _BlockTokens(vocab, seed)
+    against the model's vocabulary; hash blocks draw their tokens from [TOKEN_LO, min(vocab, DEFAULT_VOCAB))."""
+    blocks = _BlockTokens(min(vocab, DEFAULT_VOCAB), seed)
     for r in reqs:
         if r.prompt_token_ids is None:
             toks: list[int] = []
@@ -168,7 +168,7 @@ def materialize(reqs: list[TraceRequest], vocab: int = DEFAULT_VOCAB, seed: int 
             n = r.input_length or len(toks)
             if len(toks) < n:
                 rng = random.Random(f"pad|{seed}|{r.request_id}")
-                toks.extend(rng.randrange(TOKEN_LO, vocab) for _ in range(n - len(toks)))
+                toks.extend(rng.randrange(TOKEN_LO, min(vocab, DEFAULT_VOCAB)) for _ in range(n - len(toks)))
             r.prompt_token_ids = toks[:n]
         else:
             bad = [t for t in r.prompt_token_ids if not 0 <= t < vocab]

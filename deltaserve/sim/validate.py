@@ -46,7 +46,7 @@ class Scenario:
     preset: str
     engine: dict  # engine flags (EngineConfig names)
     spec: AgentTraceSpec
-    warmup: int = 6  # warm-up requests (64 + 96 i prompt tokens, 8 + 4 i outputs), run at once before the trace
+    warmup: int = 8  # warm-up requests (64 + 96 i prompt tokens, 8 + 4 i outputs), run at once before the trace
 
 
 def preset_scenario(preset: str, quick: bool = False) -> Scenario:
@@ -63,7 +63,7 @@ def preset_scenario(preset: str, quick: bool = False) -> Scenario:
     else:
         eng = dict(max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_memory=1 << 30)
         spec = AgentTraceSpec(num_sessions=6, seed=7)
-    return Scenario(preset, eng, spec, warmup=4 if preset == "qwen3.5-0.8b-shape" else 6)
+    return Scenario(preset, eng, spec, warmup=5 if preset == "qwen3.5-0.8b-shape" else 8)
 
 
 def _scale(trace: list[TraceRequest], k: float) -> list[TraceRequest]:
@@ -108,15 +108,16 @@ def run_sim(bundle, engine_flags: dict, caching: bool, trace: list[TraceRequest]
 
 
 def utilization(bundle, flags: dict, caching: bool, trace: list[TraceRequest]) -> float:
-    recs, sim = run_sim(bundle, flags, caching, trace, [])
+    recs, sim = run_sim(bundle, flags, caching, trace, [], wall_per_cpu=1.0)
     span = max(r.finish for r in recs if r.finish is not None) - min(r.arrival for r in recs)
     return sim.replicas[0].busy_time / span if span > 0 else 1.0
 
 
 def pick_scales(bundle, flags: dict, trace: list[TraceRequest], caching: bool = False) -> dict[str, float]:
     """Arrival-time scale factors for light (~30% busy), saturated (~90% busy) and overloaded (arrivals twice as
-    fast as the saturated scale's) load, found by bisection on the simulator's busy fraction (caching off:
-    the heavier case, so saturated with caching on is a little lighter)."""
+    fast as the saturated scale's) load, found by bisection on the simulator's busy fraction of the engine on a
+    core of its own (the bundle's CPU-time tables; caching off: the heavier case, so saturated with caching on
+    is a little lighter). The wall-clock replays stretch these by the bundle's wall/CPU contention."""
     def find(target: float) -> float:
         lo, hi = 0.01, 100.0
         for _ in range(30):
@@ -319,8 +320,19 @@ def main(argv: list[str] | None = None) -> int:
     from .report import write_csv
     from .trace import write_trace
 
-    results = []
     out_json = os.path.join(a.out, "validation.json")
+    results: list[dict] = []
+    if os.path.exists(out_json):  # earlier runs in this directory: keep what this run does not redo
+        with open(out_json) as f:
+            results = json.load(f).get("results", [])
+
+    def keep(res: dict) -> None:
+        key = lambda r: (r["preset"], r["load"], r["caching"], r["clock"])  # noqa: E731
+        results[:] = [r for r in results if key(r) != key(res)] + [res]
+        order = {p: i for i, p in enumerate(["tiny", "qwen3.5-0.8b-shape"])}
+        results.sort(key=lambda r: (order.get(r["preset"], 9), r["preset"],
+                                    ["light", "saturated", "overloaded"].index(r["load"]), not r["caching"],
+                                    r["clock"]))
     for preset in a.presets.split(","):
         sc = preset_scenario(preset, a.quick)
         bdir = os.path.join(a.out, "bundles", preset)
@@ -334,13 +346,15 @@ def main(argv: list[str] | None = None) -> int:
         base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000)))
         warm = _warmup_requests(sc.warmup, vocab)
         scales = pick_scales(bundle, sc.engine, base)
+        wpc_bundle = float(bundle.calibration.get("wall_per_cpu", 1.0))
         print(f"[{preset}] {len(base)} requests; arrival scales {scales}", file=sys.stderr, flush=True)
         for load in a.loads.split(","):
-            trace = _scale(base, scales[load])
-            write_trace(os.path.join(a.out, f"trace-{preset}-{load}.jsonl"), trace)
+            base_trace = _scale(base, scales[load])
+            write_trace(os.path.join(a.out, f"trace-{preset}-{load}.jsonl"), base_trace)
             for caching in [c == "on" for c in a.caching.split(",")]:
                 for clock in a.clocks.split(","):
                     tag = f"{preset}-{load}-{'on' if caching else 'off'}-{clock}"
+                    trace = base_trace if clock == "cpu" else _scale(base_trace, wpc_bundle)
                     print(f"[{tag}] real replay ({trace[-1].arrival_time:.1f} s of arrivals)", file=sys.stderr,
                           flush=True)
                     real, info = run_real(preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock)
@@ -363,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
                            "requests": len(trace), "scale": scales[load], "real_info": info,
                            "step_model_err_pct": step_model_error(bundle, steps), "real_summary": summarize(real),
                            "compare": cmp, "sim_wall_s": sims}
-                    results.append(res)
+                    keep(res)
                     print(format_table([res], {"cpu": "probe", "wall": "probe"}).splitlines()[-1], file=sys.stderr,
                           flush=True)
                     with open(out_json, "w") as f:

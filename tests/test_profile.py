@@ -1,0 +1,102 @@
+"""The profiler: a quick bundle of the tiny model on this machine, its tables, coverage, and the latency model
+built from it; the instrumented forward conserves time."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from deltaserve.profile import make_engine  # noqa: E402
+from deltaserve.profile.coverage import coverage, format_coverage  # noqa: E402
+from deltaserve.profile.profiler import Instrument, Profiler, make_grid, profile  # noqa: E402
+from deltaserve.sim.bundle import GDN_KERNELS, TABLES, load_bundle  # noqa: E402
+from deltaserve.sim.latency import LatencyModel, StepShape  # noqa: E402
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return make_engine(None, "tiny", num_threads=1, max_num_seqs=4, max_num_batched_tokens=128,
+                       kv_cache_memory=32 * MiB)
+
+
+@pytest.fixture(scope="module")
+def bundle_dir(engine, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("prof") / "tiny")
+    profile(engine, out, quick=True, repeats=2, max_context=512, progress=False, source="preset:tiny")
+    return out
+
+
+def test_quick_bundle_has_every_table_and_the_meta(bundle_dir, engine):
+    for name in TABLES:
+        assert os.path.exists(os.path.join(bundle_dir, name)), name
+    b = load_bundle(bundle_dir)
+    m = b.meta
+    assert m["model"]["model_type"] == "qwen3_5_text" and m["layers"] == {"gdn": 6, "attention": 2, "total": 8}
+    assert b.block_size(1) == engine.block_size == 128 and b.block_size(2) is not None
+    assert m["dtypes"] == {"model": "bfloat16", "kv": "bfloat16", "conv": "bfloat16", "ssm": "float32"}
+    assert m["versions"]["torch"] and m["hardware"]["torch_threads"] == 1 and m["profile"]["timer"] == "cpu"
+    cal = m["calibration"]
+    assert cal["steps"] > 10 and cal["fixed_us"] >= 0 and cal["per_seq_us"] >= 0 and cal["wall_per_cpu"] > 0
+    assert b.config["num_hidden_layers"] == 8
+
+
+def test_gdn_kernels_are_kept_apart_by_regime(bundle_dir):
+    b = load_bundle(bundle_dir)
+    rows = b.rows("linear_attention.csv")
+    for r in rows:
+        if r["kernel"] in GDN_KERNELS:
+            assert r["regime"] == GDN_KERNELS[r["kernel"]], r
+            assert (r["n_decode"] == 0) if r["regime"] == "prefill" else (r["prefill_tokens"] == 0)
+            assert r["time_us"] > 0
+    assert {r["regime"] for r in rows} == {"prefill", "decode", "mixed"}
+    dense = {r["kernel"] for r in b.rows("dense.csv")}
+    assert not dense & set(GDN_KERNELS)  # regime-dependent kernels never sit in dense
+    assert {"gdn_in_proj", "gdn_out_proj", "gdn_norm", "gdn_glue", "mlp", "lm_head", "sampler"} <= dense
+
+
+def test_coverage_reports_nothing_missing(bundle_dir):
+    b = load_bundle(bundle_dir)
+    cov = coverage(b)
+    assert cov["missing"] == [] and cov["calibrated"]
+    text = format_coverage(b, cov)
+    assert "gdn_conv_decode" in text and "does not fire" in text and "tp1=128" in text
+
+
+def test_latency_model_from_a_profiled_bundle(bundle_dir):
+    lm = LatencyModel(load_bundle(bundle_dir))
+    a = lm.shape_us(StepShape([(16, 0)], [], 1))
+    b = lm.shape_us(StepShape([(128, 0)], [], 1))
+    d1 = lm.shape_us(StepShape([], [200], 1))
+    d4 = lm.shape_us(StepShape([], [200] * 4, 4))
+    assert 0 < a < b and 0 < d1 < d4
+
+
+def test_instrumented_forward_conserves_time(engine):
+    prof = Profiler(engine, make_grid(True, 128, 4, 512, 2), progress=False)
+    work = prof.work([(40, 0, False), (1, 99, True), (1, 150, True)])
+    batch = engine.runner.build_batch(work)
+    with torch.inference_mode(), Instrument(engine.model, time.perf_counter) as ins:
+        t = time.perf_counter()
+        engine.model.forward(batch, engine.store.caches())
+        total = (time.perf_counter() - t) * 1e6
+        ev = ins.take()
+    kinds = {k for k, _, _ in ev}
+    assert {"gdn_conv_prefill", "gdn_prefill", "gdn_conv_decode", "gdn_decode", "attn_prefill", "attn_decode",
+            "mlp", "gdn_in_proj", "attn_qkv_proj", "model", "layer"} <= kinds
+    assert sum(us for _, _, us in ev) == pytest.approx(total, rel=0.05)
+    assert sorted(key for k, key, _ in ev if k == "attn_decode") == [100, 100, 151, 151]
+    # and the model is back to its plain self
+    import deltaserve.model.layers as L
+    assert not hasattr(L.linear, "__wrapped__") and not hasattr(L.GDNMixer.forward, "__wrapped__")
+
+
+def test_cli_profile_and_coverage(bundle_dir, capsys):
+    from deltaserve.profile import main
+
+    assert main(["coverage", bundle_dir]) == 0
+    assert "missing: nothing" in capsys.readouterr().out

@@ -1,0 +1,279 @@
+"""The simulator: traces, the latency model, routers, and the discrete-event loop over the engine's own
+scheduler and memory manager. Torch-free except where a test compares with the real engine's arithmetic."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from deltaserve.config import ModelConfig
+from deltaserve.presets import load_preset
+from deltaserve.scheduler import Scheduler
+from deltaserve.scheduler.build import build_scheduler, resolve_shape
+from deltaserve.sim import (AgentTraceSpec, ClusterConfig, ReplicaConfig, Simulation, agent_trace, load_bundle,
+                            materialize, read_trace, summarize, write_trace)
+from deltaserve.sim.bundle import FORMAT, save_meta, write_table
+from deltaserve.sim.latency import Interp1D, Interp2D, LatencyModel, StepShape
+from deltaserve.sim.report import percentile, read_csv
+from deltaserve.sim.trace import TraceRequest, mooncake_like
+
+MiB = 1 << 20
+
+
+def synthetic_bundle(path: str, preset: str = "tiny", step_fixed_us: float = 1000.0) -> str:
+    """A hand-written bundle: dense 10 us/token/layer-kind, GDN and attention linear in their keys."""
+    os.makedirs(path, exist_ok=True)
+    cfg = load_preset(preset)
+    mc = ModelConfig.from_hf(cfg)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    toks = [1, 16, 64, 256, 1024, 4096]
+    dense = [{"kernel": "mlp", "tokens": t, "time_us": 5 + 0.5 * t, "p10_us": "", "p90_us": "", "layers": 8}
+             for t in toks]
+    dense += [{"kernel": "lm_head", "tokens": r, "time_us": 50 + 20 * r, "p10_us": "", "p90_us": "", "layers": 1}
+              for r in (1, 8, 64)]
+    la = [{"kernel": "gdn_prefill", "regime": "prefill", "prefill_tokens": t, "n_decode": 0, "time_us": 20 + 0.3 * t,
+           "p10_us": "", "p90_us": "", "layers": 6} for t in toks]
+    la += [{"kernel": "gdn_decode", "regime": "decode", "prefill_tokens": 0, "n_decode": d, "time_us": 30 + 5 * d,
+            "p10_us": "", "p90_us": "", "layers": 6} for d in (1, 8, 64)]
+    attn = [{"kernel": "attn_prefill", "query_tokens": q, "context_len": q + p, "time_us": 10 + 0.01 * q * (q + p) / 64,
+             "p10_us": "", "p90_us": "", "layers": 2} for q in (1, 64, 512, 2048) for p in (0, 1024, 8192)]
+    attn += [{"kernel": "attn_decode", "query_tokens": 1, "context_len": c, "time_us": 20 + 0.05 * c, "p10_us": "",
+              "p90_us": "", "layers": 2} for c in (16, 1024, 16384)]
+    copies = [{"op": op, "count": n, "time_us": 10 * n, "p10_us": "", "p90_us": ""}
+              for op in ("zero_pages", "zero_slots", "restore", "save") for n in (1, 16)]
+    write_table(path, "dense.csv", dense)
+    write_table(path, "linear_attention.csv", la)
+    write_table(path, "attention.csv", attn)
+    write_table(path, "copies.csv", copies)
+    write_table(path, "overhead.csv", [{"component": "scheduler", "n_seqs": n, "tokens": n, "time_us": 20 + 2 * n,
+                                         "p10_us": "", "p90_us": ""} for n in (1, 64)])
+    save_meta(path, {"format": FORMAT, "model": {"name": preset, "model_type": mc.model_type},
+                     "layers": {"gdn": len(mc.gdn_layers), "attention": len(mc.attn_layers), "total": 8},
+                     "hardware": {"device": "cpu", "torch_threads": 1}, "dtypes": {"model": "bfloat16"},
+                     "engine_resolved": {"per_tp": {1: {"block_size": 128}}},
+                     "calibration": {"fixed_us": step_fixed_us, "per_seq_us": 10.0, "wall_per_cpu": 1.0}})
+    return path
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return load_bundle(synthetic_bundle(str(tmp_path_factory.mktemp("bundle"))))
+
+
+def cluster(bundle, n=1, router="round-robin", **flags) -> ClusterConfig:
+    flags = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "kv_cache_memory": 64 * MiB, **flags}
+    return ClusterConfig([ReplicaConfig(**flags) for _ in range(n)], router, bundle.path)
+
+
+def small_trace(n_sessions=6, rate=2.0, seed=0):
+    return agent_trace(AgentTraceSpec(num_sessions=n_sessions, session_rate=rate, turns=(2, 3), system_tokens=300,
+                                      first_user_tokens=(20, 60), new_tokens=(10, 40), output_tokens=(4, 12),
+                                      think_time=0.5, seed=seed))
+
+
+# ------------------------------------------------------------------------------------------------ the builder
+def test_builder_matches_the_engine_arithmetic():
+    mc = ModelConfig.from_hf(load_preset("tiny"))
+    shape = resolve_shape(mc, dtype="bfloat16", kv_cache_memory=64 * MiB, max_num_seqs=8)
+    assert shape.block_size == 128  # bf16 tiny: 68,608-byte GDN state over 1,024 B/token/layer at alignment 64
+    assert resolve_shape(mc, dtype="float32", kv_cache_memory=64 * MiB, max_num_seqs=8).block_size == 64
+    mem, sch = build_scheduler(shape, max_num_seqs=8, max_num_batched_tokens=512)
+    assert isinstance(sch, Scheduler) and mem.caching and mem.num_pages == shape.pool.num_pages
+    assert shape.max_model_len == shape.pool.pool_tokens
+
+
+def test_builder_agrees_with_a_real_engine():
+    pytest.importorskip("torch")
+    from tests.util import make_llm
+
+    eng = make_llm(kv_cache_memory=64 * MiB, max_num_seqs=8, max_num_batched_tokens=512).engine
+    shape = resolve_shape(eng.model_config, dtype=eng.dtype, block_size=eng.config.block_size,
+                          kv_cache_memory=64 * MiB, max_num_seqs=8)
+    assert (shape.block_size, shape.pool, shape.max_model_len) == (eng.block_size, eng.pool, eng.max_model_len)
+
+
+# ------------------------------------------------------------------------------------------------ traces
+def test_trace_round_trip_and_mooncake(tmp_path):
+    tr = small_trace()
+    p = tmp_path / "t.jsonl"
+    write_trace(str(p), tr)
+    back = read_trace(str(p))
+    assert [(r.request_id, r.prompt_token_ids, r.output_length) for r in back] == \
+        [(r.request_id, r.prompt_token_ids, r.output_length) for r in tr]
+    assert back[0].arrival_time == 0.0
+    mc = tmp_path / "mc.jsonl"
+    with open(mc, "w") as f:
+        f.write(json.dumps({"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [7, 8, 9]}) + "\n")
+        f.write(json.dumps({"timestamp": 3500, "input_length": 700, "output_length": 3, "hash_ids": [7, 5]}) + "\n")
+    reqs = materialize(read_trace(str(mc)), vocab=4000)
+    assert [r.arrival_time for r in reqs] == [0.0, 2.5]
+    a, b = reqs[0].prompt_token_ids, reqs[1].prompt_token_ids
+    assert len(a) == 1100 and len(b) == 700
+    assert a[:512] == b[:512] and a[512:700] != b[512:700]  # hash id 7 is the same block in both
+    assert all(10 <= t < 4000 for t in a + b)
+    lines = list(mooncake_like(20, rate=5.0, seed=1))
+    assert len(lines) == 20 and all(set(d) == {"timestamp", "input_length", "output_length", "hash_ids"} for d in lines)
+
+
+def test_agent_sessions_resend_the_conversation():
+    tr = small_trace(n_sessions=3)
+    by_s: dict[str, list[TraceRequest]] = {}
+    for r in tr:
+        by_s.setdefault(r.session_id, []).append(r)
+    system = tr[0].prompt_token_ids[:300]
+    for turns in by_s.values():
+        turns.sort(key=lambda r: r.arrival_time)
+        assert all(t.prompt_token_ids[:300] == system for t in turns)
+        for prev, nxt in zip(turns, turns[1:]):
+            assert nxt.prompt_token_ids[:len(prev.prompt_token_ids)] == prev.prompt_token_ids
+            assert nxt.arrival_time > prev.arrival_time
+
+
+# ------------------------------------------------------------------------------------------------ latency model
+def test_interpolation():
+    f = Interp1D([(1, 10), (10, 100), (100, 1000)])
+    assert f(1) == 10 and f(55) == pytest.approx(550) and f(200) == pytest.approx(2000) and f(0) >= 0
+    g = Interp2D([(1, 1, 1.0), (1, 100, 2.0), (10, 10, 10.0), (10, 100, 20.0)])
+    assert g(1, 50) == pytest.approx(1.0 + 49 / 99)
+    assert g(10, 55) == pytest.approx(15.0)
+
+
+def test_step_time_grows_with_the_work(bundle):
+    lm = LatencyModel(bundle)
+    small = lm.shape_us(StepShape([(64, 0)], [], 1))
+    big = lm.shape_us(StepShape([(512, 0)], [], 1))
+    dec = lm.shape_us(StepShape([], [100] * 4, 4))
+    dec8 = lm.shape_us(StepShape([], [100] * 8, 8))
+    long_ctx = lm.shape_us(StepShape([], [10000] * 4, 4))
+    assert small < big and dec < dec8 and dec < long_ctx
+    assert lm.shape_us(StepShape([], [], 0)) == 0.0
+    assert lm.shape_us(StepShape([(64, 0)], [], 1)) >= 1000.0  # the calibrated fixed overhead is charged
+    slow = LatencyModel(bundle, wall_per_cpu=2.0)
+    assert slow.shape_us(StepShape([(64, 0)], [], 1)) == pytest.approx(2 * small)
+
+
+# ------------------------------------------------------------------------------------------------ the simulation
+def test_simulation_drives_the_real_scheduler(bundle):
+    tr = materialize(small_trace())
+    # a 256-token budget cuts the 300-token system prompt at a block boundary (128): align mode checkpoints
+    # only where a chunk ends, so a prompt computed in one chunk leaves no checkpoint to hit
+    sim = Simulation(cluster(bundle, max_num_batched_tokens=256))
+    rep = sim.replicas[0]
+    assert type(rep.scheduler) is Scheduler and rep.scheduler.memory is rep.memory
+    recs = sim.run(tr)
+    assert len(recs) == len(tr) and all(r.status == "ok" for r in recs)
+    by = {r.request_id: r for r in recs}
+    for t in tr:
+        r = by[t.request_id]
+        assert r.output_tokens == t.output_length
+        assert t.arrival_time <= r.first_token <= r.finish
+    assert sum(r.cached_tokens for r in recs) > 0  # the shared system prompt hits (caching on)
+    assert all(r.cached_tokens % 128 == 0 for r in recs)
+    st = sim.stats()[0]
+    assert st["prefix_hits"] == sum(r.cached_tokens for r in recs) and st["steps"] > 0
+    rep.memory.check_integrity()
+    off = Simulation(cluster(bundle, enable_prefix_caching=False, max_num_batched_tokens=256)).run(
+        materialize(small_trace()))
+    assert sum(r.cached_tokens for r in off) == 0
+    assert summarize(off)["ttft"]["mean"] > summarize(recs)["ttft"]["mean"]
+
+
+def test_simulation_is_deterministic_and_overload_queues(bundle):
+    a = Simulation(cluster(bundle)).run(materialize(small_trace()))
+    b = Simulation(cluster(bundle)).run(materialize(small_trace()))
+    assert [(r.first_token, r.finish) for r in a] == [(r.first_token, r.finish) for r in b]
+    fast = summarize(Simulation(cluster(bundle)).run(materialize(small_trace(rate=200.0))))
+    assert fast["ttft"]["p90"] > summarize(a)["ttft"]["p90"]
+
+
+def test_preemption_under_memory_pressure(bundle):
+    tr = materialize(agent_trace(AgentTraceSpec(num_sessions=8, session_rate=100.0, turns=(1, 1), system_tokens=0,
+                                                first_user_tokens=(900, 1000), output_tokens=(200, 300), seed=3)))
+    recs = Simulation(cluster(bundle, kv_cache_memory=16 * MiB, max_num_seqs=8)).run(tr)
+    assert all(r.status == "ok" for r in recs)
+    assert sum(r.preemptions for r in recs) > 0
+
+
+def test_routers(bundle):
+    tr = materialize(small_trace(n_sessions=8, rate=0.5))
+    def cl(**kw):  # a 256-token budget chunks the system prompt, so that it leaves checkpoints
+        return cluster(bundle, max_num_batched_tokens=256, **kw)
+    rr = Simulation(cl(n=3, router="round-robin")).run(tr)
+    assert [r.replica for r in rr][:6] == [0, 1, 2, 0, 1, 2]
+    ll = Simulation(cl(n=3, router="least-loaded")).run(tr)
+    assert {r.replica for r in ll} <= {0, 1, 2}
+    pa = Simulation(cl(n=3, router={"policy": "prefix-affinity", "max_imbalance": 8})).run(tr)
+    by_s: dict = {}
+    for r in pa:
+        by_s.setdefault(r.session_id, set()).add(r.replica)
+    assert all(len(v) == 1 for v in by_s.values())  # a session's turns follow its cached prefix
+    assert sum(r.cached_tokens for r in pa) >= sum(r.cached_tokens for r in rr)
+    with pytest.raises(ValueError):
+        Simulation(cl(router="random"))
+
+
+def test_rejects_what_the_engine_rejects(bundle):
+    tr = [TraceRequest("huge", 0.0, 10, prompt_token_ids=[11] * 10_000)]
+    recs = Simulation(cluster(bundle, kv_cache_memory=8 * MiB)).run(tr)
+    assert recs[0].status.startswith("rejected")
+
+
+def test_300_requests_simulate_within_two_seconds(bundle):
+    tr = materialize(agent_trace(AgentTraceSpec(num_sessions=120, session_rate=3.0, turns=(2, 4), seed=5)))[:300]
+    assert len(tr) == 300
+    t = time.process_time()
+    recs = Simulation(cluster(bundle, n=2, router="prefix-affinity", max_num_seqs=16,
+                              max_num_batched_tokens=2048, kv_cache_memory=256 * MiB)).run(tr)
+    cpu = time.process_time() - t
+    assert len(recs) == 300 and all(r.finish is not None for r in recs)
+    assert cpu <= 2.0, f"300 requests took {cpu:.2f} s of CPU"
+
+
+def test_cli_writes_csv_and_summary(bundle, tmp_path, capsys):
+    from deltaserve.sim import main
+
+    trace = tmp_path / "t.jsonl"
+    write_trace(str(trace), small_trace())
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"profile": bundle.path, "router": "least-loaded",
+                               "replicas": [{"count": 2, "max_num_seqs": 4, "max_num_batched_tokens": 256,
+                                             "kv_cache_memory": 32 * MiB}]}))
+    out = tmp_path / "o.csv"
+    assert main(["--cluster-config", str(cfg), "--trace", str(trace), "--output", str(out), "--num-reqs", "7",
+                 "--summary-json", str(tmp_path / "s.json")]) == 0
+    recs = read_csv(str(out))
+    assert len(recs) == 7 and {r.replica for r in recs} <= {0, 1}
+    text = capsys.readouterr().out
+    assert "TTFT" in text and "p99" in text and "hit rate" in text
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["completed"] == 7 and "throughput_req_s" in s
+    cfg.write_text(json.dumps({"profile": bundle.path, "replicas": [{"max_num_seqs": 4, "bogus": 1}]}))
+    with pytest.raises(ValueError, match="bogus"):
+        main(["--cluster-config", str(cfg), "--trace", str(trace), "--output", str(out)])
+    assert main(["gen-trace", "agent", "--out", str(tmp_path / "g.jsonl"), "--sessions", "3"]) == 0
+    assert len(read_trace(str(tmp_path / "g.jsonl"))) >= 3
+
+
+def test_simulator_imports_no_torch(tmp_path):
+    path = synthetic_bundle(str(tmp_path / "b"))
+    code = f"""
+import sys
+from deltaserve.sim import ClusterConfig, ReplicaConfig, Simulation, agent_trace, AgentTraceSpec, materialize
+from deltaserve.profile.coverage import coverage
+from deltaserve.sim.bundle import load_bundle
+c = ClusterConfig([ReplicaConfig(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory=32 << 20)], "round-robin", {path!r})
+recs = Simulation(c).run(materialize(agent_trace(AgentTraceSpec(num_sessions=3, seed=1))))
+coverage(load_bundle({path!r}))
+assert recs and "torch" not in sys.modules, "torch was imported"
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+
+
+def test_percentile_matches_numpy_linear():
+    xs = [5.0, 1.0, 3.0, 2.0, 4.0]
+    assert percentile(xs, 50) == 3.0 and percentile(xs, 90) == pytest.approx(4.6) and percentile([7.0], 99) == 7.0
