@@ -125,11 +125,6 @@ class LLMEngine:
                               f"or lower --max-num-seqs")
         self.pool = pool
         caching = config.enable_prefix_caching
-        max_len = config.max_model_len or min(mc.max_position_embeddings, pool.pool_tokens)
-        if max_len > pool.pool_tokens:
-            raise ConfigError(f"--max-model-len {max_len} exceeds the KV pool ({pool.pool_tokens:,} tokens); "
-                              f"raise --kv-cache-memory or lower --max-model-len")
-        self.max_model_len = max_len
         self.store = CacheStore(mc, pool, kv_dtype=getattr(torch, self.dtype), conv_dtype=getattr(torch, self.dtype),
                                 device=self.device)
         self.runner = ModelRunner(self.model, self.store, self.device)
@@ -137,6 +132,13 @@ class LLMEngine:
                                     num_gdn_groups=pool.num_gdn_groups, caching=caching, layout=config.cache_layout)
         self.scheduler = Scheduler(self.memory, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens)
+        cap = self.scheduler.max_request_tokens()  # what one request can hold (checkpoint pages held back)
+        max_len = config.max_model_len or min(mc.max_position_embeddings, cap)
+        if max_len > cap:
+            raise ConfigError(f"--max-model-len {max_len} exceeds what one request can hold in the KV pool "
+                              f"({cap:,} of {pool.pool_tokens:,} tokens); raise --kv-cache-memory or lower "
+                              f"--max-model-len")
+        self.max_model_len = max_len
         self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece)
         self._live: dict[str, _Live] = {}
         self._seed_counter = 0

@@ -52,14 +52,14 @@ def test_preempted_equals_uninterrupted():
     assert small.engine.stats().pages_used == 0 and small.engine.stats().slots_used == 0
 
 
-def _budget_for_pages(small_pages: int) -> int:
+def _budget_for_pages(small_pages: int, layout: str = "in-page") -> int:
     from deltaserve.config import ModelConfig
     from deltaserve.embedded import ensure_model
     from deltaserve.sizing import geometry, hybrid_block_size, plan_pool
 
     mc = ModelConfig.from_path(ensure_model("tiny"))
     g = geometry(mc, "bfloat16", "bfloat16", "float32")
-    p = plan_pool(g, 1 << 30, hybrid_block_size(g, 64), 6)
+    p = plan_pool(g, 1 << 30, hybrid_block_size(g, 64), 6, layout)
     return 6 * p.slot_bytes + small_pages * p.bytes_per_page
 
 

@@ -85,7 +85,7 @@ def test_preemption_mid_decode_resumes_from_cache(layout):
     params = greedy(max_tokens=150, logprobs=None)
     big = make_llm(cache_layout=layout, enable_prefix_caching=False)
     ref = [signature(run(big, [p], params=params)[0])[0] for p in prompts]
-    small = make_llm(cache_layout=layout, kv_cache_memory=_budget_for_pages(14 if layout == "in-page" else 12),
+    small = make_llm(cache_layout=layout, kv_cache_memory=_budget_for_pages(14 if layout == "in-page" else 12, layout),
                      max_num_seqs=6)
     outs = run(small, prompts, salt="s", params=params)
     s = small.engine.stats()

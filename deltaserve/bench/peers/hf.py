@@ -16,14 +16,14 @@ class TransformersPeer:
             import torch
             import transformers
             from transformers import AutoModelForCausalLM
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise PeerUnavailable(f"transformers not importable: {e}") from e
         import logging
 
         logging.getLogger("transformers").setLevel(logging.ERROR)
         try:
             self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise PeerUnavailable(f"transformers {transformers.__version__} cannot load the checkpoint: "
                                   f"{type(e).__name__}: {e}"[:300]) from e
         self.torch = torch

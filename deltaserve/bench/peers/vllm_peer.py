@@ -38,7 +38,7 @@ class VllmPeer:
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
         })
         self.log_path = log_path
-        self._log = open(log_path, "a", buffering=1)
+        self._log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the worker
         self._log.write(f"\n===== {time.strftime('%F %T')} {python} {WORKER} {model_dir}\n")
         self._q: queue.Queue = queue.Queue()
         self.proc = subprocess.Popen(
@@ -124,7 +124,7 @@ class VllmPeer:
                 p.stdin.write(json.dumps({"op": "quit"}) + "\n")
                 p.stdin.flush()
                 p.wait(timeout=30)
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001, S110 - it is killed below
                 pass
             if p.poll() is None:
                 try:
@@ -133,7 +133,7 @@ class VllmPeer:
                 except Exception:  # noqa: BLE001
                     try:
                         os.killpg(p.pid, 9)
-                    except Exception:  # noqa: BLE001
+                    except Exception:  # noqa: BLE001, S110 - already gone
                         pass
         if not self._log.closed:
             self._log.close()
