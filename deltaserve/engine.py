@@ -11,7 +11,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .config import ConfigError, EngineConfig, ModelConfig
+from .config import EngineConfig, ModelConfig
+from .scheduler.build import resolve_dtype
 from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 
 log = logging.getLogger("deltaserve")
@@ -65,13 +66,6 @@ class _Live:
     num_cached_tokens: int = 0
 
 
-def _resolve_dtype(requested: str, mc: ModelConfig) -> str:
-    d = mc.dtype if requested == "auto" else requested
-    if d not in ("bfloat16", "float16", "float32"):
-        d = "bfloat16"
-    return d
-
-
 class LLMEngine:
     """Synchronous engine. Not thread-safe: one thread calls add_request/abort_request/step.
 
@@ -86,14 +80,12 @@ class LLMEngine:
         import torch
 
         from .embedded import ensure_model
-        from .memory import MemoryManager
         from .model.loader import load_model
         from .runner.cache import CacheStore
         from .runner.platform import default_kv_budget, select_device, tune_allocator
         from .runner.runner import ModelRunner
         from .sampler import Sampler
-        from .scheduler import Scheduler
-        from .sizing import ENGINE_KERNEL_ALIGNMENT, alignment_for, cdiv, geometry, hybrid_block_size, plan_pool
+        from .scheduler.build import build_scheduler, resolve_shape
         from .tokenizer import load_tokenizer
 
         self.config = config
@@ -106,39 +98,27 @@ class LLMEngine:
         self.model_name = config.model or f"deltaserve/{config.preset}"
         mc = ModelConfig.from_path(path)
         self.model_config = mc
-        self.dtype = _resolve_dtype(config.dtype, mc)
+        self.dtype = resolve_dtype(config.dtype, mc)
         if self.dtype == "float16" and self.device.type == "cpu":
             log.warning("float16 has no fast matmul path on most CPUs (~150x slower than bfloat16 here); "
                         "prefer --dtype bfloat16")
         self.model = load_model(path, dtype=self.dtype, device=self.device)
         self.tokenizer = load_tokenizer(path)
 
-        # memory: block size by vLLM's rule at this engine's alignment (a multiple of the 64-token GDN chunk)
-        geom = geometry(mc, kv_dtype=self.dtype, conv_dtype=self.dtype, ssm_dtype="float32")
-        user_bs = ENGINE_KERNEL_ALIGNMENT * cdiv(config.block_size, ENGINE_KERNEL_ALIGNMENT)
-        self.block_size = hybrid_block_size(geom, alignment_for(ENGINE_KERNEL_ALIGNMENT, user_bs))
+        # memory: block size by vLLM's rule at this engine's alignment (a multiple of the 64-token GDN chunk);
+        # the same builder sizes a simulated replica (scheduler/build.py)
         budget = config.kv_cache_memory or default_kv_budget(self.device, config.memory_utilization, self.model)
-        pool = plan_pool(geom, budget, self.block_size, config.max_num_seqs, config.cache_layout)
-        if pool.num_pages < 2:
-            raise ConfigError(f"a {budget:,}-byte cache budget holds {pool.num_pages} pages of {self.block_size} tokens "
-                              f"after {pool.num_slots} GDN slots of {pool.slot_bytes:,} bytes; raise --kv-cache-memory "
-                              f"or lower --max-num-seqs")
-        self.pool = pool
-        caching = config.enable_prefix_caching
+        shape = resolve_shape(mc, dtype=self.dtype, block_size=config.block_size, kv_cache_memory=budget,
+                              max_num_seqs=config.max_num_seqs, cache_layout=config.cache_layout,
+                              max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+        self.block_size, self.pool, self.max_model_len = shape.block_size, shape.pool, shape.max_model_len
+        pool, geom, caching, max_len = shape.pool, shape.geometry, config.enable_prefix_caching, shape.max_model_len
         self.store = CacheStore(mc, pool, kv_dtype=getattr(torch, self.dtype), conv_dtype=getattr(torch, self.dtype),
                                 device=self.device)
         self.runner = ModelRunner(self.model, self.store, self.device)
-        self.memory = MemoryManager(num_pages=pool.num_pages, num_slots=pool.num_slots, block_size=self.block_size,
-                                    num_gdn_groups=pool.num_gdn_groups, caching=caching, layout=config.cache_layout)
-        self.scheduler = Scheduler(self.memory, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens)
-        cap = self.scheduler.max_request_tokens()  # what one request can hold (checkpoint pages held back)
-        max_len = config.max_model_len or min(mc.max_position_embeddings, cap)
-        if max_len > cap:
-            raise ConfigError(f"--max-model-len {max_len} exceeds what one request can hold in the KV pool "
-                              f"({cap:,} of {pool.pool_tokens:,} tokens); raise --kv-cache-memory or lower "
-                              f"--max-model-len")
-        self.max_model_len = max_len
+        self.memory, self.scheduler = build_scheduler(shape, max_num_seqs=config.max_num_seqs,
+                                                      max_num_batched_tokens=config.max_num_batched_tokens,
+                                                      enable_prefix_caching=caching)
         self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece)
         self._live: dict[str, _Live] = {}
         self._seed_counter = 0

@@ -44,10 +44,12 @@ class EngineShape:
 
 
 def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16, kv_cache_memory: int,
-                  max_num_seqs: int, cache_layout: str = "in-page", max_model_len: int | None = None) -> EngineShape:
+                  max_num_seqs: int, cache_layout: str = "in-page", max_model_len: int | None = None,
+                  enable_prefix_caching: bool = True) -> EngineShape:
     """The engine's block size, pool and max model length for a cache budget of kv_cache_memory bytes.
 
-    Raises ConfigError where the engine would refuse to start."""
+    The max model length defaults to what one request can hold in the pool (the memory manager holds
+    checkpoint pages back in align mode). Raises ConfigError where the engine would refuse to start."""
     dt = resolve_dtype(dtype, mc)
     geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")
     user_bs = ENGINE_KERNEL_ALIGNMENT * cdiv(block_size, ENGINE_KERNEL_ALIGNMENT)
@@ -57,10 +59,14 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16,
         raise ConfigError(f"a {kv_cache_memory:,}-byte cache budget holds {pool.num_pages} pages of {bs} tokens "
                           f"after {pool.num_slots} GDN slots of {pool.slot_bytes:,} bytes; raise --kv-cache-memory "
                           f"or lower --max-num-seqs")
-    max_len = max_model_len or min(mc.max_position_embeddings, pool.pool_tokens)
-    if max_len > pool.pool_tokens:
-        raise ConfigError(f"--max-model-len {max_len} exceeds the KV pool ({pool.pool_tokens:,} tokens); "
-                          f"raise --kv-cache-memory or lower --max-model-len")
+    cap = MemoryManager(num_pages=pool.num_pages, num_slots=pool.num_slots, block_size=bs,
+                        num_gdn_groups=pool.num_gdn_groups, caching=enable_prefix_caching,
+                        layout=pool.layout).max_request_tokens()
+    max_len = max_model_len or min(mc.max_position_embeddings, cap)
+    if max_len > cap:
+        raise ConfigError(f"--max-model-len {max_len} exceeds what one request can hold in the KV pool "
+                          f"({cap:,} of {pool.pool_tokens:,} tokens); raise --kv-cache-memory or lower "
+                          f"--max-model-len")
     return EngineShape(dt, geom, bs, pool, max_len)
 
 
