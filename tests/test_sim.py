@@ -277,3 +277,17 @@ assert recs and "torch" not in sys.modules, "torch was imported"
 def test_percentile_matches_numpy_linear():
     xs = [5.0, 1.0, 3.0, 2.0, 4.0]
     assert percentile(xs, 50) == 3.0 and percentile(xs, 90) == pytest.approx(4.6) and percentile([7.0], 99) == 7.0
+
+
+@pytest.mark.slow
+def test_validation_smoke(tmp_path):
+    """One scenario of the gate end to end (quick profile of tiny, real replay on the CPU clock, simulation)."""
+    pytest.importorskip("torch")
+    from deltaserve.sim.validate import main
+
+    out = tmp_path / "val"
+    assert main(["--out", str(out), "--presets", "tiny", "--quick", "--loads", "light", "--caching", "on",
+                 "--clocks", "cpu"]) == 0
+    res = json.loads((out / "validation.json").read_text())["results"]
+    assert len(res) == 1 and res[0]["compare"]["probe"]["cached_tokens"]["real"] > 0
+    assert (out / "validation.md").read_text().count("| tiny | light | on | cpu") == 3

@@ -85,7 +85,7 @@ def format_coverage(bundle, cov: dict) -> str:
     lines = [f"bundle {bundle.path}: {m['model']['name']} ({m['model']['model_type']}), "
              f"{m['layers']['gdn']} GDN + {m['layers']['attention']} attention layers, dtype {m['dtypes']['model']}, "
              f"{m['hardware']['device']} ({m['hardware'].get('name', '')}, {m['hardware'].get('torch_threads')} threads)",
-             f"engine-resolved block size per TP: " + ", ".join(f"tp{tp}={e['block_size']}" for tp, e in
+             "engine-resolved block size per TP: " + ", ".join(f"tp{tp}={e['block_size']}" for tp, e in
                                                                 m['engine_resolved']['per_tp'].items()),
              "", f"{'kernel':<20}{'table':<18}{'regime':<9}{'rows':>5}  range"]
     for k, t, reg, n, desc in cov["rows"]:

@@ -37,7 +37,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from ..sim.bundle import FORMAT, save_meta, write_table
 

@@ -174,7 +174,6 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     probe = wall / cpu if cpu > 0 else 1.0
     eng.scheduler.schedule = schedule
     pending = sorted(trace, key=lambda r: r.arrival_time)
-    by_id = {r.request_id: r for r in trace}
     recs: dict[str, RequestRecord] = {}
     k = 0
     virtual = 0.0
