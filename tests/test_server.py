@@ -307,8 +307,7 @@ def test_prefix_cache_hit_equals_cold(server, client):
     assert other.usage.prompt_tokens_details.cached_tokens == 0
     m = metrics(server)
     cached = hit.usage.prompt_tokens_details.cached_tokens
-    if m["deltaserve_checkpoints_saved_total"] == 0 and cached == 0:
-        pytest.xfail("the engine saves no GDN checkpoints yet (hybrid prefix caching has not landed)")
+    assert m["deltaserve_checkpoints_saved_total"] > 0
     assert cached > 0 and cached % block == 0
     assert m["vllm:prefix_cache_hits_total"] >= cached
 
