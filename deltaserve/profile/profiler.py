@@ -1,28 +1,29 @@
 """Measure this engine's step costs on this machine and write a profile bundle (deltaserve/sim/bundle.py).
 
 The profiler builds a real LLMEngine (the same model loading, dtype, cache store and runner the server
-uses), then times the pieces of a step the way the engine runs them:
+uses) and times the pieces of a step inside real forwards of the model (Instrument wraps the op names the
+model's modules call; every call records its self time, so the kernels of a forward add up to the forward):
 
-  dense.csv              the always-on kernels over T tokens: embedding, layer norms, residual adds, GDN in/out
-                         projections, GDN gated norm and glue, attention qkv/o projections, q/k norm + rotary,
-                         K/V writes, output gate, MLP (or MoE), final norm; and per sampled row: lm head, sampler.
-                         Each kernel is timed over every layer of its kind in stack order (weights stream from
-                         memory as in a real step; at large T, where compute dominates, a subset of the layers)
-                         and divided by the layer count.
-  linear_attention.csv   the GDN kernels by regime, keyed (prefill_tokens, n_decode): prefill (conv, post-conv
-                         glue, chunked rule) per span of L tokens, decode (conv step, recurrent step, gather /
-                         scatter glue) per batch of D sequences, and mixed rows (one span + D decodes through the
-                         whole GDN core) that check the other two add up.
-  attention.csv          per attention layer: prefill of q tokens at context c (page gather + tiled SDPA),
-                         decode at context c (page gather + GQA matmul-softmax-matmul).
-  copies.csv             zeroing pages and slots, checkpoint restore and save (CacheStore's byte copies).
-  overhead.csv           the torch-free scheduler's schedule() + update(), and the runner's batch preparation.
-  calibration.csv        real engine steps (engine.step(), plan captured) on a calibration workload, with the
-                         latency model's prediction; meta.yaml gets the fitted per-step overhead
-                         (fixed + per sequence + per prefill span) and a compute scale, fitted by least absolute
-                         deviations. Leaving the fixed per-step overhead out is what biases TTFT low.
+  prefill runs (one span of T tokens)   dense.csv: embedding + step context, layer norms, residual/layer glue,
+                                        GDN in/out projections, GDN gated norm and glue, attention qkv/o
+                                        projections, q/k norm + rotary, K/V writes, output gate, MLP (or MoE),
+                                        final norm; linear_attention.csv prefill rows (conv, post-conv glue,
+                                        chunked rule); attention.csv at prior context 0
+  decode runs (D sequences, context c)  linear_attention.csv decode rows (conv step, recurrent step, gather /
+                                        scatter glue); attention.csv decode rows; batch preparation per sequence
+  mixed runs (a span + D decodes)       gdn_core_mixed rows: do the regimes add up?
+  alone                                 lm head and sampler per sampled row; attention at longer prior contexts
+                                        (scaled by the in-context / alone ratio at prior 0); copies (zeroing pages
+                                        and slots, checkpoint restore and save); the torch-free scheduler's
+                                        schedule() + update()
+  calibration                           real engine.step()s of a calibration workload (plans captured), fitted:
+                                        fixed + per sequence + per prefill span overhead and a compute scale, by
+                                        least absolute deviations. Leaving the fixed per-step overhead out is
+                                        what biases other simulators' TTFT low.
 
-Every time is the median of `repeats` runs (p10 and p90 kept); the machine load is recorded in meta.yaml.
+Times are medians of repeats. On a CPU with one torch thread they are the thread's CPU time (the machine may
+be shared; wall time moves with everyone's load) and meta.calibration.wall_per_cpu records the contention seen
+while calibrating; elsewhere wall time (CUDA: synchronized).
 """
 from __future__ import annotations
 
@@ -94,22 +95,6 @@ def _stats(ts: list[float]) -> tuple[float, float, float]:
     s = sorted(ts)
     q = lambda p: s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]  # noqa: E731
     return statistics.median(s), q(0.1), q(0.9)
-
-
-def timeit(fn, repeats: int, warmup: int = 1, budget_s: float = 20.0) -> tuple[float, float, float]:
-    """(median, p10, p90) in microseconds over `repeats` calls of fn (fewer if one call exceeds budget_s/repeats,
-    never fewer than 2 after the warm-up)."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    start = time.perf_counter()
-    for i in range(repeats):
-        t = time.perf_counter()
-        fn()
-        ts.append((time.perf_counter() - t) * 1e6)
-        if i >= 1 and time.perf_counter() - start > budget_s:
-            break
-    return _stats(ts)
 
 
 def _layers_to_time(n: int, tokens: int) -> int:
