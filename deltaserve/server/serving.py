@@ -237,6 +237,15 @@ class OpenAIServing:
                 j.finished = True
                 j.finish_reason = j.finish_reason or "abort"
 
+    async def _wait_all(self, jobs, sink, request) -> None:
+        """Run every job of a non-streamed request to completion (an engine failure becomes a 500)."""
+        try:
+            async for _ in self._outputs(jobs, sink, request):
+                pass
+        except EngineStepError as e:
+            raise ApiError(500, f"The engine failed while generating: {e}", "internal_error", None,
+                           "engine_error") from None
+
     async def _outputs(self, jobs: list[_Job], sink: RequestSink,
                        request: Request | None) -> AsyncIterator[tuple[_Job, Any]]:
         """Yield (job, RequestOutput) as they come, until every job finished. Aborts the rest on exit."""
@@ -424,12 +433,7 @@ class OpenAIServing:
         if req.stream:
             gen = self._stream_completions(req, jobs, sink, rid, created, prompt_lens, echo_only, request)
             return AbortingStream(gen, media_type="text/event-stream")
-        try:
-            async for _ in self._outputs(jobs, sink, request):
-                pass
-        except EngineStepError as e:
-            raise ApiError(500, f"The engine failed while generating: {e}", "internal_error", None,
-                           "engine_error") from None
+        await self._wait_all(jobs, sink, request)
         choices = []
         for j in sorted(jobs, key=lambda j: j.index):
             c = j.last.outputs[0] if j.last is not None and j.last.outputs else None
@@ -572,12 +576,7 @@ class OpenAIServing:
         if req.stream:
             gen = self._stream_chat(req, jobs, sink, rid, created, prompt_lens, n_top, request)
             return AbortingStream(gen, media_type="text/event-stream")
-        try:
-            async for _ in self._outputs(jobs, sink, request):
-                pass
-        except EngineStepError as e:
-            raise ApiError(500, f"The engine failed while generating: {e}", "internal_error", None,
-                           "engine_error") from None
+        await self._wait_all(jobs, sink, request)
         choices = []
         for j in jobs:
             c = j.last.outputs[0] if j.last is not None and j.last.outputs else None
