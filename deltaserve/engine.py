@@ -112,7 +112,7 @@ class LLMEngine:
                               max_num_seqs=config.max_num_seqs, cache_layout=config.cache_layout,
                               max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching)
         self.block_size, self.pool, self.max_model_len = shape.block_size, shape.pool, shape.max_model_len
-        pool, geom, caching, max_len = shape.pool, shape.geometry, config.enable_prefix_caching, shape.max_model_len
+        pool, caching = shape.pool, config.enable_prefix_caching
         self.store = CacheStore(mc, pool, kv_dtype=getattr(torch, self.dtype), conv_dtype=getattr(torch, self.dtype),
                                 device=self.device)
         self.runner = ModelRunner(self.model, self.store, self.device)
@@ -128,8 +128,8 @@ class LLMEngine:
         log.info("KV pool %s tokens (%s pages of %d tokens, layout %s, prefix caching %s); KV %s bytes/token; "
                  "GDN slot %s bytes x %d; max model len %d",
                  f"{pool.pool_tokens:,}", f"{pool.num_pages:,}", self.block_size, config.cache_layout,
-                 "on" if caching else "off", f"{geom.kv_bytes_per_token:,}", f"{pool.slot_bytes:,}",
-                 pool.num_slots, max_len)
+                 "on" if caching else "off", f"{shape.geometry.kv_bytes_per_token:,}", f"{pool.slot_bytes:,}",
+                 pool.num_slots, self.max_model_len)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":

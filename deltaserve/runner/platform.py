@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 
 import torch
 
