@@ -53,6 +53,21 @@ def test_hit_equals_cold(layout, budget):
     assert s.checkpoints_restored > 0 and s.checkpoints_saved > 0 and s.pages_used == 0 and s.slots_used == 0
 
 
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+def test_shared_system_prompt_hits_at_the_fork_and_equals_cold(layout):
+    """A 700-token system prompt, then per-session text; budget 2048 so each first prompt is one chunk.
+    Session 1 leaves no checkpoint inside the system prompt; session 2 stops its first chunk at the fork
+    (block 5, token 640) and saves one; sessions 3 and 4 hit there. Every hit equals its cold run."""
+    rng = random.Random(11)
+    system = random_tokens(rng, 700)
+    prompts = [system + random_tokens(rng, 200 + 37 * i) for i in range(4)]
+    llm = make_llm(cache_layout=layout, max_num_batched_tokens=2048, kv_cache_memory=128 << 20)
+    hits = [run(llm, [p], salt="shared")[0] for p in prompts]
+    colds = run(llm, prompts, salt=[f"cold-{i}" for i in range(len(prompts))])
+    assert [h.num_cached_tokens for h in hits] == [0, 0, 640, 640]
+    assert [signature(h) for h in hits] == [signature(c) for c in colds]
+
+
 def test_drift_zero_with_unrelated_request_between():
     rng = random.Random(8)
     p = random_tokens(rng, 700)

@@ -238,20 +238,51 @@ def test_hit_backs_off_to_a_block_with_a_checkpoint(layout):
     p = step(s)
     assert spans(p) == [("b", 4, 4, False, True)] and b.num_cached_tokens == 4 and len(p.restores) == 1
     assert not p.zero_slots
-    # a chunk spanning two blocks leaves no checkpoint at the first one: no hit for the same prompt
+    # a chunk spanning two blocks leaves no checkpoint at the first one: no hit for the same prompt,
+    # which therefore stops its first chunk at that fork point and leaves the checkpoint for the next
     s2 = make(budget=16, layout=layout)
     s2.add(Request("a", list(range(1, 9)), max_tokens=1))
     run_all(s2)
     c = Request("c", list(range(1, 9)), max_tokens=1)
     s2.add(c)
     p = step(s2)
-    assert spans(p) == [("c", 0, 8, False, True)] and c.num_cached_tokens == 0 and p.zero_slots
+    assert spans(p) == [("c", 0, 4, False, False)] and c.num_cached_tokens == 0 and p.zero_slots
+    assert len(p.saves) == 1
+    run_all(s2)
+    e = Request("e", list(range(1, 9)), max_tokens=1)
+    s2.add(e)
+    assert spans(step(s2)) == [("e", 4, 4, False, True)] and e.num_cached_tokens == 4
     # a longer prompt hits both blocks
     d = Request("d", list(range(1, 12)), max_tokens=1)
     s2.add(d)
     p = step(s2)
     assert spans(p) == [("d", 8, 3, False, True)] and d.num_cached_tokens == 8
-    assert s2.memory.stats.prefix_hit_tokens == 8 and s2.memory.stats.prefix_query_tokens == 8 + 8 + 11
+    assert s2.memory.stats.prefix_hit_tokens == 12 and s2.memory.stats.prefix_query_tokens == 8 + 8 + 8 + 11
+
+
+@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+def test_shared_system_prompt_gets_a_checkpoint_at_the_fork(layout):
+    """Sessions sharing a 3-block system prompt, each computed in one chunk: the first leaves checkpoints
+    only at its own prompt's end; the second ends its first chunk where its text diverges from the cached
+    chain (the fork point) and saves there; every later session hits the shared blocks."""
+    system = list(range(1, 13))  # 3 blocks
+    s = make(num_pages=64, budget=32, layout=layout)
+    reqs = [Request(f"s{i}", system + [100 + i] * 9, max_tokens=1) for i in range(4)]  # 21 tokens each
+    s.add(reqs[0])
+    run_all(s)
+    s.add(reqs[1])
+    p = step(s)
+    assert spans(p) == [("s1", 0, 12, False, False)] and len(p.saves) == 1 and reqs[1].num_cached_tokens == 0
+    run_all(s)
+    for r in reqs[2:]:
+        s.add(r)
+        p = step(s)
+        assert spans(p)[0] == (r.request_id, 12, 8, False, False) and r.num_cached_tokens == 12
+        run_all(s)
+    # without a fork (a prompt that extends the cached chain to its end) nothing changes
+    t = Request("t", list(reqs[3].prompt_token_ids) + [7, 7, 7, 7], max_tokens=1)
+    s.add(t)
+    assert spans(step(s)) == [("t", 20, 4, False, False)] and t.num_cached_tokens == 20
 
 
 def test_multi_turn_extension_hits_previous_turn():

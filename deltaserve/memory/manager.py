@@ -90,6 +90,7 @@ class PrefixHit:
     page_ids: tuple[int, ...] = ()
     checkpoint: tuple[int, ...] | None = None  # restore location; () on a model without GDN layers
     hashes: tuple[BlockHash, ...] = ()
+    num_matched_blocks: int = 0  # leading blocks whose K/V are cached, checkpoint or not (>= num_blocks)
 
     @property
     def num_tokens(self) -> int:
@@ -244,6 +245,8 @@ class MemoryManager:
         """The longest cached prefix (at most max_blocks blocks) whose last block has a checkpoint.
 
         hashes[j] is the chain hash of block j (root is the parent of block 0); block_tokens(j) its tokens.
+        num_matched_blocks also counts the cached blocks after the hit that have no checkpoint: where that
+        chain ends, another sequence's tokens diverged from this one's (the scheduler's fork point).
         No side effects: admit() takes the hit.
         """
         if not self.caching:
@@ -260,8 +263,8 @@ class MemoryManager:
                 best, best_ckpt = j + 1, e.checkpoint
             parent = hashes[j]
         if best == 0:
-            return PrefixHit(0, self.block_size)
-        return PrefixHit(best, self.block_size, tuple(pages[:best]), best_ckpt, tuple(hashes[:best]))
+            return PrefixHit(0, self.block_size, num_matched_blocks=len(pages))
+        return PrefixHit(best, self.block_size, tuple(pages[:best]), best_ckpt, tuple(hashes[:best]), len(pages))
 
     def pin_cost(self, hit: PrefixHit | None) -> int:
         """How many allocatable (evictable) pages taking this hit would pin."""
@@ -383,6 +386,8 @@ class MemoryManager:
             e = self._cache.get(h)
             ok = e is not None and e.matches(parent, toks)
             if not self._inpage:
+                if ok and e.checkpoint is None and e.page != loc[0] and loc[0] not in self._role:
+                    self._repoint(e, loc[0])  # our duplicate carries the state: it becomes the cached copy
                 if ok and e.page == loc[0]:
                     if e.checkpoint is None:
                         e.checkpoint = loc
@@ -451,6 +456,18 @@ class MemoryManager:
                 if q != p:
                     self._drop_role(q)
         self._kind[p] = None
+
+    def _repoint(self, e: CacheEntry, p: int) -> None:
+        """per-block: make page p (a duplicate of e's block, same K/V bits) e's cached page, because a
+        checkpoint was saved with it (a fork point). The old page stays with whoever holds it, uncached."""
+        old = e.page
+        del self._role[old]
+        if self._ref[old] == 0:
+            self._evictor.remove(old)
+            self._free.append(old)
+            self._kind[old] = None
+        e.page = p
+        self._role[p] = e.hash
 
     def _drop_role(self, q: int) -> None:
         del self._role[q]

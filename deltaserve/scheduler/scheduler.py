@@ -197,7 +197,7 @@ class Scheduler:
                 continue
             start = req.num_computed_tokens
             assert start < req.num_tokens, f"running request {req.request_id} has nothing to compute"
-            end = self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
+            end = self._chunk_end(req, start)
             if end <= start:
                 stalled = True
                 continue
@@ -256,6 +256,18 @@ class Scheduler:
         """Where the prefill path stops: the prompt's end with replay_decode, else the last token."""
         return req.num_prompt_tokens if self.replay_decode else req.num_tokens
 
+    def _chunk_end(self, req: Request, start: int) -> int:
+        """The policy's chunk end, cut at the request's fork point.
+
+        The fork point is where the cached chain of blocks this request shares with earlier sequences ends
+        without a checkpoint (find_prefix's num_matched_blocks): typically a shared system prompt followed
+        by different text, computed by the earlier sequence inside one chunk. Ending a chunk there saves a
+        checkpoint at the fork, so every later sequence with that prefix hits it. Costs at most one more
+        step for this request; the chunk end is a block boundary, so bits are unchanged (DESIGN rule 8).
+        """
+        end = self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
+        return req.fork_point if start < req.fork_point < end else end
+
     def _wants_save(self, end: int) -> bool:
         return self.caching and self.memory.num_gdn_groups > 0 and self.policy.save_at(end)
 
@@ -300,7 +312,9 @@ class Scheduler:
             hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
         start = hit.num_tokens if hit is not None else 0
         is_decode = self._in_decode(req, start)
-        end = start + 1 if is_decode else self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
+        if hit is not None and hit.num_matched_blocks > hit.num_blocks and self._wants_save(hit.num_matched_blocks * bs):
+            req.fork_point = hit.num_matched_blocks * bs
+        end = start + 1 if is_decode else self._chunk_end(req, start)
         if end <= start:
             return False
         save = self._wants_save(end)
