@@ -16,6 +16,8 @@ whose logprob is >= its own, as vLLM does).
 Batch invariance: every reduction (softmax, log_softmax, argmax, topk, sort) runs on one request's
 row, copied into its own buffer, so a request's tokens and logprobs are bit-identical whatever else is
 in the batch (CPU-NOTES: a vocab-wide reduction over a row inside a batch differs from the row alone).
+The one exception is plain greedy without logprobs: one argmax over all such rows at once, which picks
+the same ids as row by row (a max is exact and ties go to the first index either way).
 
 sample() commits: it appends the chosen token to state.output_token_ids and calls guide.accept().
 """
@@ -147,10 +149,16 @@ class Sampler:
     def sample(self, logits: torch.Tensor, states: Sequence[SamplingState]) -> list[SampleOut]:
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [N, V] with N = len(states) = {len(states)}, got {tuple(logits.shape)}")
+        # plain greedy rows without logprobs: one argmax over all of them (exact: the ids of row-by-row argmax)
+        greedy = [i for i, st in enumerate(states) if self._plain_greedy(st) and st.params.logprobs is None]
+        fast: dict[int, int] = {}
+        if len(greedy) > 1:
+            rows = logits if len(greedy) == len(states) else logits[greedy]  # [G, V]
+            fast = dict(zip(greedy, torch.argmax(rows, dim=-1).tolist()))
         outs = []
         for i, st in enumerate(states):
             try:  # one request's failure (a guide that raises) must not take its batch neighbours down
-                out = self.sample_row(logits[i], st)
+                out = SampleOut(token_id=fast[i]) if i in fast else self.sample_row(logits[i], st)
                 st.accept(out.token_id)
                 if st.guide is not None:
                     out.guide_finished = bool(st.guide.is_finished())
@@ -187,11 +195,16 @@ class Sampler:
         return out
 
     # ------------------------------------------------------------------ processing
+    @staticmethod
+    def _plain_greedy(st: SamplingState) -> bool:
+        """Greedy with nothing that edits the logits first: the token is the argmax of the raw row."""
+        p = st.params
+        return (p.greedy and not p.logit_bias and not p.needs_penalties and st.guide is None
+                and not (p.min_tokens and len(st.output_token_ids) < p.min_tokens))
+
     def _choose(self, raw: torch.Tensor, st: SamplingState) -> int:
         p = st.params
-        simple = (p.greedy and not p.logit_bias and not p.needs_penalties and st.guide is None
-                  and not (p.min_tokens and len(st.output_token_ids) < p.min_tokens))
-        if simple:
+        if self._plain_greedy(st):
             return int(torch.argmax(raw).item())
         x = self._process(raw, st)
         if p.greedy:

@@ -229,6 +229,24 @@ def test_batch_invariance_bit_identical():
                    {k: (x.logprob, x.rank) for k, x in batch[i].logprobs.items()}
 
 
+def test_batched_greedy_argmax_equals_row_by_row():
+    """Plain greedy rows share one argmax over [B, V]: the same ids as each row alone, ties included."""
+    v = 248320  # the Qwen3.5 vocab: reductions split across threads
+    logits = _logits(9, v=v, seed=21)
+    logits[2, [7, 90000, v - 1]] = 1e4  # a tie: the first index wins either way
+    logits[5, v - 3:] = 1e4
+    kinds = [dict(temperature=0.0), dict(temperature=0.0), dict(temperature=0.0, logprobs=2),
+             dict(temperature=0.8, seed=3)]
+    states = [_state(**kinds[i % 4]) for i in range(9)]
+    outs = Sampler().sample(logits, states)
+    for i, o in enumerate(outs):
+        alone = Sampler().sample(logits[i:i + 1].clone(), [_state(**kinds[i % 4])])[0]
+        assert o.token_id == alone.token_id, i
+        if kinds[i % 4]["temperature"] == 0.0:
+            assert o.token_id == int(torch.argmax(logits[i].clone()))
+    assert outs[2].token_id == 7 and outs[5].token_id == v - 3
+
+
 class _SetGuide:
     def __init__(self, allowed, finish_after=2):
         self.allowed, self.seen, self.finish_after = allowed, [], finish_after

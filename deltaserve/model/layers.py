@@ -4,7 +4,8 @@ loader (loader.py) maps checkpoint tensors onto these names.
 
 Linear layers run over all T tokens of a step at once; GDN prefill runs per sequence (conv + chunked
 rule from the sequence's slot, absolute grid), GDN decode is batched over the step's decode sequences;
-attention writes K/V into the paged pool, then prefill spans attend tile by tile and decode spans one by one.
+attention writes K/V into the paged pool, then prefill spans attend tile by tile and decode spans one by one
+(plain torch) or all in one call through their page tables (the compiled kernels, ops/cpu_kernels.py).
 """
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ from .ops.attention import (
     prefill_attention,
 )
 from .ops.conv import causal_conv1d_prefill, causal_conv1d_step
+from .ops.cpu_kernels import (
+    TORCH,
+    DecodeKernels,
+    conv1d_decode_step,
+    gdn_decode_step,
+    paged_decode_attention,
+)
 from .ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 from .ops.linear import PackedWeight, linear
 from .ops.mlp import moe, swiglu
@@ -54,6 +62,9 @@ class StepContext:
     decode_rows: torch.Tensor | None  # [B] flat rows of the decode tokens
     decode_slots: torch.Tensor | None  # [B] their GDN slots
     decode_slot_range: tuple[int, int] | None = None  # (a, b) when decode_slots == a, a+1, .., b-1: update in place
+    kernels: DecodeKernels = TORCH  # the decode ops (ops/cpu_kernels.py), chosen once per model
+    decode_page_table: torch.Tensor | None = None  # [B, max pages] int64, the decode spans' page tables, padded
+    decode_lengths: torch.Tensor | None = None  # [B] int64, positions each decode token attends (pos + 1)
 
 
 class GDNMixer(nn.Module):
@@ -105,25 +116,32 @@ class GDNMixer(nn.Module):
                                                   None if fresh else conv_cache[s.slot])
             conv_cache[s.slot].copy_(conv_state)
             q, k, v = self._split_qkv(x)
-            o, state = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows],
-                                              None if fresh else ssm_cache[s.slot], start_pos=s.pos)
+            _, state = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], None if fresh else ssm_cache[s.slot],
+                                              start_pos=s.pos, out=core[rows])
             ssm_cache[s.slot].copy_(state)
-            core[rows] = o
         if ctx.decode_rows is not None:
             rows, slots = ctx.decode_rows, ctx.decode_slots
-            # consecutive slots: update the caches in place; otherwise gather, step, scatter
-            in_place = ctx.decode_slot_range is not None and ssm_cache.dtype == torch.float32
-            if in_place:
-                a, b = ctx.decode_slot_range
-                conv_state, state = conv_cache[a:b], ssm_cache[a:b]
+            # compiled kernels: caches updated in place through the slot ids; torch: in place for consecutive
+            # slots, otherwise gather, step, scatter
+            fast = ctx.kernels.compiled and ssm_cache.dtype == torch.float32 and conv_cache.dtype == mixed.dtype
+            rng = ctx.decode_slot_range
+            if fast:
+                x = conv1d_decode_step(ctx.kernels, mixed, rows, self.conv_weight, conv_cache, slots)  # [B, conv_dim]
             else:
-                conv_state, state = conv_cache.index_select(0, slots), ssm_cache.index_select(0, slots).float()
-            x = causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)
+                conv_state = conv_cache[rng[0]:rng[1]] if rng is not None else conv_cache.index_select(0, slots)
+                x = causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)  # [B, conv_dim]
+                if rng is None:
+                    conv_cache.index_copy_(0, slots, conv_state)
             q, k, v = self._split_qkv(x)
-            o = recurrent_gated_delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), state)
-            if not in_place:
-                conv_cache.index_copy_(0, slots, conv_state)
-                ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
+            gd, bd = g.index_select(0, rows), beta.index_select(0, rows)  # [B, Hv]
+            if fast:
+                o = gdn_decode_step(ctx.kernels, q, k, v, gd, bd, ssm_cache, slots)
+            else:
+                in_place = rng is not None and ssm_cache.dtype == torch.float32
+                state = ssm_cache[rng[0]:rng[1]] if in_place else ssm_cache.index_select(0, slots).float()
+                o = recurrent_gated_delta_rule_step(q, k, v, gd, bd, state)
+                if not in_place:
+                    ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
             core.index_copy_(0, rows, o)
         core = rms_norm_gated(core.view(T * hv, self.dv), z.reshape(T * hv, self.dv), self.norm_weight, self.eps)
         return linear(core.view(T, vd), self.out_proj)
@@ -158,13 +176,24 @@ class AttentionMixer(nn.Module):
         k = apply_rotary(rms_norm(k, self.k_norm, self.eps), ctx.cos, ctx.sin)
         kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)
         out = torch.empty(T, hq, d, dtype=h.dtype, device=h.device)
+        batched = ctx.kernels.compiled and ctx.decode_rows is not None
         for s in ctx.batch.spans:
+            if s.is_decode and batched:
+                continue  # all decode spans in one call below
             rows = slice(s.start, s.start + s.length)
+            if not s.is_decode and s.pos == 0 and kv_cache.dtype == k.dtype:
+                # a fresh prefill attends only its own keys, just written: read them from the projections
+                out[rows] = prefill_attention(q[rows], k[rows], v[rows], 0, self.scale)
+                continue
             keys, values = kv_gather(kv_cache, s.page_ids, s.pos + s.length)
             if s.is_decode:
                 out[s.start] = decode_attention(q[s.start], keys, values, self.scale)
             else:
                 out[rows] = prefill_attention(q[rows], keys, values, s.pos, self.scale)
+        if batched:  # K/V read in place through the page tables
+            o = paged_decode_attention(ctx.kernels, q.index_select(0, ctx.decode_rows), kv_cache,
+                                       ctx.decode_page_table, ctx.decode_lengths, self.scale)  # [B, Hq, D]
+            out.index_copy_(0, ctx.decode_rows, o)
         out = out.view(T, hq * d) * sigmoid(gate)
         return linear(out, self.o_proj)
 

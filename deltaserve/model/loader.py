@@ -258,4 +258,5 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     model = model.to(device)
     if prepack is not False and model.prepack_linears():
         log.info("bf16 projections prepacked for oneDNN")
+    model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
     return model

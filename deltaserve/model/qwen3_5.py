@@ -20,6 +20,7 @@ from ..config import ConfigError, ModelConfig
 from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import rotary_cos_sin, rotary_inv_freq
+from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.linear import PackedWeight, can_prepack, linear
 from .ops.norm import rms_norm
 
@@ -98,13 +99,14 @@ class HybridModel(nn.Module):
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)
         bs = caches.block_size
         pages, rows = [], []
-        dec_rows, dec_slots = [], []
+        dec_rows, dec_slots, dec_tables = [], [], []
         for s in batch.spans:
             if s.is_decode:
                 if s.length != 1:
                     raise ValueError(f"a decode span has one token, not {s.length}")
                 dec_rows.append(s.start)
                 dec_slots.append(s.slot)
+                dec_tables.append(s.page_ids)
             if s.page_ids.numel() * bs < s.pos + s.length:
                 raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
                                  f"needs {s.pos + s.length}")
@@ -113,10 +115,18 @@ class HybridModel(nn.Module):
             rows.append(p % bs)
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev) if xs else None
         empty = torch.empty(0, dtype=torch.long, device=dev)
+        kernels = self.decode_kernels or self.select_decode_kernels()
+        table = lengths = None
+        if kernels.compiled and dec_tables:
+            # [B, max pages] int64, padded with page 0 (never read: lengths bound every row)
+            table = torch.nn.utils.rnn.pad_sequence([t.to(device=dev, dtype=torch.long) for t in dec_tables],
+                                                    batch_first=True)
+            lengths = as_index([s.pos + 1 for s in batch.spans if s.is_decode])
         return StepContext(batch=batch, cos=cos, sin=sin,
                            kv_pages=torch.cat(pages) if pages else empty, kv_rows=torch.cat(rows) if rows else empty,
                            decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots),
-                           decode_slot_range=_consecutive(dec_slots))
+                           decode_slot_range=_consecutive(dec_slots), kernels=kernels,
+                           decode_page_table=table, decode_lengths=lengths)
 
     def forward(self, batch: ForwardBatch, caches: Caches) -> torch.Tensor:
         """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm)."""
@@ -138,6 +148,14 @@ class HybridModel(nn.Module):
         return linear(hidden, w).float()
 
     packed_head: PackedWeight | None = None
+    decode_kernels: DecodeKernels | None = None  # chosen once, on first use or by select_decode_kernels()
+
+    def select_decode_kernels(self, mode: str | None = None) -> DecodeKernels:
+        """Choose (and log) the decode ops for this model's device and dtype: the compiled CPU kernels or the
+        plain-torch ones (mode: auto | cpp | torch, default $DELTASERVE_DECODE_KERNELS; ops/cpu_kernels.py).
+        The loader calls it at start-up; a model built by hand chooses on its first forward."""
+        self.decode_kernels = select_decode_kernels(self.device, self.dtype, mode)
+        return self.decode_kernels
 
     def prepack_linears(self) -> bool:
         """Where it helps and keeps bits (bf16 weights on a CPU with oneDNN): reorder every projection and

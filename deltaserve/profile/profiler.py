@@ -223,6 +223,11 @@ class Instrument:
         p(L, "chunk_gated_delta_rule", lambda o: self._wrap(o, "gdn_prefill", shape0))
         p(L, "causal_conv1d_step", lambda o: self._wrap(o, "gdn_conv_decode", shape0))
         p(L, "recurrent_gated_delta_rule_step", lambda o: self._wrap(o, "gdn_decode", shape0))
+        # the compiled decode kernels (ops/cpu_kernels.py): one call per layer for all decode sequences
+        batch1 = lambda a, k: int(a[1].shape[0])  # noqa: E731 - a[0] is the DecodeKernels
+        p(L, "paged_decode_attention", lambda o: self._wrap(o, "attn_decode", batch1, after=attn_after))
+        p(L, "conv1d_decode_step", lambda o: self._wrap(o, "gdn_conv_decode", lambda a, k: int(a[2].shape[0])))
+        p(L, "gdn_decode_step", lambda o: self._wrap(o, "gdn_decode", batch1))
         p(Q, "rms_norm", lambda o: self._wrap(o, "final_norm"))
         p(L.GDNMixer, "forward", lambda o: self._wrap(o, "gdn_mixer", frame="gdn"))
         p(L.AttentionMixer, "forward", lambda o: self._wrap(o, "attn_mixer", frame="attn"))

@@ -50,12 +50,21 @@ class CacheStore:
 
     # ---- plan execution: zeroing and bit-exact state copies ----
     def zero_pages(self, pages: tuple[int, ...]) -> None:
-        if pages:
-            idx = torch.tensor(pages, dtype=torch.long, device=self.pool[0].device if self.pool else "cpu")
-            for t in self.pool:
-                t.index_fill_(0, idx, 0)
-            for t in self.ckpt_conv + self.ckpt_ssm:
-                t.index_fill_(0, idx, 0)
+        """Zero every layer position of these pages (and their per-block checkpoints). Slices of consecutive
+        page ids are zeroed in place: cost ~ the pages' bytes (index_fill_ here scans the whole pool per call)."""
+        if not pages:
+            return
+        runs, ids = [], sorted(set(pages))
+        a = prev = ids[0]
+        for p in ids[1:]:
+            if p != prev + 1:
+                runs.append((a, prev + 1))
+                a = p
+            prev = p
+        runs.append((a, prev + 1))
+        for t in self.pool + self.ckpt_conv + self.ckpt_ssm:
+            for a, b in runs:
+                t[a:b].zero_()
 
     def zero_slots(self, slots: tuple[int, ...]) -> None:
         for s in slots:

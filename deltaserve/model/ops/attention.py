@@ -71,27 +71,50 @@ def kv_gather(kv: torch.Tensor, page_ids: torch.Tensor, length: int) -> tuple[to
 
 # ---- attention ------------------------------------------------------------------------------------------
 
+_MASKS: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def _tile_masks(dtype: torch.dtype, device: torch.device, width: int, tile: int = TILE) -> torch.Tensor:
+    """[tile, W] additive mask (0 where allowed, -inf elsewhere) in `dtype`, W >= width a multiple of tile:
+    entry (i, c) allowed iff c <= W - tile + i. The mask of the query rows of tile t (positions t + i) over keys
+    0 .. e - 1 is the view [rows, W - tile - t : W - tile - t + e]. SDPA turns a boolean mask into exactly
+    this float mask, so building it once per dtype changes no bits. Grown on demand, kept per (dtype, device)."""
+    key = (dtype, torch.device(device))
+    m = _MASKS.get(key)
+    if m is None or m.shape[1] < width or m.shape[0] != tile:
+        w = max(width, 4096 if m is None else 2 * m.shape[1])
+        w = -(-w // tile) * tile
+        allowed = torch.arange(w, device=device)[None, :] <= torch.arange(w - tile, w, device=device)[:, None]
+        m = torch.zeros(tile, w, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+        if tile == TILE:
+            _MASKS[key] = m
+    return m
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int, scale: float,
                       tile: int = TILE) -> torch.Tensor:
     """One sequence's prefill chunk. q [n, Hq, D] at absolute positions pos .. pos + n - 1; k, v [>= pos + n,
-    Hkv, D] the sequence's keys/values from position 0. Returns [n, Hq, D] in q's dtype.
+    Hkv, D] the sequence's keys/values from position 0 (any strides with a contiguous last dim: views of
+    the step's projections work). Returns [n, Hq, D] in q's dtype.
 
-    Query tiles anchored at absolute multiples of `tile`; SDPA per tile with an explicit causal mask.
+    Query tiles anchored at absolute multiples of `tile`; SDPA per tile with an explicit causal mask (a view of
+    one cached mask), keys read in place through head-major views (no copy of K/V).
     """
     n = q.shape[0]
     end = pos + n
-    kh = k[:end].transpose(0, 1).contiguous()  # [Hkv, end, D]
-    vh = v[:end].transpose(0, 1).contiguous()
-    gqa = q.shape[1] != kh.shape[0]
+    kh, vh = k[:end].transpose(0, 1)[None], v[:end].transpose(0, 1)[None]  # [1, Hkv, end, D] views
+    gqa = q.shape[1] != kh.shape[1]
     out = torch.empty_like(q)
     t = pos - pos % tile
+    masks = _tile_masks(q.dtype, q.device, t + n + tile, tile)
+    w = masks.shape[1]
     while t < end:
         qs, qe = max(t, pos), min(t + tile, end)
         qt = q[qs - pos: qe - pos].transpose(0, 1).unsqueeze(0)  # [1, Hq, tq, D]
-        qpos = torch.arange(qs, qe, device=q.device)
-        mask = torch.arange(qe, device=q.device)[None, :] <= qpos[:, None]  # [tq, qe]
-        o = F.scaled_dot_product_attention(qt, kh[None, :, :qe], vh[None, :, :qe], attn_mask=mask,
-                                           scale=scale, enable_gqa=gqa)
+        c = w - tile - t
+        mask = masks[qs - t:qe - t, c:c + qe]  # [tq, qe]: key j allowed for position p iff j <= p
+        o = F.scaled_dot_product_attention(qt, kh[:, :, :qe], vh[:, :, :qe], attn_mask=mask, scale=scale,
+                                           enable_gqa=gqa)
         out[qs - pos: qe - pos] = o[0].transpose(0, 1)
         t += tile
     return out

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from .pointwise import silu
 
 SLICE = 1024  # tokens per slice in prefill: keeps the fp32 temporaries small (see CPU-NOTES, glibc mmap)
+SLICE_ELEMS = 1 << 17  # prefill slices of ~SLICE_ELEMS values (>= 64 tokens): temporaries stay cache-sized
 
 
 def _conv_acc(xs: list[torch.Tensor], wt: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -33,15 +34,33 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Te
     """
     L, C = x.shape
     K = weight.shape[1]
-    if state is None:
-        state = x.new_zeros(K - 1, C)
-    xp = torch.cat([state.to(x.dtype), x], 0)  # [L + K - 1, C]
+    state = x.new_zeros(K - 1, C) if state is None else state.to(x.dtype)
+    # _conv_acc's arithmetic (fp32 products added tap by tap, then silu = acc / (1 + exp(-acc))), slice by slice
+    # in cache-sized fp32 buffers reused across slices, written straight into the output
     wt = weight.float().t().contiguous()  # [K, C]: each tap a contiguous row
+    bf = None if bias is None else bias.float()
     out = torch.empty_like(x)
-    for s in range(0, L, SLICE):
-        e = min(s + SLICE, L)
-        out[s:e] = _conv_acc([xp[s + j: e + j] for j in range(K)], wt, bias).to(x.dtype)
-    new_state = xp[L:].clone()  # [K-1, C]
+    step = max(64, min(SLICE, SLICE_ELEMS // C))
+    m0 = min(step, L)
+    xbuf = torch.empty(m0 + K - 1, C, dtype=torch.float32, device=x.device)
+    acc_buf, tmp_buf = torch.empty(2, m0, C, dtype=torch.float32, device=x.device)
+    for s in range(0, L, step):
+        e = min(s + step, L)
+        m = e - s
+        xs = xbuf[:m + K - 1]  # rows s .. e + K - 2 of cat(state, x), in fp32
+        if s == 0:
+            xs[:K - 1] = state
+            xs[K - 1:] = x[:e]
+        else:
+            xs.copy_(x[s - K + 1:e])
+        acc, tmp = torch.mul(xs[:m], wt[0], out=acc_buf[:m]), tmp_buf[:m]
+        for j in range(1, K):
+            acc.add_(torch.mul(xs[j:j + m], wt[j], out=tmp))
+        if bf is not None:
+            acc.add_(bf)
+        torch.neg(acc, out=tmp).exp_().add_(1.0)
+        torch.div(acc, tmp, out=out[s:e])
+    new_state = x[L - K + 1:].clone() if L >= K - 1 else torch.cat([state[L:], x])  # [K-1, C]: last inputs
     return out, new_state
 
 

@@ -18,11 +18,11 @@ outputs and states to processing it whole. Long inputs run in slices anchored at
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 CHUNK = 64
 SLICE = 1024  # a multiple of CHUNK; bounds the temporaries of one slice (see CPU-NOTES: glibc mmap)
-_INV_BLOCK = 16  # the blocked inverse solves 16x16 diagonal blocks by substitution, then merges
+_INV_BLOCK = 8  # the blocked inverse solves 8x8 diagonal blocks by substitution, then merges
+_EXP_MIN = -87.0  # exp(-87) = 1.6e-38 is still a normal float (see _chunk_slice)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -45,112 +45,183 @@ def _prepare(q, k, v, g, beta, use_qk_l2norm: bool):
     return q, k, v, g, beta
 
 
-def _unit_lower_inverse(a: torch.Tensor, block: int = _INV_BLOCK) -> torch.Tensor:
-    """inv(I + tril(a, -1)) for a [..., C, C] (C = block * 2^m): blocked forward substitution.
+def _diag_blocks(x: torch.Tensor, s: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of x [..., C, C] cut into 2s x 2s diagonal blocks: their upper-left and lower-right s x s blocks
+    and their lower-left one, each [..., C / 2s, s, s]."""
+    n2 = x.shape[-1] // (2 * s)
+    d = x.unflatten(-1, (n2, 2, s)).unflatten(-4, (n2, 2, s)).diagonal(dim1=-6, dim2=-3).movedim(-1, -5)
+    return d[..., 0, :, 0, :], d[..., 1, :, 1, :], d[..., 1, :, 0, :]
 
-    The 16x16 diagonal blocks are inverted by row substitution (transformers' formulation), then pairs of
-    blocks are merged: inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]].
+
+def _unit_lower_inverse(a: torch.Tensor, block: int = _INV_BLOCK) -> torch.Tensor:
+    """inv(I + tril(a, -1)) for a [..., C, C] (C = block * 2^m); only a's strictly lower part is read.
+
+    The block x block diagonal blocks are inverted by row substitution (transformers' formulation), then
+    written into a zero C x C result and merged in place, level by level:
+    inv([[A, 0], [B, D]]) = [[A^-1, 0], [-D^-1 B A^-1, D^-1]]. Each matrix of the batch is independent.
     """
     C = a.shape[-1]
-    lead = a.shape[:-2]
-    a = a.tril(-1)
     n = C // block
-    a4 = a.unflatten(-2, (n, block)).unflatten(-1, (n, block))  # [..., n, b, n, b]
-    m = -torch.stack([a4[..., i, :, i, :] for i in range(n)], dim=-3)  # [..., n, b, b], strictly lower
+    m = a.unflatten(-2, (n, block)).unflatten(-1, (n, block)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+    m = m.tril(-1).neg_()  # [..., n, b, b]: minus the strictly lower diagonal blocks (a new tensor)
     for i in range(1, block):
         row = m[..., i:i + 1, :i]  # [..., n, 1, i]
-        m[..., i:i + 1, :i] = row + row @ m[..., :i, :i]
-    t = m + torch.eye(block, dtype=a.dtype, device=a.device)
-    size = block
-    while size < C:
-        n = C // size
-        a4 = a.unflatten(-2, (n, size)).unflatten(-1, (n, size))  # [..., n, s, n, s]
-        a21 = torch.stack([a4[..., 2 * p + 1, :, 2 * p, :] for p in range(n // 2)], dim=-3)  # [..., n/2, s, s]
-        t11, t22 = t[..., 0::2, :, :], t[..., 1::2, :, :]
-        merged = a.new_zeros(*lead, n // 2, 2 * size, 2 * size)
-        merged[..., :size, :size] = t11
-        merged[..., size:, size:] = t22
-        merged[..., size:, :size] = -(t22 @ (a21 @ t11))
-        t, size = merged, 2 * size
-    return t[..., 0, :, :]
+        row += row @ m[..., :i, :i]
+    m.diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    t = a.new_zeros(a.shape)
+    t.unflatten(-2, (n, block)).unflatten(-1, (n, block)).diagonal(dim1=-4, dim2=-2).copy_(m.movedim(-3, -1))
+    s = block
+    while s < C:
+        t11, t22, t21 = _diag_blocks(t, s)
+        t21.copy_(torch.matmul(t22, torch.matmul(_diag_blocks(a, s)[2], t11)).neg_())
+        s *= 2
+    return t
 
 
-def _pad_chunks(x: torch.Tensor, lead: int, tail: int) -> torch.Tensor:
-    """[n, H, ...] -> [N, H, CHUNK, ...] contiguous: chunk-major, zero rows before (lead) and after (tail)."""
-    if lead or tail:
-        x = F.pad(x, (0, 0) * (x.dim() - 1) + (lead, tail))
-    x = x.unflatten(0, (-1, CHUNK))  # [N, C, H, ...]
-    return x.transpose(1, 2).contiguous()
+def _runs(lead: int, n: int) -> list[tuple[int, int, int, int, int, int]]:
+    """A slice of n tokens whose first token sits at row `lead` of its chunk, as at most three boxes of the
+    chunk grid: (token start, token end, chunk start, chunk end, row start, row end)."""
+    out, p = [], 0
+    if lead:
+        p = min(CHUNK - lead, n)
+        out.append((0, p, 0, 1, lead, lead + p))
+    full = (n - p) // CHUNK
+    if full:
+        c = (lead + p) // CHUNK
+        out.append((p, p + full * CHUNK, c, c + full, 0, CHUNK))
+        p += full * CHUNK
+    if p < n:
+        c = (lead + p) // CHUNK
+        out.append((p, n, c, c + 1, 0, n - p))
+    return out
 
 
-def _chunk_slice(q, k, v, g, beta, state, lead: int):
-    """One slice of one sequence, all fp32 and prepared. q, k [n, H, dk]; v [n, H, dv]; g, beta [n, H];
-    state [H, dv, dk] (updated in place); lead: the in-chunk offset of the first token (its absolute
-    position % CHUNK).
+def _to_chunks(dst: torch.Tensor, src: torch.Tensor, lead: int, scale: torch.Tensor | None = None,
+               rep: int = 1) -> None:
+    """dst [N, H, C, *f] fp32 chunk-major <- src [n, H / rep, *f] token-major (any dtype and strides; dst head h
+    reads src head h // rep), times scale [n, H / rep, 1] when given: one pass, converting as it copies.
+    Rows of dst outside the slice (before `lead`, after the last token) are zeroed."""
+    n = src.shape[0]
+    tok = dst.transpose(1, 2)  # [N, C, H, *f] view
+    if lead:
+        tok[0, :lead].zero_()
+    end = (lead + n) % CHUNK
+    if end:
+        tok[-1, end:].zero_()
+    if rep > 1:
+        tok = tok.unflatten(2, (-1, rep))  # [N, C, Hk, rep, *f]
+        src = src.unsqueeze(2).expand(*src.shape[:2], rep, *src.shape[2:])
+        if scale is not None:
+            scale = scale.unsqueeze(2).expand(*scale.shape[:2], rep, 1)
+    for s0, s1, c0, c1, r0, r1 in _runs(lead, n):
+        d, x = tok[c0:c1, r0:r1], src[s0:s1].unflatten(0, (c1 - c0, r1 - r0))
+        if scale is None:
+            d.copy_(x)
+        else:
+            torch.mul(x, scale[s0:s1].unflatten(0, (c1 - c0, r1 - r0)), out=d)
+
+
+def _from_chunks(dst: torch.Tensor, src: torch.Tensor, lead: int) -> None:
+    """dst [n, H, *f] token-major <- the slice's rows of src [N, H, C, *f] chunk-major (converting)."""
+    tok = src.transpose(1, 2)
+    for s0, s1, c0, c1, r0, r1 in _runs(lead, dst.shape[0]):
+        dst[s0:s1].unflatten(0, (c1 - c0, r1 - r0)).copy_(tok[c0:c1, r0:r1])
+
+
+def _qk_scale(x: torch.Tensor, mult: float, use_qk_l2norm: bool) -> torch.Tensor:
+    """[n, Hk, d] (any float dtype) -> [n, Hk, 1] fp32 row factors: mult * rsqrt(|x|^2 + 1e-6), or mult."""
+    if not use_qk_l2norm:
+        return torch.full((1, 1, 1), mult, dtype=torch.float32, device=x.device).expand(*x.shape[:2], 1)
+    nrm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)  # one pass over x
+    r = nrm.mul_(nrm).add_(1e-6).rsqrt_()
+    return r.mul_(mult) if mult != 1.0 else r
+
+
+def _chunk_slice(q, k, v, g, beta, state, lead: int, dst, use_qk_l2norm: bool) -> None:
+    """One slice of one sequence. q, k [n, Hk, dk]; v [n, H, dv]; g, beta [n, H] (any float dtypes, any
+    strides); state [H, dv, dk] fp32, updated in place; lead: the in-chunk offset of the first token (its
+    absolute position % CHUNK); dst [n, H, dv] receives the output (converted to its dtype).
 
     Per chunk (c = cumulative log decay from the chunk start, D_ij = exp(c_i - c_j) for j <= i, else 0):
       A = diag(beta) (K K^T * D), strictly lower;  T = (I + A)^-1
       U = T diag(beta) V;  W = T diag(beta exp(c)) K           (the UT / WY form)
-      then in order over chunks, S the [dv, dk] state entering the chunk:
-      V' = U - W S^T;  O = diag(exp(c)) Q S^T + (Q K^T * D) V';  S = exp(c_last) S + V'^T diag(exp(c_last - c)) K
-    The per-row scalings are applied to the C x C matrices or inside the loop, never to whole [.., C, d]
-    copies of q / k / v. Zero padding rows (k = v = beta = g = 0) leave the state and the real rows untouched.
-    Returns out [n, H, dv] fp32.
+      then in order over chunks, S the [dv, dk] state entering the chunk (kept transposed, contiguous):
+      V' = U - W S^T;  O = (diag(exp(c)) Q) S^T + (Q K^T * D) V';  S^T = exp(c_last) S^T + K'^T V'
+      with K' = diag(exp(c_last - c)) K
+    Everything but the state recurrence runs for all chunks of the slice at once (one op each); q, k, v are
+    converted, normalised and laid out chunk-major in one pass each, K and Q side by side so one product
+    gives K K^T and Q K^T; the loop is five ops per chunk, all on contiguous operands. Zero padding rows
+    (k = v = beta = g = 0) leave the state and real rows untouched.
+    A chunk's arithmetic depends only on its own rows and the state entering it.
     """
-    n = q.shape[0]
-    total = lead + n
-    tail = -total % CHUNK
-    qc, kc, vc = (_pad_chunks(x, lead, tail) for x in (q, k, v))  # [N, H, C, d]
-    bc, gc = (_pad_chunks(x, lead, tail) for x in (beta, g))  # [N, H, C]
-    N, H = qc.shape[:2]
-    dk, dv = kc.shape[-1], vc.shape[-1]
+    n, hk, dk = q.shape
+    H, dv = v.shape[1:]
+    rep, C = H // hk, CHUNK
+    N = -(-(lead + n) // C)
+    f32, dev = torch.float32, q.device
+    kq = torch.empty(N, H, 2 * C, dk, dtype=f32, device=dev)  # per chunk and head: [K; Q], one product for both
+    kc, qc = kq[:, :, :C], kq[:, :, C:]
+    _to_chunks(qc, q, lead, _qk_scale(q, dk ** -0.5, use_qk_l2norm), rep)
+    _to_chunks(kc, k, lead, _qk_scale(k, 1.0, use_qk_l2norm) if use_qk_l2norm else None, rep)
+    vc = torch.empty(N, H, C, dv, dtype=f32, device=dev)
+    bc = torch.empty(N, H, C, dtype=f32, device=dev)
+    gc = torch.empty(N, H, C, dtype=f32, device=dev)
+    for d, x in ((vc, v), (bc, beta), (gc, g)):
+        _to_chunks(d, x, lead)
     cum = gc.cumsum(-1)  # [N, H, C] log-decay from the chunk start, inclusive
-    cexp = cum.exp()
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()  # [N, H, C, C]
-    q3, k3, v3 = qc.view(-1, CHUNK, dk), kc.view(-1, CHUNK, dk), vc.view(-1, CHUNK, dv)
-    kkt = torch.bmm(k3, k3.transpose(1, 2)).view(N, H, CHUNK, CHUNK)
-    tinv = _unit_lower_inverse(kkt * decay * bc.unsqueeze(-1))
-    u = torch.bmm((tinv * bc.unsqueeze(-2)).view(-1, CHUNK, CHUNK), v3).view(N, H, CHUNK, dv)
-    w = torch.bmm((tinv * (bc * cexp).unsqueeze(-2)).view(-1, CHUNK, CHUNK), k3).view(N, H, CHUNK, dk)
-    attn = torch.bmm(q3, k3.transpose(1, 2)).view(N, H, CHUNK, CHUNK) * decay  # causal: decay is 0 above the diagonal
-    kdec = (cum[..., -1:] - cum).exp().unsqueeze(-1)  # [N, H, C, 1]
-    qdec = cexp.unsqueeze(-1)
+    # Every exp below takes arguments <= 0 clamped at _EXP_MIN: exp under/overflow (|x| > ~87) takes a slow
+    # path here (~80x), and real decays reach -100s within a chunk. The clamp changes nothing where exp(x) is
+    # a normal float; below it, 0 or a denormal becomes 1.6e-38. Above the diagonal x >= 0: clamped to 0, zeroed.
+    cexp = cum.clamp_min(_EXP_MIN).exp_()
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).clamp_(_EXP_MIN, 0.0).exp_().tril_()  # exp(c_i - c_j), j <= i
+    NH = N * H
+    k3 = kc.reshape(NH, C, dk)  # views: the chunk-major buffer merges N and H
+    s = torch.bmm(kq.view(NH, 2 * C, dk), k3.transpose(1, 2)).view(N, H, 2 * C, C)
+    a = s[:, :, :C].mul_(decay).mul_(bc.unsqueeze(-1))  # diag(beta) (K K^T * D)
+    attn = s[:, :, C:].mul_(decay)  # Q K^T * D (causal: D is 0 above the diagonal)
+    tinv = _unit_lower_inverse(a)
+    u = torch.bmm((tinv * bc.unsqueeze(-2)).view(NH, C, C), vc.view(NH, C, dv)).view(N, H, C, dv)
+    w = torch.bmm(tinv.mul_((bc * cexp).unsqueeze(-2)).view(NH, C, C), k3).view(N, H, C, dk)
+    kdt = torch.mul(kc.transpose(-1, -2), (cum[..., -1:] - cum).clamp_(min=_EXP_MIN).exp_().unsqueeze(-2),
+                    out=torch.empty(N, H, dk, C, dtype=f32, device=dev))  # (diag(exp(c_last - c)) K)^T
+    qc.mul_(cexp.unsqueeze(-1))  # diag(exp(c)) Q
     cd = cexp[..., -1, None, None]  # [N, H, 1, 1]
-    out = torch.empty(N, H, CHUNK, dv, dtype=torch.float32, device=q.device)
+    st = state.transpose(-1, -2).contiguous()  # S^T [H, dk, dv]: every product below reads it as is
+    out = torch.empty(N, H, C, dv, dtype=f32, device=dev)
     for i in range(N):
-        st = state.transpose(-1, -2)  # [H, dk, dv]
-        v_new = torch.baddbmm(u[i], w[i], st, alpha=-1.0)  # [H, C, dv]
-        o = torch.bmm(qc[i], st, out=out[i])
-        o.mul_(qdec[i]).baddbmm_(attn[i], v_new)
-        state.mul_(cd[i]).baddbmm_((v_new * kdec[i]).transpose(-1, -2), kc[i])  # [H, dv, dk]
-    out = out.transpose(1, 2).reshape(N * CHUNK, H, dv)
-    return out[lead:lead + n]
+        v_new = torch.baddbmm(u[i], w[i], st, alpha=-1.0)  # V' = U - W S^T
+        torch.bmm(qc[i], st, out=out[i]).baddbmm_(attn[i], v_new)  # O
+        st.mul_(cd[i]).baddbmm_(kdt[i], v_new)  # S^T = exp(c_last) S^T + K'^T V'
+    state.copy_(st.transpose(-1, -2))
+    _from_chunks(dst, out, lead)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            initial_state: torch.Tensor | None = None, start_pos: int = 0,
-                           use_qk_l2norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                           use_qk_l2norm: bool = True, out: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of ONE sequence, chunked (WY/UT form) on the absolute 64-token grid.
 
     q, k [L, Hk, dk]; v [L, H, dv]; g (log decay, <= 0) and beta [L, H]; Hk divides H (grouped heads).
     initial_state [H, dv, dk] (any float dtype; not modified) or None (zeros). start_pos: the absolute
     position of q[0], which fixes the chunk grid. Returns (out [L, H, dv] in q's dtype, final state
-    [H, dv, dk] float32).
+    [H, dv, dk] float32). out: an [L, H, dv] tensor to write the output into (then returned) instead.
     """
     L, H, dv = v.shape
-    dk = q.shape[-1]
+    hk, dk = q.shape[-2:]
+    if H % hk:
+        raise ValueError(f"value heads {H} not a multiple of key heads {hk}")
     if initial_state is None:
         state = torch.zeros(H, dv, dk, dtype=torch.float32, device=q.device)
     else:
         state = initial_state.to(torch.float32, copy=True)  # updated in place below
-    out = torch.empty(L, H, dv, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(L, H, dv, dtype=q.dtype, device=q.device)
     s = 0
     while s < L:
         a = start_pos + s
         e = min((a // SLICE + 1) * SLICE - start_pos, L)
-        qs, ks, vs, gs, bs = _prepare(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], use_qk_l2norm)
-        out[s:e] = _chunk_slice(qs, ks, vs, gs, bs, state, lead=a % CHUNK)
+        _chunk_slice(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, a % CHUNK, out[s:e], use_qk_l2norm)
         s = e
     return out, state
 

@@ -1,0 +1,484 @@
+// CPU decode kernels, loaded by deltaserve/model/ops/cpu_kernels.py (torch.utils.cpp_extension.load).
+//
+// Each kernel handles ALL decode sequences of a step in one call, parallel over (sequence, head) work items
+// with at::parallel_for. A work item's arithmetic is a fixed loop over its own data only, so a sequence's
+// result does not depend on which other sequences share the call (batch-invariant by construction).
+//
+// paged_decode_attention: one query token per sequence against its K/V read in place through its page table
+//   (no gather copy). Numerics follow ops/attention.py decode_attention: scores rounded to the model dtype,
+//   scaled and rounded again, softmax in fp32, probabilities rounded to the model dtype, P V accumulated in
+//   fp32 and rounded once.
+// gdn_decode_step: one gated-delta-rule token per sequence, updating the fp32 state slots in place through
+//   slot ids (any order, not necessarily consecutive). One pass over each state row: S k and S q from the old
+//   row, then the row update. Same algebra as ops/gdn.py recurrent_gated_delta_rule_step.
+// conv1d_step_acc: the causal conv's pre-activation for one token per sequence, states updated in place
+//   through slot ids; accumulation in the order and with the roundings of ops/conv.py _conv_acc (one fp32
+//   mul and one add per tap, never fused), so the bits equal the prefill's.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+// Built with -ffp-contract=off: a * b + c stays a multiply and an add unless a kernel asks for std::fma / an
+// fma intrinsic (the conv must match ops/conv.py's unfused torch arithmetic bit for bit).
+
+namespace {
+
+using bf16_bits = uint16_t;
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16_bits x) {
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// round to nearest even, as c10::BFloat16(float)
+inline bf16_bits f_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7fc0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16_bits(u >> 16);
+}
+
+template <typename T> inline T from_f(float f);
+template <> inline float from_f<float>(float f) { return f; }
+template <> inline bf16_bits from_f<bf16_bits>(float f) { return f_to_bf16(f); }
+
+// the value a tensor of dtype T holds after storing f (identity for fp32)
+template <typename T> inline float round_to(float f) { return to_f(from_f<T>(f)); }
+
+constexpr int LANES = 16;
+
+// Calls touching fewer elements run on the calling thread: waking the other OpenMP threads costs more than
+// the work (and far more on a loaded host, where a parallel region waits for every thread to be scheduled)
+constexpr int64_t SERIAL_BELOW = int64_t(1) << 20;
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16_bits* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+#endif
+
+// sum_i a[i] * b[i] over n, fp32: LANES partial sums then a fixed tree; the same order for every call
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+#if defined(__AVX512F__)
+  if (n % LANES == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float acc[LANES] = {0};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int l = 0; l < LANES; ++l) acc[l] = std::fma(a[i + l], to_f(b[i + l]), acc[l]);
+  for (int l = 0; i < n; ++i, ++l) acc[l] = std::fma(a[i], to_f(b[i]), acc[l]);
+  for (int w = LANES / 2; w > 0; w /= 2)
+    for (int l = 0; l < w; ++l) acc[l] += acc[l + w];
+  return acc[0];
+}
+
+// ---- paged decode attention -------------------------------------------------------------------------------
+
+#if defined(__AVX512F__)
+// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial on x - n ln2, scaled by 2^n; within
+// ~2 ulp of expf, deterministic (no data-dependent path)
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp underflows to 0 well before
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// the value an fp32 vector holds after a round trip through T (bf16: round to nearest even, as f_to_bf16)
+template <typename T> inline __m512 round512(__m512 x);
+template <> inline __m512 round512<float>(__m512 x) { return x; }
+template <> inline __m512 round512<bf16_bits>(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u)));
+  return _mm512_castsi512_ps(r);  // scores and probabilities are finite: no NaN case
+}
+#endif
+
+// softmax over s[0, L) in fp32 in place, probabilities rounded to T
+template <typename T>
+inline void softmax_row(float* s, int64_t L) {
+#if defined(__AVX512F__)
+  if (L >= LANES) {  // lanes over positions; the tail through a mask; fixed order for a given L
+    const int64_t full = L - L % LANES;
+    const __mmask16 tail = __mmask16((1u << (L % LANES)) - 1u);
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < full; t += LANES) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + t));
+    if (tail) vm = _mm512_max_ps(vm, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, s + full));
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+    __m512 vs = _mm512_setzero_ps();
+    for (int64_t t = 0; t < full; t += LANES) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      _mm512_storeu_ps(s + t, e);
+      vs = _mm512_add_ps(vs, e);
+    }
+    if (tail) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m));
+      _mm512_mask_storeu_ps(s + full, tail, e);
+      vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(tail, e));
+    }
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
+    for (int64_t t = 0; t < full; t += LANES) _mm512_storeu_ps(s + t, round512<T>(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv)));
+    if (tail) _mm512_mask_storeu_ps(s + full, tail, round512<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), inv)));
+    return;
+  }
+#endif
+  float m = -INFINITY;
+  for (int64_t t = 0; t < L; ++t) m = s[t] > m ? s[t] : m;
+  float sum = 0.f;
+  for (int64_t t = 0; t < L; ++t) { s[t] = std::exp(s[t] - m); sum += s[t]; }
+  const float inv = 1.f / sum;
+  for (int64_t t = 0; t < L; ++t) s[t] = round_to<T>(s[t] * inv);
+}
+
+// scalar path: any G, D. q [G, D] fp32; krows / vrows [L] row pointers; scores [G, L] scratch; out [G, D]
+template <typename T>
+void attend_generic(const float* q, const T* const* krows, const T* const* vrows, int64_t L, int64_t G, int64_t D,
+                    float sc, float* scores, T* out) {
+  // scores [G, L]: q . k in fp32, rounded to T, times scale, rounded to T (decode_attention's roundings)
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t g = 0; g < G; ++g) scores[g * L + t] = round_to<T>(round_to<T>(dot(q + g * D, krows[t], D)) * sc);
+  for (int64_t g = 0; g < G; ++g) softmax_row<T>(scores + g * L, L);
+  // out [G, D] = P V, fp32 accumulation in position order
+  std::vector<float> acc(G * D, 0.f);
+  for (int64_t t = 0; t < L; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = scores[g * L + t];
+      for (int64_t d = 0; d < D; ++d) acc[g * D + d] = std::fma(p, to_f(vrows[t][d]), acc[g * D + d]);
+    }
+  for (int64_t i = 0; i < G * D; ++i) out[i] = from_f<T>(acc[i]);
+}
+
+#if defined(__AVX512F__)
+// AVX-512 path for G query heads per kv head (compile-time), D a multiple of 32. Same roundings and the same
+// per-position order as attend_generic; only the order of the fp32 sums inside one dot product differs.
+template <typename T, int G>
+void attend_avx512(const float* q, const T* const* krows, const T* const* vrows, int64_t L, int64_t D, float sc,
+                   float* scores, T* out) {
+  for (int64_t t = 0; t < L; ++t) {
+    const T* k = krows[t];
+    __m512 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512 k0 = load16(k + d), k1 = load16(k + d + 16);
+      for (int g = 0; g < G; ++g) {
+        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k0, acc[g]);
+        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d + 16), k1, acc[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) scores[g * L + t] = round_to<T>(round_to<T>(_mm512_reduce_add_ps(acc[g])) * sc);
+  }
+  for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * L, L);
+  // P V: 32 output columns at a time, G x 2 accumulators in registers, positions in order
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512 a0[G], a1[G];
+    for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      const __m512 v0 = load16(vrows[t] + d), v1 = load16(vrows[t] + d + 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+        a0[g] = _mm512_fmadd_ps(p, v0, a0[g]);
+        a1[g] = _mm512_fmadd_ps(p, v1, a1[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float buf[32];
+      _mm512_store_ps(buf, a0[g]);
+      _mm512_store_ps(buf + 16, a1[g]);
+      for (int i = 0; i < 32; ++i) out[g * D + d + i] = from_f<T>(buf[i]);
+    }
+  }
+}
+#endif
+
+template <typename T>
+void attend_one(const float* q, const T* const* krows, const T* const* vrows, int64_t L, int64_t G, int64_t D,
+                float sc, float* scores, T* out) {
+#if defined(__AVX512F__)
+  if (D % 32 == 0) {
+    switch (G) {
+      case 1: return attend_avx512<T, 1>(q, krows, vrows, L, D, sc, scores, out);
+      case 2: return attend_avx512<T, 2>(q, krows, vrows, L, D, sc, scores, out);
+      case 4: return attend_avx512<T, 4>(q, krows, vrows, L, D, sc, scores, out);
+      case 8: return attend_avx512<T, 8>(q, krows, vrows, L, D, sc, scores, out);
+      default: break;
+    }
+  }
+#endif
+  attend_generic<T>(q, krows, vrows, L, G, D, sc, scores, out);
+}
+
+// q [B, Hq, D]; kv [P, 2, bs, Hkv, D]; page_table [B, maxp] int64; lengths [B] int64; out [B, Hq, D]
+template <typename T>
+void attention_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& page_table,
+                    const torch::Tensor& lengths, double scale, torch::Tensor& out) {
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t bs = kv.size(2), Hkv = kv.size(3), G = Hq / Hkv;
+  const int64_t row_stride = Hkv * D;            // one position inside a page
+  const int64_t half_stride = bs * row_stride;    // keys -> values
+  const int64_t page_stride = 2 * half_stride;
+  const int64_t maxp = page_table.size(1);
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kvp = reinterpret_cast<const T*>(kv.data_ptr());
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  const int64_t* lens = lengths.data_ptr<int64_t>();
+  const float sc = float(scale);
+
+  // one (sequence, kv head) item reads ~2 L D elements: split items across threads only when there is work
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) total += lens[b];
+  const int64_t grain = total * Hkv * D < SERIAL_BELOW ? B * Hkv : 1;
+  at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), scores;
+    std::vector<const T*> krows, vrows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t L = lens[b];
+      const int64_t* pages = pt + b * maxp;
+      scores.resize(G * L);
+      krows.resize(L);
+      vrows.resize(L);
+      for (int64_t t = 0; t < L; ++t) {  // position t: page pages[t / bs], row t % bs, kv head h
+        krows[t] = kvp + pages[t / bs] * page_stride + (t % bs) * row_stride + h * D;
+        vrows[t] = krows[t] + half_stride;
+      }
+      for (int64_t i = 0; i < G * D; ++i) qf[i] = to_f(qp[(b * Hq + h * G) * D + i]);  // heads h*G .. h*G+G-1
+      attend_one<T>(qf.data(), krows.data(), vrows.data(), L, G, D, sc, scores.data(), op + (b * Hq + h * G) * D);
+    }
+  });
+}
+
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table,
+                                     torch::Tensor lengths, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(1) == 2, "kv must be a contiguous [P, 2, bs, Hkv, D]");
+  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "head shapes do not match");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) && page_table.is_contiguous() &&
+              page_table.scalar_type() == torch::kLong, "page_table must be a contiguous int64 [B, maxp]");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == torch::kLong &&
+              lengths.is_contiguous(), "lengths must be int64 [B]");
+  {
+    const int64_t* lens = lengths.data_ptr<int64_t>();
+    const int64_t* pt = page_table.data_ptr<int64_t>();
+    const int64_t bs = kv.size(2), P = kv.size(0), maxp = page_table.size(1);
+    for (int64_t b = 0; b < q.size(0); ++b) {
+      TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= maxp, "sequence length outside its page table");
+      for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+        TORCH_CHECK(pt[b * maxp + i] >= 0 && pt[b * maxp + i] < P, "page id out of range");
+    }
+  }
+  auto out = torch::empty_like(q);
+  if (q.scalar_type() == torch::kFloat) {
+    attention_impl<float>(q, kv, page_table, lengths, scale, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    attention_impl<bf16_bits>(q, kv, page_table, lengths, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+// ---- gated delta rule, one decode token -------------------------------------------------------------------
+
+// q, k [B, Hk, dk], v [B, H, dv] (inner two dims contiguous, any row stride); g [B, H] fp32; beta [B, H];
+// state [S, H, dv, dk] fp32 contiguous; slots [B] int64; out [B, H, dv] in q's dtype
+template <typename T>
+void gdn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
+              const torch::Tensor& beta, torch::Tensor& state, const torch::Tensor& slots, torch::Tensor& out) {
+  const int64_t B = v.size(0), H = v.size(1), dv = v.size(2), Hk = q.size(1), dk = q.size(2);
+  const int64_t rep = H / Hk;
+  const T* qp = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  const T* bp = reinterpret_cast<const T*>(beta.data_ptr());
+  const float* gp = g.data_ptr<float>();
+  float* sp = state.data_ptr<float>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  T* op = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t qs0 = q.stride(0), ks0 = k.stride(0), vs0 = v.stride(0), bs0 = beta.stride(0), gs0 = g.stride(0);
+  const int64_t qs1 = q.stride(1), ks1 = k.stride(1), vs1 = v.stride(1);
+  const float qscale = 1.f / std::sqrt(float(dk));  // python's dk ** -0.5 rounded to fp32
+
+  const int64_t grain = B * H * dv * dk < SERIAL_BELOW ? B * H : 1;
+  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> qn(dk), kn(dk);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / H, h = item % H, hk = h / rep;
+      const T* qr = qp + b * qs0 + hk * qs1;
+      const T* kr = kp + b * ks0 + hk * ks1;
+      // l2norm (x * rsqrt(sum x^2 + 1e-6)) in fp32, then q * dk^-0.5
+      float sq = 0.f, sk = 0.f;
+      for (int64_t i = 0; i < dk; ++i) {
+        const float a = to_f(qr[i]), c = to_f(kr[i]);
+        qn[i] = a; kn[i] = c;
+        sq += a * a; sk += c * c;
+      }
+      const float rq = 1.f / std::sqrt(sq + 1e-6f), rk = 1.f / std::sqrt(sk + 1e-6f);
+      for (int64_t i = 0; i < dk; ++i) { qn[i] = (qn[i] * rq) * qscale; kn[i] = kn[i] * rk; }
+      const float kq = dot(kn.data(), qn.data(), dk);
+      const float e = std::exp(gp[b * gs0 + h]);
+      const float bt = to_f(bp[b * bs0 + h]);
+      const T* vr = vp + b * vs0 + h * vs1;
+      float* S = sp + (sl[b] * H + h) * dv * dk;
+      T* o = op + (b * H + h) * dv;
+      for (int64_t r = 0; r < dv; ++r) {
+        float* row = S + r * dk;
+#if defined(__AVX512F__)
+        if (dk % LANES == 0) {  // S k and S q in one pass over the row, then the row update
+          __m512 ak = _mm512_setzero_ps(), aq = _mm512_setzero_ps();
+          for (int64_t j = 0; j < dk; j += LANES) {
+            const __m512 x = _mm512_loadu_ps(row + j);
+            ak = _mm512_fmadd_ps(_mm512_loadu_ps(kn.data() + j), x, ak);
+            aq = _mm512_fmadd_ps(_mm512_loadu_ps(qn.data() + j), x, aq);
+          }
+          const float delta = (to_f(vr[r]) - _mm512_reduce_add_ps(ak) * e) * bt;
+          o[r] = from_f<T>(_mm512_reduce_add_ps(aq) * e + delta * kq);
+          const __m512 ve = _mm512_set1_ps(e), vd = _mm512_set1_ps(delta);
+          for (int64_t j = 0; j < dk; j += LANES)
+            _mm512_storeu_ps(row + j, _mm512_fmadd_ps(vd, _mm512_loadu_ps(kn.data() + j),
+                                                      _mm512_mul_ps(_mm512_loadu_ps(row + j), ve)));
+          continue;
+        }
+#endif
+        const float s_k = dot(kn.data(), row, dk), s_q = dot(qn.data(), row, dk);
+        const float delta = (to_f(vr[r]) - s_k * e) * bt;
+        o[r] = from_f<T>(s_q * e + delta * kq);
+        for (int64_t j = 0; j < dk; ++j) row[j] = std::fma(delta, kn[j], row[j] * e);
+      }
+    }
+  });
+}
+
+torch::Tensor gdn_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
+                              torch::Tensor state, torch::Tensor slots) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
+              "q, k [B, Hk, dk] and v [B, H, dv] expected");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: last dim must be contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+              beta.scalar_type() == q.scalar_type(), "q, k, v, beta must share a dtype");
+  TORCH_CHECK(g.scalar_type() == torch::kFloat && g.dim() == 2 && g.stride(1) == 1, "g must be fp32 [B, H]");
+  TORCH_CHECK(beta.dim() == 2 && beta.stride(1) == 1, "beta must be [B, H]");
+  const int64_t B = v.size(0), H = v.size(1), dv = v.size(2), dk = q.size(2);
+  TORCH_CHECK(H % q.size(1) == 0, "value heads not a multiple of key heads");
+  TORCH_CHECK(g.size(0) == B && g.size(1) == H && beta.size(0) == B && beta.size(1) == H, "g, beta shapes");
+  TORCH_CHECK(state.scalar_type() == torch::kFloat && state.is_contiguous() && state.dim() == 4 &&
+              state.size(1) == H && state.size(2) == dv && state.size(3) == dk, "state must be fp32 [S, H, dv, dk]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+              "slots must be int64 [B]");
+  {
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sl[b] >= 0 && sl[b] < state.size(0), "slot out of range");
+  }
+  auto out = torch::empty({B, H, dv}, q.options());
+  if (q.scalar_type() == torch::kFloat) {
+    gdn_impl<float>(q, k, v, g, beta, state, slots, out);
+  } else if (q.scalar_type() == torch::kBFloat16) {
+    gdn_impl<bf16_bits>(q, k, v, g, beta, state, slots, out);
+  } else {
+    TORCH_CHECK(false, "gdn_decode_step: float32 or bfloat16 only");
+  }
+  return out;
+}
+
+// ---- causal conv1d, one decode token ----------------------------------------------------------------------
+
+// x [T, C] (rows picked by `rows`, inner dim contiguous); wt [K, C] fp32 contiguous (tap-major weight);
+// state [S, K-1, C] in x's dtype, the last K-1 inputs oldest first, updated in place at `slots`;
+// acc [B, C] fp32: sum_j wt[j] * xpad[j] with xpad = (state rows, x), in tap order, one mul and one add per tap
+template <typename T>
+void conv_impl(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& wt, torch::Tensor& state,
+               const torch::Tensor& slots, torch::Tensor& acc) {
+  const int64_t B = rows.size(0), C = wt.size(1), K = wt.size(0);
+  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
+  const int64_t xs0 = x.stride(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  const float* w = wt.data_ptr<float>();
+  T* sp = reinterpret_cast<T*>(state.data_ptr());
+  float* ap = acc.data_ptr<float>();
+  const int64_t grain = B * C * K < SERIAL_BELOW ? B : 1;
+  at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const T* xr = xp + rp[b] * xs0;
+      T* st = sp + sl[b] * (K - 1) * C;
+      float* o = ap + b * C;
+      for (int64_t c = 0; c < C; ++c) o[c] = to_f(st[c]) * w[c];
+      for (int64_t j = 1; j < K - 1; ++j)
+        for (int64_t c = 0; c < C; ++c) o[c] = o[c] + to_f(st[j * C + c]) * w[j * C + c];
+      for (int64_t c = 0; c < C; ++c) o[c] = o[c] + to_f(xr[c]) * w[(K - 1) * C + c];
+      std::memmove(st, st + C, (K - 2) * C * sizeof(T));  // drop the oldest input, append x
+      std::memcpy(st + (K - 2) * C, xr, C * sizeof(T));
+    }
+  });
+}
+
+torch::Tensor conv1d_step_acc(torch::Tensor x, torch::Tensor rows, torch::Tensor wt, torch::Tensor state,
+                              torch::Tensor slots) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, C] with a contiguous inner dim");
+  TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.scalar_type() == torch::kFloat && wt.size(1) == x.size(1) &&
+              wt.size(0) >= 2, "wt must be fp32 contiguous [K >= 2, C]");
+  TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && state.scalar_type() == x.scalar_type() &&
+              state.size(1) == wt.size(0) - 1 && state.size(2) == x.size(1), "state must be [S, K-1, C] in x's dtype");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.is_contiguous() &&
+              slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous() &&
+              slots.size(0) == rows.size(0), "rows and slots must be int64 [B]");
+  {
+    const int64_t* rp = rows.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rows.size(0); ++b)
+      TORCH_CHECK(rp[b] >= 0 && rp[b] < x.size(0) && sl[b] >= 0 && sl[b] < state.size(0), "row or slot out of range");
+  }
+  auto acc = torch::empty({rows.size(0), x.size(1)}, x.options().dtype(torch::kFloat));
+  if (x.scalar_type() == torch::kFloat) {
+    conv_impl<float>(x, rows, wt, state, slots, acc);
+  } else if (x.scalar_type() == torch::kBFloat16) {
+    conv_impl<bf16_bits>(x, rows, wt, state, slots, acc);
+  } else {
+    TORCH_CHECK(false, "conv1d_step_acc: float32 or bfloat16 only");
+  }
+  return acc;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "paged decode attention, all sequences of a step (q [B,Hq,D], kv pool, page_table [B,maxp], lengths [B], scale)");
+  m.def("gdn_decode_step", &gdn_decode_step,
+        "gated delta rule decode step, state slots updated in place (q, k, v, g, beta, state [S,H,dv,dk], slots [B])");
+  m.def("conv1d_step_acc", &conv1d_step_acc,
+        "causal conv1d decode step pre-activation, states updated in place (x [T,C], rows [B], wt [K,C], state, slots)");
+}
