@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{meta['profile']['wall_s']} s, load {meta['profile']['load_avg_start']} -> {meta['profile']['load_avg_end']}")
     if cal:
         print(f"calibration ({cal.get('timer')} time): fixed {cal.get('fixed_us')} us + {cal.get('per_seq_us')} us/seq + "
-              f"{cal.get('per_prefill_us')} us/prefill span, compute x{cal.get('compute_scale')}, wall/cpu "
+              f"{cal.get('per_prefill_us')} us/prefill span, compute x{cal.get('compute_scale')} (decode x{cal.get('compute_scale_decode')}), wall/cpu "
               f"{cal.get('wall_per_cpu')}; median |error| {cal.get('median_abs_error_pct')}% over {cal.get('steps')} "
               f"steps (total error {cal.get('total_error_pct')}%, uncalibrated {cal.get('uncalibrated_total_error_pct')}%)")
     return 0

@@ -94,7 +94,7 @@ def format_coverage(bundle, cov: dict) -> str:
     cal = cov["calibration"]
     if cal:
         lines.append(f"calibration: fixed {cal.get('fixed_us')} us + {cal.get('per_seq_us')} us/seq + "
-                     f"{cal.get('per_prefill_us')} us/prefill span, compute x{cal.get('compute_scale')} over "
+                     f"{cal.get('per_prefill_us')} us/prefill span, compute x{cal.get('compute_scale')} (decode x{cal.get('compute_scale_decode')}) over "
                      f"{cal.get('steps')} steps (median |error| {cal.get('median_abs_error_pct')}%)")
     else:
         lines.append("calibration: MISSING (the per-step overhead is not fitted; TTFT will be biased low)")

@@ -717,27 +717,31 @@ def fit_calibration(rows: list[dict], model, timer: str = "cpu") -> dict:
         return {"fixed_us": 0.0, "per_seq_us": 0.0, "per_prefill_us": 0.0, "compute_scale": 1.0, "wall_per_cpu": 1.0,
                 "steps": len(rows), "timer": timer}
     key = "cpu_us" if timer == "cpu" else "measured_us"
-    comp = np.array([model.compute_us(r["_shape"]) for r in rows])
+    parts = np.array([model.compute_parts(r["_shape"]) for r in rows])  # [steps, 2]: prefill, decode parts
+    comp, comp_d = parts[:, 0], parts[:, 1]
     base = np.array([model.overhead_us(r["_shape"]) for r in rows])
     n = np.array([r["_shape"].n_seqs for r in rows], dtype=float)
     p = np.array([len(r["_shape"].prefill) for r in rows], dtype=float)
     meas = np.array([r[key] for r in rows])
     y = meas - base
-    # features: compute scale, fixed, per sequence, per prefill span; the last three must not be negative and the
-    # scale must stay plausible (a negative overhead or a wild scale is noise being fitted): drop and refit
-    feats = {"scale": comp, "fixed": np.ones_like(comp), "per_seq": n, "per_prefill": p}
-    active = list(feats)
+    # features: compute scales (the prefill and the decode parts of the tables), fixed, per sequence, per prefill
+    # span; the overheads must not be negative and a scale must stay plausible (a negative overhead or a wild scale
+    # is noise being fitted): drop it (a scale then stays 1) and refit
+    scales = {"scale": comp, "scale_decode": comp_d}
+    feats = {**scales, "fixed": np.ones_like(comp), "per_seq": n, "per_prefill": p}
+    active = [f for f in feats if f != "scale_decode" or comp_d.any()]
     coef: dict[str, float] = {}
     while active:
-        beta = _lad(np.stack([feats[f] for f in active], 1), y - (comp if "scale" not in active else 0.0))
+        fixed_part = sum(v for f, v in scales.items() if f not in active)
+        beta = _lad(np.stack([feats[f] for f in active], 1), y - fixed_part)
         coef = dict(zip(active, (float(b) for b in beta)))
-        bad = [f for f in active if (f != "scale" and coef[f] < 0) or (f == "scale" and not 0.8 <= coef[f] <= 1.25)]
+        bad = [f for f in active if (f not in scales and coef[f] < 0) or (f in scales and not 0.8 <= coef[f] <= 1.25)]
         if not bad:
             break
-        active.remove(min(bad, key=lambda f: coef[f] if f != "scale" else -1e18))
-    scale = coef.get("scale", 1.0)
+        active.remove(min(bad, key=lambda f: coef[f] if f not in scales else -1e18))
+    scale, scale_d = coef.get("scale", 1.0), coef.get("scale_decode", 1.0)
     fixed, per_seq, per_pre = coef.get("fixed", 0.0), coef.get("per_seq", 0.0), coef.get("per_prefill", 0.0)
-    pred = scale * comp + base + fixed + per_seq * n + per_pre * p
+    pred = scale * comp + scale_d * comp_d + base + fixed + per_seq * n + per_pre * p
     wall = np.array([r["measured_us"] for r in rows])
     cpu = np.array([r["cpu_us"] for r in rows])
     wpc = float(wall.sum() / cpu.sum()) if timer == "cpu" and cpu.sum() > 0 else 1.0
@@ -745,10 +749,11 @@ def fit_calibration(rows: list[dict], model, timer: str = "cpu") -> dict:
         r_["predicted_us"] = float(pr * wpc)
     rel = np.abs(pred - meas) / meas
     return {"timer": timer, "fixed_us": round(fixed, 2), "per_seq_us": round(per_seq, 2),
-            "per_prefill_us": round(per_pre, 2), "compute_scale": round(scale, 4), "wall_per_cpu": round(wpc, 4),
+            "per_prefill_us": round(per_pre, 2), "compute_scale": round(scale, 4),
+            "compute_scale_decode": round(scale_d, 4), "wall_per_cpu": round(wpc, 4),
             "steps": len(rows), "median_abs_error_pct": round(100 * float(np.median(rel)), 2),
             "total_error_pct": round(100 * float((pred.sum() - meas.sum()) / meas.sum()), 2),
-            "uncalibrated_total_error_pct": round(100 * float(((comp + base).sum() - meas.sum()) / meas.sum()), 2)}
+            "uncalibrated_total_error_pct": round(100 * float(((comp + comp_d + base).sum() - meas.sum()) / meas.sum()), 2)}
 
 
 # ---------------------------------------------------------------------------------------------- the bundle

@@ -7,7 +7,8 @@
                            + sum over decodes       attn_decode(context) ]
               + copies: zero_pages(P) + zero_slots(Z) + restore(R) + save(W)
               + overhead: scheduler(N) + batch_prep(N) + engine_emit(S)
-              + calibrated residual: fixed + per_seq * N + per_prefill * P (and the compute scale)
+              + calibrated residual: fixed + per_seq * N + per_prefill * P (and two compute scales: one
+                for the prefill part of the tables, one for the decode part, see compute_parts)
     wall time = wall_per_cpu * all of it   (1 when the bundle was timed in wall time)
 
 T tokens in the step, S sampled rows, N sequences, L a prefill span's length, lead its start position
@@ -173,6 +174,7 @@ class LatencyModel:
         self.per_seq_us = float(cal.get("per_seq_us", 0.0))
         self.per_prefill_us = float(cal.get("per_prefill_us", 0.0))
         self.compute_scale = float(cal.get("compute_scale", 1.0))
+        self.compute_scale_decode = float(cal.get("compute_scale_decode", self.compute_scale))  # older bundles: one
         self.wall_per_cpu = float(wall_per_cpu if wall_per_cpu is not None else cal.get("wall_per_cpu", 1.0))
         self._dense_cache: dict[int, float] = {}
         self._dec_cache: dict[int, float] = {}
@@ -192,10 +194,22 @@ class LatencyModel:
 
     def compute_us(self, s: StepShape) -> float:
         """The model's share of the step (kernels and copies), before calibration."""
+        return sum(self.compute_parts(s))
+
+    def compute_parts(self, s: StepShape) -> tuple[float, float]:
+        """compute_us split into (prefill part, decode part), which calibration scales apart: decode steps run
+        with the weights hot in cache, prefill-heavy ones do not, and the tables (timed in loops) sit between.
+        The dense kernels are shared by token count; the sampled rows go with the decodes when there are any;
+        copies (zeroing, restores, saves) go with the prefills."""
         t = s.n_tokens
-        us = self._dense(t) if t else 0.0
+        dense = self._dense(t) if t else 0.0
+        d_share = len(s.decode_ctx) / t if t else 0.0
+        pre, dec = dense * (1.0 - d_share), dense * d_share
         if s.n_sample and self.rows_fn is not None:
-            us += self.rows_fn(s.n_sample)
+            if s.decode_ctx:
+                dec += self.rows_fn(s.n_sample)
+            else:
+                pre += self.rows_fn(s.n_sample)
         gdn = attn = 0.0
         for n, pos in s.prefill:
             if self.gdn_prefill_other is not None:
@@ -204,17 +218,16 @@ class LatencyModel:
                 gdn += self.gdn_prefill_chunked(n + pos % GDN_CHUNK)
             if self.attn_prefill is not None:
                 attn += self.attn_prefill(n, pos + n)
+        pre += self.n_gdn * gdn + self.n_attn * attn
         if s.decode_ctx:
-            gdn += self._gdn_decode(len(s.decode_ctx))
-            if self.attn_decode is not None:
-                f = self.attn_decode
-                attn += sum(f(c) for c in s.decode_ctx)
-        us += self.n_gdn * gdn + self.n_attn * attn
+            gdn = self._gdn_decode(len(s.decode_ctx))
+            attn = sum(self.attn_decode(c) for c in s.decode_ctx) if self.attn_decode is not None else 0.0
+            dec += self.n_gdn * gdn + self.n_attn * attn
         for name, n in (("zero_pages", s.zero_pages), ("zero_slots", s.zero_slots), ("restore", s.restores),
                         ("save", s.saves)):
             if n and name in self.copies:
-                us += self.copies[name](n)
-        return us
+                pre += self.copies[name](n)
+        return pre, dec
 
     def overhead_us(self, s: StepShape) -> float:
         n = s.n_seqs
@@ -228,7 +241,8 @@ class LatencyModel:
     def shape_us(self, s: StepShape) -> float:
         if not s.n_seqs:
             return 0.0
-        return self.wall_per_cpu * (self.compute_scale * self.compute_us(s) + self.overhead_us(s))
+        pre, dec = self.compute_parts(s)
+        return self.wall_per_cpu * (self.compute_scale * pre + self.compute_scale_decode * dec + self.overhead_us(s))
 
     def step_us(self, plan) -> float:
         return self.shape_us(StepShape.of(plan))
