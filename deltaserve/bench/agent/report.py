@@ -130,6 +130,7 @@ def bars(summaries: list[dict]) -> list[str]:
 
 
 def plot(results: list[TurnResult], out_prefix: str, order: list[str] | None = None) -> list[str]:
+    """Two PNGs: mean TTFT per turn per arm (the ideal dashed), and every turn's TTFT against its context."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,41 +138,39 @@ def plot(results: list[TurnResult], out_prefix: str, order: list[str] | None = N
 
     arms = list(dict.fromkeys(order or [r.arm for r in results]))
     paths = []
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for arm in arms:
+
+    def figure(name: str, draw, xlabel: str, ylabel: str, title: str) -> None:
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for arm in arms:
+            draw(ax, arm, [r for r in results if r.arm == arm])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+        ax.set_title(title)
+        fig.tight_layout()
+        paths.append(f"{out_prefix}_{name}.png")
+        fig.savefig(paths[-1], dpi=110)
+
+    def per_turn(ax, arm: str, rs: list[TurnResult]) -> None:
         by_turn: dict[int, list[float]] = {}
         ideal: dict[int, list[float]] = {}
-        for r in results:
-            if r.arm == arm:
-                by_turn.setdefault(r.turn, []).append(r.ttft_s)
-                if r.ideal_s is not None:
-                    ideal.setdefault(r.turn, []).append(r.ideal_s)
-        turns = sorted(by_turn)
-        if turns:
-            ax.plot(turns, [statistics.mean(by_turn[t]) for t in turns], marker="o", ms=3, label=arm)
-        if ideal:
-            it = sorted(ideal)
-            ax.plot(it, [statistics.mean(ideal[t]) for t in it], ls="--", lw=1, label=f"{arm}: ideal")
-    ax.set_xlabel("turn")
-    ax.set_ylabel("TTFT (s), mean over sessions")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    ax.set_title("agent replay: TTFT per turn")
-    fig.tight_layout()
-    paths.append(f"{out_prefix}_ttft_per_turn.png")
-    fig.savefig(paths[-1], dpi=110)
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
-    for arm in arms:
-        rs = [r for r in results if r.arm == arm]
+        for r in rs:
+            by_turn.setdefault(r.turn, []).append(r.ttft_s)
+            if r.ideal_s is not None:
+                ideal.setdefault(r.turn, []).append(r.ideal_s)
+        for series, style in ((by_turn, {"marker": "o", "ms": 3, "label": arm}),
+                              (ideal, {"ls": "--", "lw": 1, "label": f"{arm}: ideal"})):
+            if series:
+                ts = sorted(series)
+                ax.plot(ts, [statistics.mean(series[t]) for t in ts], **style)
+
+    def vs_context(ax, arm: str, rs: list[TurnResult]) -> None:
         ax.scatter([r.prompt_tokens for r in rs], [r.ttft_s for r in rs], label=arm, s=12)
-    ax.set_xlabel("context length (prompt tokens)")
-    ax.set_ylabel("TTFT (s)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    ax.set_title("agent replay: context length vs TTFT")
-    fig.tight_layout()
-    paths.append(f"{out_prefix}_ttft_vs_context.png")
-    fig.savefig(paths[-1], dpi=110)
+
+    figure("ttft_per_turn", per_turn, "turn", "TTFT (s), mean over sessions", "agent replay: TTFT per turn")
+    figure("ttft_vs_context", vs_context, "context length (prompt tokens)", "TTFT (s)",
+           "agent replay: context length vs TTFT")
     plt.close("all")
     return paths
 
