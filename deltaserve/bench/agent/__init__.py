@@ -77,16 +77,6 @@ ARMS = {
 }
 
 
-def run_arm(arm: str, engine_args: dict, shared: list[int], sessions: list[list[Turn]], progress=None):
-    """One in-process arm on a fresh engine (kept for callers of the earlier API): (results, summary)."""
-    d = EngineDriver(arm, engine_args)
-    try:
-        res, wall = d.run(shared, sessions, progress)
-        return res, summarize(arm, d.engine_name, res, wall, d.info)
-    finally:
-        d.close()
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve bench agent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

