@@ -184,10 +184,12 @@ def test_concurrent_equals_solo(dense_path, dtype, slots):
 
 
 def test_prepacked_bf16_linears_keep_bits(dense_path):
-    """oneDNN-prepacked bf16 weights give the same logits, bit for bit, as F.linear (prefill and decode)."""
+    """Packed bf16 weights give F.linear's logits (prefill and decode): bit for bit with oneDNN's packing, at
+    bf16 tolerance with the compiled linear_bf16 (its own k summation order; tests/test_linear.py)."""
     plain, packed = load_model(dense_path, dtype="bfloat16", prepack=False), load_model(dense_path, dtype="bfloat16")
     if packed.packed_head is None:
         pytest.skip("no oneDNN bf16 on this machine")
+    assert packed.linear_kind in ("cpp", "onednn")
     assert plain.packed_head is None and not packed.prepack_linears()  # packed once, by load_model
     assert load_model(dense_path, dtype="float32").packed_head is None  # fp32 stays on F.linear
     ids = prompt(150, seed=4)
@@ -199,4 +201,7 @@ def test_prepacked_bf16_linears_keep_bits(dense_path):
         for _ in range(3):
             logits.append(step(model, caches, [(seq, [int(logits[-1][-1].argmax())], True)])[0])
         outs.append(torch.cat(logits))
-    assert torch.equal(outs[0], outs[1])
+    if packed.linear_kind == "onednn":
+        assert torch.equal(outs[0], outs[1])
+    else:
+        torch.testing.assert_close(outs[0], outs[1], atol=5e-2, rtol=2e-2)

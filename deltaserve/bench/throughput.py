@@ -26,6 +26,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .peers import PeerUnavailable
 
@@ -109,6 +110,16 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
     nbytes = n * 4
     del x, y
     return {"read_Bps": nbytes / best_sum, "copy_Bps": 2 * nbytes / best_copy}
+
+
+def l3_bytes() -> int | None:
+    """This CPU's last-level cache as the kernel reports it (None where it does not)."""
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+    except OSError:
+        return None
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
 
 
 def weight_bytes_per_token(model_dir: str, bytes_per_param: int = 2) -> dict[str, int]:
@@ -196,6 +207,10 @@ def run(args) -> Results:
         torch.set_num_threads(args.threads)
     res = Results()
     res.info["load_start"] = os.getloadavg()
+    from ..profile.profiler import cpu_model
+
+    res.info["cpu"] = f"{cpu_model()}, {os.cpu_count()} CPUs"
+    res.info["l3_bytes"] = l3_bytes()
     res.info["torch_threads"] = torch.get_num_threads()
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     os.makedirs(args.log_dir, exist_ok=True)
@@ -389,8 +404,11 @@ def render(res: Results) -> str:
                          + " | ".join(cells) + " | | |")
             v, _ = cell(preset, "decode@1", "deltaserve")
             if v:
+                l3 = res.info.get("l3_bytes") or 0
+                resident = (f"; its {rf['bytes_read'] / 1e6:,.1f} MB of weights fit in the {l3 / 2**20:,.0f} MiB L3, so "
+                            "DRAM is not what bounds it" if rf["bytes_read"] < l3 else "")
                 bars.append(f"- {preset}: batch-1 decode at {100 * v / ceiling:.0f}% of roofline "
-                            f"({'meets' if v >= 0.5 * ceiling else 'below'} the 50% bar)")
+                            f"({'meets' if v >= 0.5 * ceiling else 'below'} the 50% bar{resident})")
         if "transformers" in engines:
             behind = []
             for label in labels:
@@ -414,7 +432,7 @@ def render(res: Results) -> str:
     foot = [(f"bf16, best of {res.info.get('repeats')} repeats; decode rows are total tok/s over all streams "
             f"({res.info.get('decode_prompt_len')}-token prompts, "
             f"{', '.join(f'{p}: {n}' for p, n in res.info['decode_tokens'].items())} generated tokens per stream); "
-            f"{bwl}; torch threads {res.info.get('torch_threads')}; {res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
+            f"{bwl}; {res.info.get('cpu', 'cpu not recorded')}; torch threads {res.info.get('torch_threads')}; {res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
             f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s.")]
     vi = [v for (p, e), v in res.arm_info.items() if e == "vllm-cpu"]
     if vi:

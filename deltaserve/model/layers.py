@@ -42,12 +42,13 @@ def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
-def prepack(module: nn.Module, names: tuple[str, ...]) -> None:
-    """Replace module's weights `names` by PackedWeights (3D expert stacks: a list, one per expert).
-    The original parameters are dropped (they leave the state_dict)."""
+def prepack(module: nn.Module, names: tuple[str, ...], ext=None) -> None:
+    """Replace module's weights `names` by PackedWeights (3D expert stacks: a list, one per expert); ext: the
+    compiled kernels' module for the "cpp" packing, None for oneDNN's (ops/linear.py). The original
+    parameters are dropped (they leave the state_dict)."""
     for name in names:
         w = module._parameters.pop(name)
-        setattr(module, name, [PackedWeight(x) for x in w] if w.dim() == 3 else PackedWeight(w))
+        setattr(module, name, [PackedWeight(x, ext) for x in w] if w.dim() == 3 else PackedWeight(w, ext))
 
 
 @dataclass

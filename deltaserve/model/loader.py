@@ -195,8 +195,8 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
                prepack: bool | None = None) -> HybridModel:
     """A HybridModel from a checkpoint directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
 
-    prepack: reorder the projection weights for oneDNN (HybridModel.prepack_linears: same bits, faster
-    small-batch GEMMs); None = wherever it applies (bf16 on a CPU with oneDNN).
+    prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
+    compiled linear_bf16, else oneDNN's layout); None = wherever it applies (bf16 on a CPU).
     Raises ConfigError (unsupported model type or feature) or CheckpointError (missing / unknown / misshapen tensor).
     """
     cfg_path = os.path.join(path, "config.json")
@@ -256,7 +256,8 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     model.load_state_dict(sd, strict=True, assign=True)
     model.eval()
     model = model.to(device)
-    if prepack is not False and model.prepack_linears():
-        log.info("bf16 projections prepacked for oneDNN")
     model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
+    if prepack is not False and model.prepack_linears():
+        log.info("bf16 projections and head packed for %s", "the compiled linear_bf16 (AVX512-BF16)"
+                 if model.linear_kind == "cpp" else "oneDNN")
     return model

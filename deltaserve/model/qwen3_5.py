@@ -148,6 +148,7 @@ class HybridModel(nn.Module):
         return linear(hidden, w).float()
 
     packed_head: PackedWeight | None = None
+    linear_kind: str | None = None  # "cpp" | "onednn" once prepack_linears packed, else None (F.linear)
     decode_kernels: DecodeKernels | None = None  # chosen once, on first use or by select_decode_kernels()
 
     def select_decode_kernels(self, mode: str | None = None) -> DecodeKernels:
@@ -158,18 +159,20 @@ class HybridModel(nn.Module):
         return self.decode_kernels
 
     def prepack_linears(self) -> bool:
-        """Where it helps and keeps bits (bf16 weights on a CPU with oneDNN): reorder every projection and
-        the head once into oneDNN's layout; same logits bit for bit, faster small-batch GEMMs. The packed
-        weights replace the parameters (they leave state_dict; the embedding stays for lookups). Returns
-        whether it packed; call once, after loading, before serving."""
+        """Where it helps (bf16 weights on a CPU): pack every projection and the head once, for the compiled
+        linear_bf16 where the decode kernels are compiled with AVX512-BF16 (batch-invariant, fastest here),
+        else into oneDNN's layout (F.linear's bits). The packed weights replace the parameters (they leave
+        state_dict; the embedding stays for lookups). Returns whether it packed; call once, after loading,
+        before serving. self.linear_kind says which packing ("cpp", "onednn" or None)."""
         if self.packed_head is not None or not can_prepack(self.dtype, self.device):
             return False
+        kernels = self.decode_kernels or self.select_decode_kernels()
+        ext = kernels.ext if kernels.compiled and kernels.ext.bf16_linear_available() else None
         for module in self.modules():
             names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
             if names:
-                prepack(module, names)
-        if self.tied:
-            self.packed_head = PackedWeight(self.embed_tokens)
-        else:
-            self.packed_head = PackedWeight(self._parameters.pop("lm_head"))
+                prepack(module, names, ext)
+        head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
+        self.packed_head = PackedWeight(head, ext)
+        self.linear_kind = self.packed_head.kind
         return True

@@ -34,10 +34,27 @@ log = logging.getLogger("deltaserve")
 
 ENV = "DELTASERVE_DECODE_KERNELS"
 MODES = ("auto", "cpp", "torch")
-_SOURCE = Path(__file__).with_name("csrc") / "decode_kernels.cpp"
+_SOURCES = [Path(__file__).with_name("csrc") / f for f in ("decode_kernels.cpp", "linear_bf16.cpp")]
 _lock = threading.Lock()
 _ext = None  # the loaded module, or the exception that stopped the build
 _build_seconds: float | None = None
+
+
+def cpu_fingerprint() -> str:
+    """A short hash of this CPU's model and instruction-set flags. The build uses -march=native, so it names
+    the build: a cache directory shared between machines of different kinds never serves a binary built
+    for another CPU (which could die on an illegal instruction)."""
+    import hashlib
+    import platform
+
+    info = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
+        info += "".join(sorted(set(lines)))
+    except OSError:
+        info += platform.processor()
+    return hashlib.sha1(info.encode()).hexdigest()[:10]
 
 
 def load_extension():
@@ -50,8 +67,8 @@ def load_extension():
             t0 = time.perf_counter()
             try:
                 _ext = cpp_extension.load(
-                    name="deltaserve_decode_kernels",
-                    sources=[str(_SOURCE)],
+                    name=f"deltaserve_decode_kernels_{cpu_fingerprint()}",
+                    sources=[str(p) for p in _SOURCES],
                     extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],  # resolves to the libgomp.so.1 torch already loaded
                     verbose=False,

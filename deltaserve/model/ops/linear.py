@@ -1,8 +1,14 @@
-"""linear(x, w): F.linear, or oneDNN's prepacked linear when w is a PackedWeight.
+"""linear(x, w): F.linear, or a prepacked bf16 GEMM when w is a PackedWeight.
 
-On this CPU, F.linear streams weights at ~12-14 GB/s at decode sizes; weights prepacked once with oneDNN
-reach ~18-23 GB/s (CPU-NOTES). For bf16 the prepacked product has the same bits as F.linear, for every
-row count (tests/test_ops.py checks it), so packing changes speed only. fp32 is left to F.linear.
+Two packings, chosen once per model (HybridModel.prepack_linears):
+- "cpp": the compiled linear_bf16 (ops/csrc/linear_bf16.cpp, AVX512-BF16). Each output is a fixed-order
+  fp32 sum over k, so a row's bits do not depend on the batch; at decode sizes it streams the weights at the
+  memory bandwidth, ~1.3-1.6x oneDNN on this machine (docs/benchmarks.md). Its bits differ from F.linear's in
+  the last place (another summation order); tests/test_linear.py holds it to the fp32 reference.
+- "onednn": oneDNN's reordered weights (torch's mkldnn linear ops), where the compiled kernels are missing.
+  F.linear streams weights at ~12-14 GB/s at decode sizes, the reordered ones ~18-23 GB/s (CPU-NOTES); for
+  bf16 the product has F.linear's bits for every row count (tests/test_parity.py).
+fp32 weights stay on F.linear.
 """
 from __future__ import annotations
 
@@ -11,13 +17,19 @@ import torch.nn.functional as F
 
 
 class PackedWeight:
-    """A [out, in] weight reordered once into oneDNN's blocked layout (CPU only)."""
+    """A [out, in] bf16 weight packed once for the CPU: kind "cpp" (ext.linear_bf16) or "onednn"."""
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, ext=None):
         self.shape = tuple(w.shape)
         self.dtype = w.dtype
         self.device = w.device
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), None)
+        w = w.detach().contiguous()
+        if ext is not None and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
+            self.kind, self.ext = "cpp", ext
+            self.packed = ext.pack_bf16_weight(w)  # [ceil(out/16), in/2, 16, 2]
+        else:
+            self.kind, self.ext = "onednn", None
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -28,5 +40,8 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
     """x [..., in] @ w^T -> [..., out]."""
     if isinstance(w, PackedWeight):
+        if w.kind == "cpp":
+            n = w.shape[0]
+            return w.ext.linear_bf16(x.reshape(-1, x.shape[-1]), w.packed, n).view(*x.shape[:-1], n)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, None, "none", [], "")
     return F.linear(x, w)

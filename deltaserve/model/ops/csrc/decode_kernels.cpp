@@ -474,7 +474,15 @@ torch::Tensor conv1d_step_acc(torch::Tensor x, torch::Tensor rows, torch::Tensor
 
 }  // namespace
 
+// linear_bf16.cpp
+bool bf16_linear_available();
+torch::Tensor pack_bf16_weight(const torch::Tensor& w);
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("bf16_linear_available", &bf16_linear_available, "built with AVX512-BF16 (linear_bf16 usable)");
+  m.def("pack_bf16_weight", &pack_bf16_weight, "[N, K] bf16 weight -> [ceil(N/16), K/2, 16, 2] for linear_bf16");
+  m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed weight^T -> [M, N] bf16 (batch-invariant)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention, all sequences of a step (q [B,Hq,D], kv pool, page_table [B,maxp], lengths [B], scale)");
   m.def("gdn_decode_step", &gdn_decode_step,
