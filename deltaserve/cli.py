@@ -15,6 +15,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=16)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--prefill-merge-tokens", type=int, default=256,
+                   help="waiting prompts join a step while its prefill tokens are below this (0 = no limit)")
     g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the cache pool (pages + GDN slots)")
     g.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, default=0.5, dest="memory_utilization")
     g.add_argument("--block-size", type=int, default=16)
@@ -26,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 ENGINE_ARG_NAMES = ("model", "preset", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                    "kv_cache_memory", "memory_utilization", "block_size", "enable_prefix_caching", "cache_layout",
+                    "prefill_merge_tokens", "kv_cache_memory", "memory_utilization", "block_size",
+                    "enable_prefix_caching", "cache_layout",
                     "seed", "num_threads", "device")
 
 

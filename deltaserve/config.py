@@ -169,6 +169,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: min(model's max_position_embeddings, pool)
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
+    prefill_merge_tokens: int = 256  # waiting prompts join a step while its prefill tokens are below this; 0 = no limit
     kv_cache_memory: int | None = None  # bytes for the whole pool (pages + GDN slots)
     memory_utilization: float = 0.5  # fraction of device memory when kv_cache_memory is unset
     block_size: int = 16  # the user's --block-size; the hybrid block is derived from it
@@ -187,6 +188,8 @@ class EngineConfig:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ConfigError("--max-num-batched-tokens must be >= 1")
+        if self.prefill_merge_tokens < 0:
+            raise ConfigError("--prefill-merge-tokens must be >= 0 (0 = no limit)")
         if not 0 < self.memory_utilization <= 1:
             raise ConfigError("--memory-utilization must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -118,7 +118,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.store, self.device)
         self.memory, self.scheduler = build_scheduler(shape, max_num_seqs=config.max_num_seqs,
                                                       max_num_batched_tokens=config.max_num_batched_tokens,
-                                                      enable_prefix_caching=caching)
+                                                      enable_prefix_caching=caching,
+                                                      prefill_merge_tokens=config.prefill_merge_tokens)
         self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece)
         self._live: dict[str, _Live] = {}
         self._seed_counter = 0

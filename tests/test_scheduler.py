@@ -384,3 +384,40 @@ def test_align_policy_chunk_ends():
     assert a.chunk_end(0, 448, 256) == 256
     g = GridChunks(64)
     assert (g.chunk_end(0, 100, 1000), g.chunk_end(0, 63, 1000), g.chunk_end(0, 100, 90)) == (64, 0, 90)
+
+
+def test_prefill_merge_tokens_lets_prompts_that_arrive_together_finish_one_after_another():
+    """Two 9-token prompts with a merge limit of 6: the second waits one step instead of sharing the first's
+    step (mean time to first token 1.5 steps of prefill instead of 2); short prompts still share a step."""
+    s = Scheduler(MemoryManager(32, 4, BS, 2, False, "in-page"), 4, 32, chunk_grid=1, prefill_merge_tokens=6)
+    s.add(Request("a", list(range(1, 10)), max_tokens=2))
+    s.add(Request("b", list(range(11, 20)), max_tokens=2))
+    p1, p2, p3 = step(s), step(s), step(s)
+    assert spans(p1) == [("a", 0, 9, False, True)]
+    assert spans(p2) == [("a", 9, 1, True, True), ("b", 0, 9, False, True)]
+    assert spans(p3) == [("b", 9, 1, True, True)]
+    assert not s.has_unfinished()
+    s.add(Request("c", [1, 2], max_tokens=1))
+    s.add(Request("d", [3, 4], max_tokens=1))
+    s.add(Request("e", [5, 6, 7], max_tokens=1))
+    s.add(Request("f", [8], max_tokens=1))
+    # 2 + 2 < 6: e joins; 2 + 2 + 3 >= 6: f waits
+    assert [w.request_id for w in step(s).work] == ["c", "d", "e"]
+    assert [w.request_id for w in step(s).work] == ["f"]
+    unlimited = Scheduler(MemoryManager(32, 4, BS, 2, False, "in-page"), 4, 32, chunk_grid=1)
+    unlimited.add(Request("a", list(range(1, 10)), max_tokens=1))
+    unlimited.add(Request("b", list(range(11, 20)), max_tokens=1))
+    assert [w.request_id for w in step(unlimited).work] == ["a", "b"]
+    with pytest.raises(ConfigError, match="prefill-merge-tokens"):
+        Scheduler(MemoryManager(32, 4, BS, 2, True, "in-page"), 4, 32, prefill_merge_tokens=-1)
+
+
+def test_prefill_merge_tokens_counts_a_running_chunk():
+    """A long prompt's running chunk fills the step's prefill share: a new prompt waits for its last chunk."""
+    s = Scheduler(MemoryManager(32, 4, BS, 2, False, "in-page"), 4, 8, chunk_grid=1, prefill_merge_tokens=4)
+    s.add(Request("long", list(range(1, 21)), max_tokens=1))
+    s.add(Request("short", [1, 2, 3], max_tokens=1))
+    assert spans(step(s)) == [("long", 0, 8, False, False)]
+    assert spans(step(s)) == [("long", 8, 8, False, False)]
+    assert spans(step(s)) == [("long", 16, 4, False, True)]  # 4 >= 4: short still waits
+    assert spans(step(s)) == [("short", 0, 3, False, True)]

@@ -77,7 +77,8 @@ def build_memory(shape: EngineShape, *, enable_prefix_caching: bool = True) -> M
 
 
 def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_tokens: int,
-                    enable_prefix_caching: bool = True) -> tuple[MemoryManager, Scheduler]:
+                    enable_prefix_caching: bool = True, prefill_merge_tokens: int = 0) -> tuple[MemoryManager, Scheduler]:
     """A fresh MemoryManager and the Scheduler over it, as the engine builds them."""
     memory = build_memory(shape, enable_prefix_caching=enable_prefix_caching)
-    return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             prefill_merge_tokens=prefill_merge_tokens)

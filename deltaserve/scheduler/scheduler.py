@@ -5,7 +5,7 @@ One step (schedule() -> StepPlan, the runner executes it, then update(plan, samp
      preemption, a generated token being replayed) gets 1 token, in admission order;
   2. running prefills (prompt chunks, or recomputation after a preemption), in admission order;
   3. waiting requests, first come first served, while there is budget, a free slot, room under
-     max_num_seqs and pages. A request that does not fit stops admission (strict FCFS). Nothing new is
+     max_num_seqs and pages, and the step's prefill tokens are under prefill_merge_tokens (if set). A request that does not fit stops admission (strict FCFS). Nothing new is
      admitted in a step that preempted, or in which a running prefill could not get budget (so a
      long prompt is not starved by a stream of short ones).
 
@@ -60,7 +60,7 @@ class _Scheduled:
 class Scheduler:
     def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
                  checkpoint_policy: CheckpointPolicy | None = None, chunk_grid: int | None = None,
-                 replay_decode: bool = True):
+                 replay_decode: bool = True, prefill_merge_tokens: int = 0):
         """checkpoint_policy: default AlignEveryBlock with caching on, GridChunks(chunk_grid) with it off.
         chunk_grid (caching off): non-final prefill chunks end on multiples of it; default 64 (the GDN
         kernel grid) when the budget allows a whole grid, else 1. With caching on, chunks end on block
@@ -69,7 +69,13 @@ class Scheduler:
         generated tokens through the decode path, one per step (default), so the resumed request
         computes every token on the path the uninterrupted run used: prefill and decode differ in the
         last bits (CPU-NOTES.md), and on near-tied logits that flips greedy tokens. False: recompute
-        everything through prefill (vLLM's way; fewer steps, not bit-exact)."""
+        everything through prefill (vLLM's way; fewer steps, not bit-exact).
+        prefill_merge_tokens: a waiting request joins a step only while the step's prefill tokens are
+        below this (the first prefill of a step always joins); 0 = no limit. Prompts that arrive
+        together then finish one after another instead of all at the end of one long step: a prefill
+        costing t finishes at t, the next at 2t, a mean of 1.5t instead of 2t, and closed-loop sessions
+        stop landing their turns in the same step. Short prompts (together under the limit, where the
+        step's fixed cost dominates) still share a step."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                               f"--max-num-seqs ({max_num_seqs}) >= 1, so every running request can decode")
@@ -84,6 +90,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.replay_decode = replay_decode
+        if prefill_merge_tokens < 0:
+            raise ConfigError(f"--prefill-merge-tokens must be >= 0 (0 = no limit), not {prefill_merge_tokens}")
+        self.prefill_merge_tokens = prefill_merge_tokens
         if checkpoint_policy is None:
             if memory.caching:
                 checkpoint_policy = AlignEveryBlock(memory.block_size)
@@ -204,10 +213,17 @@ class Scheduler:
             self._schedule_running(req, start, end, False)
         if not self._preempted and not stalled:  # 3. waiting, FCFS
             while (self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs
-                   and self.memory.num_free_slots):
+                   and self.memory.num_free_slots and not self._prefills_full()):
                 if not self._admit(self.waiting[0]):
                     break
         return self._build_plan()
+
+    def _prefills_full(self) -> bool:
+        """The step's prefill tokens reached prefill_merge_tokens: no further waiting request joins it."""
+        if not self.prefill_merge_tokens:
+            return False
+        tokens = sum(r.end - r.start for r in self._recs.values() if not r.is_decode)
+        return tokens >= self.prefill_merge_tokens
 
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """The runner has executed `plan`: advance, publish, append sampled tokens.

@@ -37,6 +37,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--prefill-merge-tokens", type=int, default=None,
+                   help="waiting prompts join a step while its prefill tokens are below this (default 256; 0 = no limit)")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
                    help="bytes for the whole pool (pages + GDN slots), e.g. 2G")
     p.add_argument("--memory-utilization", "--gpu-memory-utilization", dest="memory_utilization", type=float,
@@ -60,7 +62,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 _ENGINE_FLAGS = ("model", "preset", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                 "kv_cache_memory", "memory_utilization", "block_size", "enable_prefix_caching", "cache_layout",
+                 "prefill_merge_tokens", "kv_cache_memory", "memory_utilization", "block_size",
+                 "enable_prefix_caching", "cache_layout",
                  "seed", "num_threads", "device")
 
 

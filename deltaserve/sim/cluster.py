@@ -19,7 +19,7 @@ Cluster config (JSON):
                    "kv_cache_memory": 67108864, "enable_prefix_caching": true}]}
 
 Replica keys are the engine's flags (EngineConfig names): dtype, block_size, kv_cache_memory, max_num_seqs,
-max_num_batched_tokens, enable_prefix_caching, cache_layout, max_model_len, num_threads; plus count, name,
+max_num_batched_tokens, prefill_merge_tokens, enable_prefix_caching, cache_layout, max_model_len, num_threads; plus count, name,
 tp and profile (a bundle for this replica group).
 """
 from __future__ import annotations
@@ -48,6 +48,7 @@ SAMPLED_TOKEN = 11  # what every simulated step "samples"
 class ReplicaConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
+    prefill_merge_tokens: int = 256
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     block_size: int = 16
@@ -84,7 +85,8 @@ class Replica:
                                    max_model_len=cfg.max_model_len)
         self.memory, self.scheduler = build_scheduler(self.shape, max_num_seqs=cfg.max_num_seqs,
                                                       max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                                      enable_prefix_caching=cfg.enable_prefix_caching)
+                                                      enable_prefix_caching=cfg.enable_prefix_caching,
+                                                      prefill_merge_tokens=cfg.prefill_merge_tokens)
         recorded = bundle.block_size(cfg.tp)
         if recorded is not None and recorded != self.shape.block_size and cfg.block_size == 16:
             log.warning("%s: block size %d differs from the bundle's engine-resolved %d (tp %d)", self.name,
