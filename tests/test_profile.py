@@ -104,3 +104,33 @@ def test_cli_profile_and_coverage(bundle_dir, capsys):
 
     assert main(["coverage", bundle_dir]) == 0
     assert "missing: nothing" in capsys.readouterr().out
+
+
+def test_calibration_fits_the_decode_offset_and_the_cold_decode_after_a_prefill(bundle_dir):
+    """Synthetic steps priced by the bundle's own tables plus known extras: the fit gives the extras back,
+    and the latency model charges them to decode-only steps (the cold one only right after a prefill)."""
+    import random
+
+    from deltaserve.profile.profiler import fit_calibration
+
+    lm = LatencyModel(load_bundle(bundle_dir), wall_per_cpu=1.0)
+    rng = random.Random(3)
+    rows, prev_prefill = [], False
+    for i in range(160):
+        if i % 5 == 0:
+            s = StepShape([(rng.choice([16, 64, 128]), 0)], [200] * rng.randint(0, 2), 1, after_prefill=prev_prefill)
+        else:
+            n = rng.randint(1, 4)
+            s = StepShape([], [rng.randint(50, 400) for _ in range(n)], n, after_prefill=prev_prefill)
+        us = lm.shape_us(s) + 30.0 * s.n_seqs + (-200.0 + (900.0 if s.after_prefill else 0.0) if s.decode_only else 0.0)
+        rows.append({"_shape": s, "cpu_us": us, "measured_us": us})
+        prev_prefill = bool(s.prefill)
+    fit = fit_calibration(rows, lm, "cpu")
+    assert fit["decode_fixed_us"] == pytest.approx(-200.0, abs=15) and fit["after_prefill_us"] == pytest.approx(900.0, abs=15)
+    assert fit["per_seq_us"] == pytest.approx(30.0, abs=5) and abs(fit["total_error_pct"]) < 0.5
+    cal = LatencyModel(load_bundle(bundle_dir), wall_per_cpu=1.0)
+    cal.decode_fixed_us, cal.after_prefill_us = fit["decode_fixed_us"], fit["after_prefill_us"]
+    warm, cold = StepShape([], [200], 1), StepShape([], [200], 1, after_prefill=True)
+    mixed = StepShape([(16, 0)], [200], 2, after_prefill=True)
+    assert cal.shape_us(cold) - cal.shape_us(warm) == pytest.approx(fit["after_prefill_us"])
+    assert cal.overhead_us(mixed) == lm.overhead_us(mixed)  # neither extra touches a step with prompt tokens

@@ -678,7 +678,7 @@ def run_calibration(engine, workload, progress: bool = True) -> list[dict]:
             bar.update(sum(1 for o in outs if o.finished))
             if plan.is_empty():
                 continue
-            s = StepShape.of(plan)
+            s = StepShape.of(plan, after_prefill=bool(rows) and bool(rows[-1]["_shape"].prefill))
             rows.append({"step": step, "n_seqs": s.n_seqs, "n_prefill": len(s.prefill),
                          "prefill_tokens": sum(n for n, _ in s.prefill), "n_decode": len(s.decode_ctx),
                          "context_tokens": sum(s.decode_ctx) + sum(n + p for n, p in s.prefill), "n_sample": s.n_sample,
@@ -706,7 +706,8 @@ def _lad(X, y, iters: int = 60):
 def fit_calibration(rows: list[dict], model, timer: str = "cpu") -> dict:
     """The step time the tables do not explain.
 
-    With the CPU timer: cpu = scale * compute + tables' overhead + fixed + per_seq * N + per_prefill * P, fitted
+    With the CPU timer: cpu = scale * compute + tables' overhead + fixed + per_seq * N + per_prefill * P
+    (+ decode_fixed on decode-only steps, + after_prefill on a decode-only step right after a prefill), fitted
     on the thread CPU time of real steps (load-independent), and wall_per_cpu = total wall / total CPU time of
     those steps (how much of a core this process got while calibrating: the machine's contention). With the wall
     timer the same fit runs on wall time and wall_per_cpu is 1. Least absolute deviations: the noise of a shared
@@ -727,21 +728,38 @@ def fit_calibration(rows: list[dict], model, timer: str = "cpu") -> dict:
     # features: compute scales (the prefill and the decode parts of the tables), fixed, per sequence, per prefill
     # span; the overheads must not be negative and a scale must stay plausible (a negative overhead or a wild scale
     # is noise being fitted): drop it (a scale then stays 1) and refit
+    dec_only = np.array([r["_shape"].decode_only for r in rows], dtype=float)
+    cold = dec_only * np.array([r["_shape"].after_prefill for r in rows], dtype=float)
+    # decode_fixed may be negative (the tables carry the per-op timers' cost, which a decode step's ~100 small
+    # ops make visible) but not by more than half a decode step
+    dec_bound = 0.5 * float(np.median(meas[dec_only > 0])) if dec_only.any() else 0.0
     scales = {"scale": comp, "scale_decode": comp_d}
-    feats = {**scales, "fixed": np.ones_like(comp), "per_seq": n, "per_prefill": p}
-    active = [f for f in feats if f != "scale_decode" or comp_d.any()]
+    feats = {**scales, "fixed": np.ones_like(comp), "per_seq": n, "per_prefill": p, "decode_fixed": dec_only,
+             "after_prefill": cold}
+    active = [f for f in feats if (f != "scale_decode" or comp_d.any()) and (f not in ("decode_fixed", "after_prefill")
+                                                                             or feats[f].sum() >= 3)]
+
+    def implausible(f: str, c: float) -> bool:
+        if f in scales:
+            return not 0.8 <= c <= 1.25
+        if f == "decode_fixed":
+            return abs(c) > dec_bound
+        return c < 0
+
     coef: dict[str, float] = {}
     while active:
         fixed_part = sum(v for f, v in scales.items() if f not in active)
         beta = _lad(np.stack([feats[f] for f in active], 1), y - fixed_part)
         coef = dict(zip(active, (float(b) for b in beta)))
-        bad = [f for f in active if (f not in scales and coef[f] < 0) or (f in scales and not 0.8 <= coef[f] <= 1.25)]
+        bad = [f for f in active if implausible(f, coef[f])]
         if not bad:
             break
         active.remove(min(bad, key=lambda f: coef[f] if f not in scales else -1e18))
     scale, scale_d = coef.get("scale", 1.0), coef.get("scale_decode", 1.0)
     fixed, per_seq, per_pre = coef.get("fixed", 0.0), coef.get("per_seq", 0.0), coef.get("per_prefill", 0.0)
-    pred = scale * comp + scale_d * comp_d + base + fixed + per_seq * n + per_pre * p
+    dec_fixed, after_pre = coef.get("decode_fixed", 0.0), coef.get("after_prefill", 0.0)
+    pred = (scale * comp + scale_d * comp_d + base + fixed + per_seq * n + per_pre * p + dec_fixed * dec_only
+            + after_pre * cold)
     wall = np.array([r["measured_us"] for r in rows])
     cpu = np.array([r["cpu_us"] for r in rows])
     wpc = float(wall.sum() / cpu.sum()) if timer == "cpu" and cpu.sum() > 0 else 1.0
@@ -750,7 +768,8 @@ def fit_calibration(rows: list[dict], model, timer: str = "cpu") -> dict:
     rel = np.abs(pred - meas) / meas
     return {"timer": timer, "fixed_us": round(fixed, 2), "per_seq_us": round(per_seq, 2),
             "per_prefill_us": round(per_pre, 2), "compute_scale": round(scale, 4),
-            "compute_scale_decode": round(scale_d, 4), "wall_per_cpu": round(wpc, 4),
+            "compute_scale_decode": round(scale_d, 4), "decode_fixed_us": round(dec_fixed, 2),
+            "after_prefill_us": round(after_pre, 2), "wall_per_cpu": round(wpc, 4),
             "steps": len(rows), "median_abs_error_pct": round(100 * float(np.median(rel)), 2),
             "total_error_pct": round(100 * float((pred.sum() - meas.sum()) / meas.sum()), 2),
             "uncalibrated_total_error_pct": round(100 * float(((comp + comp_d + base).sum() - meas.sum()) / meas.sum()), 2)}

@@ -34,7 +34,7 @@ from ..config import ModelConfig
 from ..scheduler import Request
 from ..scheduler.build import build_scheduler, resolve_shape
 from .bundle import Bundle, load_bundle
-from .latency import LatencyModel
+from .latency import LatencyModel, StepShape
 from .report import RequestRecord
 from .router import Router, make_router
 from .trace import TraceRequest
@@ -102,6 +102,7 @@ class Replica:
         self.busy_until: float | None = None
         self.num_steps = 0
         self.busy_time = 0.0
+        self._after_prefill = False  # the last step computed prompt tokens (the latency model's cold decode)
         self._queued_tokens = 0
 
     # ---------------------------------------------------------------- load, for routers
@@ -138,7 +139,9 @@ class Replica:
         if plan.is_empty():
             self.plan, self.busy_until = None, None
             return None
-        dt = self.latency.step_seconds(plan)
+        shape = StepShape.of(plan, after_prefill=self._after_prefill)
+        self._after_prefill = bool(shape.prefill)
+        dt = self.latency.shape_us(shape) * 1e-6
         self.plan, self.busy_until = plan, now + dt
         self.num_steps += 1
         self.busy_time += dt

@@ -87,6 +87,11 @@ class StepShape:
     zero_slots: int = 0
     restores: int = 0
     saves: int = 0
+    after_prefill: bool = False  # the engine's previous step computed prompt tokens (caches cold for a decode)
+
+    @property
+    def decode_only(self) -> bool:
+        return bool(self.decode_ctx) and not self.prefill
 
     @property
     def n_tokens(self) -> int:
@@ -97,7 +102,7 @@ class StepShape:
         return len(self.prefill) + len(self.decode_ctx)
 
     @classmethod
-    def of(cls, plan) -> "StepShape":
+    def of(cls, plan, after_prefill: bool = False) -> "StepShape":
         prefill, decode, sample = [], [], 0
         for w in plan.work:
             n = len(w.token_ids)
@@ -108,7 +113,7 @@ class StepShape:
             if w.sample:
                 sample += 1
         return cls(prefill, decode, sample, len(plan.zero_pages), len(plan.zero_slots), len(plan.restores),
-                   len(plan.saves))
+                   len(plan.saves), after_prefill)
 
 
 class LatencyModel:
@@ -175,6 +180,10 @@ class LatencyModel:
         self.per_prefill_us = float(cal.get("per_prefill_us", 0.0))
         self.compute_scale = float(cal.get("compute_scale", 1.0))
         self.compute_scale_decode = float(cal.get("compute_scale_decode", self.compute_scale))  # older bundles: one
+        # decode-only steps: an offset (the tables, timed op by op, carry the timers' cost) and the extra cost of
+        # the first decode step after a prefill (the prefill's temporaries pushed weights out of the caches)
+        self.decode_fixed_us = float(cal.get("decode_fixed_us", 0.0))
+        self.after_prefill_us = float(cal.get("after_prefill_us", 0.0))
         self.wall_per_cpu = float(wall_per_cpu if wall_per_cpu is not None else cal.get("wall_per_cpu", 1.0))
         self._dense_cache: dict[int, float] = {}
         self._dec_cache: dict[int, float] = {}
@@ -232,6 +241,8 @@ class LatencyModel:
     def overhead_us(self, s: StepShape) -> float:
         n = s.n_seqs
         us = self.fixed_us + self.per_seq_us * n + self.per_prefill_us * len(s.prefill)
+        if s.decode_only:
+            us += self.decode_fixed_us + (self.after_prefill_us if s.after_prefill else 0.0)
         for name, x in (("scheduler", n), ("batch_prep", n), ("engine_emit", s.n_sample)):
             f = self.overhead.get(name)
             if f is not None:

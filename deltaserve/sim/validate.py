@@ -146,6 +146,9 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     from ..sampling_params import SamplingParams
     from .latency import StepShape
 
+    def shape_after(plan, earlier: list) -> StepShape:
+        return StepShape.of(plan, after_prefill=bool(earlier) and bool(earlier[-1][0].prefill))
+
     cfg = EngineConfig(preset=preset, dtype="auto", enable_prefix_caching=caching, num_threads=num_threads,
                        **engine_flags)
     eng = LLMEngine(cfg)
@@ -167,7 +170,7 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
         eng.step()
         dw, dc = time.perf_counter() - t, time.thread_time() - c
         if captured:
-            warm_steps.append((StepShape.of(captured[-1]), dw * 1e6, dc * 1e6))
+            warm_steps.append((shape_after(captured[-1], warm_steps), dw * 1e6, dc * 1e6))
             captured.clear()
     wall = sum(x[1] for x in warm_steps)
     cpu = sum(x[2] for x in warm_steps)
@@ -203,7 +206,7 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
         busy_wall += dw
         busy_cpu += dc
         if captured:
-            steps.append((StepShape.of(captured[-1]), dw * 1e6, dc * 1e6))
+            steps.append((shape_after(captured[-1], steps or warm_steps), dw * 1e6, dc * 1e6))
             captured.clear()
         t_out = now()
         for o in outs:
