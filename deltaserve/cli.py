@@ -96,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
               "  profile     measure this engine's step costs into a bundle (and `profile coverage`)\n"
               "  simulate    serving simulation on the engine's own scheduler with a profiled latency model")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return int(cmds[argv[0]](argv[1:]) or 0)
+    from .config import ConfigError
+
+    try:
+        return int(cmds[argv[0]](argv[1:]) or 0)
+    except ConfigError as e:  # a bad flag or an unsupported checkpoint: say what to fix, no traceback
+        print(f"deltaserve {argv[0]}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

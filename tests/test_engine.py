@@ -128,3 +128,12 @@ def test_generate_api_shapes():
     assert len(chat) == 1
     o = llm.generate([5, 6, 7], SamplingParams(max_tokens=3, prompt_logprobs=2), use_tqdm=False)[0]
     assert o.prompt_logprobs[0] is None and len(o.prompt_logprobs) == 3 and all(o.prompt_logprobs[1:])
+
+
+def test_cli_refuses_a_bad_flag_with_a_message_not_a_traceback(capsys):
+    from deltaserve.cli import main
+
+    assert main(["generate", "--prompt", "hi", "--prefill-merge-tokens", "-1"]) == 2
+    assert "--prefill-merge-tokens must be >= 0" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs must be >= 1" in capsys.readouterr().err
