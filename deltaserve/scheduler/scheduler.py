@@ -5,9 +5,10 @@ One step (schedule() -> StepPlan, the runner executes it, then update(plan, samp
      preemption, a generated token being replayed) gets 1 token, in admission order;
   2. running prefills (prompt chunks, or recomputation after a preemption), in admission order;
   3. waiting requests, first come first served, while there is budget, a free slot, room under
-     max_num_seqs and pages, and the step's prefill tokens are under prefill_merge_tokens (if set). A request that does not fit stops admission (strict FCFS). Nothing new is
-     admitted in a step that preempted, or in which a running prefill could not get budget (so a
-     long prompt is not starved by a stream of short ones).
+     max_num_seqs and pages, and the step's prefill tokens are under prefill_merge_tokens (if set). A
+     request that does not fit stops admission (strict FCFS). Nothing new is admitted in a step that
+     preempted, or in which a running prefill could not get budget (so a long prompt is not starved
+     by a stream of short ones).
 
 Align mode (caching on): a prefill chunk that does not reach the end of the prompt ends on a block
 boundary (the checkpoint policy floors it); with less than one block of budget left such a chunk waits
