@@ -193,3 +193,46 @@ def test_model_decode_steps_match_torch_path(kern):
         logits[mode] = torch.stack(rows)
     model.select_decode_kernels()
     torch.testing.assert_close(logits["cpp"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+# ---- fused RMSNorm ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [1, 15, 16, 17, 64, 256, 1000])
+def test_rms_norm_matches_torch_and_is_row_invariant(kern, dtype, D):
+    from deltaserve.model.ops.norm import rms_norm
+
+    g = gen(D)
+    x = (3 * torch.randn(37, D, generator=g)).to(dtype)
+    w = (0.1 * torch.randn(D, generator=g)).to(dtype)
+    y = kern.rms_norm(x, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape and y.is_contiguous()
+    torch.testing.assert_close(y.float(), rms_norm(x, w, 1e-6).float(), **TOL[dtype])
+    for r in (0, 16, 36):
+        assert torch.equal(kern.rms_norm(x[r:r + 1], w, 1e-6)[0], y[r])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_reads_strided_head_views(kern, dtype):
+    """The q / k views of the attention projection ([T, H, D] with row and head strides) are read in place."""
+    from deltaserve.model.ops.norm import rms_norm
+
+    T, H, D = 5, 3, 32
+    proj = torch.randn(T, 2 * H * D + 7, generator=gen(1)).to(dtype)
+    q = proj[:, :2 * H * D].view(T, H, 2 * D)[..., :D]  # every other D-slice, like the query / gate split
+    k = proj[:, 7:7 + H * D].view(T, H, D)
+    w = torch.randn(D, generator=gen(2)).to(dtype)
+    for v in (q, k):
+        torch.testing.assert_close(kern.rms_norm(v, w, 1e-6).float(), rms_norm(v, w, 1e-6).float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_sum_has_torch_bits(kern, dtype):
+    from deltaserve.model.ops.norm import rms_norm
+
+    x, h = (torch.randn(9, 48, generator=gen(s)).to(dtype) for s in (3, 4))
+    w = torch.randn(48, generator=gen(5)).to(dtype)
+    s, y = kern.add_rms_norm(x, h, w, 1e-6)
+    assert torch.equal(s, x + h)
+    torch.testing.assert_close(y.float(), rms_norm(x + h, w, 1e-6).float(), **TOL[dtype])
+    assert torch.equal(cpu_kernels.TORCH.add_rms_norm(x, h, w, 1e-6)[1], rms_norm(x + h, w, 1e-6))

@@ -28,13 +28,15 @@ from .ops.cpu_kernels import (
     TORCH,
     DecodeKernels,
     conv1d_decode_step,
+    fused_add_rms_norm,
+    fused_rms_norm,
     gdn_decode_step,
     paged_decode_attention,
 )
 from .ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 from .ops.linear import PackedWeight, linear
 from .ops.mlp import moe, swiglu
-from .ops.norm import rms_norm, rms_norm_gated
+from .ops.norm import rms_norm_gated
 from .ops.pointwise import sigmoid, softplus
 
 
@@ -173,8 +175,8 @@ class AttentionMixer(nn.Module):
         q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)
         k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
         v = proj[:, (2 * hq + hkv) * d:].view(T, hkv, d)
-        q = apply_rotary(rms_norm(q, self.q_norm, self.eps), ctx.cos, ctx.sin)
-        k = apply_rotary(rms_norm(k, self.k_norm, self.eps), ctx.cos, ctx.sin)
+        q = apply_rotary(fused_rms_norm(ctx.kernels, q, self.q_norm, self.eps), ctx.cos, ctx.sin)
+        k = apply_rotary(fused_rms_norm(ctx.kernels, k, self.k_norm, self.eps), ctx.cos, ctx.sin)
         kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)
         out = torch.empty(T, hq, d, dtype=h.dtype, device=h.device)
         batched = ctx.kernels.compiled and ctx.decode_rows is not None
@@ -268,7 +270,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        h = rms_norm(x, self.input_layernorm, self.eps)
+        h = fused_rms_norm(ctx.kernels, x, self.input_layernorm, self.eps)
         h = self.linear_attn(h, ctx, *cache) if self.is_gdn else self.self_attn(h, ctx, *cache)
-        x = x + h
-        return x + self.mlp(rms_norm(x, self.post_attention_layernorm, self.eps))
+        x, h = fused_add_rms_norm(ctx.kernels, x, h, self.post_attention_layernorm, self.eps)
+        return x + self.mlp(h)

@@ -20,9 +20,8 @@ from ..config import ConfigError, ModelConfig
 from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import rotary_cos_sin, rotary_inv_freq
-from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
+from .ops.cpu_kernels import DecodeKernels, fused_rms_norm, select_decode_kernels
 from .ops.linear import PackedWeight, can_prepack, linear
-from .ops.norm import rms_norm
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -140,7 +139,7 @@ class HybridModel(nn.Module):
             else:
                 x = layer(x, ctx, (caches.kv[ai],))
                 ai += 1
-        return rms_norm(x, self.norm, self.config.rms_norm_eps)
+        return fused_rms_norm(ctx.kernels, x, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

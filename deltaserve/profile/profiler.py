@@ -207,7 +207,9 @@ class Instrument:
 
         p = self._patch
         p(L, "linear", lambda o: self._wrap(o, lambda a, k: self.wmap.get(id(a[1]), "linear_other")))
-        p(L, "rms_norm", lambda o: self._wrap(o, lambda a, k: self.nmap.get(id(a[1]), "layer_norms")))
+        # a[0] of the fused_* names is the DecodeKernels
+        p(L, "fused_rms_norm", lambda o: self._wrap(o, lambda a, k: self.nmap.get(id(a[2]), "layer_norms")))
+        p(L, "fused_add_rms_norm", lambda o: self._wrap(o, lambda a, k: self.nmap.get(id(a[3]), "layer_norms")))
         p(L, "rms_norm_gated", lambda o: self._wrap(o, "gdn_norm"))
         p(L, "sigmoid", lambda o: self._wrap(o, glue))
         p(L, "softplus", lambda o: self._wrap(o, glue))
@@ -228,7 +230,7 @@ class Instrument:
         p(L, "paged_decode_attention", lambda o: self._wrap(o, "attn_decode", batch1, after=attn_after))
         p(L, "conv1d_decode_step", lambda o: self._wrap(o, "gdn_conv_decode", lambda a, k: int(a[2].shape[0])))
         p(L, "gdn_decode_step", lambda o: self._wrap(o, "gdn_decode", batch1))
-        p(Q, "rms_norm", lambda o: self._wrap(o, "final_norm"))
+        p(Q, "fused_rms_norm", lambda o: self._wrap(o, "final_norm"))
         p(L.GDNMixer, "forward", lambda o: self._wrap(o, "gdn_mixer", frame="gdn"))
         p(L.AttentionMixer, "forward", lambda o: self._wrap(o, "attn_mixer", frame="attn"))
         p(L.DecoderLayer, "forward", lambda o: self._wrap(o, "layer"))

@@ -28,13 +28,14 @@ from pathlib import Path
 
 import torch
 
+from .norm import rms_norm as rms_norm_torch
 from .pointwise import silu
 
 log = logging.getLogger("deltaserve")
 
 ENV = "DELTASERVE_DECODE_KERNELS"
 MODES = ("auto", "cpp", "torch")
-_SOURCES = [Path(__file__).with_name("csrc") / f for f in ("decode_kernels.cpp", "linear_bf16.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / f for f in ("decode_kernels.cpp", "linear_bf16.cpp", "norm.cpp")]
 _lock = threading.Lock()
 _ext = None  # the loaded module, or the exception that stopped the build
 _build_seconds: float | None = None
@@ -112,7 +113,40 @@ class DecodeKernels:
         return silu(self.ext.conv1d_step_acc(x, rows, wt, state, slots)).to(x.dtype)
 
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """Zero-centred RMSNorm of x [R, D] or [R, H, D] (last dim contiguous; views read in place) -> contiguous.
+        Compiled: one pass per row, fixed lane order (batch-invariant, last-place differences from the torch
+        op); torch: ops/norm.py rms_norm."""
+        if self._fused_norm(x, weight) and x.dim() in (2, 3):
+            return self.ext.rms_norm_fused(x, weight, eps)
+        return rms_norm_torch(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + h, rms_norm(x + h)) for x, h [R, D]; the sum is rounded to x's dtype as torch's + rounds it."""
+        if self._fused_norm(x, weight) and x.dim() == 2 and h.shape == x.shape and h.dtype == x.dtype:
+            s, y = self.ext.add_rms_norm_fused(x, h, weight, eps)
+            return s, y
+        s = x + h
+        return s, rms_norm_torch(s, weight, eps)
+
+    def _fused_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (self.ext is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and weight.dtype == x.dtype and x.stride(-1) == 1)
+
+
 TORCH = DecodeKernels("torch")
+
+
+def fused_rms_norm(kernels: DecodeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """kernels.rms_norm; a module-level name so the profiler can wrap it."""
+    return kernels.rms_norm(x, weight, eps)
+
+
+def fused_add_rms_norm(kernels: DecodeKernels, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.add_rms_norm: (x + h, rms_norm(x + h)); a module-level name so the profiler can wrap it."""
+    return kernels.add_rms_norm(x, h, weight, eps)
 
 
 def paged_decode_attention(kernels: DecodeKernels, q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,

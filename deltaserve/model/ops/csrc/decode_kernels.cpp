@@ -479,7 +479,14 @@ bool bf16_linear_available();
 torch::Tensor pack_bf16_weight(const torch::Tensor& w);
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
 
+// norm.cpp
+torch::Tensor rms_norm_fused(const torch::Tensor& x, const torch::Tensor& w, double eps);
+std::vector<torch::Tensor> add_rms_norm_fused(const torch::Tensor& x, const torch::Tensor& h, const torch::Tensor& w,
+                                              double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm_fused", &rms_norm_fused, "zero-centred RMSNorm, one pass per row (x [R,D] or [R,H,D], w [D], eps)");
+  m.def("add_rms_norm_fused", &add_rms_norm_fused, "(x + h, rms_norm(x + h)) for x, h [R, D]");
   m.def("bf16_linear_available", &bf16_linear_available, "built with AVX512-BF16 (linear_bf16 usable)");
   m.def("pack_bf16_weight", &pack_bf16_weight, "[N, K] bf16 weight -> [ceil(N/16), K/2, 16, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed weight^T -> [M, N] bf16 (batch-invariant)");
