@@ -125,6 +125,7 @@ class LLMEngine:
         self._seed_counter = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.step_failures = 0  # steps that raised (see _recover)
         log.info("model %s (%s), dtype %s, device %s", self.model_name, mc.model_type, self.dtype, self.device)
         log.info("KV pool %s tokens (%s pages of %d tokens, layout %s, prefix caching %s); KV %s bytes/token; "
                  "GDN slot %s bytes x %d; max model len %d",
@@ -222,9 +223,33 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
-        logits = self.runner.execute(plan)
-        sampled = self._sample(plan, logits)
+        try:
+            sampled = self._sample(plan, self.runner.execute(plan))
+        except Exception as e:  # noqa: BLE001 - one failing request must not take the others down
+            return self._recover(plan, e)
         return self._emit(plan, sampled)
+
+    def _recover(self, plan, error: Exception) -> list[RequestOutput]:
+        """A step failed (the model, a kernel, the sampler). Alone in its step, a request is the cause: it is
+        aborted with the error as its stop_reason. With others, nothing of the step counts: every request in it
+        is preempted (their GDN slots may be half-advanced) and recomputes, alone and one at a time until past
+        the failed step (Scheduler.isolate), so a second failure names its request; the rest lose nothing."""
+        self.step_failures += 1
+        log.error("engine step failed with %d request(s) in it: %s: %s", len(plan.work), type(error).__name__,
+                  error, exc_info=error)
+        if len(plan.work) != 1:
+            self.scheduler.recover(plan)
+            self.scheduler.isolate({w.request_id: w.start_pos + len(w.token_ids) for w in plan.work})
+            return []
+        rid = plan.work[0].request_id
+        self.scheduler.finish(rid, "abort")
+        live = self._live.pop(rid, None)
+        if live is None:
+            return []
+        live.finish_reason = "abort"
+        live.stop_reason = f"the engine failed on this request: {type(error).__name__}: {error}"
+        live.metrics.finished_time = time.time()
+        return [self._output(live)]
 
     def _sample(self, plan, logits) -> dict[str, object]:
         import torch

@@ -137,3 +137,58 @@ def test_cli_refuses_a_bad_flag_with_a_message_not_a_traceback(capsys):
     assert "--prefill-merge-tokens must be >= 0" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--max-num-seqs", "0"]) == 2
     assert "--max-num-seqs must be >= 1" in capsys.readouterr().err
+
+
+def _poisoned(eng, poison: str | None = None, fail_steps: tuple[int, ...] = (), after: bool = False):
+    """Make the runner raise on every step that holds `poison`, and on the steps numbered in fail_steps;
+    after=True raises once the step has run (K/V written, GDN slots advanced in place)."""
+    execute, calls = eng.runner.execute, [0]
+
+    def run_step(plan):
+        calls[0] += 1
+        out = execute(plan) if after else None
+        if calls[0] in fail_steps or any(w.request_id == poison for w in plan.work):
+            raise RuntimeError("injected kernel failure")
+        return out if after else execute(plan)
+    eng.runner.execute = run_step
+
+
+def _drive(eng, prompts: dict[str, list[int]], max_tokens: int = 6):
+    for rid, p in prompts.items():
+        eng.add_request(rid, {"prompt_token_ids": p}, greedy(max_tokens=max_tokens))
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                done[o.request_id] = o
+        eng.memory.check_integrity()
+    return done
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_failing_request_is_isolated_and_the_others_finish_as_if_nothing_happened(caching):
+    rng = random.Random(8)
+    prompts = {rid: random_tokens(rng, n) for rid, n in (("a", 300), ("bad", 150), ("c", 90))}
+    clean = _drive(make_llm(enable_prefix_caching=caching).engine, prompts)
+    eng = make_llm(enable_prefix_caching=caching).engine
+    _poisoned(eng, poison="bad")
+    done = _drive(eng, prompts)
+    assert done["bad"].outputs[0].finish_reason == "abort"
+    assert "injected kernel failure" in done["bad"].outputs[0].stop_reason
+    for rid in ("a", "c"):  # recomputed after the failed steps: the very same tokens and logprobs
+        assert done[rid].outputs[0].finish_reason == "length"
+        assert signature(done[rid]) == signature(clean[rid])
+    assert eng.step_failures == 2 and eng.stats().pages_used == 0 and eng.stats().slots_used == 0
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_a_transient_step_failure_loses_nothing(after):
+    """Also when the step failed after advancing the GDN slots in place: the requests recompute, not resume."""
+    rng = random.Random(9)
+    prompts = {f"r{i}": random_tokens(rng, 120 + 40 * i) for i in range(3)}
+    clean = _drive(make_llm().engine, prompts)
+    eng = make_llm().engine
+    _poisoned(eng, fail_steps=(3,), after=after)  # a decode step with all three in it
+    done = _drive(eng, prompts)
+    assert eng.step_failures == 1
+    assert {rid: signature(o) for rid, o in done.items()} == {rid: signature(o) for rid, o in clean.items()}

@@ -421,3 +421,26 @@ def test_prefill_merge_tokens_counts_a_running_chunk():
     assert spans(step(s)) == [("long", 8, 8, False, False)]
     assert spans(step(s)) == [("long", 16, 4, False, True)]  # 4 >= 4: short still waits
     assert spans(step(s)) == [("short", 0, 3, False, True)]
+
+
+def test_recover_and_isolate_after_a_failed_step():
+    """A failed step: its requests are preempted, then recompute alone and in order until past the failed
+    step; then the normal mix resumes. Pages and slots stay consistent throughout."""
+    s = Scheduler(MemoryManager(32, 4, BS, 2, False, "in-page"), 4, 32, chunk_grid=1)
+    s.add(Request("a", list(range(1, 7)), max_tokens=4))
+    s.add(Request("b", list(range(11, 16)), max_tokens=4))
+    step(s)  # both prefills; each samples its first token
+    failed = s.schedule()  # both decode: this step "fails" (no update)
+    assert spans(failed) == [("a", 6, 1, True, True), ("b", 5, 1, True, True)]
+    assert s.recover(failed) == ["a", "b"]
+    s.memory.check_integrity()
+    assert s.memory.num_pages_in_use == 0 and [r.request_id for r in s.waiting] == ["a", "b"]
+    s.isolate({w.request_id: w.start_pos + len(w.token_ids) for w in failed.work})
+    # a alone: its prompt again (cache off), then its generated token through the decode path (replay)
+    assert spans(step(s)) == [("a", 0, 6, False, False)]
+    assert spans(step(s)) == [("a", 6, 1, True, True)]  # past the failed step: a leaves isolation
+    assert spans(step(s)) == [("b", 0, 5, False, False)]
+    assert spans(step(s)) == [("b", 5, 1, True, True)]
+    assert spans(step(s)) == [("a", 7, 1, True, True), ("b", 6, 1, True, True)]  # the normal mix again
+    run_all(s)
+    assert s.memory.num_pages_in_use == 0

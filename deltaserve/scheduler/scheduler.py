@@ -113,6 +113,7 @@ class Scheduler:
         self._recs: dict[str, _Scheduled] = {}
         self._preempted: list[str] = []
         self._recently_finished: dict[str, Request] = {}
+        self._alone: dict[str, int] = {}  # isolate(): request id -> tokens it must compute alone (in order)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: Request) -> None:
@@ -195,6 +196,12 @@ class Scheduler:
         self._recs = {}
         self._preempted = []
         self._recently_finished = {}
+        while self._alone:  # after a failed step: its requests one at a time (isolate)
+            rid = next(iter(self._alone))
+            req = self.requests.get(rid)
+            if req is not None and self._schedule_alone(req):
+                return self._build_plan()
+            del self._alone[rid]  # finished meanwhile, or cannot run now: back to normal scheduling
         stalled = False
         for req in list(self.running):  # 1. decodes
             if self._budget < 1:
@@ -218,6 +225,36 @@ class Scheduler:
                 if not self._admit(self.waiting[0]):
                     break
         return self._build_plan()
+
+    # ------------------------------------------------------------------ failed steps
+    def recover(self, plan: StepPlan) -> list[str]:
+        """The runner failed on `plan`: none of it counts. Its requests' GDN slots may be half-advanced, so each
+        is preempted (pages and slot freed, published blocks kept) and will recompute; returns their ids."""
+        ids = []
+        for w in reversed(plan.work):  # _preempt puts each at the front: keep their order
+            req = self.requests.get(w.request_id)
+            if req is not None and req.status is RequestStatus.RUNNING:
+                self._preempt(req)
+                ids.append(w.request_id)
+        return ids[::-1]
+
+    def isolate(self, until: Mapping[str, int]) -> None:
+        """Schedule these requests alone, one at a time and in this order, each until it has computed until[id]
+        tokens (the end of its work in a failed step), so that a step that fails again has one request in it.
+        Other requests wait meanwhile."""
+        for rid, n in until.items():
+            self._alone.setdefault(rid, n)
+
+    def _schedule_alone(self, req: Request) -> bool:
+        if req.status is RequestStatus.RUNNING:
+            start = req.num_computed_tokens
+            end = start + 1 if self._in_decode(req) else self._chunk_end(req, start)
+            return end > start and self._schedule_running(req, start, end, self._in_decode(req))
+        if not self.memory.num_free_slots:
+            return False
+        self.waiting.remove(req)
+        self.waiting.appendleft(req)
+        return self._admit(req)
 
     def _prefills_full(self) -> bool:
         """The step's prefill tokens reached prefill_merge_tokens: no further waiting request joins it."""
@@ -252,6 +289,8 @@ class Scheduler:
                 if end // bs > have:
                     self.memory.publish(w.request_id, [req.block_key(j, bs) for j in range(have, end // bs)])
                 self.memory.commit_checkpoints(w.request_id)
+            if self._alone.get(w.request_id, end + 1) <= end:
+                del self._alone[w.request_id]  # passed the failed step alone
             if w.sample and w.request_id in sampled:
                 req.output_token_ids.append(int(sampled[w.request_id]))
                 advanced.append(req)
