@@ -1,17 +1,20 @@
-"""C++ CPU decode kernels (csrc/decode_kernels.cpp), compiled once per machine with torch's cpp_extension,
-and the choice between them and the plain-torch ops, made once when a model is built.
+"""C++ CPU kernels (csrc/: decode_kernels.cpp, linear_bf16.cpp, norm.cpp), compiled once per machine with torch's
+cpp_extension, and the choice between them and the plain-torch ops, made once when a model is built.
 
     kernels = select_decode_kernels(device, dtype)     # DecodeKernels; logs one line
     kernels.attention(q [B, Hq, D], kv, page_table [B, maxp], lengths [B], scale) -> [B, Hq, D]
     kernels.gdn_step(q, k [B, Hk, dk], v [B, H, dv], g [B, H] fp32, beta [B, H], state [S, H, dv, dk] fp32,
                      slots [B]) -> out [B, H, dv]   (state slots updated in place)
     kernels.conv_step(x [T, C], rows [B], weight [C, K], state [S, K-1, C], slots [B]) -> [B, C]
+    kernels.rms_norm(x [R, (H,) D], w [D], eps); kernels.add_rms_norm(x, h [R, D], w, eps) -> (x + h, norm)
+    kernels.ext.linear_bf16 through ops/linear.py PackedWeight (kind "cpp"), packed by HybridModel.prepack_linears
 
 Each takes every decode sequence of a step in one call, parallel over (sequence, head); each (sequence,
 head) is a fixed loop over its own data, so results are batch-invariant. The plain-torch references are
 decode_attention (ops/attention.py, one sequence over gathered K/V), recurrent_gated_delta_rule_step
 (ops/gdn.py) and causal_conv1d_step (ops/conv.py); tests/test_ops.py compares attention and the GDN step
-at a tolerance, and the conv step bit for bit.
+at a tolerance, and the conv step bit for bit. The norms and the linear serve every row of a step (prefill
+too), row by row, so they are batch-invariant as well (tests/test_cpu_kernels.py, tests/test_linear.py).
 
 DELTASERVE_DECODE_KERNELS=torch forces the torch path (cpp: the compiled kernels, failing loudly if they
 cannot be built; auto, the default: compiled kernels on CPU, torch if compilation fails). The build lands
@@ -112,7 +115,6 @@ class DecodeKernels:
         wt = weight.float().t().contiguous()  # [K, C]
         return silu(self.ext.conv1d_step_acc(x, rows, wt, state, slots)).to(x.dtype)
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm of x [R, D] or [R, H, D] (last dim contiguous; views read in place) -> contiguous.
         Compiled: one pass per row, fixed lane order (batch-invariant, last-place differences from the torch
@@ -125,7 +127,7 @@ class DecodeKernels:
                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + h, rms_norm(x + h)) for x, h [R, D]; the sum is rounded to x's dtype as torch's + rounds it."""
         if self._fused_norm(x, weight) and x.dim() == 2 and h.shape == x.shape and h.dtype == x.dtype:
-            s, y = self.ext.add_rms_norm_fused(x, h, weight, eps)
+            s, y = self.ext.add_rms_norm_fused(x, h, weight, eps)  # one pass: s rounded, then its norm
             return s, y
         s = x + h
         return s, rms_norm_torch(s, weight, eps)
