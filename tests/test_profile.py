@@ -114,6 +114,8 @@ def test_calibration_fits_the_decode_offset_and_the_cold_decode_after_a_prefill(
     from deltaserve.profile.profiler import fit_calibration
 
     lm = LatencyModel(load_bundle(bundle_dir), wall_per_cpu=1.0)
+    lm.compute_scale = lm.compute_scale_decode = 1.0  # price the synthetic steps with the bare tables
+    lm.fixed_us = lm.per_seq_us = lm.per_prefill_us = lm.decode_fixed_us = lm.after_prefill_us = 0.0
     rng = random.Random(3)
     rows, prev_prefill = [], False
     for i in range(160):
@@ -130,7 +132,10 @@ def test_calibration_fits_the_decode_offset_and_the_cold_decode_after_a_prefill(
     assert fit["per_seq_us"] == pytest.approx(30.0, abs=5) and abs(fit["total_error_pct"]) < 0.5
     cal = LatencyModel(load_bundle(bundle_dir), wall_per_cpu=1.0)
     cal.decode_fixed_us, cal.after_prefill_us = fit["decode_fixed_us"], fit["after_prefill_us"]
+    assert fit["compute_scale"] == fit["compute_scale_decode"] == pytest.approx(1.0, abs=0.01)
     warm, cold = StepShape([], [200], 1), StepShape([], [200], 1, after_prefill=True)
     mixed = StepShape([(16, 0)], [200], 2, after_prefill=True)
     assert cal.shape_us(cold) - cal.shape_us(warm) == pytest.approx(fit["after_prefill_us"])
-    assert cal.overhead_us(mixed) == lm.overhead_us(mixed)  # neither extra touches a step with prompt tokens
+    bare = LatencyModel(load_bundle(bundle_dir), wall_per_cpu=1.0)
+    bare.decode_fixed_us = bare.after_prefill_us = 0.0
+    assert cal.overhead_us(mixed) == bare.overhead_us(mixed)  # neither extra touches a step with prompt tokens

@@ -632,6 +632,9 @@ def calibration_workload(max_num_seqs: int, max_num_batched_tokens: int, block_s
         for _ in range(B):
             items.append((step, tok(rng.randint(16, 160)), 10 if quick else 16))
         step += 30
+    for _ in range(min(S, 4)):  # decode at a longer context: attention's share of a decode step grows with it
+        items.append((step, tok(M + rng.randint(0, M // 4)), 10 if quick else 16))
+    step += 30
     sys_prompt = tok(2 * block_size + 17)
     for i in range(min(S, 6)):  # staggered arrivals: mixed steps; a shared prefix: hits and restores
         items.append((step + 3 * i, sys_prompt + tok(rng.randint(40, M // 2)), 12))
