@@ -291,3 +291,11 @@ def test_validation_smoke(tmp_path):
     res = json.loads((out / "validation.json").read_text())["results"]
     assert len(res) == 1 and res[0]["compare"]["probe"]["cached_tokens"]["real"] > 0
     assert (out / "validation.md").read_text().count("| tiny | light | on | cpu") == 3
+
+
+def test_monotone_tables_never_fall_with_size():
+    """Two noisy neighbours (4 measured cheaper than 2) must not make a bigger step cheaper."""
+    pts = [(1, 5.0), (2, 8.0), (4, 7.0), (8, 12.0)]
+    plain, mono = Interp1D(pts), Interp1D(pts, monotone=True)
+    assert plain(4) == 7.0 and mono(4) == 8.0 and mono(3) == 8.0 and mono(8) == 12.0
+    assert all(mono(x) <= mono(x + 0.5) for x in [1 + 0.5 * i for i in range(20)])

@@ -739,8 +739,9 @@ def fit_calibration(rows: list[dict], model, timer: str = "cpu") -> dict:
     # ops make visible) but not by more than half a decode step
     dec_bound = 0.5 * float(np.median(meas[dec_only > 0])) if dec_only.any() else 0.0
     scales = {"scale": comp, "scale_decode": comp_d}
-    feats = {**scales, "fixed": np.ones_like(comp), "per_seq": n, "per_prefill": p, "decode_fixed": dec_only,
-             "after_prefill": cold}
+    # no all-steps "fixed" term: nested with decode_fixed it made the fit flip between runs (fixed +1 ms and
+    # decode_fixed -1.5 ms, or both dropped); per_prefill carries a prefill step's fixed cost instead
+    feats = {**scales, "per_seq": n, "per_prefill": p, "decode_fixed": dec_only, "after_prefill": cold}
     active = [f for f in feats if (f != "scale_decode" or comp_d.any()) and (f not in ("decode_fixed", "after_prefill")
                                                                              or feats[f].sum() >= 3)]
 

@@ -31,7 +31,10 @@ class Interp1D:
 
     __slots__ = ("xs", "ys")
 
-    def __init__(self, points):
+    def __init__(self, points, monotone: bool = False):
+        """points: (x, y), repeated x -> their median. monotone: y never falls as x grows (a running maximum),
+        for costs that cannot shrink with size: more tokens or sequences never cost less, whatever the noise of
+        two neighbouring measurements."""
         pts: dict[float, list[float]] = {}
         for x, y in points:
             pts.setdefault(float(x), []).append(float(y))
@@ -39,6 +42,9 @@ class Interp1D:
             raise ValueError("no points to interpolate")
         self.xs = sorted(pts)
         self.ys = [sorted(pts[x])[len(pts[x]) // 2] for x in self.xs]
+        if monotone:
+            for i in range(1, len(self.ys)):
+                self.ys[i] = max(self.ys[i], self.ys[i - 1])
 
     def __call__(self, x: float) -> float:
         xs, ys = self.xs, self.ys
@@ -139,9 +145,9 @@ class LatencyModel:
         self.dense_kernels = {k: Interp1D(v) for k, v in tok.items()}
         self.row_kernels = {k: Interp1D(v) for k, v in row.items()}
         grid = sorted({x for f in self.dense_kernels.values() for x in f.xs})
-        self.dense = Interp1D([(x, sum(f(x) for f in self.dense_kernels.values())) for x in grid])
+        self.dense = Interp1D([(x, sum(f(x) for f in self.dense_kernels.values())) for x in grid], monotone=True)
         rgrid = sorted({x for f in self.row_kernels.values() for x in f.xs}) or [1.0]
-        self.rows_fn = Interp1D([(x, sum(f(x) for f in self.row_kernels.values())) for x in rgrid]) \
+        self.rows_fn = Interp1D([(x, sum(f(x) for f in self.row_kernels.values())) for x in rgrid], monotone=True) \
             if self.row_kernels else None
         # GDN, by regime
         pre: dict[str, list] = {}
@@ -151,29 +157,29 @@ class LatencyModel:
                 pre.setdefault(r["kernel"], []).append((r["prefill_tokens"], r["time_us"]))
             elif r["regime"] == "decode":
                 dec.setdefault(r["kernel"], []).append((r["n_decode"], r["time_us"]))
-        self.gdn_prefill_chunked = Interp1D(pre.pop("gdn_prefill")) if "gdn_prefill" in pre else None
+        self.gdn_prefill_chunked = Interp1D(pre.pop("gdn_prefill"), monotone=True) if "gdn_prefill" in pre else None
         pgrid = sorted({x for v in pre.values() for x, _ in v}) or [1.0]
         fs = [Interp1D(v) for v in pre.values()]
-        self.gdn_prefill_other = Interp1D([(x, sum(f(x) for f in fs)) for x in pgrid]) if fs else None
+        self.gdn_prefill_other = Interp1D([(x, sum(f(x) for f in fs)) for x in pgrid], monotone=True) if fs else None
         dgrid = sorted({x for v in dec.values() for x, _ in v}) or [1.0]
         fs = [Interp1D(v) for v in dec.values()]
-        self.gdn_decode = Interp1D([(x, sum(f(x) for f in fs)) for x in dgrid]) if fs else None
+        self.gdn_decode = Interp1D([(x, sum(f(x) for f in fs)) for x in dgrid], monotone=True) if fs else None
         # attention
         ap = [(r["query_tokens"], r["context_len"], r["time_us"]) for r in bundle.rows("attention.csv")
               if r["kernel"] == "attn_prefill"]
         ad = [(r["context_len"], r["time_us"]) for r in bundle.rows("attention.csv") if r["kernel"] == "attn_decode"]
         self.attn_prefill = Interp2D(ap) if ap else None
-        self.attn_decode = Interp1D(ad) if ad else None
+        self.attn_decode = Interp1D(ad, monotone=True) if ad else None
         # copies and overhead
         cp: dict[str, list] = {}
         for r in bundle.rows("copies.csv"):
             cp.setdefault(r["op"], []).append((r["count"], r["time_us"]))
-        self.copies = {k: Interp1D(v) for k, v in cp.items()}
+        self.copies = {k: Interp1D(v, monotone=True) for k, v in cp.items()}
         ov: dict[str, list] = {}
         for r in bundle.rows("overhead.csv"):
             x = r["tokens"] if r["component"] == "engine_emit" else r["n_seqs"]
             ov.setdefault(r["component"], []).append((x, r["time_us"]))
-        self.overhead = {k: Interp1D(v) for k, v in ov.items()}
+        self.overhead = {k: Interp1D(v, monotone=True) for k, v in ov.items()}
         cal = bundle.calibration
         self.fixed_us = float(cal.get("fixed_us", 0.0))
         self.per_seq_us = float(cal.get("per_seq_us", 0.0))
