@@ -247,9 +247,9 @@ class Scheduler:
 
     def _schedule_alone(self, req: Request) -> bool:
         if req.status is RequestStatus.RUNNING:
-            start = req.num_computed_tokens
-            end = start + 1 if self._in_decode(req) else self._chunk_end(req, start)
-            return end > start and self._schedule_running(req, start, end, self._in_decode(req))
+            start, decode = req.num_computed_tokens, self._in_decode(req)
+            end = start + 1 if decode else self._chunk_end(req, start)
+            return end > start and self._schedule_running(req, start, end, decode)
         if not self.memory.num_free_slots:
             return False
         self.waiting.remove(req)
