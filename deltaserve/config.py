@@ -174,7 +174,7 @@ class EngineConfig:
     memory_utilization: float = 0.5  # fraction of device memory when kv_cache_memory is unset
     block_size: int = 16  # the user's --block-size; the hybrid block is derived from it
     enable_prefix_caching: bool = True
-    cache_layout: str = "in-page"  # in-page|per-block
+    cache_layout: str = "in-page"  # in-page|runs|per-block (sizing.LAYOUTS)
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     device: str = "auto"  # auto|cpu|cuda
@@ -182,8 +182,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
-        if self.cache_layout not in ("in-page", "per-block"):
-            raise ConfigError(f"--cache-layout must be in-page or per-block, not {self.cache_layout!r}")
+        if self.cache_layout not in ("in-page", "runs", "per-block"):
+            raise ConfigError(f"--cache-layout must be in-page, runs or per-block, not {self.cache_layout!r}")
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

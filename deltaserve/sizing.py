@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from .config import DTYPE_BYTES, ConfigError, ModelConfig
 
 ENGINE_KERNEL_ALIGNMENT = 64  # deltaserve's GDN chunk: blocks are multiples of it (DESIGN rule 8)
-LAYOUTS = ("in-page", "per-block")
+# in-page: a page holds one GDN layer state (vLLM's block rule), a checkpoint is one page per GDN group;
+# runs: small pages (the kernel alignment), a checkpoint is a run of pages_per_state pages per GDN group
+# (DESIGN "later, ours" / seed 004), so hits land on the 64-token grid; per-block: states beside the pool.
+LAYOUTS = ("in-page", "runs", "per-block")
+POOL_CHECKPOINT_LAYOUTS = ("in-page", "runs")  # checkpoints stored in pool pages
 # What the per-block layout's side tensor holds per page: "model" = one whole-model GDN state (this engine's
 # per-block arm); "group" = one GDN group's state (group_size layer states: a page belongs to one KV group at
 # a time), which is what vllm-gaudi's per-block tensors amount to and what seed 000's 150,775 tokens measure.
@@ -236,6 +240,12 @@ class PoolPlan:
     slot_bytes: int  # all GDN layers' state for one sequence
     num_pages: int
     per_page_state_bytes: int  # per-block layout: the extra state tensor's bytes per page (0 in-page)
+    pages_per_state: int = 1  # pages one GDN layer state spans (runs layout; 1 otherwise)
+
+    @property
+    def checkpoint_pages(self) -> int:
+        """Pool pages one checkpoint takes (0 where checkpoints live beside the pool)."""
+        return self.num_gdn_groups * self.pages_per_state if self.layout in POOL_CHECKPOINT_LAYOUTS else 0
 
     @property
     def pool_tokens(self) -> int:
@@ -255,7 +265,8 @@ def plan_pool(g: Geometry, budget_bytes: int, block_size: int, num_slots: int, l
               per_block_state: str = "model") -> PoolPlan:
     """Split `budget_bytes` into `num_slots` live GDN slots and as many pages as fit.
 
-    in-page: checkpoints are stored in pages of the pool itself (no second allocation).
+    in-page: checkpoints are stored in pages of the pool itself (no second allocation); a page holds one state.
+    runs: the same, with pages smaller than a state: a checkpoint takes pages_per_state pages per GDN group.
     per-block: a separate tensor holds one whole-model GDN state per page, next to the pool
     (per_block_state="group": one GDN group's state per page instead, as vllm-gaudi's per-block tensors).
     """
@@ -266,9 +277,10 @@ def plan_pool(g: Geometry, budget_bytes: int, block_size: int, num_slots: int, l
     group_size = max(1, g.n_attn_layers)
     num_gdn_groups = cdiv(g.n_gdn_layers, group_size) if g.n_gdn_layers else 0
     page_bytes = block_size * g.kv_bytes_per_token_per_layer
-    if g.n_gdn_layers and page_bytes < g.gdn_state_bytes:
+    if g.n_gdn_layers and page_bytes < g.gdn_state_bytes and layout != "runs":
         raise ConfigError(f"block size {block_size} gives {page_bytes}-byte pages, too small for a "
-                          f"{g.gdn_state_bytes}-byte GDN state; use hybrid_block_size()")
+                          f"{g.gdn_state_bytes}-byte GDN state; use hybrid_block_size() or the runs layout")
+    per_state = cdiv(g.gdn_state_bytes, page_bytes) if (g.n_gdn_layers and layout == "runs") else 1
     per_page_state = 0
     if layout == "per-block":
         per_page_state = (g.gdn_state_bytes_per_seq if per_block_state == "model"
@@ -276,17 +288,18 @@ def plan_pool(g: Geometry, budget_bytes: int, block_size: int, num_slots: int, l
     slot_bytes = g.gdn_state_bytes_per_seq
     left = budget_bytes - num_slots * slot_bytes
     num_pages = max(0, left // (group_size * page_bytes + per_page_state))
-    return PoolPlan(layout, block_size, page_bytes, page_bytes - g.gdn_state_bytes if g.n_gdn_layers else 0,
-                    group_size, num_gdn_groups, num_slots, slot_bytes, num_pages, per_page_state)
+    return PoolPlan(layout, block_size, page_bytes,
+                    per_state * page_bytes - g.gdn_state_bytes if g.n_gdn_layers else 0,
+                    group_size, num_gdn_groups, num_slots, slot_bytes, num_pages, per_page_state, per_state)
 
 
 def pages_per_seq(p: PoolPlan, seq_len: int, mamba_cache_mode: str = "align") -> int:
     """Pool pages one sequence of seq_len tokens holds: its attention pages, plus, in-page with caching on,
-    the pages of its GDN checkpoints (one page per GDN group per checkpoint: the latest in align mode, one
-    per block in all mode). The per-block layout keeps checkpoints in its side tensor, not in pages."""
+    the pages of its GDN checkpoints (checkpoint_pages per checkpoint: the latest in align mode, one per
+    block in all mode). The per-block layout keeps checkpoints in its side tensor, not in pages."""
     pages = cdiv(seq_len, p.block_size)
-    if p.layout == "in-page" and mamba_cache_mode != "none":
-        pages += p.num_gdn_groups * (1 if mamba_cache_mode == "align" else cdiv(seq_len, p.block_size))
+    if mamba_cache_mode != "none":
+        pages += p.checkpoint_pages * (1 if mamba_cache_mode == "align" else cdiv(seq_len, p.block_size))
     return pages
 
 

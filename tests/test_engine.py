@@ -59,7 +59,7 @@ def _budget_for_pages(small_pages: int, layout: str = "in-page") -> int:
 
     mc = ModelConfig.from_path(ensure_model("tiny"))
     g = geometry(mc, "bfloat16", "bfloat16", "float32")
-    p = plan_pool(g, 1 << 30, hybrid_block_size(g, 64), 6, layout)
+    p = plan_pool(g, 1 << 30, 64 if layout == "runs" else hybrid_block_size(g, 64), 6, layout)
     return 6 * p.slot_bytes + small_pages * p.bytes_per_page
 
 

@@ -184,6 +184,32 @@ def test_per_block_layout_checkpoint_is_the_attention_page():
     m.check_integrity()
 
 
+def test_runs_layout_checkpoint_spans_pages_per_group():
+    """runs: a checkpoint is pages_per_state pages per GDN group, location[g * k + j] owned by group g;
+    they are taken, cached, hit and evicted together."""
+    m = MemoryManager(16, 2, BS, 2, caching=True, layout="runs", pages_per_state=3)
+    assert m.checkpoint_pages == 6 and m.max_request_tokens() == (16 - 12) * BS
+    m.admit("a")
+    new, loc = compute(m, "a", T1, 8)
+    assert new == [0, 1] and loc == (2, 3, 4, 5, 6, 7)
+    assert [m._kind[q] for q in loc] == [0, 0, 0, 1, 1, 1]
+    m.free("a")
+    hit = lookup(m, T1)
+    assert (hit.num_blocks, hit.page_ids, hit.checkpoint) == (2, (0, 1), loc)
+    assert m.pin_cost(hit) == 8
+    slot, restore = m.admit("b", hit)
+    assert restore == loc
+    m.free("b")
+    m.admit("c")
+    # b released page 1 first (the page table in reverse), so LRU takes it first: block 1 leaves the cache,
+    # and its checkpoint's six pages go back to the free list with it
+    assert m.append_pages("c", 4 * 9) == [8, 9, 10, 11, 12, 13, 14, 15, 1]
+    assert lookup(m, T1).num_blocks == 0 and set(loc) <= set(m.free_page_ids())
+    m.check_integrity()
+    with pytest.raises(ConfigError):
+        MemoryManager(16, 2, BS, 2, caching=True, layout="in-page", pages_per_state=2)
+
+
 def test_zeroing_plans_only_new_attention_pages():
     m = MemoryManager(12, 2, BS, 2, caching=True, layout="in-page")
     m.admit("a")
@@ -272,7 +298,9 @@ class _Driver:
     def __init__(self, seed: int, layout: str, caching: bool):
         self.rng = random.Random(seed)
         G = self.rng.randint(0, 3)
-        self.m = MemoryManager(self.rng.randint(1 + 2 * G, 30), self.rng.randint(1, 4), BS, G, caching, layout)
+        k = 3 if layout == "runs" else 1  # pages per state
+        self.m = MemoryManager(self.rng.randint(1 + 2 * G * k, 30 + 2 * G * k), self.rng.randint(1, 4), BS, G,
+                               caching, layout, pages_per_state=k)
         self.seqs: dict[str, dict] = {}
         self.n = 0
         prefixes = [[self.rng.randint(1, 9) for _ in range(self.rng.randint(0, 20))] for _ in range(3)]
@@ -330,7 +358,7 @@ class _Driver:
         assert u.pages_free + u.pages_cached == u.pages_total
 
 
-@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+@pytest.mark.parametrize("layout", ["in-page", "runs", "per-block"])
 @pytest.mark.parametrize("caching", [True, False])
 def test_randomized_integrity(layout, caching):
     for seed in range(12):

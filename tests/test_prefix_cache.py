@@ -1,4 +1,4 @@
-"""Hybrid prefix caching gates (issue 3) on the tiny preset (block 128 in bf16).
+"""Hybrid prefix caching gates (issue 3) on the tiny preset (block 128 in bf16; 64 in the runs layout).
 
 Every hit is compared with a cold run of the same prompt under a different cache_salt:
 greedy tokens identical and logprobs bit-identical.
@@ -12,6 +12,7 @@ import pytest
 from util import greedy, make_llm, random_tokens, run, signature
 
 BLOCK = 128
+LAYOUTS = ["in-page", "runs", "per-block"]
 
 
 def agent_prompts(rng: random.Random) -> list[list[int]]:
@@ -34,7 +35,7 @@ def agent_prompts(rng: random.Random) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("budget", [BLOCK, 3 * BLOCK + 64])
 def test_hit_equals_cold(layout, budget):
     prompts = agent_prompts(random.Random(7))
@@ -46,14 +47,15 @@ def test_hit_equals_cold(layout, budget):
     mismatches = [i for i, (h, c) in enumerate(zip(hits, colds)) if signature(h) != signature(c)]
     assert mismatches == []
     cached = [h.num_cached_tokens for h in hits]
-    assert all(c % BLOCK == 0 for c in cached)
+    assert llm.engine.block_size == (64 if layout == "runs" else BLOCK)
+    assert all(c % llm.engine.block_size == 0 for c in cached)
     assert sum(c > 0 for c in cached) >= 16, cached  # most shapes do hit
     assert all(c.num_cached_tokens == 0 for c in colds)
     s = llm.engine.stats()
     assert s.checkpoints_restored > 0 and s.checkpoints_saved > 0 and s.pages_used == 0 and s.slots_used == 0
 
 
-@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_shared_system_prompt_hits_at_the_fork_and_equals_cold(layout):
     """A 700-token system prompt, then per-session text; budget 2048 so each first prompt is one chunk.
     Session 1 leaves no checkpoint inside the system prompt; session 2 stops its first chunk at the fork
@@ -91,7 +93,7 @@ def test_long_context_hit_equals_cold():
     assert signature(hit) == signature(cold)
 
 
-@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_preemption_mid_decode_resumes_from_cache(layout):
     from test_engine import _budget_for_pages
 
@@ -100,7 +102,7 @@ def test_preemption_mid_decode_resumes_from_cache(layout):
     params = greedy(max_tokens=150, logprobs=None)
     big = make_llm(cache_layout=layout, enable_prefix_caching=False)
     ref = [signature(run(big, [p], params=params)[0])[0] for p in prompts]
-    small = make_llm(cache_layout=layout, kv_cache_memory=_budget_for_pages(14 if layout == "in-page" else 12, layout),
+    small = make_llm(cache_layout=layout, kv_cache_memory=_budget_for_pages({"in-page": 14, "per-block": 12, "runs": 28}[layout], layout),
                      max_num_seqs=6)
     outs = run(small, prompts, salt="s", params=params)
     s = small.engine.stats()

@@ -290,6 +290,9 @@ def test_validation_smoke(tmp_path):
                  "--clocks", "cpu"]) == 0
     res = json.loads((out / "validation.json").read_text())["results"]
     assert len(res) == 1 and res[0]["compare"]["probe"]["cached_tokens"]["real"] > 0
+    info = res[0]["real_info"]  # the probe brackets the replay: warm-up before, the same requests after
+    lo, hi = sorted((info["probe_before"], info["probe_after"]))
+    assert lo <= info["probe_factor"] <= hi
     assert (out / "validation.md").read_text().count("| tiny | light | on | cpu") == 3
 
 

@@ -6,7 +6,9 @@ storage whose contents are checkable functions of the tokens:
   * a slot's "GDN state" is one hash chain per GDN group: state' = H(state, token, group); zero = 0;
   * an attention page holds one row per position: the token id written there (0 = zeroed);
   * in-page checkpoints live in the pool's own pages (row 0 of page location[g] holds group g's state,
-    the other rows are padding); per-block checkpoints live in a separate per-page state store;
+    the other rows are padding); runs checkpoints span k pages per group (row 0 of each of the k pages
+    holds the state; a restore that finds them unequal reads garbage); per-block checkpoints live in a
+    separate per-page state store;
   * freed pages and slots are filled with a sticky NaN-like sentinel (H(NaN, ...) = NaN), so a missing
     zero, restore or save reads garbage;
   * the toy "attention" reads every row of the page holding the last token (masked rows included: a mask
@@ -53,7 +55,7 @@ class ToyExecutor:
     """Carries out StepPlans on toy storage, in the runner's order: zero, restore, check, forward, save."""
 
     def __init__(self, mem: MemoryManager, mutant: str | None):
-        self.bs, self.G, self.layout = mem.block_size, mem.num_gdn_groups, mem.layout
+        self.bs, self.G, self.layout, self.k = mem.block_size, mem.num_gdn_groups, mem.layout, mem.pages_per_state
         self.kv = [[NAN] * self.bs for _ in range(mem.num_pages)]  # uninitialised memory is garbage
         self.slots = [[NAN] * self.G for _ in range(mem.num_slots)]
         self.block_state = [(NAN,) * self.G for _ in range(mem.num_pages)]  # per-block layout only
@@ -86,8 +88,10 @@ class ToyExecutor:
         if self.mutant == "no_restore":
             return
         for c in plan.restores:
-            if self.layout == "in-page":
-                self.slots[c.slot] = [self.kv[c.location[g]][0] for g in range(self.G)]
+            if self.layout != "per-block":
+                k = self.k
+                pieces = [{self.kv[c.location[g * k + j]][0] for j in range(k)} for g in range(self.G)]
+                self.slots[c.slot] = [p.pop() if len(p) == 1 else NAN for p in pieces]
             else:
                 self.slots[c.slot] = list(self.block_state[c.location[0]])
 
@@ -105,9 +109,9 @@ class ToyExecutor:
                 out[w.request_id] = sample(st, self.kv[w.page_ids[(end - 1) // bs]])
         if self.mutant != "no_save":
             for c in plan.saves:
-                if self.layout == "in-page":
-                    for g in range(self.G):
-                        self.kv[c.location[g]][0] = self.slots[c.slot][g]
+                if self.layout != "per-block":
+                    for i, q in enumerate(c.location):
+                        self.kv[q][0] = self.slots[c.slot][i // self.k]
                 else:
                     self.block_state[c.location[0]] = tuple(self.slots[c.slot])
         return out
@@ -156,13 +160,14 @@ class Result:
 
 def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: bool = True,
                  caching: bool = True, replay_decode: bool = True) -> Result:
-    rng = random.Random(seed * 1000 + (layout == "per-block"))
+    rng = random.Random(seed * 1000 + {"in-page": 0, "per-block": 1, "runs": 2}[layout])
     bs = 4
     G = 1 + seed % 3
-    num_pages = rng.randint(28, 44)
+    k = 2 if layout == "runs" else 1  # pages per state
+    num_pages = rng.randint(28, 44) + (k - 1) * 4 * G
     max_num_seqs = rng.randint(3, 5)
     budget = bs * rng.randint(1, 5) + rng.randint(0, bs - 1)
-    mem = MemoryManager(num_pages, max_num_seqs, bs, G, caching=caching, layout=layout)
+    mem = MemoryManager(num_pages, max_num_seqs, bs, G, caching=caching, layout=layout, pages_per_state=k)
     sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode)
     ex = ToyExecutor(mem, mutant)
     ref = Reference(G, bs)
@@ -301,12 +306,13 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
 
 
 SEEDS = range(12)
+LAYOUTS = ("in-page", "runs", "per-block")
 
 
-def test_state_machine_all_seeds_both_layouts():
+def test_state_machine_all_seeds_all_layouts():
     totals = Result()
     per_layout = {}
-    for layout in ("in-page", "per-block"):
+    for layout in LAYOUTS:
         restores = 0
         for seed in SEEDS:
             r = run_workload(seed, layout)
@@ -318,7 +324,7 @@ def test_state_machine_all_seeds_both_layouts():
             restores += r.restores
             assert r.saves > 0 and r.restores > 0, (seed, layout, r)
         per_layout[layout] = restores
-    print(f"state machine: {len(SEEDS)} seeds x 2 layouts, {totals.state_checks} state checks, "
+    print(f"state machine: {len(SEEDS)} seeds x {len(LAYOUTS)} layouts, {totals.state_checks} state checks, "
           f"{totals.preemptions} preemptions, {totals.finished} finished, {totals.aborted} aborted, "
           f"restores {per_layout}, 0 failures")
     assert totals.state_checks >= 10_000
@@ -338,7 +344,7 @@ def test_state_machine_caching_off():
     assert checks > 1000 and preemptions > 10
 
 
-@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_state_machine_recompute_through_prefill(layout):
     """replay_decode=False: preempted requests recompute generated tokens by prefill (vLLM's way)."""
     checks = preemptions = 0
@@ -354,7 +360,7 @@ MUTANTS = ["no_save", "no_restore", "no_slot_handback", "no_zero_pages", "no_zer
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
-@pytest.mark.parametrize("layout", ["in-page", "per-block"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_mutant_is_caught(mutant, layout):
     # the slot mutant is caught without check_integrity(): slots run dry and the engine stalls
     integrity = mutant != "no_slot_handback"

@@ -7,6 +7,8 @@ Terms
   slot   a live GDN state (conv window + recurrent state of every GDN layer) of one running sequence.
   checkpoint  the GDN state after exactly the last token of a full block.
            in-page layout: `num_gdn_groups` pool pages, page location[g] owned by GDN group g;
+           runs layout: `num_gdn_groups * pages_per_state` pool pages, location[g * pages_per_state + j]
+           the j-th page of group g's states (pages smaller than a state; any pages, not adjacent ones);
            per-block layout: (attention page of that block,), an index into a separate state tensor,
            so it costs no pool page.
 
@@ -57,7 +59,7 @@ from .eviction import EvictionPolicy, LRUEviction
 from .hashing import BlockHash, block_hash
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
-LAYOUTS = ("in-page", "per-block")
+LAYOUTS = ("in-page", "runs", "per-block")
 
 
 class CheckpointError(RuntimeError):
@@ -143,20 +145,24 @@ class MemoryManager:
     """Pages, slots and the prefix cache. See the module docstring for the invariants."""
 
     def __init__(self, num_pages: int, num_slots: int, block_size: int, num_gdn_groups: int,
-                 caching: bool = True, layout: str = "in-page", eviction: EvictionPolicy | None = None):
+                 caching: bool = True, layout: str = "in-page", eviction: EvictionPolicy | None = None,
+                 pages_per_state: int = 1):
         if layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-        if block_size < 1 or num_slots < 1 or num_gdn_groups < 0:
-            raise ConfigError("block_size and num_slots must be >= 1, num_gdn_groups >= 0")
+        if block_size < 1 or num_slots < 1 or num_gdn_groups < 0 or pages_per_state < 1:
+            raise ConfigError("block_size, num_slots and pages_per_state must be >= 1, num_gdn_groups >= 0")
+        if pages_per_state > 1 and layout != "runs":
+            raise ConfigError(f"a GDN state spans one page in the {layout} layout, not {pages_per_state}")
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.block_size = block_size
         self.num_gdn_groups = num_gdn_groups
         self.caching = caching
         self.layout = layout
-        self._inpage = layout == "in-page"
-        # pages a save takes from the pool (in-page only; per-block states live beside the pool)
-        self.checkpoint_pages = num_gdn_groups if (caching and self._inpage) else 0
+        self._inpage = layout != "per-block"  # checkpoints in pool pages (in-page and runs)
+        self.pages_per_state = pages_per_state
+        # pages a save takes from the pool (per-block states live beside the pool)
+        self.checkpoint_pages = num_gdn_groups * pages_per_state if (caching and self._inpage) else 0
         if num_pages < 1 + 2 * self.checkpoint_pages:
             raise ConfigError(f"{num_pages} pages cannot hold one block and two checkpoints of "
                               f"{num_gdn_groups} GDN groups; give the pool more memory")
@@ -175,7 +181,7 @@ class MemoryManager:
     def from_plan(cls, plan, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
         """From a sizing.PoolPlan."""
         return cls(plan.num_pages, plan.num_slots, plan.block_size, plan.num_gdn_groups, caching,
-                   plan.layout, eviction)
+                   plan.layout, eviction, plan.pages_per_state)
 
     # ------------------------------------------------------------------ queries
     def num_allocatable(self) -> int:
@@ -325,7 +331,7 @@ class MemoryManager:
     def reserve_checkpoint(self, seq_id: str, end: int) -> tuple[int, ...]:
         """Plan a save of seq_id's slot after the step whose chunk ends at position `end`.
 
-        Call after append_pages(seq_id, end). Returns the location (in-page: num_gdn_groups new pages;
+        Call after append_pages(seq_id, end). Returns the location (in-page / runs: checkpoint_pages new pages;
         per-block: the block's attention page). Raises CheckpointError unless `end` is the end of the
         last block of the page table, a full block not yet published.
         """
@@ -342,7 +348,7 @@ class MemoryManager:
         if self._inpage:
             if self.checkpoint_pages > self.num_allocatable():
                 raise OutOfPagesError("no pages for a checkpoint")
-            loc = tuple(self._take_page(g) for g in range(self.num_gdn_groups))
+            loc = tuple(self._take_page(i // self.pages_per_state) for i in range(self.checkpoint_pages))
         else:
             p = seq.pages[k]
             if p in self._role:
@@ -523,7 +529,7 @@ class MemoryManager:
     # ------------------------------------------------------------------ invariants
     def check_integrity(self, deep: bool = True) -> None:
         """Assert every invariant of the pool, the slots and the cache (tests call it after every op)."""
-        n, G, bs = self.num_pages, self.num_gdn_groups, self.block_size
+        n, G, bs, per = self.num_pages, self.num_gdn_groups, self.block_size, self.pages_per_state
         refs = [0] * n
         slots_seen: dict[int, str] = {}
         for sid, seq in self._seqs.items():
@@ -539,17 +545,17 @@ class MemoryManager:
                 if deep:
                     assert block_hash(parent, toks) == h, "published key does not hash to itself"
             if seq.ckpt is not None:
-                assert self._inpage and len(seq.ckpt) == G and 0 <= seq.ckpt_block < len(seq.keys)
-                for g, q in enumerate(seq.ckpt):
+                assert self._inpage and len(seq.ckpt) == G * per and 0 <= seq.ckpt_block < len(seq.keys)
+                for i, q in enumerate(seq.ckpt):
                     refs[q] += 1
-                    assert self._kind[q] == g, f"checkpoint page {q} not owned by GDN group {g}"
+                    assert self._kind[q] == i // per, f"checkpoint page {q} not owned by GDN group {i // per}"
             for k, loc in seq.pending.items():
                 assert len(seq.keys) <= k < len(seq.pages), f"pending save of block {k} out of range"
                 if self._inpage:
-                    assert len(loc) == G
-                    for g, q in enumerate(loc):
+                    assert len(loc) == G * per
+                    for i, q in enumerate(loc):
                         refs[q] += 1
-                        assert self._kind[q] == g
+                        assert self._kind[q] == i // per
                 else:
                     assert loc == (seq.pages[k],)
             for k in seq.orphan_saves:
@@ -580,11 +586,11 @@ class MemoryManager:
             if e.checkpoint is not None:
                 assert G > 0
                 if self._inpage:
-                    assert len(e.checkpoint) == G
-                    for g, q in enumerate(e.checkpoint):
+                    assert len(e.checkpoint) == G * per
+                    for i, q in enumerate(e.checkpoint):
                         assert q not in roles, f"page {q} serves two cache roles"
                         roles[q] = h
-                        assert self._kind[q] == g
+                        assert self._kind[q] == i // per
                 else:
                     assert e.checkpoint == (e.page,)
         assert roles == self._role, "page roles do not match cache entries"

@@ -539,7 +539,7 @@ class Profiler:
         st = self.store
         pool = self.engine.pool
         nslots = pool.num_slots
-        G = max(1, pool.num_gdn_groups)
+        G = max(1, pool.num_gdn_groups * pool.pages_per_state)  # pages of one in-pool checkpoint
 
         def add(op, n, stats):
             self.rows["copies.csv"].append({"op": op, "count": n, "time_us": stats[0], "p10_us": stats[1],
@@ -571,7 +571,7 @@ class Profiler:
         cfg = eng.config
         S = max(self.grid.seqs)
         pool = eng.pool
-        kv = pool.slot_bytes * S + pool.bytes_per_page * (S * (4 + 2 * pool.num_gdn_groups) + 64)
+        kv = pool.slot_bytes * S + pool.bytes_per_page * (S * (4 + 2 * max(pool.checkpoint_pages, pool.num_gdn_groups)) + 64)
         shape = resolve_shape(eng.model_config, dtype=eng.dtype, block_size=cfg.block_size,
                               kv_cache_memory=max(kv, pool.total_bytes), max_num_seqs=S, cache_layout=cfg.cache_layout)
         rng = random.Random(0)

@@ -7,6 +7,8 @@ slot and a checkpoint is a byte copy (bit-exact, NaN encodings included).
             attention layer a reads pool[a] as [num_pages, 2, block_size, kv_heads, head_dim] (kv dtype);
             in-page checkpoints: GDN layer l of group g = l // group_size keeps its state at
             pool[l % group_size][page], bytes [0, conv_bytes) conv then [conv_bytes, state_bytes) recurrent.
+            runs layout: the same byte stream cut into page_bytes pieces, piece j at
+            pool[l % group_size][location[g * pages_per_state + j]].
   conv[l]:  [num_slots, kernel - 1, conv_dim] conv dtype   (live state of GDN layer l)
   ssm[l]:   [num_slots, v_heads, v_dim, k_dim] float32      (live state of GDN layer l)
   per-block layout: ckpt_conv[l] / ckpt_ssm[l] shaped like conv/ssm with num_pages rows.
@@ -37,13 +39,15 @@ class CacheStore:
         self.conv = [torch.zeros(plan.num_slots, *conv_shape, dtype=conv_dtype, device=device) for _ in range(n_gdn)]
         self.ssm = [torch.zeros(plan.num_slots, *ssm_shape, dtype=torch.float32, device=device) for _ in range(n_gdn)]
         self.per_block = plan.layout == "per-block"
+        self.pages_per_state = plan.pages_per_state
+        self.page_bytes = plan.page_bytes
         rows = plan.num_pages if self.per_block else 0
         self.ckpt_conv = [torch.zeros(rows, *conv_shape, dtype=conv_dtype, device=device) for _ in range(n_gdn)] if rows else []
         self.ckpt_ssm = [torch.zeros(rows, *ssm_shape, dtype=torch.float32, device=device) for _ in range(n_gdn)] if rows else []
         self.conv_bytes = self.conv[0][0].numel() * self.conv[0].element_size() if n_gdn else 0
         self.ssm_bytes = self.ssm[0][0].numel() * 4 if n_gdn else 0
-        assert not n_gdn or not self.pool or self.conv_bytes + self.ssm_bytes <= plan.page_bytes, \
-            "a page must hold one GDN layer state (hybrid block size rule)"
+        assert not n_gdn or not self.pool or self.conv_bytes + self.ssm_bytes <= plan.page_bytes * self.pages_per_state, \
+            "a GDN layer state must fit its pages (hybrid block size rule, or pages_per_state in the runs layout)"
 
     def caches(self) -> Caches:
         return Caches(kv=self.kv, conv=self.conv, ssm=self.ssm, block_size=self.block_size)
@@ -71,27 +75,47 @@ class CacheStore:
             for t in self.conv + self.ssm:
                 t[s].zero_()
 
-    def _page_views(self, l: int, location: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Byte views of GDN layer l's checkpoint at `location` (conv bytes, recurrent bytes)."""
+    def _page_views(self, l: int, location: tuple[int, ...]) -> list[torch.Tensor]:
+        """Byte views of GDN layer l's checkpoint at `location`, in state order (conv bytes, then recurrent)."""
         if self.per_block:
             (page,) = location
-            return self.ckpt_conv[l][page].view(torch.uint8).view(-1), self.ckpt_ssm[l][page].view(torch.uint8).view(-1)
-        row = self.pool[l % self.group_size][location[l // self.group_size]]
-        return row[: self.conv_bytes], row[self.conv_bytes: self.conv_bytes + self.ssm_bytes]
+            return [self.ckpt_conv[l][page].view(torch.uint8).view(-1), self.ckpt_ssm[l][page].view(torch.uint8).view(-1)]
+        k, pos = self.pages_per_state, self.pool[l % self.group_size]
+        first, left, views = l // self.group_size * k, self.conv_bytes + self.ssm_bytes, []
+        for j in range(k):
+            n = min(self.page_bytes, left)
+            views.append(pos[location[first + j]][:n])
+            left -= n
+        assert left == 0, "checkpoint pages too small for the state"
+        return views
+
+    def _slot_views(self, l: int, slot: int) -> list[torch.Tensor]:
+        return [self.conv[l][slot].view(torch.uint8).view(-1), self.ssm[l][slot].view(torch.uint8).view(-1)]
 
     def save(self, c: StateCopy) -> None:
         """Slot -> checkpoint, every GDN layer."""
         for l in range(len(self.conv)):
-            dst_conv, dst_ssm = self._page_views(l, c.location)
-            dst_conv.copy_(self.conv[l][c.slot].view(torch.uint8).view(-1))
-            dst_ssm.copy_(self.ssm[l][c.slot].view(torch.uint8).view(-1))
+            _copy_bytes(self._page_views(l, c.location), self._slot_views(l, c.slot))
 
     def restore(self, c: StateCopy) -> None:
         """Checkpoint -> slot, every GDN layer."""
         for l in range(len(self.conv)):
-            src_conv, src_ssm = self._page_views(l, c.location)
-            self.conv[l][c.slot].view(torch.uint8).view(-1).copy_(src_conv)
-            self.ssm[l][c.slot].view(torch.uint8).view(-1).copy_(src_ssm)
+            _copy_bytes(self._slot_views(l, c.slot), self._page_views(l, c.location))
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.pool + self.conv + self.ssm + self.ckpt_conv + self.ckpt_ssm)
+
+
+def _copy_bytes(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """Copy the concatenation of the 1-D uint8 views `src` into the concatenation of `dst` (equal totals):
+    a state's conv and recurrent parts into / out of the pages it spans, piece by piece."""
+    assert sum(t.numel() for t in dst) == sum(t.numel() for t in src), "state byte counts differ"
+    i = j = a = b = 0  # dst view i at offset a, src view j at offset b
+    while i < len(dst) and j < len(src):
+        n = min(dst[i].numel() - a, src[j].numel() - b)
+        dst[i][a: a + n].copy_(src[j][b: b + n])
+        a, b = a + n, b + n
+        if a == dst[i].numel():
+            i, a = i + 1, 0
+        if b == src[j].numel():
+            j, b = j + 1, 0

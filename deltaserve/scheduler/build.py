@@ -9,7 +9,8 @@ chunking rules of a simulated replica are the ones the engine would have. Pure P
                                         enable_prefix_caching=True)
 
 This mirrors LLMEngine.__init__ (engine.py): the block size is vLLM's rule at this engine's alignment
-(--block-size rounded up to a multiple of the 64-token GDN chunk), the pool is sizing.plan_pool over the
+(--block-size rounded up to a multiple of the 64-token GDN chunk; the runs layout takes that alignment
+itself as its block, and a GDN state spans several pages), the pool is sizing.plan_pool over the
 cache budget with one GDN slot per --max-num-seqs, the conv state and KV take the model dtype and the
 recurrent state float32.
 """
@@ -53,15 +54,14 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16,
     dt = resolve_dtype(dtype, mc)
     geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")
     user_bs = ENGINE_KERNEL_ALIGNMENT * cdiv(block_size, ENGINE_KERNEL_ALIGNMENT)
-    bs = hybrid_block_size(geom, alignment_for(ENGINE_KERNEL_ALIGNMENT, user_bs))
+    align = alignment_for(ENGINE_KERNEL_ALIGNMENT, user_bs)
+    bs = align if cache_layout == "runs" else hybrid_block_size(geom, align)
     pool = plan_pool(geom, kv_cache_memory, bs, max_num_seqs, cache_layout)
     if pool.num_pages < 2:
         raise ConfigError(f"a {kv_cache_memory:,}-byte cache budget holds {pool.num_pages} pages of {bs} tokens "
                           f"after {pool.num_slots} GDN slots of {pool.slot_bytes:,} bytes; raise --kv-cache-memory "
                           f"or lower --max-num-seqs")
-    cap = MemoryManager(num_pages=pool.num_pages, num_slots=pool.num_slots, block_size=bs,
-                        num_gdn_groups=pool.num_gdn_groups, caching=enable_prefix_caching,
-                        layout=pool.layout).max_request_tokens()
+    cap = MemoryManager.from_plan(pool, caching=enable_prefix_caching).max_request_tokens()
     max_len = max_model_len or min(mc.max_position_embeddings, cap)
     if max_len > cap:
         raise ConfigError(f"--max-model-len {max_len} exceeds what one request can hold in the KV pool "
@@ -71,9 +71,7 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16,
 
 
 def build_memory(shape: EngineShape, *, enable_prefix_caching: bool = True) -> MemoryManager:
-    p = shape.pool
-    return MemoryManager(num_pages=p.num_pages, num_slots=p.num_slots, block_size=shape.block_size,
-                         num_gdn_groups=p.num_gdn_groups, caching=enable_prefix_caching, layout=p.layout)
+    return MemoryManager.from_plan(shape.pool, caching=enable_prefix_caching)
 
 
 def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_tokens: int,

@@ -16,9 +16,10 @@ engine can serve). Each (load, caching) scenario then runs:
 and the table compares mean and p90 TTFT, mean TPOT and mean E2E (bars: 5%, 5%, 2%, 3%), plus the mean
 per-request absolute error. The machine is shared: the bundle's CPU-time tables do not move with the load, but
 wall time does, so the simulator is run with the contention (wall / CPU time of this process) measured in
-three ways: as profiled (`bundle`), on the warm-up steps just before the replay (`probe`, the default for the
-bars: it uses nothing from the replay itself), and over the replay itself (`replay`, a diagnostic that
-separates the latency model's error from the load's drift).
+three ways: as profiled (`bundle`), on the probe steps (`probe`, the default for the bars: the warm-up requests
+run just before the replay and, with `--probe bracket`, the default, the same requests again right after it;
+it uses nothing from the replay itself), and over the replay itself (`replay`, a diagnostic that separates the
+latency model's error from the load's drift).
 """
 from __future__ import annotations
 
@@ -134,8 +135,12 @@ def pick_scales(bundle, flags: dict, trace: list[TraceRequest], caching: bool = 
 
 # ------------------------------------------------------------------------------------------------ real side
 def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
-             num_threads: int | None, clock: str = "wall", progress: bool = True) -> tuple[list[RequestRecord], dict]:
+             num_threads: int | None, clock: str = "wall", progress: bool = True,
+             bracket: bool = True) -> tuple[list[RequestRecord], dict]:
     """Replay the trace on a fresh LLMEngine; per-request records and replay facts.
+
+    bracket: run the warm-up requests again after the replay (under another cache salt, so they miss as they
+    did before): info["after_steps"], the second half of the speed probe.
 
     clock "wall": arrival times and token times in wall-clock seconds (time.time()), sleeping while idle.
     clock "cpu": a virtual clock that advances by this thread's CPU time while the engine works (add_request and
@@ -161,21 +166,28 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
         return p
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
     eng.scheduler.schedule = schedule
-    warm_steps = []
-    for w in warmup:  # all at once: prefills, mixed steps and decode batches, the probe of the machine's speed
-        eng.add_request(w.request_id, {"prompt_token_ids": w.prompt_token_ids, "cache_salt": w.cache_salt},
-                        params(w.output_length))
-    while eng.has_unfinished_requests():
-        c, t = time.thread_time(), time.perf_counter()
-        eng.step()
-        dw, dc = time.perf_counter() - t, time.thread_time() - c
-        if captured:
-            warm_steps.append((shape_after(captured[-1], warm_steps), dw * 1e6, dc * 1e6))
-            captured.clear()
+
+    def probe(salt_suffix: str = "") -> list:
+        """The warm-up requests all at once (prefills, mixed steps, decode batches): their steps measure the
+        machine's speed. Run before the replay (its warm-up) and again after it under another salt."""
+        out = []
+        for w in warmup:
+            eng.add_request(w.request_id + salt_suffix, {"prompt_token_ids": w.prompt_token_ids,
+                                                         "cache_salt": (w.cache_salt or "") + salt_suffix},
+                            params(w.output_length))
+        while eng.has_unfinished_requests():
+            c, t = time.thread_time(), time.perf_counter()
+            eng.step()
+            dw, dc = time.perf_counter() - t, time.thread_time() - c
+            if captured:
+                out.append((shape_after(captured[-1], out), dw * 1e6, dc * 1e6))
+                captured.clear()
+        return out
+
+    warm_steps = probe()
     wall = sum(x[1] for x in warm_steps)
     cpu = sum(x[2] for x in warm_steps)
-    probe = wall / cpu if cpu > 0 else 1.0
-    eng.scheduler.schedule = schedule
+    probe_wpc = wall / cpu if cpu > 0 else 1.0
     pending = sorted(trace, key=lambda r: r.arrival_time)
     recs: dict[str, RequestRecord] = {}
     k = 0
@@ -225,10 +237,12 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
             print(f"    real ({clock} clock): {n_done}/{len(trace)} done, {k} arrived, t={now():.1f}s", file=sys.stderr,
                   flush=True)
             last_print = time.time()
-    info = {"clock": clock, "probe_wall_per_cpu": round(probe, 4),
+    after_steps = probe("-after") if bracket else []
+    info = {"clock": clock, "probe_wall_per_cpu": round(probe_wpc, 4),
             "replay_wall_per_cpu": round(busy_wall / busy_cpu, 4) if busy_cpu > 0 else 1.0,
             "replay_wall_s": round(time.perf_counter() - w0, 2), "replay_cpu_s": round(time.thread_time() - c0, 2),
-            "load_avg": os.getloadavg()[0], "steps": steps, "warmup_steps": warm_steps}
+            "load_avg": os.getloadavg()[0], "steps": steps, "warmup_steps": warm_steps,
+            "after_steps": after_steps}
     del eng
     return [recs[r.request_id] for r in trace], info
 
@@ -311,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clocks", default="cpu,wall", help="replay clocks: cpu (the engine on a core of its own), wall")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads for profiling and the real engine")
     p.add_argument("--reprofile", action="store_true", help="profile again even if a bundle exists")
+    p.add_argument("--probe", default="bracket", choices=["before", "bracket"],
+                   help="the speed probe: the warm-up steps before the replay, or those and the same requests run "
+                        "again right after it (bracket; nothing from the replay itself either way)")
     p.add_argument("--quick", action="store_true", help="fewer sessions and a quick profile (a smoke run)")
     p.add_argument("--quick-profile", default="qwen3.5-0.8b-shape",
                    help="presets profiled on the quick grid even without --quick (comma-separated)")
@@ -359,11 +376,15 @@ def main(argv: list[str] | None = None) -> int:
                     trace = base_trace if clock == "cpu" else _scale(base_trace, wpc_bundle)
                     print(f"[{tag}] real replay ({trace[-1].arrival_time:.1f} s of arrivals)", file=sys.stderr,
                           flush=True)
-                    real, info = run_real(preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock)
+                    real, info = run_real(preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock,
+                                          bracket=a.probe == "bracket")
                     steps = info.pop("steps")
                     write_csv(os.path.join(a.out, f"real-{tag}.csv"), real)
-                    warm_steps = info.pop("warmup_steps")
-                    probe = speed_factor(bundle, warm_steps, clock)
+                    warm_steps, after_steps = info.pop("warmup_steps"), info.pop("after_steps")
+                    info["probe_before"] = round(speed_factor(bundle, warm_steps, clock), 4)
+                    if after_steps:
+                        info["probe_after"] = round(speed_factor(bundle, after_steps, clock), 4)
+                    probe = speed_factor(bundle, warm_steps + after_steps, clock)
                     oracle = speed_factor(bundle, steps, clock)
                     info["probe_factor"], info["oracle_factor"] = round(probe, 4), round(oracle, 4)
                     static = 1.0 if clock == "cpu" else None  # CPU tables as measured / the bundle's wall per CPU

