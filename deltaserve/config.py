@@ -174,7 +174,7 @@ class EngineConfig:
     memory_utilization: float = 0.5  # fraction of device memory when kv_cache_memory is unset
     block_size: int = 16  # the user's --block-size; the hybrid block is derived from it
     enable_prefix_caching: bool = True
-    cache_layout: str = "in-page"  # in-page|runs|per-block (sizing.LAYOUTS)
+    cache_layout: str = "runs"  # runs|in-page|per-block (sizing.LAYOUTS)
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     device: str = "auto"  # auto|cpu|cuda

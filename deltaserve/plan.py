@@ -24,15 +24,17 @@ from . import sizing as S
 from .config import ConfigError, EngineConfig, ModelConfig
 from .presets import is_preset, load_preset, preset_names, preset_source
 
-# Layouts the planner reports: the engine's two (sizing.LAYOUTS) and the per-block arm with one GDN
+# Layouts the planner reports: the engine's three (sizing.LAYOUTS) and the per-block arm with one GDN
 # group's state per page, which is what seed 000's upstream per-block pool measures.
 REPORT_LAYOUTS = {
     "in-page": ("in-page", "model"),
+    "runs": ("runs", "model"),
     "per-block": ("per-block", "model"),
     "per-block-group": ("per-block", "group"),
 }
 LAYOUT_NOTES = {
     "in-page": "live slots + pages; checkpoints in pages owned by GDN groups",
+    "runs": "the same with pages of the alignment; a checkpoint spans several pages per GDN group",
     "per-block": "+ one whole-model GDN state per page (this engine's per-block arm)",
     "per-block-group": "+ one GDN group's state per page (vllm-gaudi's per-block tensors)",
 }
@@ -232,7 +234,7 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
         if budget is None:
             pool_tokens[name] = pool_blocks[name] = concurrent[name] = None
             continue
-        p = S.plan_pool(g, budget, block, max_num_seqs, lay, state)
+        p = S.plan_pool(g, budget, alignment if lay == "runs" else block, max_num_seqs, lay, state)
         pool_tokens[name], pool_blocks[name] = p.pool_tokens, p.num_pages
         concurrent[name] = S.max_concurrent_seqs(p, max_model_len, mamba_cache_mode)
         pools[name] = {**dataclasses.asdict(p), "pool_tokens": p.pool_tokens, "bytes_per_page": p.bytes_per_page,
@@ -246,7 +248,7 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
     # warnings
     if mamba_cache_mode != "none" and g.n_gdn_layers:
         warnings.append(f"prompts shorter than {block} tokens never hit: a hit is a whole number of "
-                        f"{block}-token blocks")
+                        f"{block}-token blocks (the runs layout: {alignment}-token pages)")
     if budget is not None:
         chosen = pool_tokens[layout]
         short = chosen is not None and chosen < max_model_len
@@ -365,7 +367,8 @@ def format_table(r: dict[str, Any]) -> str:
                    "  what a page costs")
         for name, p in r["pools"].items():
             mark = "*" if name == r["layout"] else " "
-            out.append(f"{mark} {name:<17}{p['num_pages']:>10,}{p['pool_tokens']:>14,}"
+            unit = f" x {p['block_size']}" if p["block_size"] != r["block_size"] else ""
+            out.append(f"{mark} {(name + unit):<17}{p['num_pages']:>10,}{p['pool_tokens']:>14,}"
                        f"  {r['max_concurrent_seqs'][name]:>16,}  {p['bytes_per_page']:,} B: {p['note']}")
         if r["pool_ratio_in_page_to_per_block"]:
             pg = r["pool_tokens"]

@@ -134,10 +134,14 @@ def resolve_block_size(g: Geometry, kernel_block_size: int, user_block_size: int
     return max(user_block_size, block)
 
 
-def engine_block_size(g: Geometry, user_block_size: int = 16, mamba_cache_mode: str = "align") -> int:
+def engine_block_size(g: Geometry, user_block_size: int = 16, mamba_cache_mode: str = "align",
+                      layout: str = "in-page") -> int:
     """The block this engine uses: --block-size rounded up to a multiple of ENGINE_KERNEL_ALIGNMENT (its GDN
-    chunk grid), then vLLM's rule at that alignment."""
+    chunk grid), then vLLM's rule at that alignment; the runs layout takes the alignment itself (its pages
+    need not hold a GDN state)."""
     user = ENGINE_KERNEL_ALIGNMENT * cdiv(user_block_size, ENGINE_KERNEL_ALIGNMENT)
+    if layout == "runs":
+        return user
     return resolve_block_size(g, ENGINE_KERNEL_ALIGNMENT, user, mamba_cache_mode)
 
 

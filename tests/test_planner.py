@@ -33,7 +33,7 @@ def test_json_keys_and_27b_figures(capsys):
     assert r["kv_bytes_per_token"] == 65_536
     assert r["gdn_pages_per_layer"] == 2 and r["gdn_pages_per_request"] == 96 and r["gdn_blocks_per_request"] == 6
     assert [g["kind"] for g in r["kv_groups"]] == ["attention", "gdn", "gdn", "gdn"]
-    assert set(r["pool_tokens"]) == {"in-page", "per-block", "per-block-group"}
+    assert set(r["pool_tokens"]) == {"in-page", "runs", "per-block", "per-block-group"}
     assert r["pool_tokens"]["in-page"] % 784 == 0
     assert r["engine_block_size"] == 832
     assert any("prompts shorter than 784 tokens never hit" in w for w in r["warnings"])

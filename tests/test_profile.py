@@ -37,7 +37,8 @@ def test_quick_bundle_has_every_table_and_the_meta(bundle_dir, engine):
     b = load_bundle(bundle_dir)
     m = b.meta
     assert m["model"]["model_type"] == "qwen3_5_text" and m["layers"] == {"gdn": 6, "attention": 2, "total": 8}
-    assert b.block_size(1) == engine.block_size == 128 and b.block_size(2) is not None
+    assert b.block_size(1) == engine.block_size == 64 and b.block_size(2) is not None  # the runs layout
+    assert m["engine_resolved"]["per_tp"][1]["layout"] == "runs"
     assert m["dtypes"] == {"model": "bfloat16", "kv": "bfloat16", "conv": "bfloat16", "ssm": "float32"}
     assert m["versions"]["torch"] and m["hardware"]["torch_threads"] == 1 and m["profile"]["timer"] == "cpu"
     cal = m["calibration"]
@@ -64,7 +65,7 @@ def test_coverage_reports_nothing_missing(bundle_dir):
     cov = coverage(b)
     assert cov["missing"] == [] and cov["calibrated"]
     text = format_coverage(b, cov)
-    assert "gdn_conv_decode" in text and "does not fire" in text and "tp1=128" in text
+    assert "gdn_conv_decode" in text and "does not fire" in text and "tp1=64" in text
 
 
 def test_latency_model_from_a_profiled_bundle(bundle_dir):

@@ -79,9 +79,12 @@ def small_trace(n_sessions=6, rate=2.0, seed=0):
 # ------------------------------------------------------------------------------------------------ the builder
 def test_builder_matches_the_engine_arithmetic():
     mc = ModelConfig.from_hf(load_preset("tiny"))
-    shape = resolve_shape(mc, dtype="bfloat16", kv_cache_memory=64 * MiB, max_num_seqs=8)
+    shape = resolve_shape(mc, dtype="bfloat16", kv_cache_memory=64 * MiB, max_num_seqs=8, cache_layout="in-page")
     assert shape.block_size == 128  # bf16 tiny: 68,608-byte GDN state over 1,024 B/token/layer at alignment 64
-    assert resolve_shape(mc, dtype="float32", kv_cache_memory=64 * MiB, max_num_seqs=8).block_size == 64
+    assert resolve_shape(mc, dtype="float32", kv_cache_memory=64 * MiB, max_num_seqs=8,
+                         cache_layout="in-page").block_size == 64
+    runs = resolve_shape(mc, dtype="bfloat16", kv_cache_memory=64 * MiB, max_num_seqs=8)  # the default layout
+    assert (runs.block_size, runs.pool.pages_per_state, runs.pool.layout) == (64, 2, "runs")
     mem, sch = build_scheduler(shape, max_num_seqs=8, max_num_batched_tokens=512)
     assert isinstance(sch, Scheduler) and mem.caching and mem.num_pages == shape.pool.num_pages
     assert shape.max_model_len == mem.max_request_tokens() < shape.pool.pool_tokens  # checkpoint pages held back
@@ -162,7 +165,7 @@ def test_simulation_drives_the_real_scheduler(bundle):
     tr = materialize(small_trace())
     # a 256-token budget cuts the 300-token system prompt at a block boundary (128): align mode checkpoints
     # only where a chunk ends, so a prompt computed in one chunk leaves no checkpoint to hit
-    sim = Simulation(cluster(bundle, max_num_batched_tokens=256))
+    sim = Simulation(cluster(bundle, max_num_batched_tokens=256, cache_layout="in-page"))
     rep = sim.replicas[0]
     assert type(rep.scheduler) is Scheduler and rep.scheduler.memory is rep.memory
     recs = sim.run(tr)
@@ -177,10 +180,25 @@ def test_simulation_drives_the_real_scheduler(bundle):
     st = sim.stats()[0]
     assert st["prefix_hits"] == sum(r.cached_tokens for r in recs) and st["steps"] > 0
     rep.memory.check_integrity()
-    off = Simulation(cluster(bundle, enable_prefix_caching=False, max_num_batched_tokens=256)).run(
+    off = Simulation(cluster(bundle, enable_prefix_caching=False, max_num_batched_tokens=256, cache_layout="in-page")).run(
         materialize(small_trace()))
     assert sum(r.cached_tokens for r in off) == 0
     assert summarize(off)["ttft"]["mean"] > summarize(recs)["ttft"]["mean"]
+
+
+def test_runs_layout_replica_hits_on_the_64_grid(bundle):
+    """A replica with cache_layout runs gets the engine's runs pool (64-token pages) from the same builder:
+    hits are multiples of 64 and cover at least what the in-page replica's 128-token blocks do."""
+    hits = {}
+    for layout in ("in-page", "runs"):
+        sim = Simulation(cluster(bundle, max_num_batched_tokens=256, cache_layout=layout))
+        recs = sim.run(materialize(small_trace()))
+        assert all(r.status == "ok" for r in recs)
+        assert sim.replicas[0].memory.block_size == (64 if layout == "runs" else 128)
+        assert all(r.cached_tokens % 64 == 0 for r in recs)
+        sim.replicas[0].memory.check_integrity()
+        hits[layout] = sum(r.cached_tokens for r in recs)
+    assert hits["runs"] >= hits["in-page"] > 0
 
 
 def test_simulation_is_deterministic_and_overload_queues(bundle):

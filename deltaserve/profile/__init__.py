@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="longest attention context profiled")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="cache pool bytes of the profiling engine")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cache-layout", default="in-page", choices=["in-page", "runs", "per-block"])
+    p.add_argument("--cache-layout", default="runs", choices=["runs", "in-page", "per-block"])
     p.add_argument("--no-calibrate", action="store_true", help="skip the real-step calibration of the step overhead")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_engine(model: str | None, preset: str, *, dtype: str = "auto", num_threads: int | None = None,
                 device: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-                kv_cache_memory: int | None = None, block_size: int = 16, cache_layout: str = "in-page",
+                kv_cache_memory: int | None = None, block_size: int = 16, cache_layout: str = "runs",
                 enable_prefix_caching: bool = True, seed: int = 0):
     from ..config import EngineConfig
     from ..engine import LLMEngine

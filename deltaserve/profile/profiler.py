@@ -797,9 +797,9 @@ def write_bundle(out: str, engine, prof: Profiler | None, meta_extra: dict) -> N
     save_meta(out, meta_extra)
 
 
-def engine_resolved_per_tp(mc, dtype: str, user_block_size: int, tps=(1, 2, 4, 8)) -> dict:
+def engine_resolved_per_tp(mc, dtype: str, user_block_size: int, tps=(1, 2, 4, 8), layout: str = "in-page") -> dict:
     from ..config import ConfigError
-    from ..sizing import ENGINE_KERNEL_ALIGNMENT, alignment_for, cdiv, geometry, hybrid_block_size
+    from ..sizing import ENGINE_KERNEL_ALIGNMENT, engine_block_size, geometry
 
     per = {}
     for tp in tps:
@@ -807,8 +807,7 @@ def engine_resolved_per_tp(mc, dtype: str, user_block_size: int, tps=(1, 2, 4, 8
             g = geometry(mc, kv_dtype=dtype, conv_dtype=dtype, ssm_dtype="float32", tp=tp)
         except ConfigError:
             continue
-        user = ENGINE_KERNEL_ALIGNMENT * cdiv(user_block_size, ENGINE_KERNEL_ALIGNMENT)
-        per[tp] = {"block_size": hybrid_block_size(g, alignment_for(ENGINE_KERNEL_ALIGNMENT, user)),
+        per[tp] = {"block_size": engine_block_size(g, user_block_size, layout=layout), "layout": layout,
                    "kernel_alignment": ENGINE_KERNEL_ALIGNMENT, "gdn_state_bytes": g.gdn_state_bytes,
                    "kv_bytes_per_token_per_layer": g.kv_bytes_per_token_per_layer,
                    "profiled": tp == 1}
@@ -844,7 +843,7 @@ def profile(engine, out: str, *, quick: bool = False, repeats: int | None = None
                      "cpu_count": os.cpu_count(), "torch_threads": threads, "platform": platform.platform()},
         "dtypes": {"model": engine.dtype, "kv": engine.dtype, "conv": engine.dtype, "ssm": "float32"},
         "versions": {"deltaserve": ds_version, "torch": str(torch.__version__), "python": platform.python_version()},
-        "engine_resolved": {"per_tp": engine_resolved_per_tp(mc, engine.dtype, cfg.block_size)},
+        "engine_resolved": {"per_tp": engine_resolved_per_tp(mc, engine.dtype, cfg.block_size, layout=cfg.cache_layout)},
         "engine": {"block_size_flag": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
                    "max_num_batched_tokens": cfg.max_num_batched_tokens, "kv_cache_memory": engine.pool.total_bytes,
                    "cache_layout": cfg.cache_layout, "enable_prefix_caching": cfg.enable_prefix_caching},

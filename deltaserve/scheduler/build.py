@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, ModelConfig
 from ..memory.manager import MemoryManager
-from ..sizing import (ENGINE_KERNEL_ALIGNMENT, Geometry, PoolPlan, alignment_for, cdiv, geometry,
-                      hybrid_block_size, plan_pool)
+from ..sizing import Geometry, PoolPlan, engine_block_size, geometry, plan_pool
 from .scheduler import Scheduler
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -45,7 +44,7 @@ class EngineShape:
 
 
 def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16, kv_cache_memory: int,
-                  max_num_seqs: int, cache_layout: str = "in-page", max_model_len: int | None = None,
+                  max_num_seqs: int, cache_layout: str = "runs", max_model_len: int | None = None,
                   enable_prefix_caching: bool = True) -> EngineShape:
     """The engine's block size, pool and max model length for a cache budget of kv_cache_memory bytes.
 
@@ -53,9 +52,7 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16,
     checkpoint pages back in align mode). Raises ConfigError where the engine would refuse to start."""
     dt = resolve_dtype(dtype, mc)
     geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")
-    user_bs = ENGINE_KERNEL_ALIGNMENT * cdiv(block_size, ENGINE_KERNEL_ALIGNMENT)
-    align = alignment_for(ENGINE_KERNEL_ALIGNMENT, user_bs)
-    bs = align if cache_layout == "runs" else hybrid_block_size(geom, align)
+    bs = engine_block_size(geom, block_size, layout=cache_layout)
     pool = plan_pool(geom, kv_cache_memory, bs, max_num_seqs, cache_layout)
     if pool.num_pages < 2:
         raise ConfigError(f"a {kv_cache_memory:,}-byte cache budget holds {pool.num_pages} pages of {bs} tokens "

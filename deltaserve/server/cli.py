@@ -2,7 +2,7 @@
 
     deltaserve serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--dtype ...] [--max-model-len N]
                      [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-memory BYTES]
-                     [--block-size N] [--[no-]enable-prefix-caching] [--cache-layout in-page|runs|per-block]
+                     [--block-size N] [--[no-]enable-prefix-caching] [--cache-layout runs|in-page|per-block]
                      [--seed N] [--api-key KEY] [--served-model-name NAME ...]
 
 With no --model it serves the embedded default model (the `tiny` preset).
@@ -45,7 +45,7 @@ def make_parser() -> argparse.ArgumentParser:
                    default=None, help="fraction of device memory when --kv-cache-memory is not given")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--cache-layout", default=None, choices=["in-page", "runs", "per-block"])
+    p.add_argument("--cache-layout", default=None, choices=["runs", "in-page", "per-block"])
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])

@@ -52,7 +52,7 @@ class ReplicaConfig:
     kv_cache_memory: int | None = None
     enable_prefix_caching: bool = True
     block_size: int = 16
-    cache_layout: str = "in-page"
+    cache_layout: str = "runs"
     dtype: str = "auto"
     max_model_len: int | None = None
     num_threads: int | None = None

