@@ -30,8 +30,8 @@ in the cache but are unreachable (the chain walk stops) until they are evicted i
 
 Choices (and why)
   * A running sequence HOLDS its latest checkpoint until the next one is published (vLLM's "2 + N":
-    N attention pages + the latest checkpoint + the one being written). Cost: num_gdn_groups pages per
-    running sequence (in-page). Gain: a preempted sequence can always resume from its last block
+    N attention pages + the latest checkpoint + the one being written). Cost: checkpoint_pages pages per
+    running sequence (in-page, runs). Gain: a preempted sequence can always resume from its last block
     boundary while its own pages survive (they are released last, so LRU evicts them last), and
     concurrent sequences sharing the prefix can hit it. Older checkpoints are released as soon as a
     newer one is published, so under pressure intermediate checkpoints go first.
