@@ -278,7 +278,8 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
                         "deltaserve's engine implements align")
     if kernel != S.ENGINE_KERNEL_ALIGNMENT and engine_block != block:
         warnings.append(f"these are vLLM's figures at kernel alignment {kernel}; deltaserve's engine aligns to "
-                        f"{S.ENGINE_KERNEL_ALIGNMENT} and uses {engine_block}-token blocks")
+                        f"{S.ENGINE_KERNEL_ALIGNMENT} and uses {engine_block}-token blocks in-page "
+                        f"({S.ENGINE_KERNEL_ALIGNMENT}-token pages in its default runs layout)")
 
     return {
         "model": {
