@@ -5,6 +5,8 @@ import argparse
 import logging
 import sys
 
+from .config import CACHE_LAYOUTS
+
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, with vLLM's names where vLLM has one."""
@@ -21,7 +23,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, default=0.5, dest="memory_utilization")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--cache-layout", default="runs", choices=["runs", "in-page", "per-block"])
+    g.add_argument("--cache-layout", default="runs", choices=CACHE_LAYOUTS)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -12,6 +12,9 @@ from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# Where GDN checkpoints live (sizing.plan_pool): runs (the default) and in-page keep them in pool pages,
+# per-block in a tensor beside the pool. The one list every flag, config and pool check uses.
+CACHE_LAYOUTS = ("runs", "in-page", "per-block")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
 
 
@@ -174,7 +177,7 @@ class EngineConfig:
     memory_utilization: float = 0.5  # fraction of device memory when kv_cache_memory is unset
     block_size: int = 16  # the user's --block-size; the hybrid block is derived from it
     enable_prefix_caching: bool = True
-    cache_layout: str = "runs"  # runs|in-page|per-block (sizing.LAYOUTS)
+    cache_layout: str = "runs"  # one of CACHE_LAYOUTS
     seed: int = 0
     num_threads: int | None = None  # torch CPU threads; None = torch's default
     device: str = "auto"  # auto|cpu|cuda
@@ -182,8 +185,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
-        if self.cache_layout not in ("in-page", "runs", "per-block"):
-            raise ConfigError(f"--cache-layout must be in-page, runs or per-block, not {self.cache_layout!r}")
+        if self.cache_layout not in CACHE_LAYOUTS:
+            raise ConfigError(f"--cache-layout must be one of {', '.join(CACHE_LAYOUTS)}, not {self.cache_layout!r}")
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens < 1:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import DTYPE_BYTES, ConfigError, ModelConfig
+from .config import CACHE_LAYOUTS, DTYPE_BYTES, ConfigError, ModelConfig
 
 ENGINE_KERNEL_ALIGNMENT = 64  # deltaserve's GDN chunk: blocks are multiples of it (DESIGN rule 8)
 # in-page: a page holds one GDN layer state (vLLM's block rule), a checkpoint is one page per GDN group;
 # runs: small pages (the kernel alignment), a checkpoint is a run of pages_per_state pages per GDN group
 # (DESIGN "later, ours" / seed 004), so hits land on the 64-token grid; per-block: states beside the pool.
-LAYOUTS = ("in-page", "runs", "per-block")
+LAYOUTS = CACHE_LAYOUTS
 POOL_CHECKPOINT_LAYOUTS = ("in-page", "runs")  # checkpoints stored in pool pages
 # What the per-block layout's side tensor holds per page: "model" = one whole-model GDN state (this engine's
 # per-block arm); "group" = one GDN group's state (group_size layer states: a page belongs to one KV group at

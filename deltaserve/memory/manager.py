@@ -54,12 +54,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..config import ConfigError
+from ..config import CACHE_LAYOUTS as LAYOUTS, ConfigError
 from .eviction import EvictionPolicy, LRUEviction
 from .hashing import BlockHash, block_hash
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
-LAYOUTS = ("in-page", "runs", "per-block")
 
 
 class CheckpointError(RuntimeError):

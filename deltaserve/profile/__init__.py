@@ -11,6 +11,8 @@ import argparse
 import logging
 import sys
 
+from ..config import CACHE_LAYOUTS
+
 log = logging.getLogger("deltaserve.profile")
 
 DEFAULT_KV_BYTES = {"tiny": 256 << 20, "qwen3.5-0.8b-shape": 1536 << 20}
@@ -33,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None, help="longest attention context profiled")
     p.add_argument("--kv-cache-memory", type=int, default=None, help="cache pool bytes of the profiling engine")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cache-layout", default="runs", choices=["runs", "in-page", "per-block"])
+    p.add_argument("--cache-layout", default="runs", choices=CACHE_LAYOUTS)
     p.add_argument("--no-calibrate", action="store_true", help="skip the real-step calibration of the step overhead")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--seed", type=int, default=0)

@@ -571,7 +571,8 @@ class Profiler:
         cfg = eng.config
         S = max(self.grid.seqs)
         pool = eng.pool
-        kv = pool.slot_bytes * S + pool.bytes_per_page * (S * (4 + 2 * max(pool.checkpoint_pages, pool.num_gdn_groups)) + 64)
+        ckpt = max(pool.checkpoint_pages, pool.num_gdn_groups)  # per-block takes no pool pages: keep the old margin
+        kv = pool.slot_bytes * S + pool.bytes_per_page * (S * (4 + 2 * ckpt) + 64)
         shape = resolve_shape(eng.model_config, dtype=eng.dtype, block_size=cfg.block_size,
                               kv_cache_memory=max(kv, pool.total_bytes), max_num_seqs=S, cache_layout=cfg.cache_layout)
         rng = random.Random(0)

@@ -15,6 +15,8 @@ import os
 import re
 import sys
 
+from ..config import CACHE_LAYOUTS
+
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
 
@@ -45,7 +47,7 @@ def make_parser() -> argparse.ArgumentParser:
                    default=None, help="fraction of device memory when --kv-cache-memory is not given")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--cache-layout", default=None, choices=["runs", "in-page", "per-block"])
+    p.add_argument("--cache-layout", default=None, choices=CACHE_LAYOUTS)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, choices=["auto", "cpu", "cuda"])

