@@ -17,7 +17,7 @@ from deltaserve.scheduler.build import build_scheduler, resolve_shape
 from deltaserve.sim import (AgentTraceSpec, ClusterConfig, ReplicaConfig, Simulation, agent_trace, load_bundle,
                             materialize, read_trace, summarize, write_trace)
 from deltaserve.sim.bundle import FORMAT, save_meta, write_table
-from deltaserve.sim.latency import Interp1D, Interp2D, LatencyModel, StepShape
+from deltaserve.sim.latency import Interp1D, Interp2D, LatencyModel, SpeedTrace, StepShape
 from deltaserve.sim.report import percentile, read_csv
 from deltaserve.sim.trace import TraceRequest, mooncake_like
 
@@ -158,6 +158,88 @@ def test_step_time_grows_with_the_work(bundle):
     assert lm.shape_us(StepShape([(64, 0)], [], 1)) >= 1000.0  # the calibrated fixed overhead is charged
     slow = LatencyModel(bundle, wall_per_cpu=2.0)
     assert slow.shape_us(StepShape([(64, 0)], [], 1)) == pytest.approx(2 * small)
+
+
+
+def test_speed_trace_follows_a_drift_and_not_one_slow_step():
+    """Probe samples (t, measured, predicted): ratio 1 before t=10, 2 after, one outlier step at t=5."""
+    samples = [(t, 100.0 * (2.0 if t >= 10 else 1.0), 100.0) for t in range(20)]
+    samples[5] = (5, 300.0, 100.0)
+    tr = SpeedTrace(samples, window=4)
+    assert tr(0) == pytest.approx(1.0) and tr(19) == pytest.approx(2.0) and tr(-5) == tr(0) and tr(99) == tr(19)
+    assert tr(5) == pytest.approx(1.4)  # the outlier is pooled with its four neighbours: 700 / 500
+    assert tr.mean == pytest.approx((900 + 300 + 2000) / 2000)
+    assert tr(12.4) == tr(12) and tr(12.6) == tr(13)  # the nearest sample's factor
+    assert SpeedTrace(samples, window=1000)(0) == pytest.approx(tr.mean)  # a window over all: the mean
+    with pytest.raises(ValueError):
+        SpeedTrace([])
+
+
+def test_a_speed_trace_slows_the_steps_it_covers(bundle):
+    """LatencyModel(speed=...): a step starting at t costs speed(t) x the CPU-time model."""
+    s = StepShape([(64, 0)], [], 1)
+    plain = LatencyModel(bundle, wall_per_cpu=1.0).shape_us(s)
+    lm = LatencyModel(bundle, speed=SpeedTrace([(0.0, 1.0, 1.0), (1.0, 1.0, 1.0), (5.0, 3.0, 1.0), (6.0, 3.0, 1.0)],
+                                               window=1))
+    assert lm.shape_us(s, 0.0) == pytest.approx(plain) and lm.shape_us(s, 6.0) == pytest.approx(3 * plain)
+    d = StepShape([], [100] * 4, 4)  # decode-only steps take decode_speed where one is given
+    two = LatencyModel(bundle, speed=SpeedTrace([(0.0, 1.0, 1.0)]), decode_speed=SpeedTrace([(0.0, 2.0, 1.0)]))
+    assert two.shape_us(d) == pytest.approx(2 * LatencyModel(bundle, wall_per_cpu=1.0).shape_us(d))
+    assert two.shape_us(s) == pytest.approx(plain)
+    tr = materialize(small_trace())
+    fast = summarize(Simulation(cluster(bundle)).run(tr))
+    sim = Simulation(cluster(bundle))
+    sim.replicas[0].latency = LatencyModel(bundle, speed=SpeedTrace([(0.0, 3.0, 1.0)], window=1))
+    assert summarize(sim.run(materialize(small_trace())))["e2e"]["mean"] > 2 * fast["e2e"]["mean"]
+
+
+def test_step_speed_reads_the_step_kinds_apart(bundle):
+    """The validation's speed: prefill-carrying and decode-only steps measured apart; a kind the probe never
+    ran takes the speed of all steps."""
+    from deltaserve.sim.validate import step_speed
+
+    lm = LatencyModel(bundle, wall_per_cpu=1.0)
+    pre, dec = StepShape([(64, 0)], [], 1), StepShape([], [100] * 2, 2)
+    steps = [(pre, 0.0, 0.9 * lm.shape_us(pre), float(t)) for t in range(4)]
+    steps += [(dec, 0.0, 1.2 * lm.shape_us(dec), float(t)) for t in range(4)]
+    sp = step_speed(bundle, steps, "cpu")
+    assert sp.prefill(2.0) == pytest.approx(0.9) and sp.decode(2.0) == pytest.approx(1.2)
+    assert 0.9 < sp.mean < 1.2
+    only = step_speed(bundle, steps[:4], "cpu")
+    assert only.decode(0.0) == pytest.approx(0.9)
+    assert step_speed(bundle, [(pre, 2.0 * lm.shape_us(pre), 1.0, 0.0)], "wall").prefill(0.0) == pytest.approx(2.0)
+
+
+def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():
+    """The interleaved probe's workload driver, on a stand-in engine: requests are admitted by the twin's own
+    clock (which advances by its steps' CPU time and jumps over idle gaps), and the trace repeats under new
+    cache salts so that a second round cannot hit the first's pages."""
+    from deltaserve.sim.validate import _TwinReplay
+
+    class Engine:
+        def __init__(self):
+            self.added, self.running = [], []
+
+        def add_request(self, rid, prompt, params):
+            self.added.append((rid, prompt["cache_salt"]))
+            self.running.append(params)
+
+        def has_unfinished_requests(self):
+            return bool(self.running)
+
+    eng = Engine()
+
+    def timed_step():  # every step takes 0.5 s of CPU and finishes one request
+        eng.running.pop(0)
+        return None, ("shape", 5e5, 5e5)
+    trace = [TraceRequest("a", 0.0, 1, prompt_token_ids=[1]), TraceRequest("b", 10.0, 1, prompt_token_ids=[2])]
+    twin = _TwinReplay(eng, trace, timed_step, lambda n: n)
+    for _ in range(4):
+        assert twin.step() == ("shape", 5e5, 5e5)
+    assert [r for r, _ in eng.added] == ["a-twin-0", "b-twin-0", "a-twin-1", "b-twin-1"]
+    assert len({salt for _, salt in eng.added}) == 2 and len(twin.steps) == 4
+    # a at 0 (clock 0.5 after it), a jump to b's arrival at 10 (10.5), round 2 starts there: a (11.0), b at 20.5
+    assert twin.clock == pytest.approx(21.0)
 
 
 # ------------------------------------------------------------------------------------------------ the simulation
@@ -308,9 +390,12 @@ def test_validation_smoke(tmp_path):
                  "--clocks", "cpu"]) == 0
     res = json.loads((out / "validation.json").read_text())["results"]
     assert len(res) == 1 and res[0]["compare"]["probe"]["cached_tokens"]["real"] > 0
-    info = res[0]["real_info"]  # the probe brackets the replay: warm-up before, the same requests after
-    lo, hi = sorted((info["probe_before"], info["probe_after"]))
-    assert lo <= info["probe_factor"] <= hi
+    info = res[0]["real_info"]  # the interleaved probe: its speed over time, and its mean between the extremes
+    assert info["probe"] == "interleaved" and info["probe_cpu_s"] > 0
+    lo, hi = info["probe_range"]
+    assert 0 < lo <= info["probe_factor"] <= hi
+    steps = json.loads((out / "steps-tiny-light-on-cpu.json").read_text())
+    assert steps["probe"] and steps["replay"] and {r[3] for r in steps["replay"]} <= {"prefill", "mixed", "decode"}
     assert (out / "validation.md").read_text().count("| tiny | light | on | cpu") == 3
 
 

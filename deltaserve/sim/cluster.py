@@ -141,7 +141,7 @@ class Replica:
             return None
         shape = StepShape.of(plan, after_prefill=self._after_prefill)
         self._after_prefill = bool(shape.prefill)
-        dt = self.latency.shape_us(shape) * 1e-6
+        dt = self.latency.shape_us(shape, now) * 1e-6
         self.plan, self.busy_until = plan, now + dt
         self.num_steps += 1
         self.busy_time += dt

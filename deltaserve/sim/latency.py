@@ -61,6 +61,41 @@ class Interp1D:
         return y if y > 0.0 else 0.0
 
 
+class SpeedTrace:
+    """The machine's speed over time: factor(t) = measured / predicted time of the probe steps nearest to t.
+
+    samples: (t, measured_us, predicted_us) per probe step, t on the clock of the run being simulated. The
+    factor at t pools the `window` samples centred on the one nearest t (fewer at the ends), so that one
+    noisy step moves it by little; a speed that drifts over seconds is followed, a single slow step is not."""
+
+    def __init__(self, samples, window: int = 32):
+        if not samples:
+            raise ValueError("a speed trace needs at least one probe sample")
+        pts = sorted(samples)
+        self.ts = [t for t, _, _ in pts]
+        meas = [0.0]
+        pred = [0.0]
+        for _, m, p in pts:
+            meas.append(meas[-1] + m)
+            pred.append(pred[-1] + p)
+        n, h = len(pts), max(1, window) // 2
+        self.factors = []
+        for i in range(n):
+            lo = max(0, min(i - h, n - 2 * h - 1))  # at an end the window keeps its size, off centre
+            hi = min(n, lo + 2 * h + 1)
+            dp = pred[hi] - pred[lo]
+            self.factors.append((meas[hi] - meas[lo]) / dp if dp > 0 else 1.0)
+        self.mean = meas[-1] / pred[-1] if pred[-1] > 0 else 1.0
+
+    def __call__(self, t: float) -> float:
+        i = bisect_right(self.ts, t)
+        if i == 0:
+            return self.factors[0]
+        if i == len(self.ts) or t - self.ts[i - 1] <= self.ts[i] - t:
+            return self.factors[i - 1]
+        return self.factors[i]
+
+
 class Interp2D:
     """y(q, c): piecewise-linear in c along each profiled q, then linear in q between the two nearest q."""
 
@@ -125,8 +160,13 @@ class StepShape:
 class LatencyModel:
     """step_us(plan) -> microseconds, from a profile bundle."""
 
-    def __init__(self, bundle: Bundle, tp: int = 1, wall_per_cpu: float | None = None):
-        """wall_per_cpu: the machine's contention to simulate (default: the bundle's, measured while profiling)."""
+    def __init__(self, bundle: Bundle, tp: int = 1, wall_per_cpu: float | None = None,
+                 speed: SpeedTrace | None = None, decode_speed: SpeedTrace | None = None):
+        """wall_per_cpu: the machine's contention to simulate (default: the bundle's, measured while profiling).
+        speed: instead, a speed that changes over time (measured by a probe while a real run went on); a step
+        starting at `now` takes speed(now) times the bundle's CPU time. decode_speed: the same for decode-only
+        steps, where it was measured apart: on a shared machine the memory-bound decodes and the compute-bound
+        prefills drift apart (neighbours take bandwidth, not FLOPs); default: speed."""
         self.bundle = bundle
         meta = bundle.meta
         layers = meta.get("layers") or {}
@@ -191,6 +231,8 @@ class LatencyModel:
         self.decode_fixed_us = float(cal.get("decode_fixed_us", 0.0))
         self.after_prefill_us = float(cal.get("after_prefill_us", 0.0))
         self.wall_per_cpu = float(wall_per_cpu if wall_per_cpu is not None else cal.get("wall_per_cpu", 1.0))
+        self.speed = speed
+        self.decode_speed = decode_speed if decode_speed is not None else speed
         self._dense_cache: dict[int, float] = {}
         self._dec_cache: dict[int, float] = {}
 
@@ -255,11 +297,13 @@ class LatencyModel:
                 us += f(x)
         return us
 
-    def shape_us(self, s: StepShape) -> float:
+    def shape_us(self, s: StepShape, now: float = 0.0) -> float:
         if not s.n_seqs:
             return 0.0
         pre, dec = self.compute_parts(s)
-        return self.wall_per_cpu * (self.compute_scale * pre + self.compute_scale_decode * dec + self.overhead_us(s))
+        sp = self.decode_speed if s.decode_only else self.speed
+        f = sp(now) if sp is not None else self.wall_per_cpu
+        return f * (self.compute_scale * pre + self.compute_scale_decode * dec + self.overhead_us(s))
 
     def step_us(self, plan) -> float:
         return self.shape_us(StepShape.of(plan))

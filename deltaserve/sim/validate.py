@@ -9,17 +9,28 @@ engine's capacity (light: ~30% busy; saturated: ~90% busy; overloaded: arrivals 
 engine can serve). Each (load, caching) scenario then runs:
 
   real   a fresh LLMEngine (same flags), a few warm-up requests under their own cache salt, then the trace
-         replayed offline, each request added once its arrival time has passed (time.time()), engine.step()
-         in a loop, sleeping when idle; TTFT / TPOT / E2E from the engine's RequestMetrics
+         replayed offline, each request added once its arrival time has passed on the replay's clock (cpu: the
+         engine thread's CPU time, idle gaps skipped; wall), engine.step() in a loop; TTFT / TPOT / E2E are
+         the times the loop saw each request's tokens come out
   sim    one simulated replica with the same flags, the same warm-up requests, the same trace
 
 and the table compares mean and p90 TTFT, mean TPOT and mean E2E (bars: 5%, 5%, 2%, 3%), plus the mean
-per-request absolute error. The machine is shared: the bundle's CPU-time tables do not move with the load, but
-wall time does, so the simulator is run with the contention (wall / CPU time of this process) measured in
-three ways: as profiled (`bundle`), on the probe steps (`probe`, the default for the bars: the warm-up requests
-run just before the replay and, with `--probe bracket`, the default, the same requests again right after it;
-it uses nothing from the replay itself), and over the replay itself (`replay`, a diagnostic that separates the
-latency model's error from the load's drift).
+per-request absolute error. The machine is shared and its speed drifts by several percent within a minute (other
+tenants, memory bandwidth), more than the bars; the bundle's tables were measured at another moment. So the
+simulator runs at the speed a probe measured while the replay ran, and the probe uses nothing from the replay:
+
+  interleaved  (the default) a twin engine, same flags, replays another trace from the same generator at the
+               same load (seed + 1: the same kind of steps, none of the same requests) in bursts between the
+               replay's steps, half the replay's CPU time; the replay's clock stops during a burst. Its
+               measured / predicted time, pooled over 32 neighbouring steps of a kind, is the speed at each
+               moment for steps with prompt tokens and for decode-only steps apart (StepSpeed; on a shared
+               machine the two drift apart), so the simulator follows the drift over the replay.
+  bracket      the warm-up requests' steps before the replay and the same requests again after it: one factor.
+  before       the warm-up steps alone.
+
+Also simulated, for diagnosis: `static` (the bundle as profiled) and `oracle` (the replay's own measured /
+predicted step time: what is left is the latency model's shape). DIR/steps-*.json keeps every step of the replay
+and of the probe, measured and predicted.
 """
 from __future__ import annotations
 
@@ -34,12 +45,14 @@ from dataclasses import dataclass, replace
 
 from .bundle import load_bundle
 from .cluster import ClusterConfig, ReplicaConfig, Simulation
+from .latency import LatencyModel, SpeedTrace
 from .report import RequestRecord, mean, percentile, summarize
 from .trace import AgentTraceSpec, TraceRequest, agent_trace
 
 log = logging.getLogger("deltaserve.sim")
 
 BARS = {"ttft_mean": 5.0, "ttft_p90": 5.0, "tpot_mean": 2.0, "e2e_mean": 3.0}
+PROBES = ("interleaved", "bracket", "before")
 
 
 @dataclass
@@ -53,12 +66,12 @@ class Scenario:
 def preset_scenario(preset: str, quick: bool = False) -> Scenario:
     if preset == "tiny":
         eng = dict(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=64 << 20)
-        spec = AgentTraceSpec(num_sessions=8 if quick else 16, session_rate=1.0, turns=(2, 4), system_tokens=300,
+        spec = AgentTraceSpec(num_sessions=8 if quick else 32, session_rate=1.0, turns=(2, 4), system_tokens=300,
                               first_user_tokens=(32, 160), new_tokens=(16, 128), output_tokens=(8, 40),
                               think_time=2.0, seed=7)
     elif preset == "qwen3.5-0.8b-shape":
         eng = dict(max_num_seqs=6, max_num_batched_tokens=1152, kv_cache_memory=1 << 30)
-        spec = AgentTraceSpec(num_sessions=3 if quick else 5, session_rate=1.0, turns=(2, 3), system_tokens=640,
+        spec = AgentTraceSpec(num_sessions=3 if quick else 8, session_rate=1.0, turns=(2, 3), system_tokens=640,
                               first_user_tokens=(32, 200), new_tokens=(16, 160), output_tokens=(6, 16),
                               think_time=2.0, seed=7)
     else:
@@ -86,12 +99,14 @@ def _cluster(engine_flags: dict, caching: bool, bundle_path: str) -> ClusterConf
 
 
 def run_sim(bundle, engine_flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
-            wall_per_cpu: float | None = None) -> tuple[list[RequestRecord], Simulation]:
-    from .latency import LatencyModel
-
+            wall_per_cpu: "float | StepSpeed | None" = None) -> tuple[list[RequestRecord], Simulation]:
+    """wall_per_cpu: the speed to simulate, a constant or a StepSpeed over the replay's clock (None: the
+    bundle's own)."""
     sim = Simulation(_cluster(engine_flags, caching, bundle.path), bundle)
     rep = sim.replicas[0]
-    if wall_per_cpu is not None:
+    if isinstance(wall_per_cpu, StepSpeed):
+        rep.latency = LatencyModel(bundle, speed=wall_per_cpu.prefill, decode_speed=wall_per_cpu.decode)
+    elif wall_per_cpu is not None:
         rep.latency = LatencyModel(bundle, wall_per_cpu=wall_per_cpu)
     if warmup:  # the real engine's warm-up requests, all at once: they leave the same pages cached
         from ..scheduler import Request
@@ -120,8 +135,8 @@ def pick_scales(bundle, flags: dict, trace: list[TraceRequest], caching: bool = 
     core of its own (the bundle's CPU-time tables; caching off: the heavier case, so saturated with caching on
     is a little lighter). The wall-clock replays stretch these by the bundle's wall/CPU contention."""
     def find(target: float) -> float:
-        lo, hi = 0.01, 100.0
-        for _ in range(30):
+        lo, hi = 0.01, 10000.0
+        for _ in range(40):
             mid = (lo * hi) ** 0.5
             u = utilization(bundle, flags, caching, _scale(trace, mid))
             if u > target:
@@ -135,12 +150,21 @@ def pick_scales(bundle, flags: dict, trace: list[TraceRequest], caching: bool = 
 
 # ------------------------------------------------------------------------------------------------ real side
 def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
-             num_threads: int | None, clock: str = "wall", progress: bool = True,
-             bracket: bool = True) -> tuple[list[RequestRecord], dict]:
+             num_threads: int | None, clock: str = "wall", progress: bool = True, probe: str = "interleaved",
+             probe_share: float = 0.5, probe_burst_s: float = 0.1,
+             probe_trace: list[TraceRequest] | None = None) -> tuple[list[RequestRecord], dict]:
     """Replay the trace on a fresh LLMEngine; per-request records and replay facts.
 
-    bracket: run the warm-up requests again after the replay (under another cache salt, so they miss as they
-    did before): info["after_steps"], the second half of the speed probe.
+    probe: how the machine's speed is measured while the replay runs (nothing from the replay itself goes in):
+      before       the warm-up requests' steps (info["warmup_steps"])
+      bracket      those, and the same requests run again after the replay under another cache salt
+                   (info["after_steps"])
+      interleaved  a second engine with the same flags replays `probe_trace` (another trace from the same
+                   generator, at the same load: the same kind of steps, none of the same requests) on a CPU
+                   clock of its own, in bursts between the replay's steps, taking `probe_share` of the
+                   replay's busy CPU time in bursts of at least `probe_burst_s`; the replay's clock stops
+                   during a burst. info["probe_steps"]: (shape, wall us, cpu us, replay clock) per probe step,
+                   so the simulator can follow the speed over the replay.
 
     clock "wall": arrival times and token times in wall-clock seconds (time.time()), sleeping while idle.
     clock "cpu": a virtual clock that advances by this thread's CPU time while the engine works (add_request and
@@ -151,51 +175,70 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     from ..sampling_params import SamplingParams
     from .latency import StepShape
 
-    def shape_after(plan, earlier: list) -> StepShape:
-        return StepShape.of(plan, after_prefill=bool(earlier) and bool(earlier[-1][0].prefill))
-
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
+    if probe == "interleaved" and not probe_trace:
+        raise ValueError("the interleaved probe needs a probe_trace")
     cfg = EngineConfig(preset=preset, dtype="auto", enable_prefix_caching=caching, num_threads=num_threads,
                        **engine_flags)
-    eng = LLMEngine(cfg)
-    captured, steps = [], []
-    orig = eng.scheduler.schedule
-
-    def schedule():
-        p = orig()
-        captured.append(p)
-        return p
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
-    eng.scheduler.schedule = schedule
 
-    def probe(salt_suffix: str = "") -> list:
-        """The warm-up requests all at once (prefills, mixed steps, decode batches): their steps measure the
-        machine's speed. Run before the replay (its warm-up) and again after it under another salt."""
-        out = []
+    def traced(engine) -> list:
+        """engine.scheduler.schedule, wrapped: each plan it makes lands in the returned list."""
+        plans, orig = [], engine.scheduler.schedule
+
+        def schedule():
+            plans.append(orig())
+            return plans[-1]
+        engine.scheduler.schedule = schedule
+        return plans
+
+    def timed_step(engine, plans: list, earlier: list) -> tuple:
+        """One engine step: (its outputs, (shape, wall us, cpu us)) or (outputs, None) if nothing was planned."""
+        c, t = time.thread_time(), time.perf_counter()
+        outs = engine.step()
+        dw, dc = time.perf_counter() - t, time.thread_time() - c
+        if not plans:
+            return outs, None
+        shape = StepShape.of(plans[-1], after_prefill=bool(earlier) and bool(earlier[-1][0].prefill))
+        plans.clear()
+        return outs, (shape, dw * 1e6, dc * 1e6)
+
+    def add_warmup(engine, salt_suffix: str) -> None:
         for w in warmup:
-            eng.add_request(w.request_id + salt_suffix, {"prompt_token_ids": w.prompt_token_ids,
-                                                         "cache_salt": (w.cache_salt or "") + salt_suffix},
-                            params(w.output_length))
-        while eng.has_unfinished_requests():
-            c, t = time.thread_time(), time.perf_counter()
-            eng.step()
-            dw, dc = time.perf_counter() - t, time.thread_time() - c
-            if captured:
-                out.append((shape_after(captured[-1], out), dw * 1e6, dc * 1e6))
-                captured.clear()
+            engine.add_request(w.request_id + salt_suffix, {"prompt_token_ids": w.prompt_token_ids,
+                                                            "cache_salt": (w.cache_salt or "") + salt_suffix},
+                               params(w.output_length))
+
+    def run_warmup(engine, plans: list, salt_suffix: str = "") -> list:
+        """The warm-up requests all at once (prefills, mixed steps, decode batches), to the end."""
+        out: list = []
+        add_warmup(engine, salt_suffix)
+        while engine.has_unfinished_requests():
+            _, st = timed_step(engine, plans, out)
+            if st is not None:
+                out.append(st)
         return out
 
-    warm_steps = probe()
-    wall = sum(x[1] for x in warm_steps)
-    cpu = sum(x[2] for x in warm_steps)
-    probe_wpc = wall / cpu if cpu > 0 else 1.0
+    eng = LLMEngine(cfg)
+    plans = traced(eng)
+    warm_steps = run_warmup(eng, plans)
+    twin = None
+    probe_steps: list = []  # (shape, wall us, cpu us, replay clock)
+    if probe == "interleaved":
+        peng = LLMEngine(cfg)
+        pplans = traced(peng)
+        run_warmup(peng, pplans, "-probe-first")  # first calls into every kernel: not the machine's speed
+        twin = _TwinReplay(peng, probe_trace, lambda: timed_step(peng, pplans, twin.steps), params)
     pending = sorted(trace, key=lambda r: r.arrival_time)
     recs: dict[str, RequestRecord] = {}
     k = 0
-    virtual = 0.0
+    virtual = paused = 0.0
     t0 = time.time() + 0.01
-    now = (lambda: virtual) if clock == "cpu" else (lambda: time.time() - t0)  # noqa: E731
+    now = (lambda: virtual) if clock == "cpu" else (lambda: time.time() - t0 - paused)  # noqa: E731
     c0, w0 = time.thread_time(), time.perf_counter()
-    busy_wall = busy_cpu = 0.0
+    busy_wall = busy_cpu = probe_cpu = 0.0
+    steps: list = []
     last_print = time.time()
     while k < len(pending) or eng.has_unfinished_requests():
         c, t = time.thread_time(), time.perf_counter()
@@ -212,14 +255,15 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
             else:
                 time.sleep(max(0.0, pending[k].arrival_time - now()))
             continue
-        outs = eng.step()
-        dw, dc = time.perf_counter() - t, time.thread_time() - c
+        dc0, dw0 = time.thread_time() - c, time.perf_counter() - t  # adding requests: the replay's time too
+        t_step = now()
+        outs, st = timed_step(eng, plans, steps or warm_steps)
+        dc, dw = dc0 + (st[2] * 1e-6 if st else 0.0), dw0 + (st[1] * 1e-6 if st else 0.0)
         virtual += dc
         busy_wall += dw
         busy_cpu += dc
-        if captured:
-            steps.append((shape_after(captured[-1], steps or warm_steps), dw * 1e6, dc * 1e6))
-            captured.clear()
+        if st is not None:
+            steps.append(st + (t_step,))
         t_out = now()
         for o in outs:
             rec = recs.get(o.request_id)
@@ -232,19 +276,58 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
                 rec.output_tokens = len(o.outputs[0].token_ids)
                 rec.cached_tokens = o.num_cached_tokens
                 rec.preemptions = o.metrics.num_preemptions if o.metrics else 0
+        if twin is not None and probe_cpu + probe_burst_s <= probe_share * busy_cpu:
+            tb = time.perf_counter()  # a burst: the replay's clock stops (cpu: it only counts replay steps)
+            while probe_cpu < probe_share * busy_cpu:
+                pst = twin.step()
+                probe_steps.append(pst + (t_out,))
+                probe_cpu += pst[2] * 1e-6
+            paused += time.perf_counter() - tb
         if progress and time.time() - last_print > 15:
             n_done = sum(1 for r in recs.values() if r.finish is not None)
             print(f"    real ({clock} clock): {n_done}/{len(trace)} done, {k} arrived, t={now():.1f}s", file=sys.stderr,
                   flush=True)
             last_print = time.time()
-    after_steps = probe("-after") if bracket else []
-    info = {"clock": clock, "probe_wall_per_cpu": round(probe_wpc, 4),
+    after_steps = run_warmup(eng, plans, "-after") if probe == "bracket" else []
+    info = {"clock": clock, "probe": probe,
             "replay_wall_per_cpu": round(busy_wall / busy_cpu, 4) if busy_cpu > 0 else 1.0,
-            "replay_wall_s": round(time.perf_counter() - w0, 2), "replay_cpu_s": round(time.thread_time() - c0, 2),
+            "replay_wall_s": round(time.perf_counter() - w0 - paused, 2),
+            "replay_cpu_s": round(time.thread_time() - c0 - probe_cpu, 2), "probe_cpu_s": round(probe_cpu, 2),
             "load_avg": os.getloadavg()[0], "steps": steps, "warmup_steps": warm_steps,
-            "after_steps": after_steps}
-    del eng
+            "after_steps": after_steps, "probe_steps": probe_steps}
+    del eng, twin
     return [recs[r.request_id] for r in trace], info
+
+
+class _TwinReplay:
+    """The interleaved probe's workload: a trace replayed on its own engine and its own CPU clock (idle time
+    skipped), one step at a time when asked, starting over under fresh cache salts when it runs out."""
+
+    def __init__(self, engine, trace: list[TraceRequest], timed_step, params):
+        self.engine, self.trace, self.timed_step, self.params = engine, trace, timed_step, params
+        self.k, self.round, self.clock, self.offset = 0, 0, 0.0, 0.0
+        self.steps: list = []  # (shape, wall us, cpu us)
+
+    def step(self) -> tuple:
+        """Run the twin's next step (admitting what has arrived on its clock): (shape, wall us, cpu us)."""
+        while True:
+            while self.k < len(self.trace) and self.offset + self.trace[self.k].arrival_time <= self.clock:
+                r = self.trace[self.k]
+                salt = f"{r.cache_salt or ''}-twin-{self.round}"
+                self.engine.add_request(f"{r.request_id}-twin-{self.round}", {"prompt_token_ids": r.prompt_token_ids,
+                                                                              "cache_salt": salt},
+                                        self.params(r.output_length))
+                self.k += 1
+            if self.engine.has_unfinished_requests():
+                _, st = self.timed_step()
+                if st is not None:
+                    self.steps.append(st)
+                    self.clock += st[2] * 1e-6
+                    return st
+            elif self.k < len(self.trace):
+                self.clock = self.offset + self.trace[self.k].arrival_time
+            else:
+                self.round, self.k, self.offset = self.round + 1, 0, self.clock
 
 
 # ------------------------------------------------------------------------------------------------ comparison
@@ -274,22 +357,63 @@ def speed_factor(bundle, steps, clock: str) -> float:
     """How much slower (>1) or faster this machine ran `steps` than the bundle's CPU-time model predicts:
     measured time on the replay's clock / predicted CPU time. On the warm-up steps it is the probe of the
     machine's present speed (contention included on the wall clock); on the replay's own steps, the oracle."""
-    from .latency import LatencyModel
-
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
-    pred = sum(lm.shape_us(s) for s, _, _ in steps)
-    meas = sum((w if clock == "wall" else c) for _, w, c in steps)
+    pred = sum(lm.shape_us(st[0]) for st in steps)
+    meas = sum((st[1] if clock == "wall" else st[2]) for st in steps)
     return meas / pred if pred > 0 else 1.0
+
+
+@dataclass
+class StepSpeed:
+    """The speed the machine ran at over a replay's clock, for steps with prompt tokens (prefill) and for
+    decode-only steps apart, and over all steps (`mean`, the number the tables show)."""
+
+    prefill: SpeedTrace
+    decode: SpeedTrace
+    mean: float
+
+
+def step_speed(bundle, steps, clock: str, window: int = 32) -> StepSpeed:
+    """steps: (shape, wall us, cpu us, replay clock). A kind with no steps takes the other kind's speed."""
+    lm = LatencyModel(bundle, wall_per_cpu=1.0)
+    kinds: dict[bool, list] = {True: [], False: []}
+    for shape, w, c, t in steps:
+        kinds[shape.decode_only].append((t, w if clock == "wall" else c, lm.shape_us(shape)))
+    both = kinds[True] + kinds[False]
+    traces = {k: SpeedTrace(v or both, window) for k, v in kinds.items()}
+    return StepSpeed(traces[False], traces[True], SpeedTrace(both, window).mean)
 
 
 def step_model_error(bundle, steps) -> float:
     """The latency model's total error over the real replay's own steps (CPU time, wall_per_cpu 1), in %."""
-    from .latency import LatencyModel
-
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
-    meas = sum(c for _, _, c in steps)
-    pred = sum(lm.shape_us(s) for s, _, _ in steps)
+    meas = sum(st[2] for st in steps)
+    pred = sum(lm.shape_us(st[0]) for st in steps)
     return 100.0 * (pred - meas) / meas if meas else float("nan")
+
+
+def _write_steps(path: str, bundle, clock: str, steps: list, probe_steps: list) -> None:
+    """Per step of the replay and of the interleaved probe: [replay clock, measured us on the clock, predicted
+    CPU us]: what the speed trace and the oracle were computed from."""
+    lm = LatencyModel(bundle, wall_per_cpu=1.0)
+    m = 1 if clock == "wall" else 2
+
+    def row(st) -> list:
+        s = st[0]
+        kind = "decode" if s.decode_only else "mixed" if s.decode_ctx else "prefill"
+        return [round(st[3], 4), round(st[m], 1), round(lm.shape_us(s), 1), kind, s.n_tokens]
+    with open(path, "w") as f:
+        json.dump({"clock": clock, "columns": ["t", "measured_us", "predicted_us", "kind", "tokens"],
+                   "replay": [row(st) for st in steps], "probe": [row(st) for st in probe_steps]}, f)
+
+
+def _speeds(info: dict) -> str:
+    """'probe / oracle' over all steps, and by kind where the probe measured the kinds apart."""
+    out = f"{info['probe_factor']:.2f} / {info['oracle_factor']:.2f}"
+    if "probe_prefill" in info and "oracle_prefill" in info:
+        out += (f" (prefill {info['probe_prefill']:.2f} / {info['oracle_prefill']:.2f}, decode "
+                f"{info['probe_decode']:.2f} / {info['oracle_decode']:.2f})")
+    return out
 
 
 def format_table(results: list[dict], variants: dict[str, str]) -> str:
@@ -310,7 +434,7 @@ def format_table(results: list[dict], variants: dict[str, str]) -> str:
             f"{c['ttft_mean']['real']:.3f} / {c['ttft_p90']['real']:.3f} | {f('ttft_mean')} | {f('ttft_p90')} | "
             f"{1000 * c['tpot_mean']['real']:.1f} | {f('tpot_mean')} | {c['e2e_mean']['real']:.3f} | {f('e2e_mean')} | "
             f"{c['per_request_e2e_mape_pct']:.1f}% | {c['cached_tokens']['real']} / {c['cached_tokens']['sim']} | "
-            f"{r['step_model_err_pct']:+.1f}% | {info['probe_factor']:.2f} / {info['oracle_factor']:.2f} | "
+            f"{r['step_model_err_pct']:+.1f}% | {_speeds(info)} | "
             f"{'yes' if c['pass'] else 'no'} |")
     return "\n".join(lines)
 
@@ -325,9 +449,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clocks", default="cpu,wall", help="replay clocks: cpu (the engine on a core of its own), wall")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads for profiling and the real engine")
     p.add_argument("--reprofile", action="store_true", help="profile again even if a bundle exists")
-    p.add_argument("--probe", default="bracket", choices=["before", "bracket"],
-                   help="the speed probe: the warm-up steps before the replay, or those and the same requests run "
-                        "again right after it (bracket; nothing from the replay itself either way)")
+    p.add_argument("--probe", default="interleaved", choices=PROBES,
+                   help="the speed probe (nothing from the replay itself goes in): a twin engine replaying "
+                        "another trace of the same kind in bursts between the replay's steps, followed over time "
+                        "and by step kind (interleaved); the warm-up steps before the replay (before), or those "
+                        "and the same requests again after it (bracket)")
+    p.add_argument("--probe-share", type=float, default=0.5,
+                   help="interleaved probe: its CPU time as a share of the replay's busy time")
+    p.add_argument("--probe-window", type=int, default=32,
+                   help="interleaved probe: probe steps of a kind pooled for the speed at one time")
     p.add_argument("--quick", action="store_true", help="fewer sessions and a quick profile (a smoke run)")
     p.add_argument("--quick-profile", default="qwen3.5-0.8b-shape",
                    help="presets profiled on the quick grid even without --quick (comma-separated)")
@@ -363,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
         bundle = load_bundle(bdir)
         vocab = int(bundle.config.get("vocab_size", 4096))
         base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000)))
+        twin_base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000), seed=sc.spec.seed + 1))  # the probe's
         warm = _warmup_requests(sc.warmup, vocab)
         scales = pick_scales(bundle, sc.engine, base)
         wpc_bundle = float(bundle.calibration.get("wall_per_cpu", 1.0))
@@ -374,19 +505,37 @@ def main(argv: list[str] | None = None) -> int:
                 for clock in a.clocks.split(","):
                     tag = f"{preset}-{load}-{'on' if caching else 'off'}-{clock}"
                     trace = base_trace if clock == "cpu" else _scale(base_trace, wpc_bundle)
+                    twin = _scale(twin_base, scales[load] * (1.0 if clock == "cpu" else wpc_bundle))
                     print(f"[{tag}] real replay ({trace[-1].arrival_time:.1f} s of arrivals)", file=sys.stderr,
                           flush=True)
                     real, info = run_real(preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock,
-                                          bracket=a.probe == "bracket")
+                                          probe=a.probe, probe_share=a.probe_share, probe_trace=twin)
                     steps = info.pop("steps")
                     write_csv(os.path.join(a.out, f"real-{tag}.csv"), real)
                     warm_steps, after_steps = info.pop("warmup_steps"), info.pop("after_steps")
+                    probe_steps = info.pop("probe_steps")
                     info["probe_before"] = round(speed_factor(bundle, warm_steps, clock), 4)
                     if after_steps:
                         info["probe_after"] = round(speed_factor(bundle, after_steps, clock), 4)
-                    probe = speed_factor(bundle, warm_steps + after_steps, clock)
-                    oracle = speed_factor(bundle, steps, clock)
-                    info["probe_factor"], info["oracle_factor"] = round(probe, 4), round(oracle, 4)
+                    if probe_steps:  # interleaved: the speed over time, by step kind; the table shows its mean
+                        probe = step_speed(bundle, probe_steps, clock, a.probe_window)
+                        info["probe_range"] = [round(min(probe.prefill.factors + probe.decode.factors), 4),
+                                               round(max(probe.prefill.factors + probe.decode.factors), 4)]
+                        info["probe_factor"] = round(probe.mean, 4)
+                        info["probe_prefill"], info["probe_decode"] = (round(probe.prefill.mean, 4),
+                                                                       round(probe.decode.mean, 4))
+                    else:
+                        probe = speed_factor(bundle, warm_steps + after_steps, clock)
+                        info["probe_factor"] = round(probe, 4)
+                    # the oracle: the replay's own mean speed, by step kind as the probe reads it (one
+                    # number over the whole replay when the probe is a single number)
+                    oracle = step_speed(bundle, steps, clock, window=len(steps)) if probe_steps and steps \
+                        else speed_factor(bundle, steps, clock)
+                    info["oracle_factor"] = round(speed_factor(bundle, steps, clock), 4)
+                    if isinstance(oracle, StepSpeed):
+                        info["oracle_prefill"], info["oracle_decode"] = (round(oracle.prefill.mean, 4),
+                                                                         round(oracle.decode.mean, 4))
+                    _write_steps(os.path.join(a.out, f"steps-{tag}.json"), bundle, clock, steps, probe_steps)
                     static = 1.0 if clock == "cpu" else None  # CPU tables as measured / the bundle's wall per CPU
                     variants = {"probe": probe, "static": static, "oracle": oracle}
                     cmp, sims = {}, {}
@@ -405,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
                     with open(out_json, "w") as f:
                         json.dump({"results": results, "bars_pct": BARS}, f, indent=2, default=str)
-    text = ["## The gate: real engine vs simulator, speed probed on the warm-up steps before each replay", "",
+    text = ["## The gate: real engine vs simulator at the probed speed (see real_info.probe in validation.json)", "",
             format_table(results, {"cpu": "probe", "wall": "probe"}), "",
             "## Without the probe: the bundle as profiled (CPU tables; wall clock: the profile's wall/CPU)", "",
             format_table(results, {"cpu": "static", "wall": "static"}), "",
