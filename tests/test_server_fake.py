@@ -151,3 +151,24 @@ def test_no_tools_means_no_tool_parsing(fake):
     r = client.chat.completions.create(model="a", messages=[{"role": "user", "content": f"SCRIPT<<{SCRIPTED}|||"}],
                                        max_tokens=200, tools=[WEATHER], tool_choice="none")
     assert not r.choices[0].message.tool_calls
+
+
+def test_served_engine_freezes_its_startup_heap():
+    """`deltaserve serve` asks for a frozen heap once the engine is loaded (collector passes then skip the
+    start-up objects); apps built without it, as in the other tests, leave the collector alone."""
+    import gc
+
+    from deltaserve.server.async_engine import AsyncEngine
+
+    assert gc.get_freeze_count() == 0
+    plain = AsyncEngine(EngineConfig(), FakeEngine)
+    plain.start()
+    assert plain.wait_ready(30) and gc.get_freeze_count() == 0
+    plain.shutdown()
+    frozen = AsyncEngine(EngineConfig(), FakeEngine, freeze_heap=True)
+    try:
+        frozen.start()
+        assert frozen.wait_ready(30) and gc.get_freeze_count() > 0
+    finally:
+        frozen.shutdown()
+        gc.unfreeze()

@@ -137,6 +137,16 @@ def test_agent_sessions_resend_the_conversation():
             assert nxt.arrival_time > prev.arrival_time
 
 
+def test_agent_turns_keep_the_minimum_gap():
+    spec = AgentTraceSpec(num_sessions=20, turns=(3, 5), think_time=1.0, seed=5)
+    gaps = lambda tr: [b.arrival_time - a.arrival_time for a, b in zip(tr, tr[1:])  # noqa: E731
+                       if a.session_id == b.session_id]
+    by_session = lambda tr: sorted(tr, key=lambda r: (r.session_id, r.arrival_time))  # noqa: E731
+    assert min(gaps(by_session(agent_trace(spec)))) < 0.5  # exponential think times: some nearly coincide
+    from dataclasses import replace
+    assert min(gaps(by_session(agent_trace(replace(spec, min_gap=0.5))))) >= 0.5 - 1e-9
+
+
 # ------------------------------------------------------------------------------------------------ latency model
 def test_interpolation():
     f = Interp1D([(1, 10), (10, 100), (100, 1000)])

@@ -98,15 +98,16 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
 
 
 def build_app(engine_config: Any, api_key: str | None = None, served_model_name: str | list[str] | None = None,
-              *, engine_factory: Callable[[Any], Any] | None = None) -> FastAPI:
-    """The OpenAI-compatible app over one engine. engine_factory (tests) replaces LLMEngine.from_config."""
+              *, engine_factory: Callable[[Any], Any] | None = None, freeze_heap: bool = False) -> FastAPI:
+    """The OpenAI-compatible app over one engine. engine_factory (tests) replaces LLMEngine.from_config.
+    freeze_heap: see AsyncEngine (the `deltaserve serve` process sets it; tests that build many apps do not)."""
     if isinstance(served_model_name, str):
         names = [served_model_name]
     elif served_model_name:
         names = list(served_model_name)
     else:
         names = [default_model_name(engine_config)]
-    engine = AsyncEngine(engine_config, engine_factory)
+    engine = AsyncEngine(engine_config, engine_factory, freeze_heap=freeze_heap)
     metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.engine if engine.is_ready else None)
     serving = OpenAIServing(engine, metrics, names)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import queue
 import threading
@@ -48,9 +49,15 @@ class RequestSink:
 
 
 class AsyncEngine:
-    def __init__(self, engine_config: Any, engine_factory: Callable[[Any], Any] | None = None):
+    def __init__(self, engine_config: Any, engine_factory: Callable[[Any], Any] | None = None,
+                 freeze_heap: bool = False):
+        """freeze_heap: once the engine is loaded, collect and freeze the heap (gc.freeze), as vLLM does, so the
+        collector's oldest-generation passes scan only what serving creates: on an unfrozen heap they took
+        10-60 ms inside engine steps (measured on tiny). For a process that serves one engine for its whole
+        life; frozen objects are never collected, so not for one that builds many."""
         self.config = engine_config
         self._factory = engine_factory
+        self.freeze_heap = freeze_heap
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, RequestSink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -109,6 +116,9 @@ class AsyncEngine:
             self.engine = engine
             self.tokenizer = engine.tokenizer
             self._snapshot()
+            if self.freeze_heap:
+                gc.collect()
+                gc.freeze()
         except BaseException as e:  # noqa: BLE001 - reported by /health and every request
             self.load_error = f"the engine failed to start: {type(e).__name__}: {e}"
             log.error("%s\n%s", self.load_error, traceback.format_exc())

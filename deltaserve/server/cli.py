@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import build_app
 
-    app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name)
+    app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True)
     logging.getLogger("deltaserve").info("serving %s on http://%s:%d", app.state.serving.model_name,
                                          args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,

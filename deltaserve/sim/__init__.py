@@ -83,6 +83,9 @@ def _gen_trace_main(argv: list[str]) -> int:
     g.add_argument("--new-tokens", default="32,192", help="min,max tokens appended per later turn")
     g.add_argument("--output-tokens", default="16,64")
     g.add_argument("--think-time", type=float, default=2.0, help="mean seconds between turns")
+    g.add_argument("--min-gap", type=float, default=0.0,
+                   help="at least this many seconds between a session's turns (the trace is open-loop: a gap "
+                        "no shorter than a turn's service keeps its next turn from arriving before its answer)")
     g.add_argument("--vocab", type=int, default=4000)
     g = p.add_argument_group("mooncake-style")
     g.add_argument("--num-reqs", type=int, default=100)
@@ -93,7 +96,7 @@ def _gen_trace_main(argv: list[str]) -> int:
         spec = AgentTraceSpec(num_sessions=a.sessions, session_rate=a.session_rate, turns=rng2(a.turns),
                               system_tokens=a.system_tokens, first_user_tokens=rng2(a.first_user_tokens),
                               new_tokens=rng2(a.new_tokens), output_tokens=rng2(a.output_tokens),
-                              think_time=a.think_time, vocab=a.vocab, seed=a.seed)
+                              think_time=a.think_time, min_gap=a.min_gap, vocab=a.vocab, seed=a.seed)
         reqs = agent_trace(spec)
         write_trace(a.out, reqs)
         n = len(reqs)

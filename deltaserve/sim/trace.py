@@ -183,8 +183,10 @@ class AgentTraceSpec:
     """Synthetic agent sessions: every session starts with the same system prompt and tool definitions,
     then each turn appends the previous output and new tokens (a tool result or a user message) and
     re-sends the whole conversation. Sessions start as a Poisson process; turns follow each other after
-    a think time (the tool call or the user), measured from the previous turn's arrival plus a nominal
-    service time, since the trace is open-loop."""
+    a think time (the tool call or the user, exponential), measured from the previous turn's arrival since
+    the trace is open-loop, and at least min_gap: a real agent's next turn never arrives before the answer
+    to its last one, which an exponential gap alone allows (two turns 10 ms apart racing for one
+    checkpoint)."""
 
     num_sessions: int = 20
     session_rate: float = 1.0  # sessions per second (Poisson)

@@ -35,6 +35,7 @@ and of the probe, measured and predicted.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -68,12 +69,12 @@ def preset_scenario(preset: str, quick: bool = False) -> Scenario:
         eng = dict(max_num_seqs=8, max_num_batched_tokens=512, kv_cache_memory=64 << 20)
         spec = AgentTraceSpec(num_sessions=8 if quick else 32, session_rate=1.0, turns=(2, 4), system_tokens=300,
                               first_user_tokens=(32, 160), new_tokens=(16, 128), output_tokens=(8, 40),
-                              think_time=2.0, seed=7)
+                              think_time=2.0, min_gap=1.0, seed=7)
     elif preset == "qwen3.5-0.8b-shape":
         eng = dict(max_num_seqs=6, max_num_batched_tokens=1152, kv_cache_memory=1 << 30)
         spec = AgentTraceSpec(num_sessions=3 if quick else 8, session_rate=1.0, turns=(2, 3), system_tokens=640,
                               first_user_tokens=(32, 200), new_tokens=(16, 160), output_tokens=(6, 16),
-                              think_time=2.0, seed=7)
+                              think_time=2.0, min_gap=1.0, seed=7)
     else:
         eng = dict(max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_memory=1 << 30)
         spec = AgentTraceSpec(num_sessions=6, seed=7)
@@ -230,6 +231,11 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
         pplans = traced(peng)
         run_warmup(peng, pplans, "-probe-first")  # first calls into every kernel: not the machine's speed
         twin = _TwinReplay(peng, probe_trace, lambda: timed_step(peng, pplans, twin.steps), params)
+    # as a served engine does after start-up (vLLM too): freeze what exists now (weights' wrappers, traces,
+    # both engines) so that the collector's oldest-generation passes scan only what the replay creates; an
+    # unfrozen heap made 10-60 ms pauses inside random steps, which no latency model should predict
+    gc.collect()
+    gc.freeze()
     pending = sorted(trace, key=lambda r: r.arrival_time)
     recs: dict[str, RequestRecord] = {}
     k = 0
@@ -295,6 +301,7 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
             "replay_cpu_s": round(time.thread_time() - c0 - probe_cpu, 2), "probe_cpu_s": round(probe_cpu, 2),
             "load_avg": os.getloadavg()[0], "steps": steps, "warmup_steps": warm_steps,
             "after_steps": after_steps, "probe_steps": probe_steps}
+    gc.unfreeze()  # the engines may go now
     del eng, twin
     return [recs[r.request_id] for r in trace], info
 
