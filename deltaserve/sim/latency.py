@@ -9,7 +9,8 @@
               + overhead: scheduler(N) + batch_prep(N) + engine_emit(S)
               + calibrated residual: fixed + per_seq * N + per_prefill * P (and two compute scales: one
                 for the prefill part of the tables, one for the decode part, see compute_parts)
-    wall time = wall_per_cpu * all of it   (1 when the bundle was timed in wall time)
+    wall time = wall_per_cpu * all of it   (1 when the bundle was timed in wall time; or speed(t), a SpeedTrace
+                                           measured while a real run went on, per step kind)
 
 T tokens in the step, S sampled rows, N sequences, L a prefill span's length, lead its start position
 modulo the 64-token GDN chunk (the chunked kernel pads to its grid). This mirrors how the engine runs a
