@@ -218,6 +218,8 @@ def test_step_speed_reads_the_step_kinds_apart(bundle):
     only = step_speed(bundle, steps[:4], "cpu")
     assert only.decode(0.0) == pytest.approx(0.9)
     assert step_speed(bundle, [(pre, 2.0 * lm.shape_us(pre), 1.0, 0.0)], "wall").prefill(0.0) == pytest.approx(2.0)
+    cold = [(pre, 0.0, 5.0 * lm.shape_us(pre), 0.0, True)]  # a probe burst's first step is not a sample
+    assert step_speed(bundle, cold + [s + (False,) for s in steps], "cpu").prefill(2.0) == pytest.approx(0.9)
 
 
 def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():

@@ -66,7 +66,7 @@ class SpeedTrace:
     """The machine's speed over time: factor(t) = measured / predicted time of the probe steps nearest to t.
 
     samples: (t, measured_us, predicted_us) per probe step, t on the clock of the run being simulated. The
-    factor at t pools the `window` samples centred on the one nearest t (fewer at the ends), so that one
+    factor at t pools the `window` samples centred on the one nearest t (off centre at the ends), so that one
     noisy step moves it by little; a speed that drifts over seconds is followed, a single slow step is not."""
 
     def __init__(self, samples, window: int = 32):

@@ -167,9 +167,9 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
                    clock of its own, in bursts between the replay's steps, taking `probe_share` of the
                    replay's busy CPU time in bursts of at least `probe_burst_s` and `probe_burst_steps`
                    steps (a longer burst when the share is met early, a longer pause after it); the
-                   replay's clock stops during a burst. info["probe_steps"]: (shape, wall us, cpu us, replay clock) per probe step
-                   but the first of each burst (it runs on the caches the replay left), so the simulator can
-                   follow the speed over the replay.
+                   replay's clock stops during a burst. info["probe_steps"]: (shape, wall us, cpu us, replay
+                   clock, first of its burst) per probe step, so the simulator can follow the speed over the
+                   replay.
 
     clock "wall": arrival times and token times in wall-clock seconds (time.time()), sleeping while idle.
     clock "cpu": a virtual clock that advances by this thread's CPU time while the engine works (add_request and
@@ -209,16 +209,13 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
         plans.clear()
         return outs, (shape, dw * 1e6, dc * 1e6)
 
-    def add_warmup(engine, salt_suffix: str) -> None:
+    def run_warmup(engine, plans: list, salt_suffix: str = "") -> list:
+        """The warm-up requests all at once (prefills, mixed steps, decode batches), to the end."""
+        out: list = []
         for w in warmup:
             engine.add_request(w.request_id + salt_suffix, {"prompt_token_ids": w.prompt_token_ids,
                                                             "cache_salt": (w.cache_salt or "") + salt_suffix},
                                params(w.output_length))
-
-    def run_warmup(engine, plans: list, salt_suffix: str = "") -> list:
-        """The warm-up requests all at once (prefills, mixed steps, decode batches), to the end."""
-        out: list = []
-        add_warmup(engine, salt_suffix)
         while engine.has_unfinished_requests():
             _, st = timed_step(engine, plans, out)
             if st is not None:
@@ -229,7 +226,7 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     plans = traced(eng)
     warm_steps = run_warmup(eng, plans)
     twin = None
-    probe_steps: list = []  # (shape, wall us, cpu us, replay clock)
+    probe_steps: list = []  # (shape, wall us, cpu us, replay clock, first of its burst)
     if probe == "interleaved":
         peng = LLMEngine(cfg)
         pplans = traced(peng)
@@ -291,8 +288,7 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
             n = 0
             while probe_cpu < probe_share * busy_cpu or n < probe_burst_steps:
                 pst = twin.step()
-                if n:  # a burst's first step runs on the caches the replay left: 15-28% slow on tiny
-                    probe_steps.append(pst + (t_out,))
+                probe_steps.append(pst + (t_out, n == 0))  # a burst's first step: see step_speed
                 n += 1
                 probe_cpu += pst[2] * 1e-6
             paused += time.perf_counter() - tb
@@ -388,11 +384,14 @@ class StepSpeed:
 
 
 def step_speed(bundle, steps, clock: str, window: int = 32) -> StepSpeed:
-    """steps: (shape, wall us, cpu us, replay clock). A kind with no steps takes the other kind's speed."""
+    """steps: (shape, wall us, cpu us, replay clock[, first of its burst]). A burst's first step is not a
+    sample: it runs on the caches the other engine left (on tiny 15-28% slower than the rest, which biased the
+    decode speed by 1-2%). A kind with no steps takes the other kind's speed."""
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
     kinds: dict[bool, list] = {True: [], False: []}
-    for shape, w, c, t in steps:
-        kinds[shape.decode_only].append((t, w if clock == "wall" else c, lm.shape_us(shape)))
+    for shape, w, c, t, *first in steps:
+        if not (first and first[0]):
+            kinds[shape.decode_only].append((t, w if clock == "wall" else c, lm.shape_us(shape)))
     both = kinds[True] + kinds[False]
     traces = {k: SpeedTrace(v or both, window) for k, v in kinds.items()}
     return StepSpeed(traces[False], traces[True], SpeedTrace(both, window).mean)
@@ -408,16 +407,17 @@ def step_model_error(bundle, steps) -> float:
 
 def _write_steps(path: str, bundle, clock: str, steps: list, probe_steps: list) -> None:
     """Per step of the replay and of the interleaved probe: [replay clock, measured us on the clock, predicted
-    CPU us]: what the speed trace and the oracle were computed from."""
+    CPU us, kind, tokens, first of a probe burst]: what the speed trace and the oracle were computed from."""
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
     m = 1 if clock == "wall" else 2
 
     def row(st) -> list:
         s = st[0]
         kind = "decode" if s.decode_only else "mixed" if s.decode_ctx else "prefill"
-        return [round(st[3], 4), round(st[m], 1), round(lm.shape_us(s), 1), kind, s.n_tokens]
+        return [round(st[3], 4), round(st[m], 1), round(lm.shape_us(s), 1), kind, s.n_tokens,
+                bool(st[4:5] and st[4])]
     with open(path, "w") as f:
-        json.dump({"clock": clock, "columns": ["t", "measured_us", "predicted_us", "kind", "tokens"],
+        json.dump({"clock": clock, "columns": ["t", "measured_us", "predicted_us", "kind", "tokens", "burst_first"],
                    "replay": [row(st) for st in steps], "probe": [row(st) for st in probe_steps]}, f)
 
 
@@ -550,10 +550,12 @@ def main(argv: list[str] | None = None) -> int:
                     # number over the whole replay when the probe is a single number)
                     oracle = step_speed(bundle, steps, clock, window=len(steps)) if probe_steps and steps \
                         else speed_factor(bundle, steps, clock)
-                    info["oracle_factor"] = round(speed_factor(bundle, steps, clock), 4)
                     if isinstance(oracle, StepSpeed):
+                        info["oracle_factor"] = round(oracle.mean, 4)
                         info["oracle_prefill"], info["oracle_decode"] = (round(oracle.prefill.mean, 4),
                                                                          round(oracle.decode.mean, 4))
+                    else:
+                        info["oracle_factor"] = round(oracle, 4)
                     _write_steps(os.path.join(a.out, f"steps-{tag}.json"), bundle, clock, steps, probe_steps)
                     static = 1.0 if clock == "cpu" else None  # CPU tables as measured / the bundle's wall per CPU
                     variants = {"probe": probe, "static": static, "oracle": oracle}
