@@ -206,7 +206,7 @@ def test_a_speed_trace_slows_the_steps_it_covers(bundle):
 def test_step_speed_reads_the_step_kinds_apart(bundle):
     """The validation's speed: prefill-carrying and decode-only steps measured apart; a kind the probe never
     ran takes the speed of all steps."""
-    from deltaserve.sim.validate import step_speed
+    from deltaserve.sim.validate import COLD_STEP_US, step_speed
 
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
     pre, dec = StepShape([(64, 0)], [], 1), StepShape([], [100] * 2, 2)
@@ -218,8 +218,11 @@ def test_step_speed_reads_the_step_kinds_apart(bundle):
     only = step_speed(bundle, steps[:4], "cpu")
     assert only.decode(0.0) == pytest.approx(0.9)
     assert step_speed(bundle, [(pre, 2.0 * lm.shape_us(pre), 1.0, 0.0)], "wall").prefill(0.0) == pytest.approx(2.0)
-    cold = [(pre, 0.0, 5.0 * lm.shape_us(pre), 0.0, True)]  # a probe burst's first step is not a sample
+    cold = [(pre, 0.0, 5.0 * lm.shape_us(pre), 0.0, True)]  # a probe burst's short first step is not a sample
+    assert 5.0 * lm.shape_us(pre) < COLD_STEP_US
     assert step_speed(bundle, cold + [s + (False,) for s in steps], "cpu").prefill(2.0) == pytest.approx(0.9)
+    long = (pre, 0.0, 2.0 * COLD_STEP_US, 0.0, True)  # a long one is: its cold caches are under 1% of it
+    assert step_speed(bundle, [long], "cpu").prefill(0.0) == pytest.approx(2.0 * COLD_STEP_US / lm.shape_us(pre))
 
 
 def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():
@@ -252,6 +255,20 @@ def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():
     assert len({salt for _, salt in eng.added}) == 2 and len(twin.steps) == 4
     # a at 0 (clock 0.5 after it), a jump to b's arrival at 10 (10.5), round 2 starts there: a (11.0), b at 20.5
     assert twin.clock == pytest.approx(21.0)
+
+
+def test_probe_burst_pays_its_share_with_a_step_minimum_up_to_a_cap():
+    """A burst runs the CPU time the twin owes, at least five steps while they are short (one cache
+    disturbance per burst, not per step), but never five 10-second steps (the replay would stop a minute)."""
+    from deltaserve.sim.validate import _burst
+
+    def steps_of(us):
+        return lambda: ("shape", us, us)
+    assert len(_burst(steps_of(1e3), 0.1, 5, 1.0)) == 100  # 1 ms steps: the owed 0.1 s
+    assert len(_burst(steps_of(5e4), 0.001, 5, 1.0)) == 5  # 50 ms steps: the step minimum
+    assert len(_burst(steps_of(4e5), 0.001, 5, 1.0)) == 3  # 0.4 s steps: the minimum stops at 1 s
+    assert len(_burst(steps_of(1e7), 5.0, 5, 1.0)) == 1  # a 10 s prefill pays 5 s owed at once
+    assert len(_burst(steps_of(1e7), 15.0, 5, 1.0)) == 2
 
 
 # ------------------------------------------------------------------------------------------------ the simulation

@@ -22,7 +22,7 @@ simulator runs at the speed a probe measured while the replay ran, and the probe
   interleaved  (the default) a twin engine, same flags, replays another trace from the same generator at the
                same load (seed + 1: the same kind of steps, none of the same requests) in bursts between the
                replay's steps, half the replay's CPU time; the replay's clock stops during a burst, and a
-               burst's first step (on the caches the replay left) is not a sample. Its
+               burst's short first step (on the caches the replay left) is not a sample. Its
                measured / predicted time, pooled over 32 neighbouring steps of a kind, is the speed at each
                moment for steps with prompt tokens and for decode-only steps apart (StepSpeed; on a shared
                machine the two drift apart), so the simulator follows the drift over the replay.
@@ -155,6 +155,7 @@ def pick_scales(bundle, flags: dict, trace: list[TraceRequest], caching: bool = 
 def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
              num_threads: int | None, clock: str = "wall", progress: bool = True, probe: str = "interleaved",
              probe_share: float = 0.5, probe_burst_s: float = 0.1, probe_burst_steps: int = 5,
+             probe_burst_cap_s: float = 1.0,
              probe_trace: list[TraceRequest] | None = None) -> tuple[list[RequestRecord], dict]:
     """Replay the trace on a fresh LLMEngine; per-request records and replay facts.
 
@@ -166,7 +167,9 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
                    generator, at the same load: the same kind of steps, none of the same requests) on a CPU
                    clock of its own, in bursts between the replay's steps, taking `probe_share` of the
                    replay's busy CPU time in bursts of at least `probe_burst_s` and `probe_burst_steps`
-                   steps (a longer burst when the share is met early, a longer pause after it); the
+                   steps, the step count only until the burst has run `probe_burst_cap_s` (a 0.8B prefill
+                   takes ~10 s: five of them would stop the replay for a minute while the machine's speed
+                   moves); a longer burst when the share is met early, a longer pause after it; the
                    replay's clock stops during a burst. info["probe_steps"]: (shape, wall us, cpu us, replay
                    clock, first of its burst) per probe step, so the simulator can follow the speed over the
                    replay.
@@ -285,11 +288,9 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
                 rec.preemptions = o.metrics.num_preemptions if o.metrics else 0
         if twin is not None and probe_cpu + probe_burst_s <= probe_share * busy_cpu:
             tb = time.perf_counter()  # a burst: the replay's clock stops (cpu: it only counts replay steps)
-            n = 0
-            while probe_cpu < probe_share * busy_cpu or n < probe_burst_steps:
-                pst = twin.step()
-                probe_steps.append(pst + (t_out, n == 0))  # a burst's first step: see step_speed
-                n += 1
+            burst = _burst(twin.step, probe_share * busy_cpu - probe_cpu, probe_burst_steps, probe_burst_cap_s)
+            for i, pst in enumerate(burst):
+                probe_steps.append(pst + (t_out, i == 0))  # a burst's first step: see step_speed
                 probe_cpu += pst[2] * 1e-6
             paused += time.perf_counter() - tb
         if progress and time.time() - last_print > 15:
@@ -307,6 +308,16 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     gc.unfreeze()  # the engines may go now
     del eng, twin
     return [recs[r.request_id] for r in trace], info
+
+
+def _burst(step, owed_s: float, min_steps: int, cap_s: float) -> list:
+    """One probe burst: step() -> (shape, wall us, cpu us) until the burst has run `owed_s` of CPU and at least
+    `min_steps` steps, the step minimum only until it has run `cap_s`."""
+    out, spent = [], 0.0
+    while spent < owed_s or (len(out) < min_steps and spent < cap_s):
+        out.append(step())
+        spent += out[-1][2] * 1e-6
+    return out
 
 
 class _TwinReplay:
@@ -373,6 +384,9 @@ def speed_factor(bundle, steps, clock: str) -> float:
     return meas / pred if pred > 0 else 1.0
 
 
+COLD_STEP_US = 100_000  # a cold first step's ~1 ms is under 1% of a step this long
+
+
 @dataclass
 class StepSpeed:
     """The speed the machine ran at over a replay's clock, for steps with prompt tokens (prefill) and for
@@ -384,14 +398,17 @@ class StepSpeed:
 
 
 def step_speed(bundle, steps, clock: str, window: int = 32) -> StepSpeed:
-    """steps: (shape, wall us, cpu us, replay clock[, first of its burst]). A burst's first step is not a
-    sample: it runs on the caches the other engine left (on tiny 15-28% slower than the rest, which biased the
-    decode speed by 1-2%). A kind with no steps takes the other kind's speed."""
+    """steps: (shape, wall us, cpu us, replay clock[, first of its burst]). A burst's first step runs on the
+    caches the other engine left: 0.5-0.9 ms more on tiny whatever the step (15-28% of a 4 ms decode, which
+    biased the decode speed by 1-2%; nothing measurable on a 0.8B step). So a first step shorter than
+    COLD_STEP_US is not a sample; a longer one is (on the 0.8B shape most prefill samples are first steps).
+    A kind with no steps takes the other kind's speed."""
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
     kinds: dict[bool, list] = {True: [], False: []}
     for shape, w, c, t, *first in steps:
-        if not (first and first[0]):
-            kinds[shape.decode_only].append((t, w if clock == "wall" else c, lm.shape_us(shape)))
+        us = w if clock == "wall" else c
+        if not (first and first[0] and us < COLD_STEP_US):
+            kinds[shape.decode_only].append((t, us, lm.shape_us(shape)))
     both = kinds[True] + kinds[False]
     traces = {k: SpeedTrace(v or both, window) for k, v in kinds.items()}
     return StepSpeed(traces[False], traces[True], SpeedTrace(both, window).mean)

@@ -194,6 +194,6 @@ def select_decode_kernels(device: torch.device | str, dtype: torch.dtype, mode: 
         log.warning("decode kernels: torch (compiling the C++ decode kernels failed: %s: %s)",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return TORCH
-    log.info("decode kernels: cpp (paged_decode_attention, gdn_decode_step, conv1d_step; loaded in %.1f s)",
-             _build_seconds or 0.0)
+    log.info("decode kernels: cpp (paged_decode_attention, gdn_decode_step, conv1d_step; built or loaded once "
+             "per process, in %.1f s)", _build_seconds or 0.0)
     return DecodeKernels("cpp", ext)
