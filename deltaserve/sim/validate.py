@@ -168,8 +168,8 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
                    clock of its own, in bursts between the replay's steps, taking `probe_share` of the
                    replay's busy CPU time in bursts of at least `probe_burst_s` and `probe_burst_steps`
                    steps, the step count only until the burst has run `probe_burst_cap_s` (a 0.8B prefill
-                   takes ~10 s: five of them would stop the replay for a minute while the machine's speed
-                   moves); a longer burst when the share is met early, a longer pause after it; the
+                   takes ~10 s: a burst of five stopped the replay for up to 46 s while the machine's speed
+                   moved); a longer burst when the share is met early, a longer pause after it; the
                    replay's clock stops during a burst. info["probe_steps"]: (shape, wall us, cpu us, replay
                    clock, first of its burst) per probe step, so the simulator can follow the speed over the
                    replay.
@@ -432,7 +432,7 @@ def _write_steps(path: str, bundle, clock: str, steps: list, probe_steps: list) 
         s = st[0]
         kind = "decode" if s.decode_only else "mixed" if s.decode_ctx else "prefill"
         return [round(st[3], 4), round(st[m], 1), round(lm.shape_us(s), 1), kind, s.n_tokens,
-                bool(st[4:5] and st[4])]
+                len(st) > 4 and bool(st[4])]  # replay steps carry no burst flag
     with open(path, "w") as f:
         json.dump({"clock": clock, "columns": ["t", "measured_us", "predicted_us", "kind", "tokens", "burst_first"],
                    "replay": [row(st) for st in steps], "probe": [row(st) for st in probe_steps]}, f)
