@@ -1,23 +1,30 @@
 # Two commands do all the set-up on a fresh machine:
-#   make serve   install, then serve the embedded default model on 127.0.0.1:8000
-#   make test    install, then run the test suite
-PY ?= python3
-PIP = $(PY) -m pip
+#   make serve   make a virtual environment, install, then serve the embedded default model on 127.0.0.1:8000
+#   make test    make a virtual environment, install (with the test extras), then run the test suite
+# The environment is $(VENV) (default .venv beside this file); .ci/run points it at a fresh temporary one.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
 
-.PHONY: install install-test serve generate test test-all bench
-install:
+.PHONY: install install-test serve generate test test-all
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch first, from this machine kind's disk (the CPU build); the project's range then installs nothing more
+install: $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .
 
-install-test:
+install-test: $(PY)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 
 serve: install
-	deltaserve serve --host 127.0.0.1 --port 8000
+	$(PY) -m deltaserve serve --host 127.0.0.1 --port 8000
 
 generate: install
-	deltaserve generate --prompt "Hello, deltaserve" --max-tokens 32
+	$(PY) -m deltaserve generate --prompt "Hello, deltaserve" --max-tokens 32
 
 test: install-test
 	$(PY) -m pytest -q

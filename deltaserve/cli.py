@@ -5,55 +5,25 @@ import argparse
 import logging
 import sys
 
-from .config import CACHE_LAYOUTS
+from .config import add_engine_args, engine_args
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, with vLLM's names where vLLM has one."""
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="checkpoint directory (config.json + safetensors); default: the embedded model")
-    g.add_argument("--preset", default="tiny", help="embedded model preset when --model is not given (tiny, qwen3.5-0.8b-shape)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=16)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--prefill-merge-tokens", type=int, default=256,
-                   help="waiting prompts join a step while its prefill tokens are below this (0 = no limit)")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="bytes for the cache pool (pages + GDN slots)")
-    g.add_argument("--memory-utilization", "--gpu-memory-utilization", type=float, default=0.5, dest="memory_utilization")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--cache-layout", default="runs", choices=CACHE_LAYOUTS)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-
-
-ENGINE_ARG_NAMES = ("model", "preset", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                    "prefill_merge_tokens", "kv_cache_memory", "memory_utilization", "block_size",
-                    "enable_prefix_caching", "cache_layout",
-                    "seed", "num_threads", "device")
-
-
-def engine_config_from_args(a: argparse.Namespace):
-    from .config import EngineConfig
-
-    return EngineConfig.from_kwargs(**{k: getattr(a, k) for k in ENGINE_ARG_NAMES})
-
-
-def _generate(argv: list[str]) -> int:
+def generate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve generate", description="print one completion")
     add_engine_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    a = p.parse_args(argv)
+    return p
+
+
+def _generate(argv: list[str]) -> int:
+    a = generate_parser().parse_args(argv)
     from .llm import LLM
     from .sampling_params import SamplingParams
 
-    cfg = {k: getattr(a, k) for k in ENGINE_ARG_NAMES}
-    llm = LLM(cfg.pop("model"), **cfg)
+    llm = LLM(**engine_args(a))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
     out = (llm.chat([{"role": "user", "content": a.prompt}], sp, use_tqdm=False) if a.chat
            else llm.generate(a.prompt, sp, use_tqdm=False))[0]
@@ -83,10 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda r: __import__("deltaserve.server", fromlist=["main"]).main(r),
         "generate": _generate,
         "make-model": _make_model,
-        "plan": lambda r: __import__("deltaserve.plan", fromlist=["main"]).main(r),
+        "plan": lambda r: __import__("deltaserve.planner", fromlist=["main"]).main(r),
         "bench": lambda r: __import__("deltaserve.bench", fromlist=["main"]).main(r),
         "profile": lambda r: __import__("deltaserve.profile", fromlist=["main"]).main(r),
-        "simulate": lambda r: __import__("deltaserve.sim", fromlist=["main"]).main(r),
+        "simulate": lambda r: (__import__("deltaserve.validate", fromlist=["main"]).main(r[1:]) if r[:1] == ["validate"]
+                               else __import__("deltaserve.sim", fromlist=["main"]).main(r)),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:
         print("usage: deltaserve {" + ",".join(cmds) + "} [options]\n"

@@ -4,22 +4,21 @@ No torch here: the planner, the scheduler and the simulator read these too.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
-from dataclasses import dataclass
-from typing import Any
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from .errors import ConfigError
+from .layouts import LAYOUT_NAMES
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
-# Where GDN checkpoints live (sizing.plan_pool): runs (the default) and in-page keep them in pool pages,
-# per-block in a tensor beside the pool. The one list every flag, config and pool check uses.
-CACHE_LAYOUTS = ("runs", "in-page", "per-block")
+MODEL_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # --dtype
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be served; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -162,31 +161,103 @@ def _check_keys(cls, kwargs: dict[str, Any]) -> None:
         raise ConfigError(f"unknown {cls.__name__} option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
 
 
+# ---------------------------------------------------------------- parsing flag values
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([kmgt]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def parse_bytes(text: str | int) -> int:
+    """A byte count: '4294967296', '4G' or '4GiB' (powers of 1024), '20GB' (powers of 1000), '1.5e9'."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    m = _SIZE.fullmatch(str(text))
+    if not m or (m.group(3) and not m.group(2)):
+        raise argparse.ArgumentTypeError(f"not a byte count: {text!r} (e.g. 4294967296, 4G, 512MiB, 20GB)")
+    unit, binary = m.group(2).lower(), bool(m.group(3)) or not m.group(4)
+    power = "kmgt".index(unit) + 1 if unit else 0
+    return int(float(m.group(1)) * ((1 << 10) if binary else 1000) ** power)
+
+
+def parse_count(text: str | int) -> int:
+    """A count: '262144', '256k' (1000s), '256Ki' (1024s), '27B' (billions), '1.5e9'."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    units = {"": 1, "k": 10**3, "ki": 2**10, "m": 10**6, "mi": 2**20, "b": 10**9, "g": 10**9, "t": 10**12}
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in units:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 262144, 256Ki, 27B)")
+    return int(float(m.group(1)) * units[m.group(2).lower()])
+
+
+# ---------------------------------------------------------------- the engine's flags
+
+@dataclass(frozen=True)
+class Flag:
+    """How an EngineConfig field appears on every command line (each command builds its flags from these).
+
+    parse: the value's parser (the same in every command); replica: a simulated replica takes it too (the
+    scheduling and memory flags); the rest need a real engine (a model to load, a device, threads...)."""
+
+    help: str
+    parse: Callable[[str], Any] | None = None  # None: a boolean --flag / --no-flag
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    aliases: tuple[str, ...] = ()
+    replica: bool = False
+
+    def option(self, name: str) -> str:
+        return "--" + name.replace("_", "-")
+
+
+def _flag(default: Any, help: str, parse: Callable[[str], Any] | None = str, **kw) -> Any:
+    return field(default=default, metadata={"flag": Flag(help, parse, **kw)})
+
+
+def _optional_int(text: str) -> int | None:
+    return None if str(text).lower() in ("none", "auto") else int(text)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """The engine's flags (vLLM's names). Unknown keys are errors (see from_kwargs)."""
+    """The engine's flags (vLLM's names). Unknown keys are errors (see from_kwargs).
 
-    model: str | None = None  # checkpoint directory; None = the embedded default model
-    preset: str = "tiny"  # embedded model preset when model is None
-    dtype: str = "auto"  # auto|bfloat16|float16|float32
-    max_model_len: int | None = None  # default: min(model's max_position_embeddings, pool)
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    prefill_merge_tokens: int = 256  # waiting prompts join a step while its prefill tokens are below this; 0 = no limit
-    kv_cache_memory: int | None = None  # bytes for the whole pool (pages + GDN slots)
-    memory_utilization: float = 0.5  # fraction of device memory when kv_cache_memory is unset
-    block_size: int = 16  # the user's --block-size; the hybrid block is derived from it
-    enable_prefix_caching: bool = True
-    cache_layout: str = "runs"  # one of CACHE_LAYOUTS
-    seed: int = 0
-    num_threads: int | None = None  # torch CPU threads; None = torch's default
-    device: str = "auto"  # auto|cpu|cuda
+    Each field's Flag is its one definition on the command line: `deltaserve generate | serve | profile |
+    simulate` (and the benchmarks) build their engine flags with add_engine_args()."""
+
+    model: str | None = _flag(None, "checkpoint directory (config.json + safetensors); default: the embedded model",
+                              metavar="DIR")
+    preset: str = _flag("tiny", "embedded model preset when --model is not given (tiny, qwen3.5-0.8b-shape, ...)",
+                        metavar="NAME")
+    dtype: str = _flag("auto", "weights, activations, KV and conv state (auto = the checkpoint's)",
+                       choices=MODEL_DTYPE_CHOICES, replica=True)
+    max_model_len: int | None = _flag(None, "longest prompt + completion (default: min(the model's "
+                                      "max_position_embeddings, what one request can hold in the pool))",
+                                      parse_count, metavar="N", replica=True)
+    max_num_seqs: int = _flag(16, "running sequences at once (= live GDN slots)", int, metavar="N", replica=True)
+    max_num_batched_tokens: int = _flag(2048, "tokens per step (prefill chunks + decodes)", int, metavar="N",
+                                        replica=True)
+    prefill_merge_tokens: int = _flag(256, "a waiting prompt joins a step only while the step's prefill tokens "
+                                      "are below this (0 = no limit)", int, metavar="N", replica=True)
+    kv_cache_memory: int | None = _flag(None, "bytes for the whole cache pool (pages + GDN slots), e.g. 2G, 512MiB, "
+                                        "20GB; default: --memory-utilization of the device's memory",
+                                        parse_bytes, metavar="BYTES", replica=True)
+    memory_utilization: float = _flag(0.5, "fraction of device memory for the pool when --kv-cache-memory is "
+                                      "not given", float, metavar="FRACTION", aliases=("--gpu-memory-utilization",))
+    block_size: int = _flag(16, "vLLM's --block-size; the engine's page is derived from it (a multiple of 64)",
+                            int, metavar="N", replica=True)
+    enable_prefix_caching: bool = _flag(True, "hybrid prefix caching (GDN checkpoints)", None, replica=True)
+    cache_layout: str = _flag(LAYOUT_NAMES[0], "where GDN checkpoints live (docs/design.md)", choices=LAYOUT_NAMES,
+                              replica=True)
+    seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
+    num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
+                                    replica=True)
+    device: str = _flag("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ConfigError(f"--dtype must be auto, bfloat16, float16 or float32, not {self.dtype!r}")
-        if self.cache_layout not in CACHE_LAYOUTS:
-            raise ConfigError(f"--cache-layout must be one of {', '.join(CACHE_LAYOUTS)}, not {self.cache_layout!r}")
+        if self.dtype not in MODEL_DTYPE_CHOICES:
+            raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, not {self.dtype!r}")
+        if self.cache_layout not in LAYOUT_NAMES:
+            raise ConfigError(f"--cache-layout must be one of {', '.join(LAYOUT_NAMES)}, not {self.cache_layout!r}")
         if self.max_num_seqs < 1:
             raise ConfigError("--max-num-seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -199,8 +270,40 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory must be a positive number of bytes")
         if self.block_size < 1:
             raise ConfigError("--block-size must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError("--max-model-len must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError("--num-threads must be >= 1")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         _check_keys(cls, kwargs)
         return cls(**kwargs)
+
+
+ENGINE_FLAGS: dict[str, Flag] = {f.name: f.metadata["flag"] for f in dataclasses.fields(EngineConfig)}
+ENGINE_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+REPLICA_FLAGS: tuple[str, ...] = tuple(n for n, f in ENGINE_FLAGS.items() if f.replica)
+
+
+def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None = None,
+                    title: str = "engine") -> None:
+    """Add the engine flags `names` (default all) to parser, as their Flags define them. A flag that is not
+    given leaves no attribute (argparse.SUPPRESS), so engine_args() returns what the user said and the
+    defaults stay EngineConfig's own."""
+    g = parser.add_argument_group(title)
+    for name in (ENGINE_FLAGS if names is None else names):
+        fl, default = ENGINE_FLAGS[name], ENGINE_DEFAULTS[name]
+        shown = "on" if default is True else "off" if default is False else default
+        kw: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS,
+                              "help": fl.help if default is None else f"{fl.help} (default: {shown})"}
+        if fl.parse is None:
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw.update(type=fl.parse, choices=fl.choices, metavar=fl.metavar)
+        g.add_argument(fl.option(name), *fl.aliases, **kw)
+
+
+def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags given on the command line (EngineConfig names), and only those."""
+    return {n: getattr(ns, n) for n in ENGINE_FLAGS if hasattr(ns, n)}

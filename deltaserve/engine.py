@@ -21,8 +21,47 @@ log = logging.getLogger("deltaserve")
 class EngineInputError(ValueError):
     """A request the engine refuses (empty or too-long prompt, bad sampling values, bad token ids).
 
-    The message says what to fix; the server turns it into an HTTP 400. Other requests are unaffected.
+    The message says what to fix; `param` names the request field at fault ("prompt", "max_tokens", a
+    sampling field) and `code` the kind of error; the server turns it into an HTTP 400. Other requests are
+    unaffected.
     """
+
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_request(ids: list[int], params, vocab_size: int, max_model_len: int):
+    """The one validation of a request (the engine's add_request; the server relies on it): returns the
+    params to run with (max_tokens filled in when None) or raises EngineInputError naming the field."""
+    if not ids:
+        raise EngineInputError("The prompt is empty; send at least one token.", "prompt", "empty_prompt")
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise EngineInputError(f"Prompt token id {bad} is out of range [0, {vocab_size}) (the vocabulary).", "prompt",
+                               "invalid_token_id")
+    try:
+        params.validate_for(vocab_size)
+    except ValueError as e:
+        first = str(e).split(" ", 1)[0]
+        raise EngineInputError(str(e), first if first.isidentifier() else None) from None
+    if params.n != 1:
+        raise EngineInputError("the engine takes n=1 per request; the server and LLM fan n out into requests", "n")
+    n = len(ids)
+    if n >= max_model_len:
+        raise EngineInputError(
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has {n} input "
+            f"tokens, which leaves no room for the completion. Please reduce the length of the input.", "prompt",
+            "context_length_exceeded")
+    if params.max_tokens is None:
+        params = params.clone()
+        params.max_tokens = max_model_len - n
+    if n + params.max_tokens > max_model_len:
+        raise EngineInputError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). Please "
+            f"reduce the length of the prompt or the completion.", "max_tokens", "context_length_exceeded")
+    return params
 
 
 @dataclass
@@ -85,7 +124,7 @@ class LLMEngine:
         from .runner.platform import default_kv_budget, select_device, tune_allocator
         from .runner.runner import ModelRunner
         from .sampler import Sampler
-        from .scheduler.build import build_scheduler, resolve_shape
+        from .scheduler.build import build
         from .tokenizer import load_tokenizer
 
         self.config = config
@@ -105,21 +144,15 @@ class LLMEngine:
         self.model = load_model(path, dtype=self.dtype, device=self.device)
         self.tokenizer = load_tokenizer(path)
 
-        # memory: block size by vLLM's rule at this engine's alignment (a multiple of the 64-token GDN chunk);
-        # the same builder sizes a simulated replica (scheduler/build.py)
+        # config -> sizing -> memory + scheduler (the builder a simulated replica uses too) -> runner
         budget = config.kv_cache_memory or default_kv_budget(self.device, config.memory_utilization, self.model)
-        shape = resolve_shape(mc, dtype=self.dtype, block_size=config.block_size, kv_cache_memory=budget,
-                              max_num_seqs=config.max_num_seqs, cache_layout=config.cache_layout,
-                              max_model_len=config.max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+        shape, self.memory, self.scheduler = build(mc, config, budget, self.dtype)
         self.block_size, self.pool, self.max_model_len = shape.block_size, shape.pool, shape.max_model_len
         pool, caching = shape.pool, config.enable_prefix_caching
-        self.store = CacheStore(mc, pool, kv_dtype=getattr(torch, self.dtype), conv_dtype=getattr(torch, self.dtype),
-                                device=self.device)
+        self.store = CacheStore(mc, pool, kv_dtype=getattr(torch, self.dtype),
+                                conv_dtype=getattr(torch, self.dtype), device=self.device)
         self.runner = ModelRunner(self.model, self.store, self.device)
-        self.memory, self.scheduler = build_scheduler(shape, max_num_seqs=config.max_num_seqs,
-                                                      max_num_batched_tokens=config.max_num_batched_tokens,
-                                                      enable_prefix_caching=caching,
-                                                      prefill_merge_tokens=config.prefill_merge_tokens)
+        self.last_plan = None  # the plan of the latest step (the profiler and the validation read it)
         self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece)
         self._live: dict[str, _Live] = {}
         self._seed_counter = 0
@@ -142,18 +175,19 @@ class LLMEngine:
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
             if unknown:
-                raise EngineInputError(f"unknown prompt field(s): {', '.join(sorted(unknown))}")
+                raise EngineInputError(f"unknown prompt field(s): {', '.join(sorted(unknown))}", "prompt")
             if "prompt_token_ids" in prompt:
                 prompt = list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
-                raise EngineInputError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+                raise EngineInputError("a prompt dict needs 'prompt' or 'prompt_token_ids'", "prompt")
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
-        raise EngineInputError("a prompt is a string, a list of token ids, or a dict with 'prompt' or 'prompt_token_ids'")
+        raise EngineInputError("a prompt is a string, a list of token ids, or a dict with 'prompt' or "
+                               "'prompt_token_ids'", "prompt")
 
     def add_request(self, request_id: str, prompt, params=None, cache_salt: str | None = None,
                     arrival_time: float | None = None) -> None:
@@ -167,33 +201,10 @@ class LLMEngine:
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         text, ids = self._prompt_ids(prompt)
-        params = params if params is not None else SamplingParams()
-        if not ids:
-            raise EngineInputError("the prompt is empty; send at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise EngineInputError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
-        try:
-            params.validate_for(vocab)
-        except ValueError as e:
-            raise EngineInputError(str(e)) from None
-        if params.n != 1:
-            raise EngineInputError("the engine takes n=1 per request; the server and LLM fan n out into requests")
-        if len(ids) >= self.max_model_len:
-            raise EngineInputError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt has "
-                f"{len(ids)} tokens, which leaves no room for the completion. Please shorten the prompt.")
-        if params.max_tokens is None:
-            params = params.clone()
-            params.max_tokens = self.max_model_len - len(ids)
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise EngineInputError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, {params.max_tokens} in the "
-                f"completion). Please reduce the prompt or max_tokens.")
+        params = check_request(ids, params if params is not None else SamplingParams(),
+                               self.model_config.vocab_size, self.max_model_len)
         if cache_salt is not None and not isinstance(cache_salt, str):
-            raise EngineInputError("cache_salt must be a string")
+            raise EngineInputError("cache_salt must be a string", "cache_salt")
         now = time.time() if arrival_time is None else arrival_time
         seed = None
         if params.seed is None:
@@ -222,7 +233,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule()
+        plan = self.last_plan = self.scheduler.schedule()
         try:
             sampled = self._sample(plan, self.runner.execute(plan))
         except Exception as e:  # noqa: BLE001 - one failing request must not take the others down

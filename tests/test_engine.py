@@ -55,11 +55,12 @@ def test_preempted_equals_uninterrupted():
 def _budget_for_pages(small_pages: int, layout: str = "in-page") -> int:
     from deltaserve.config import ModelConfig
     from deltaserve.embedded import ensure_model
-    from deltaserve.sizing import geometry, hybrid_block_size, plan_pool
+    from deltaserve.layouts import layout_for
+    from deltaserve.sizing import geometry, hybrid_block_size, size_pool
 
     mc = ModelConfig.from_path(ensure_model("tiny"))
     g = geometry(mc, "bfloat16", "bfloat16", "float32")
-    p = plan_pool(g, 1 << 30, 64 if layout == "runs" else hybrid_block_size(g, 64), 6, layout)
+    p = size_pool(g, 1 << 30, layout_for(layout).page_tokens(64, hybrid_block_size(g, 64)), 6, layout)
     return 6 * p.slot_bytes + small_pages * p.bytes_per_page
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from deltaserve.config import ConfigError
 from deltaserve.model.loader import (
-    CheckpointError,
+    WeightsError,
     fuse_ba,
     fuse_qkvz,
     load_model,
@@ -113,21 +113,21 @@ def test_mtp_tensors_skipped_with_log_line(dense, tmp_path, caplog):
 def test_missing_tensor_is_an_error_naming_it(dense, tmp_path):
     _, path = dense
     rewrite(path, str(tmp_path), lambda sd: sd.pop("model.layers.2.linear_attn.A_log"))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.linear_attn\.A_log"):
+    with pytest.raises(WeightsError, match=r"model\.layers\.2\.linear_attn\.A_log"):
         load_model(str(tmp_path))
 
 
 def test_unknown_tensor_is_an_error_naming_it(dense, tmp_path):
     _, path = dense
     rewrite(path, str(tmp_path), lambda sd: sd.__setitem__("model.layers.0.mystery.weight", torch.zeros(2)))
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mystery\.weight"):
+    with pytest.raises(WeightsError, match=r"model\.layers\.0\.mystery\.weight"):
         load_model(str(tmp_path))
 
 
 def test_wrong_shape_is_an_error(dense, tmp_path):
     _, path = dense
     rewrite(path, str(tmp_path), lambda sd: sd.__setitem__("model.norm.weight", torch.zeros(7)))
-    with pytest.raises(CheckpointError, match="norm"):
+    with pytest.raises(WeightsError, match="norm"):
         load_model(str(tmp_path))
 
 

@@ -1,4 +1,4 @@
-"""`deltaserve plan` (deltaserve.plan): CLI, JSON keys, warnings, model inputs, the layouts at one budget."""
+"""`deltaserve plan` (deltaserve.planner): CLI, JSON keys, warnings, model inputs, the layouts at one budget."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from deltaserve import plan as P
+from deltaserve import planner as P
 from deltaserve.presets import load_preset
 
 REQUIRED_KEYS = {
@@ -80,13 +80,13 @@ def test_in_page_pool_is_at_least_1_9x_per_block_for_the_08b_shape(capsys):
 
 
 def test_seed_000_budget_reproduces_the_documented_figures(capsys):
-    # docs/planner.md: the budget that holds seed 000's in-page pool (288,446 tokens of KV) plus 4 live slots
+    # docs/planner.md: the budget that holds vllm-gaudi's measured in-page pool (288,446 tokens of KV) plus 4 live slots
     budget = 288_446 * 65_536 + 4 * 153_944_064
     r = run_json(capsys, "--model", "qwen3.5-27b", "--device", "gaudi", "--budget", str(budget),
                  "--max-num-seqs", "4", "--max-model-len", "262144")
     pt = r["pool_tokens"]
     assert (pt["in-page"], pt["per-block-group"], pt["per-block"]) == (287_616, 153_216, 78_848)
-    assert abs(pt["per-block-group"] / 150_775 - 1) < 0.02  # seed 000 measured 150,775 per-block tokens
+    assert abs(pt["per-block-group"] / 150_775 - 1) < 0.02  # vllm-gaudi's per-block layout measured 150,775 tokens
     assert r["max_concurrent_seqs"]["in-page"] == 1 and r["max_concurrent_seqs"]["per-block-group"] == 0
 
 
@@ -174,6 +174,6 @@ def test_parse_sizes():
 
 
 def test_no_torch_import():
-    code = "import sys, deltaserve.plan, deltaserve.sizing, deltaserve.presets; assert 'torch' not in sys.modules"
+    code = "import sys, deltaserve.planner, deltaserve.sizing, deltaserve.presets; assert 'torch' not in sys.modules"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -20,7 +20,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def engine():
-    return make_engine(None, "tiny", num_threads=1, max_num_seqs=4, max_num_batched_tokens=128,
+    return make_engine(preset="tiny", num_threads=1, max_num_seqs=4, max_num_batched_tokens=128,
                        kv_cache_memory=32 * MiB)
 
 
@@ -81,9 +81,10 @@ def test_instrumented_forward_conserves_time(engine):
     prof = Profiler(engine, make_grid(True, 128, 4, 512, 2), progress=False)
     work = prof.work([(40, 0, False), (1, 99, True), (1, 150, True)])
     batch = engine.runner.build_batch(work)
-    with torch.inference_mode(), Instrument(engine.model, time.perf_counter) as ins:
+    model, plain_ops = engine.model, engine.model.ops
+    with torch.inference_mode(), Instrument(model, time.perf_counter) as ins:
         t = time.perf_counter()
-        engine.model.forward(batch, engine.store.caches())
+        ins.forward(batch, engine.store.caches())
         total = (time.perf_counter() - t) * 1e6
         ev = ins.take()
     kinds = {k for k, _, _ in ev}
@@ -91,13 +92,46 @@ def test_instrumented_forward_conserves_time(engine):
             "mlp", "gdn_in_proj", "attn_qkv_proj", "model", "layer"} <= kinds
     assert sum(us for _, _, us in ev) == pytest.approx(total, rel=0.05)
     dec = sorted(key for k, key, _ in ev if k == "attn_decode")
-    if engine.model.decode_kernels.compiled:  # one call per attention layer for all decode sequences, keyed by B
+    if model.decode_kernels.compiled:  # one call per attention layer for all decode sequences, keyed by B
         assert dec == [2, 2]
     else:  # one call per sequence, keyed by its context length
         assert dec == [100, 100, 151, 151]
-    # and the model is back to its plain self
-    import deltaserve.model.layers as L
-    assert not hasattr(L.linear, "__wrapped__") and not hasattr(L.GDNMixer.forward, "__wrapped__")
+    # and the model is its plain self: its own op table, no hooks left on any module
+    assert model.ops is plain_ops and all(not getattr(m, "_forward_hooks") and not getattr(m, "_forward_pre_hooks")
+                                          for m in model.modules())
+
+
+def test_every_op_has_a_kernel_name(engine):
+    """An op the profiler cannot name is refused, so a new or renamed op never hides its time in its caller's."""
+    import dataclasses
+
+    from deltaserve.model.ops.table import Ops
+
+    @dataclasses.dataclass(frozen=True)
+    class MoreOps(Ops):
+        fresh_op: object = None
+
+    model, plain = engine.model, engine.model.ops
+    try:
+        model.ops = MoreOps(**{n: getattr(plain, n) for n in Ops.names()}, fresh_op=lambda x: x)
+        with pytest.raises(RuntimeError, match="fresh_op"):
+            Instrument(model, time.perf_counter)
+    finally:
+        model.ops = plain
+    Instrument(model, time.perf_counter)  # the real table: every op named
+
+
+def test_every_kernel_the_latency_model_needs_gets_time(bundle_dir):
+    """Each kernel the latency model prices (sim/bundle.py) was measured at > 0 somewhere in a profile."""
+    from deltaserve.sim.bundle import ATTENTION_KERNELS, DENSE_KERNELS
+
+    b = load_bundle(bundle_dir)
+    timed: dict[str, float] = {}
+    for table in ("dense.csv", "linear_attention.csv", "attention.csv"):
+        for r in b.rows(table):
+            timed[r["kernel"]] = max(timed.get(r["kernel"], 0.0), float(r["time_us"]))
+    needed = set(DENSE_KERNELS) | set(GDN_KERNELS) | set(ATTENTION_KERNELS)
+    assert {k for k in needed if timed.get(k, 0.0) <= 0} == set()
 
 
 def test_cli_profile_and_coverage(bundle_dir, capsys):

@@ -1,4 +1,4 @@
-"""Gates of the OpenAI-compatible server (seed 003's checks on the tiny embedded model).
+"""Gates of the OpenAI-compatible server (the checks a production Qwen3.5 recipe runs, on the tiny embedded model).
 
 One real server (`python -m deltaserve.server`, the real LLMEngine) for the module, driven with the
 official openai client. Random weights give nonsense text, so these check mechanics, not meaning.
@@ -18,7 +18,7 @@ import openai
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
-from test_server_support import RealServer
+from server_support import RealServer
 
 MODEL = "deltaserve/tiny"
 

@@ -13,7 +13,7 @@ import pytest
 from deltaserve.config import EngineConfig
 from deltaserve.server import build_app
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
-from test_server_support import FakeEngine, InProcessServer
+from server_support import FakeEngine, InProcessServer
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_503_until_ready_then_auth(slow_server):
 @pytest.fixture(scope="module")
 def fake():
     srv = InProcessServer(build_app(EngineConfig(), engine_factory=FakeEngine, served_model_name=["a", "b"]))
-    from test_server_support import wait_healthy
+    from server_support import wait_healthy
     wait_healthy(srv.base, 30)
     yield srv
     srv.stop()

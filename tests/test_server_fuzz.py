@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
-from test_server_support import RealServer
+from server_support import RealServer
 
 SLOW = os.environ.get("DELTASERVE_SLOW") == "1"
 N_MUTATED = 10_000 if SLOW else 1_000

@@ -67,7 +67,7 @@ def bundle(tmp_path_factory):
 
 def cluster(bundle, n=1, router="round-robin", **flags) -> ClusterConfig:
     flags = {"max_num_seqs": 8, "max_num_batched_tokens": 512, "kv_cache_memory": 64 * MiB, **flags}
-    return ClusterConfig([ReplicaConfig(**flags) for _ in range(n)], router, bundle.path)
+    return ClusterConfig([ReplicaConfig.from_dict(flags) for _ in range(n)], router, bundle.path)
 
 
 def small_trace(n_sessions=6, rate=2.0, seed=0):
@@ -84,7 +84,7 @@ def test_builder_matches_the_engine_arithmetic():
     assert resolve_shape(mc, dtype="float32", kv_cache_memory=64 * MiB, max_num_seqs=8,
                          cache_layout="in-page").block_size == 64
     runs = resolve_shape(mc, dtype="bfloat16", kv_cache_memory=64 * MiB, max_num_seqs=8)  # the default layout
-    assert (runs.block_size, runs.pool.pages_per_state, runs.pool.layout) == (64, 2, "runs")
+    assert (runs.block_size, runs.pool.pages_per_state, runs.pool.layout.name) == (64, 2, "runs")
     mem, sch = build_scheduler(shape, max_num_seqs=8, max_num_batched_tokens=512)
     assert isinstance(sch, Scheduler) and mem.caching and mem.num_pages == shape.pool.num_pages
     assert shape.max_model_len == mem.max_request_tokens() < shape.pool.pool_tokens  # checkpoint pages held back
@@ -206,7 +206,7 @@ def test_a_speed_trace_slows_the_steps_it_covers(bundle):
 def test_step_speed_reads_the_step_kinds_apart(bundle):
     """The validation's speed: prefill-carrying and decode-only steps measured apart; a kind the probe never
     ran takes the speed of all steps."""
-    from deltaserve.sim.validate import COLD_STEP_US, step_speed
+    from deltaserve.validate import COLD_STEP_US, step_speed
 
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
     pre, dec = StepShape([(64, 0)], [], 1), StepShape([], [100] * 2, 2)
@@ -229,7 +229,7 @@ def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():
     """The interleaved probe's workload driver, on a stand-in engine: requests are admitted by the twin's own
     clock (which advances by its steps' CPU time and jumps over idle gaps), and the trace repeats under new
     cache salts so that a second round cannot hit the first's pages."""
-    from deltaserve.sim.validate import _TwinReplay
+    from deltaserve.validate import _TwinReplay
 
     class Engine:
         def __init__(self):
@@ -260,7 +260,7 @@ def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():
 def test_probe_burst_pays_its_share_with_a_step_minimum_up_to_a_cap():
     """A burst runs the CPU time the twin owes, at least five steps while they are short (one cache
     disturbance per burst, not per step), but never five 10-second steps (the replay would stop a minute)."""
-    from deltaserve.sim.validate import _burst
+    from deltaserve.validate import _burst
 
     def steps_of(us):
         return lambda: ("shape", us, us)
@@ -395,7 +395,7 @@ import sys
 from deltaserve.sim import ClusterConfig, ReplicaConfig, Simulation, agent_trace, AgentTraceSpec, materialize
 from deltaserve.profile.coverage import coverage
 from deltaserve.sim.bundle import load_bundle
-c = ClusterConfig([ReplicaConfig(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory=32 << 20)], "round-robin", {path!r})
+c = ClusterConfig([ReplicaConfig.from_dict(dict(max_num_seqs=4, max_num_batched_tokens=256, kv_cache_memory=32 << 20))], "round-robin", {path!r})
 recs = Simulation(c).run(materialize(agent_trace(AgentTraceSpec(num_sessions=3, seed=1))))
 coverage(load_bundle({path!r}))
 assert recs and "torch" not in sys.modules, "torch was imported"
@@ -412,7 +412,7 @@ def test_percentile_matches_numpy_linear():
 def test_validation_smoke(tmp_path):
     """One scenario of the gate end to end (quick profile of tiny, real replay on the CPU clock, simulation)."""
     pytest.importorskip("torch")
-    from deltaserve.sim.validate import main
+    from deltaserve.validate import main
 
     out = tmp_path / "val"
     assert main(["--out", str(out), "--presets", "tiny", "--quick", "--loads", "light", "--caching", "on",

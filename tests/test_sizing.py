@@ -1,4 +1,4 @@
-"""The memory arithmetic (deltaserve.sizing) against the seeds' figures and the shipped presets. Pure Python."""
+"""The memory arithmetic (deltaserve.sizing) against published figures (vLLM, vllm-gaudi) and the shipped presets. Pure Python."""
 from __future__ import annotations
 
 import math
@@ -23,7 +23,7 @@ def geo(name: str, tp: int = 1, kv: str | None = None, conv: str | None = None, 
     return S.geometry(m, kv or d.kv, conv or d.conv, ssm or d.ssm, tp=tp, num_speculative_tokens=spec)
 
 
-# ---------------------------------------------------------------- seeds 000 / 002: Qwen3.5-27B (= Qwen3.6-27B)
+# ---------------------------------------------------------------- Qwen3.5-27B (= Qwen3.6-27B): vLLM's published block rule
 
 def test_27b_state_and_kv_bytes():
     g = geo("qwen3.5-27b")
@@ -168,7 +168,7 @@ def test_dtype_names():
 # ---------------------------------------------------------------- other published geometries
 
 def test_moe_blocks_match_seed_000():
-    # seed 000: "On a MoE with 1152-token blocks" (Qwen3.5/3.6-35B-A3B on Gaudi, alignment 128)
+    # vllm-gaudi serves Qwen3.5/3.6-35B-A3B with 1152-token blocks (alignment 128)
     g = geo("qwen3.5-35b-a3b")
     assert g.gdn_state_bytes == 2_146_304
     assert S.hybrid_block_size(g, 128) == 1152
@@ -211,12 +211,12 @@ def test_every_preset_loads_and_cites_its_source():
 
 # ---------------------------------------------------------------- pools
 
-def test_plan_pool_layouts():
+def test_size_pool_layouts():
     g = geo("qwen3.5-27b")
     budget, slots = 20 * 10**9, 4
-    inp = S.plan_pool(g, budget, 784, slots, "in-page")
-    per = S.plan_pool(g, budget, 784, slots, "per-block")
-    grp = S.plan_pool(g, budget, 784, slots, "per-block", per_block_state="group")
+    inp = S.size_pool(g, budget, 784, slots, "in-page")
+    per = S.size_pool(g, budget, 784, slots, "per-block")
+    grp = S.size_pool(g, budget, 784, slots, "per-block", per_block_state="group")
     assert inp.page_bytes == 784 * 4_096 and inp.page_padding_bytes == 4_096
     assert inp.group_size == 16 and inp.num_gdn_groups == 3
     assert inp.per_page_state_bytes == 0
@@ -227,15 +227,15 @@ def test_plan_pool_layouts():
         assert p.num_slots == slots and p.slot_bytes == g.gdn_state_bytes_per_seq
     assert inp.pool_tokens > grp.pool_tokens > per.pool_tokens
     with pytest.raises(ConfigError):
-        S.plan_pool(g, budget, 16, slots)  # a 16-token page cannot hold a GDN state
+        S.size_pool(g, budget, 16, slots, "in-page")  # a 16-token page cannot hold a GDN state
     with pytest.raises(ConfigError):
-        S.plan_pool(g, budget, 784, slots, "per-block", per_block_state="layer")
+        S.size_pool(g, budget, 784, slots, "per-block", per_block_state="layer")
 
 
 def test_pages_per_seq_and_concurrency():
     g = geo("qwen3.5-27b")
-    inp = S.plan_pool(g, 20 * 10**9, 784, 4, "in-page")
-    per = S.plan_pool(g, 20 * 10**9, 784, 4, "per-block")
+    inp = S.size_pool(g, 20 * 10**9, 784, 4, "in-page")
+    per = S.size_pool(g, 20 * 10**9, 784, 4, "per-block")
     assert S.pages_per_seq(inp, 784 * 10, "align") == 10 + 3  # + one checkpoint page per GDN group
     assert S.pages_per_seq(inp, 784 * 10, "none") == 10
     assert S.pages_per_seq(per, 784 * 10, "align") == 10
@@ -245,7 +245,7 @@ def test_pages_per_seq_and_concurrency():
 
 def test_engine_block_rounds_the_user_block_to_its_grid():
     g = geo("qwen3.5-27b")
-    assert S.engine_block_size(g, 16) == 832
-    assert S.engine_block_size(g, 100) == 128 * S.cdiv(3_207_168, 128 * 4_096) == 896
-    assert S.engine_block_size(geo("tiny"), 16) == 128
-    assert S.engine_block_size(geo("tiny"), 200) == 256
+    assert S.engine_block_size(g, 16, "in-page") == 832
+    assert S.engine_block_size(g, 100, "in-page") == 128 * S.cdiv(3_207_168, 128 * 4_096) == 896
+    assert S.engine_block_size(geo("tiny"), 16, "in-page") == 128
+    assert S.engine_block_size(geo("tiny"), 200, "in-page") == 256

@@ -1,4 +1,4 @@
-"""Seed 000's CPU state-machine test (issue 3, gate 6).
+"""A CPU state-machine test of the checkpoint bookkeeping (the kind vllm-gaudi's in-page fix shipped; issue 3, gate 6).
 
 The REAL Scheduler and MemoryManager are driven by a toy executor that carries out their StepPlans on toy
 storage whose contents are checkable functions of the tokens:
@@ -55,7 +55,7 @@ class ToyExecutor:
     """Carries out StepPlans on toy storage, in the runner's order: zero, restore, check, forward, save."""
 
     def __init__(self, mem: MemoryManager, mutant: str | None):
-        self.bs, self.G, self.layout, self.k = mem.block_size, mem.num_gdn_groups, mem.layout, mem.pages_per_state
+        self.bs, self.G, self.pooled, self.k = mem.block_size, mem.num_gdn_groups, mem.layout.in_pool, mem.pages_per_state
         self.kv = [[NAN] * self.bs for _ in range(mem.num_pages)]  # uninitialised memory is garbage
         self.slots = [[NAN] * self.G for _ in range(mem.num_slots)]
         self.block_state = [(NAN,) * self.G for _ in range(mem.num_pages)]  # per-block layout only
@@ -88,7 +88,7 @@ class ToyExecutor:
         if self.mutant == "no_restore":
             return
         for c in plan.restores:
-            if self.layout != "per-block":
+            if self.pooled:
                 k = self.k
                 pieces = [{self.kv[c.location[g * k + j]][0] for j in range(k)} for g in range(self.G)]
                 self.slots[c.slot] = [p.pop() if len(p) == 1 else NAN for p in pieces]
@@ -109,7 +109,7 @@ class ToyExecutor:
                 out[w.request_id] = sample(st, self.kv[w.page_ids[(end - 1) // bs]])
         if self.mutant != "no_save":
             for c in plan.saves:
-                if self.layout != "per-block":
+                if self.pooled:
                     for i, q in enumerate(c.location):
                         self.kv[q][0] = self.slots[c.slot][i // self.k]
                 else:

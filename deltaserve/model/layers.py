@@ -6,6 +6,7 @@ Linear layers run over all T tokens of a step at once; GDN prefill runs per sequ
 rule from the sequence's slot, absolute grid), GDN decode is batched over the step's decode sequences;
 attention writes K/V into the paged pool, then prefill spans attend tile by tile and decode spans one by one
 (plain torch) or all in one call through their page tables (the compiled kernels, ops/cpu_kernels.py).
+Every op is called through the step context's table (ctx.ops, ops/table.py).
 """
 from __future__ import annotations
 
@@ -16,28 +17,9 @@ from torch import nn
 
 from ..config import ModelConfig
 from .batch import ForwardBatch
-from .ops.attention import (
-    apply_rotary,
-    decode_attention,
-    kv_gather,
-    kv_write,
-    prefill_attention,
-)
-from .ops.conv import causal_conv1d_prefill, causal_conv1d_step
-from .ops.cpu_kernels import (
-    TORCH,
-    DecodeKernels,
-    conv1d_decode_step,
-    fused_add_rms_norm,
-    fused_rms_norm,
-    gdn_decode_step,
-    paged_decode_attention,
-)
-from .ops.gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
-from .ops.linear import PackedWeight, linear
-from .ops.mlp import moe, swiglu
-from .ops.norm import rms_norm_gated
-from .ops.pointwise import sigmoid, softplus
+from .ops.cpu_kernels import TORCH, DecodeKernels
+from .ops.linear import PackedWeight
+from .ops.table import Ops
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -66,6 +48,7 @@ class StepContext:
     decode_slots: torch.Tensor | None  # [B] their GDN slots
     decode_slot_range: tuple[int, int] | None = None  # (a, b) when decode_slots == a, a+1, .., b-1: update in place
     kernels: DecodeKernels = TORCH  # the decode ops (ops/cpu_kernels.py), chosen once per model
+    ops: Ops = None  # every op the layers call (ops/table.py): the model's, or a caller's (the profiler's timed copy)
     decode_page_table: torch.Tensor | None = None  # [B, max pages] int64, the decode spans' page tables, padded
     decode_lengths: torch.Tensor | None = None  # [B] int64, positions each decode token attends (pos + 1)
 
@@ -104,23 +87,23 @@ class GDNMixer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: StepContext, conv_cache: torch.Tensor, ssm_cache: torch.Tensor) -> torch.Tensor:
         """h [T, H] (normed). conv_cache [slots, K-1, conv_dim]; ssm_cache [slots, Hv, dv, dk] fp32."""
-        T = h.shape[0]
-        proj = linear(h, self.in_proj)
+        T, ops = h.shape[0], ctx.ops
+        proj = ops.linear(h, self.in_proj)
         c, vd, hv = self.conv_dim, self.value_dim, self.hv
         mixed, z = proj[:, :c], proj[:, c:c + vd]
         b, a = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
-        beta = sigmoid(b)
-        g = -self.A_log.float().exp() * softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
+        beta = ops.sigmoid(b)
+        g = -self.A_log.float().exp() * ops.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
         core = torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
         for s in ctx.batch.prefill_spans:
             rows = slice(s.start, s.start + s.length)
             fresh = s.pos == 0  # a new sequence starts from zero states whatever the slot holds
-            x, conv_state = causal_conv1d_prefill(mixed[rows], self.conv_weight,
-                                                  None if fresh else conv_cache[s.slot])
+            x, conv_state = ops.causal_conv1d_prefill(mixed[rows], self.conv_weight,
+                                                      None if fresh else conv_cache[s.slot])
             conv_cache[s.slot].copy_(conv_state)
             q, k, v = self._split_qkv(x)
-            _, state = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], None if fresh else ssm_cache[s.slot],
-                                              start_pos=s.pos, out=core[rows])
+            _, state = ops.chunk_gated_delta_rule(q, k, v, g[rows], beta[rows],
+                                                  None if fresh else ssm_cache[s.slot], start_pos=s.pos, out=core[rows])
             ssm_cache[s.slot].copy_(state)
         if ctx.decode_rows is not None:
             rows, slots = ctx.decode_rows, ctx.decode_slots
@@ -129,25 +112,25 @@ class GDNMixer(nn.Module):
             fast = ctx.kernels.compiled and ssm_cache.dtype == torch.float32 and conv_cache.dtype == mixed.dtype
             rng = ctx.decode_slot_range
             if fast:
-                x = conv1d_decode_step(ctx.kernels, mixed, rows, self.conv_weight, conv_cache, slots)  # [B, conv_dim]
+                x = ops.conv1d_decode_step(mixed, rows, self.conv_weight, conv_cache, slots)  # [B, conv_dim]
             else:
                 conv_state = conv_cache[rng[0]:rng[1]] if rng is not None else conv_cache.index_select(0, slots)
-                x = causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)  # [B, conv_dim]
+                x = ops.causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)  # [B, conv_dim]
                 if rng is None:
                     conv_cache.index_copy_(0, slots, conv_state)
             q, k, v = self._split_qkv(x)
             gd, bd = g.index_select(0, rows), beta.index_select(0, rows)  # [B, Hv]
             if fast:
-                o = gdn_decode_step(ctx.kernels, q, k, v, gd, bd, ssm_cache, slots)
+                o = ops.gdn_decode_step(q, k, v, gd, bd, ssm_cache, slots)
             else:
                 in_place = rng is not None and ssm_cache.dtype == torch.float32
                 state = ssm_cache[rng[0]:rng[1]] if in_place else ssm_cache.index_select(0, slots).float()
-                o = recurrent_gated_delta_rule_step(q, k, v, gd, bd, state)
+                o = ops.recurrent_gated_delta_rule_step(q, k, v, gd, bd, state)
                 if not in_place:
                     ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
             core.index_copy_(0, rows, o)
-        core = rms_norm_gated(core.view(T * hv, self.dv), z.reshape(T * hv, self.dv), self.norm_weight, self.eps)
-        return linear(core.view(T, vd), self.out_proj)
+        core = ops.rms_norm_gated(core.view(T * hv, self.dv), z.reshape(T * hv, self.dv), self.norm_weight, self.eps)
+        return ops.linear(core.view(T, vd), self.out_proj)
 
 
 class AttentionMixer(nn.Module):
@@ -168,16 +151,16 @@ class AttentionMixer(nn.Module):
 
     def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
         """h [T, H] (normed); kv_cache [pages, 2, block_size, Hkv, D]."""
-        T = h.shape[0]
+        T, ops = h.shape[0], ctx.ops
         hq, hkv, d = self.hq, self.hkv, self.d
-        proj = linear(h, self.qkv_proj)
+        proj = ops.linear(h, self.qkv_proj)
         qg = proj[:, :2 * hq * d].view(T, hq, 2 * d)
         q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)
         k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
         v = proj[:, (2 * hq + hkv) * d:].view(T, hkv, d)
-        q = apply_rotary(fused_rms_norm(ctx.kernels, q, self.q_norm, self.eps), ctx.cos, ctx.sin)
-        k = apply_rotary(fused_rms_norm(ctx.kernels, k, self.k_norm, self.eps), ctx.cos, ctx.sin)
-        kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)
+        q = ops.apply_rotary(ops.rms_norm(q, self.q_norm, self.eps), ctx.cos, ctx.sin)
+        k = ops.apply_rotary(ops.rms_norm(k, self.k_norm, self.eps), ctx.cos, ctx.sin)
+        ops.kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)
         out = torch.empty(T, hq, d, dtype=h.dtype, device=h.device)
         batched = ctx.kernels.compiled and ctx.decode_rows is not None
         for s in ctx.batch.spans:
@@ -186,19 +169,19 @@ class AttentionMixer(nn.Module):
             rows = slice(s.start, s.start + s.length)
             if not s.is_decode and s.pos == 0 and kv_cache.dtype == k.dtype:
                 # a fresh prefill attends only its own keys, just written: read them from the projections
-                out[rows] = prefill_attention(q[rows], k[rows], v[rows], 0, self.scale)
+                out[rows] = ops.prefill_attention(q[rows], k[rows], v[rows], 0, self.scale)
                 continue
-            keys, values = kv_gather(kv_cache, s.page_ids, s.pos + s.length)
+            keys, values = ops.kv_gather(kv_cache, s.page_ids, s.pos + s.length)
             if s.is_decode:
-                out[s.start] = decode_attention(q[s.start], keys, values, self.scale)
+                out[s.start] = ops.decode_attention(q[s.start], keys, values, self.scale)
             else:
-                out[rows] = prefill_attention(q[rows], keys, values, s.pos, self.scale)
+                out[rows] = ops.prefill_attention(q[rows], keys, values, s.pos, self.scale)
         if batched:  # K/V read in place through the page tables
-            o = paged_decode_attention(ctx.kernels, q.index_select(0, ctx.decode_rows), kv_cache,
-                                       ctx.decode_page_table, ctx.decode_lengths, self.scale)  # [B, Hq, D]
+            o = ops.paged_decode_attention(q.index_select(0, ctx.decode_rows), kv_cache,
+                                           ctx.decode_page_table, ctx.decode_lengths, self.scale)  # [B, Hq, D]
             out.index_copy_(0, ctx.decode_rows, o)
-        out = out.view(T, hq * d) * sigmoid(gate)
-        return linear(out, self.o_proj)
+        out = out.view(T, hq * d) * ops.sigmoid(gate)
+        return ops.linear(out, self.o_proj)
 
 
 class DenseMLP(nn.Module):
@@ -211,8 +194,8 @@ class DenseMLP(nn.Module):
         self.gate_up = _param(2 * inter, hidden, dtype=dtype)
         self.down = _param(hidden, inter, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu(x, self.gate_up, self.down)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return ops.swiglu(x, self.gate_up, self.down)
 
 
 class SparseMoE(nn.Module):
@@ -236,11 +219,11 @@ class SparseMoE(nn.Module):
             self.shared_down = _param(H, Is, dtype=dtype)
             self.shared_gate = _param(1, H, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.has_shared:
-            return moe(x, self.router, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob,
-                       self.shared_gate_up, self.shared_down, self.shared_gate)
-        return moe(x, self.router, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob)
+            return ops.moe(x, self.router, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob,
+                           self.shared_gate_up, self.shared_down, self.shared_gate)
+        return ops.moe(x, self.router, self.experts_gate_up, self.experts_down, self.top_k, self.norm_topk_prob)
 
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -270,7 +253,7 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        h = fused_rms_norm(ctx.kernels, x, self.input_layernorm, self.eps)
+        h = ctx.ops.rms_norm(x, self.input_layernorm, self.eps)
         h = self.linear_attn(h, ctx, *cache) if self.is_gdn else self.self_attn(h, ctx, *cache)
-        x, h = fused_add_rms_norm(ctx.kernels, x, h, self.post_attention_layernorm, self.eps)
-        return x + self.mlp(h)
+        x, h = ctx.ops.add_rms_norm(x, h, self.post_attention_layernorm, self.eps)
+        return x + self.mlp(h, ctx.ops)

@@ -13,7 +13,7 @@ Checkpoint layouts read:
   writes) or fused 3D (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]).
 
 Strict: every tensor is used or deliberately skipped (vision, MTP, a tied lm_head); a missing tensor, an
-unknown tensor or a wrong shape raises CheckpointError naming it.
+unknown tensor or a wrong shape raises WeightsError naming it.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ log = logging.getLogger("deltaserve.model.loader")
 FP32_PARAMS = ("A_log", "dt_bias")  # GDN decay parameters stay float32 whatever the weight dtype
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that does not match its config: the message names the tensor."""
+class WeightsError(ConfigError):
+    """Weights of a checkpoint directory that do not match its config: the message names the tensor."""
 
 
 # ---- reading ---------------------------------------------------------------------------------------------
@@ -52,7 +52,7 @@ class _Checkpoint:
         else:
             names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
             if not names:
-                raise CheckpointError(f"no safetensors weights in {path}")
+                raise WeightsError(f"no safetensors weights in {path}")
             files = {}
             for n in names:
                 with safe_open(os.path.join(path, n), "pt") as f:
@@ -197,11 +197,11 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
 
     prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
     compiled linear_bf16, else oneDNN's layout); None = wherever it applies (bf16 on a CPU).
-    Raises ConfigError (unsupported model type or feature) or CheckpointError (missing / unknown / misshapen tensor).
+    Raises ConfigError (unsupported model type or feature) or WeightsError (missing / unknown / misshapen tensor).
     """
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
-        raise CheckpointError(f"no config.json in {path}")
+        raise WeightsError(f"no config.json in {path}")
     with open(cfg_path) as f:
         hf = json.load(f)
     cfg = ModelConfig.from_hf(hf)
@@ -225,7 +225,7 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
 
     def take(name: str) -> torch.Tensor:
         if name not in by_text:
-            raise CheckpointError(f"checkpoint {path} is missing tensor {name!r}")
+            raise WeightsError(f"checkpoint {path} is missing tensor {name!r}")
         return ckpt.get(by_text[name])
 
     sd: dict[str, torch.Tensor] = {"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
@@ -241,7 +241,7 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     unknown = sorted(by_text[k] for k in text_keys if by_text[k] not in ckpt.used)
     if unknown:
         more = f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else ""
-        raise CheckpointError(f"checkpoint {path} has tensors deltaserve does not know: {', '.join(unknown[:10])}{more}")
+        raise WeightsError(f"checkpoint {path} has tensors deltaserve does not know: {', '.join(unknown[:10])}{more}")
     if skipped["vision"]:
         log.info("skipped %d vision tensors (model.visual.*): deltaserve serves the text model", skipped["vision"])
     if skipped["mtp"]:
@@ -251,7 +251,7 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     for name, t in sd.items():
         want = expected[name]
         if tuple(t.shape) != tuple(want.shape):
-            raise CheckpointError(f"tensor for {name} has shape {tuple(t.shape)}, config implies {tuple(want.shape)}")
+            raise WeightsError(f"tensor for {name} has shape {tuple(t.shape)}, config implies {tuple(want.shape)}")
         sd[name] = t.to(torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else tdtype).contiguous()
     model.load_state_dict(sd, strict=True, assign=True)
     model.eval()

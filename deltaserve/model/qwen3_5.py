@@ -20,8 +20,9 @@ from ..config import ConfigError, ModelConfig
 from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import rotary_cos_sin, rotary_inv_freq
-from .ops.cpu_kernels import DecodeKernels, fused_rms_norm, select_decode_kernels
+from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.linear import PackedWeight, can_prepack, linear
+from .ops.table import Ops
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -90,7 +91,7 @@ class HybridModel(nn.Module):
         }
 
     # ---- forward -------------------------------------------------------------------------------------
-    def _context(self, batch: ForwardBatch, caches: Caches) -> StepContext:
+    def _context(self, batch: ForwardBatch, caches: Caches, ops: Ops | None) -> StepContext:
         dev = self.device
         if self.inv_freq.device != dev:
             self.inv_freq = self.inv_freq.to(dev)
@@ -115,6 +116,7 @@ class HybridModel(nn.Module):
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev) if xs else None
         empty = torch.empty(0, dtype=torch.long, device=dev)
         kernels = self.decode_kernels or self.select_decode_kernels()
+        ops = ops or self.ops
         table = lengths = None
         if kernels.compiled and dec_tables:
             # [B, max pages] int64, padded with page 0 (never read: lengths bound every row)
@@ -124,12 +126,13 @@ class HybridModel(nn.Module):
         return StepContext(batch=batch, cos=cos, sin=sin,
                            kv_pages=torch.cat(pages) if pages else empty, kv_rows=torch.cat(rows) if rows else empty,
                            decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots),
-                           decode_slot_range=_consecutive(dec_slots), kernels=kernels,
+                           decode_slot_range=_consecutive(dec_slots), kernels=kernels, ops=ops,
                            decode_page_table=table, decode_lengths=lengths)
 
-    def forward(self, batch: ForwardBatch, caches: Caches) -> torch.Tensor:
-        """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm)."""
-        ctx = self._context(batch, caches)
+    def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:
+        """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm).
+        ops: the op table to call (default the model's own, self.ops; the profiler passes a timed copy)."""
+        ctx = self._context(batch, caches, ops)
         x = F.embedding(batch.input_ids.to(self.device), self.embed_tokens)
         gi = ai = 0
         for layer in self.layers:
@@ -139,7 +142,7 @@ class HybridModel(nn.Module):
             else:
                 x = layer(x, ctx, (caches.kv[ai],))
                 ai += 1
-        return fused_rms_norm(ctx.kernels, x, self.norm, self.config.rms_norm_eps)
+        return ctx.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
@@ -149,12 +152,14 @@ class HybridModel(nn.Module):
     packed_head: PackedWeight | None = None
     linear_kind: str | None = None  # "cpp" | "onednn" once prepack_linears packed, else None (F.linear)
     decode_kernels: DecodeKernels | None = None  # chosen once, on first use or by select_decode_kernels()
+    ops: Ops | None = None  # the op table over those kernels (ops/table.py)
 
     def select_decode_kernels(self, mode: str | None = None) -> DecodeKernels:
         """Choose (and log) the decode ops for this model's device and dtype: the compiled CPU kernels or the
         plain-torch ones (mode: auto | cpp | torch, default $DELTASERVE_DECODE_KERNELS; ops/cpu_kernels.py).
         The loader calls it at start-up; a model built by hand chooses on its first forward."""
         self.decode_kernels = select_decode_kernels(self.device, self.dtype, mode)
+        self.ops = Ops.for_kernels(self.decode_kernels)
         return self.decode_kernels
 
     def prepack_linears(self) -> bool:

@@ -1,6 +1,6 @@
 """`deltaserve profile`: measure this engine's step costs on this machine into a bundle for the simulator.
 
-    deltaserve profile [--model DIR | --preset NAME] --out DIR [--quick] [engine flags]
+    deltaserve profile --out DIR [--quick] [engine flags: --model DIR | --preset NAME, --max-num-seqs N, ...]
     deltaserve profile coverage DIR
 
 The bundle format is documented in deltaserve/sim/bundle.py and docs/simulator.md.
@@ -11,49 +11,42 @@ import argparse
 import logging
 import sys
 
-from ..config import CACHE_LAYOUTS
+from ..config import add_engine_args, engine_args
 
 log = logging.getLogger("deltaserve.profile")
 
+# the profiling engine's pool when --kv-cache-memory is not given: enough for the grid's contexts, small enough
+# to zero quickly (a pool sized from the machine's memory would take gigabytes here)
 DEFAULT_KV_BYTES = {"tiny": 256 << 20, "qwen3.5-0.8b-shape": 1536 << 20}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve profile",
                                 description="profile this engine's step costs on this machine into a bundle "
-                                            "(`deltaserve profile coverage DIR` reports what a bundle covers)")
-    p.add_argument("--model", default=None, help="checkpoint directory (config.json + safetensors)")
-    p.add_argument("--preset", default="tiny", help="embedded model preset when --model is not given")
+                                            "(`deltaserve profile coverage DIR` reports what a bundle covers). The "
+                                            "engine flags are the served engine's: --max-num-seqs is the largest "
+                                            "decode batch profiled, --max-num-batched-tokens the largest token "
+                                            "count; --kv-cache-memory defaults to a pool sized for the grid")
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--quick", action="store_true", help="a coarse grid and 3 repeats (for tests)")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per shape (median kept); default 5, quick 3")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (record them; simulate with the same)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--max-num-seqs", type=int, default=16, help="largest decode batch profiled")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="largest token count profiled")
     p.add_argument("--max-context", type=int, default=None, help="longest attention context profiled")
-    p.add_argument("--kv-cache-memory", type=int, default=None, help="cache pool bytes of the profiling engine")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--cache-layout", default="runs", choices=CACHE_LAYOUTS)
     p.add_argument("--no-calibrate", action="store_true", help="skip the real-step calibration of the step overhead")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
+    add_engine_args(p)
     return p
 
 
-def make_engine(model: str | None, preset: str, *, dtype: str = "auto", num_threads: int | None = None,
-                device: str = "auto", max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-                kv_cache_memory: int | None = None, block_size: int = 16, cache_layout: str = "runs",
-                enable_prefix_caching: bool = True, seed: int = 0):
+def make_engine(**flags):
+    """The profiling engine: an LLMEngine with these engine flags (EngineConfig names), its pool DEFAULT_KV_BYTES
+    for the preset unless kv_cache_memory is given."""
     from ..config import EngineConfig
     from ..engine import LLMEngine
 
-    kv = kv_cache_memory or DEFAULT_KV_BYTES.get(preset if model is None else "", 1 << 30)
-    cfg = EngineConfig(model=model, preset=preset, dtype=dtype, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, kv_cache_memory=kv, block_size=block_size,
-                       enable_prefix_caching=enable_prefix_caching, cache_layout=cache_layout, seed=seed,
-                       num_threads=num_threads, device=device)
+    cfg = EngineConfig.from_kwargs(**flags)
+    if cfg.kv_cache_memory is None:
+        kv = DEFAULT_KV_BYTES.get(cfg.preset if cfg.model is None else "", 1 << 30)
+        cfg = EngineConfig.from_kwargs(**{**flags, "kv_cache_memory": kv})
     return LLMEngine(cfg)
 
 
@@ -66,13 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     from .profiler import profile
 
-    eng = make_engine(a.model, a.preset, dtype=a.dtype, num_threads=a.num_threads, device=a.device,
-                      max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                      kv_cache_memory=a.kv_cache_memory, block_size=a.block_size, cache_layout=a.cache_layout,
-                      seed=a.seed)
+    eng = make_engine(**engine_args(a))
     meta = profile(eng, a.out, quick=a.quick, repeats=a.repeats, max_context=a.max_context,
                    calibrate=not a.no_calibrate, progress=not a.no_progress,
-                   source=a.model or f"preset:{a.preset}")
+                   source=eng.config.model or f"preset:{eng.config.preset}")
     cal = meta.get("calibration") or {}
     print(f"wrote {a.out}: block size {eng.block_size} (tp 1), {meta['hardware']['torch_threads']} threads, "
           f"{meta['profile']['wall_s']} s, load {meta['profile']['load_avg_start']} -> {meta['profile']['load_avg_end']}")

@@ -1,8 +1,9 @@
 """Measure this engine's step costs on this machine and write a profile bundle (deltaserve/sim/bundle.py).
 
 The profiler builds a real LLMEngine (the same model loading, dtype, cache store and runner the server
-uses) and times the pieces of a step inside real forwards of the model (Instrument wraps the op names the
-model's modules call; every call records its self time, so the kernels of a forward add up to the forward):
+uses) and times the pieces of a step inside real forwards of the model (Instrument runs them on a timed copy
+of the model's op table, with forward hooks on its layers; every call records its self time, so the kernels of
+a forward add up to the forward):
 
   prefill runs (one span of T tokens)   dense.csv: embedding + step context, layer norms, residual/layer glue,
                                         GDN in/out projections, GDN gated norm and glue, attention qkv/o
@@ -123,61 +124,107 @@ def cpu_model() -> str:
 
 
 class Instrument:
-    """Times the model's own forward kernel by kernel: wraps the op names the model modules call (and the
-    forwards of the model, its layers and mixers) for the duration of a `with` block.
+    """Times the model's own forward kernel by kernel, without touching the model: forward() runs it on a timed
+    copy of its op table (model/ops/table.py: every op the layers call), and torch forward hooks on the mixers
+    and layers (registered for the `with` block, removed after) time what runs between the ops.
 
-    Every wrapped call records its self time (inclusive time minus wrapped callees), so the self times of one
-    forward add up to the forward's total: an op the wrapper does not know (or a new one) is charged to its
-    caller (a mixer, a layer, the model), never lost. Events are (kernel, key, microseconds).
+    Every op and frame records its self time (inclusive time minus timed callees), so the self times of one
+    forward add up to the forward's total; a frame's self time is its glue. Each op of the table has its kernel
+    name in OP_KERNELS; a table with an op missing there is refused, so a new or renamed op cannot hide its time
+    in its caller's. Events are (kernel, key, microseconds).
     """
 
     def __init__(self, model, timer):
-        import deltaserve.model.layers as L
-        import deltaserve.model.qwen3_5 as Q
-
-        self.L, self.Q = L, Q
-        self.timer = timer
-        self.stack: list[list] = []
+        if model.ops is None:
+            model.select_decode_kernels()
+        self.model, self.timer = model, timer
+        self.stack: list[list] = []  # [frame, time of timed callees]
         self.events: list[tuple[str, object, float]] = []
         self._pending_gather = 0.0
-        self.wmap: dict[int, str] = {}
-        self.nmap: dict[int, str] = {}
+        self.wmap: dict[int, str] = {}  # weight -> kernel (which projection a linear is)
+        self.nmap: dict[int, str] = {id(model.norm): "final_norm"}  # norm weight -> kernel
+        self.frames: dict[object, tuple[str, str | None]] = {}  # module -> (kernel, frame)
         for layer in model.layers:
+            self.frames[layer] = ("layer", None)
             for n in ("input_layernorm", "post_attention_layernorm"):
                 self.nmap[id(getattr(layer, n))] = "layer_norms"
             if layer.is_gdn:
                 mx = layer.linear_attn
+                self.frames[mx] = ("gdn_mixer", "gdn")
                 self.wmap[id(getattr(mx, "in_proj"))] = "gdn_in_proj"
                 self.wmap[id(getattr(mx, "out_proj"))] = "gdn_out_proj"
             else:
                 am = layer.self_attn
+                self.frames[am] = ("attn_mixer", "attn")
                 self.wmap[id(getattr(am, "qkv_proj"))] = "attn_qkv_proj"
                 self.wmap[id(getattr(am, "o_proj"))] = "attn_o_proj"
                 self.nmap[id(am.q_norm)] = "attn_qk_norm_rope"
                 self.nmap[id(am.k_norm)] = "attn_qk_norm_rope"
-        self._saved: list[tuple[object, str, object]] = []
+        missing = set(model.ops.names()) - set(self._rules())
+        if missing:
+            raise RuntimeError(f"the profiler has no kernel name for op(s) {sorted(missing)}: add them to "
+                               f"Instrument._rules")
+        self.ops = model.ops.wrapped(self._timed)
+        self._hooks: list = []
 
-    # ---- the wrapper
-    def _wrap(self, orig, kernel_of, key_of=None, frame=None, after=None):
+    def _rules(self) -> dict[str, tuple]:
+        """op name -> (kernel or kernel_of(args), key_of(args) or None, after or None)."""
+        shape0 = lambda a: int(a[0].shape[0])  # noqa: E731
+        glue = lambda a: {"gdn": "gdn_glue", "attn": "attn_gate"}.get(self._mixer(), "glue")  # noqa: E731
+
+        def gather_after(us):  # a gather belongs to the attention call that reads it
+            self._pending_gather += us
+            return 0.0
+
+        def attn_after(us):
+            us, self._pending_gather = us + self._pending_gather, 0.0
+            return us
+
+        return {
+            "linear": (lambda a: self.wmap.get(id(a[1]), "linear_other"), None, None),
+            "rms_norm": (lambda a: self.nmap.get(id(a[1]), "layer_norms"), None, None),
+            "add_rms_norm": (lambda a: self.nmap.get(id(a[2]), "layer_norms"), None, None),
+            "rms_norm_gated": ("gdn_norm", None, None),
+            "sigmoid": (glue, None, None),
+            "softplus": (glue, None, None),
+            "swiglu": ("mlp", None, None),
+            "moe": ("mlp", None, None),
+            "apply_rotary": ("attn_qk_norm_rope", None, None),
+            "kv_write": ("attn_kv_write", None, None),
+            "kv_gather": ("attn_gather", None, gather_after),
+            "prefill_attention": ("attn_prefill", lambda a: (int(a[0].shape[0]), int(a[3]) + int(a[0].shape[0])),
+                                  attn_after),
+            "decode_attention": ("attn_decode", lambda a: int(a[1].shape[0]), attn_after),
+            "causal_conv1d_prefill": ("gdn_conv_prefill", shape0, None),
+            "chunk_gated_delta_rule": ("gdn_prefill", shape0, None),
+            "causal_conv1d_step": ("gdn_conv_decode", shape0, None),
+            "recurrent_gated_delta_rule_step": ("gdn_decode", shape0, None),
+            # the compiled decode kernels (ops/cpu_kernels.py): one call per layer for all decode sequences
+            "paged_decode_attention": ("attn_decode", shape0, attn_after),
+            "conv1d_decode_step": ("gdn_conv_decode", lambda a: int(a[1].shape[0]), None),
+            "gdn_decode_step": ("gdn_decode", shape0, None),
+        }
+
+    def _timed(self, name: str, fn):
+        kernel_of, key_of, after = self._rules()[name]
         timer, stack = self.timer, self.stack
 
-        def w(*a, **k):
+        def op(*a, **k):
             t0 = timer()
-            stack.append([frame, 0.0])
+            stack.append([None, 0.0])
             try:
-                return orig(*a, **k)
+                return fn(*a, **k)
             finally:
                 incl = timer() - t0
                 fr = stack.pop()
                 if stack:
                     stack[-1][1] += incl
-                kern = kernel_of(a, k) if callable(kernel_of) else kernel_of
                 us = (incl - fr[1]) * 1e6
                 if after is not None:
-                    us = after(kern, us)
-                self.events.append((kern, key_of(a, k) if key_of else None, us))
-        w.__wrapped__ = orig
-        return w
+                    us = after(us)
+                kern = kernel_of(a) if callable(kernel_of) else kernel_of
+                self.events.append((kern, key_of(a) if key_of else None, us))
+        return op
 
     def _mixer(self) -> str | None:
         for fr in reversed(self.stack):
@@ -185,62 +232,36 @@ class Instrument:
                 return fr[0]
         return None
 
-    def _patch(self, owner, name, wrapper_factory):
-        orig = getattr(owner, name, None)
-        if orig is None:
-            return
-        self._saved.append((owner, name, orig))
-        setattr(owner, name, wrapper_factory(orig))
+    # ---- frames: the model, its layers and mixers
+    def _enter(self, frame: str | None) -> None:
+        self.stack.append([frame, 0.0, self.timer()])
+
+    def _leave(self, kernel: str) -> None:
+        fr = self.stack.pop()
+        incl = self.timer() - fr[2]
+        if self.stack:
+            self.stack[-1][1] += incl
+        self.events.append((kernel, None, (incl - fr[1]) * 1e6))
+
+    def forward(self, batch, caches):
+        """The model's forward on the timed op table, inside the "model" frame (embedding + step context)."""
+        self._enter(None)
+        try:
+            return self.model.forward(batch, caches, ops=self.ops)
+        finally:
+            self._leave("model")
 
     def __enter__(self):
-        L, Q = self.L, self.Q
-        shape0 = lambda a, k: int(a[0].shape[0])  # noqa: E731
-        glue = lambda a, k: {"gdn": "gdn_glue", "attn": "attn_gate"}.get(self._mixer(), "glue")  # noqa: E731
-
-        def gather_after(kern, us):
-            self._pending_gather += us
-            return 0.0
-
-        def attn_after(kern, us):
-            us, self._pending_gather = us + self._pending_gather, 0.0
-            return us
-
-        p = self._patch
-        p(L, "linear", lambda o: self._wrap(o, lambda a, k: self.wmap.get(id(a[1]), "linear_other")))
-        # a[0] of the fused_* names is the DecodeKernels
-        p(L, "fused_rms_norm", lambda o: self._wrap(o, lambda a, k: self.nmap.get(id(a[2]), "layer_norms")))
-        p(L, "fused_add_rms_norm", lambda o: self._wrap(o, lambda a, k: self.nmap.get(id(a[3]), "layer_norms")))
-        p(L, "rms_norm_gated", lambda o: self._wrap(o, "gdn_norm"))
-        p(L, "sigmoid", lambda o: self._wrap(o, glue))
-        p(L, "softplus", lambda o: self._wrap(o, glue))
-        p(L, "swiglu", lambda o: self._wrap(o, "mlp"))
-        p(L, "moe", lambda o: self._wrap(o, "mlp"))
-        p(L, "apply_rotary", lambda o: self._wrap(o, "attn_qk_norm_rope"))
-        p(L, "kv_write", lambda o: self._wrap(o, "attn_kv_write"))
-        p(L, "kv_gather", lambda o: self._wrap(o, "attn_gather", after=gather_after))
-        p(L, "prefill_attention", lambda o: self._wrap(o, "attn_prefill", lambda a, k: (int(a[0].shape[0]), int(a[3]) + int(a[0].shape[0])),
-                                                       after=attn_after))
-        p(L, "decode_attention", lambda o: self._wrap(o, "attn_decode", lambda a, k: int(a[1].shape[0]), after=attn_after))
-        p(L, "causal_conv1d_prefill", lambda o: self._wrap(o, "gdn_conv_prefill", shape0))
-        p(L, "chunk_gated_delta_rule", lambda o: self._wrap(o, "gdn_prefill", shape0))
-        p(L, "causal_conv1d_step", lambda o: self._wrap(o, "gdn_conv_decode", shape0))
-        p(L, "recurrent_gated_delta_rule_step", lambda o: self._wrap(o, "gdn_decode", shape0))
-        # the compiled decode kernels (ops/cpu_kernels.py): one call per layer for all decode sequences
-        batch1 = lambda a, k: int(a[1].shape[0])  # noqa: E731 - a[0] is the DecodeKernels
-        p(L, "paged_decode_attention", lambda o: self._wrap(o, "attn_decode", batch1, after=attn_after))
-        p(L, "conv1d_decode_step", lambda o: self._wrap(o, "gdn_conv_decode", lambda a, k: int(a[2].shape[0])))
-        p(L, "gdn_decode_step", lambda o: self._wrap(o, "gdn_decode", batch1))
-        p(Q, "fused_rms_norm", lambda o: self._wrap(o, "final_norm"))
-        p(L.GDNMixer, "forward", lambda o: self._wrap(o, "gdn_mixer", frame="gdn"))
-        p(L.AttentionMixer, "forward", lambda o: self._wrap(o, "attn_mixer", frame="attn"))
-        p(L.DecoderLayer, "forward", lambda o: self._wrap(o, "layer"))
-        p(Q.HybridModel, "forward", lambda o: self._wrap(o, "model"))
+        for module, (kernel, frame) in self.frames.items():
+            self._hooks.append(module.register_forward_pre_hook(lambda m, args, f=frame: self._enter(f)))
+            self._hooks.append(module.register_forward_hook(lambda m, args, out, k=kernel: self._leave(k)))
         return self
 
     def __exit__(self, *exc):
-        for owner, name, orig in reversed(self._saved):
-            setattr(owner, name, orig)
-        self._saved.clear()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.stack.clear()
         return False
 
     def take(self) -> list[tuple[str, object, float]]:
@@ -340,11 +361,11 @@ class Profiler:
         plain = self.timeit(lambda: model.forward(batch, caches), reps=max(2, reps))[0]
         runs = []
         with Instrument(model, self.timer) as ins:
-            model.forward(batch, caches)
+            ins.forward(batch, caches)
             ins.take()
             start = time.perf_counter()
             for i in range(reps):
-                model.forward(batch, caches)
+                ins.forward(batch, caches)
                 agg: dict = {}
                 for k, key, us in ins.take():
                     agg[(k, key)] = agg.get((k, key), 0.0) + us
@@ -427,7 +448,9 @@ class Profiler:
                     gdn.setdefault(name, {}).setdefault(B, []).append(k.get(name, 0.0))
                 gdn.setdefault("gdn_decode_glue", {}).setdefault(B, []).append(k.get("gdn_mixer", 0.0))
                 if na:
-                    extra = k.get("attn_mixer", 0.0) / na - (gate(B) if gate else 0.0)
+                    # the mixer's glue beyond the output gate (priced per token from the prefill runs) is the
+                    # decode path's own; noise can put the difference below zero, never the attention itself
+                    extra = max(0.0, k.get("attn_mixer", 0.0) / na - (gate(B) if gate else 0.0))
                     attn.setdefault(c, []).append((k.get("attn_decode", 0.0) / na + extra) / B)
                 bt = self.timeit(lambda: self.engine.runner.build_batch(work))[0]
                 prep.setdefault(B, []).append(max(0.0, k.get("model", 0.0) - embed(B)) + bt)
@@ -551,7 +574,7 @@ class Profiler:
             slots = tuple(range(min(n, nslots)))
             add("zero_slots", n, self.timeit(lambda: st.zero_slots(slots)))
             if st.conv:
-                if st.per_block:
+                if st.beside:
                     locs = [(p,) for p in self._perm[:min(n, pool.num_pages)]]
                 else:
                     locs = [tuple(self._perm[i * G:(i + 1) * G]) for i in range(min(n, pool.num_pages // G))]
@@ -649,49 +672,35 @@ def run_calibration(engine, workload, progress: bool = True) -> list[dict]:
     from ..sampling_params import SamplingParams
     from ..sim.latency import StepShape
 
-    sch = engine.scheduler
-    captured = []
-    orig = sch.schedule
-
-    def schedule():
-        p = orig()
-        captured.append(p)
-        return p
-
-    sch.schedule = schedule
     rows = []
-    try:
-        pending = sorted(workload, key=lambda x: x[0])
-        k = 0
-        step = 0
-        bar = tqdm(total=len(pending), desc="calibrate", unit="req", disable=not progress, file=sys.stderr)
-        while k < len(pending) or engine.has_unfinished_requests():
-            if k < len(pending) and not engine.has_unfinished_requests():
-                step = max(step, pending[k][0])  # idle: fast-forward to the next submission
-            while k < len(pending) and pending[k][0] <= step:
-                _, ids, n = pending[k]
-                engine.add_request(f"cal-{k}-{time.monotonic_ns()}", ids,
-                                   SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-                k += 1
-            c = time.thread_time()
-            t = time.perf_counter()
-            outs = engine.step()
-            dt = (time.perf_counter() - t) * 1e6
-            dc = (time.thread_time() - c) * 1e6
-            step += 1
-            plan = captured[-1]
-            captured.clear()
-            bar.update(sum(1 for o in outs if o.finished))
-            if plan.is_empty():
-                continue
-            s = StepShape.of(plan, after_prefill=bool(rows) and bool(rows[-1]["_shape"].prefill))
-            rows.append({"step": step, "n_seqs": s.n_seqs, "n_prefill": len(s.prefill),
-                         "prefill_tokens": sum(n for n, _ in s.prefill), "n_decode": len(s.decode_ctx),
-                         "context_tokens": sum(s.decode_ctx) + sum(n + p for n, p in s.prefill), "n_sample": s.n_sample,
-                         "copies": s.zero_slots + s.restores + s.saves, "measured_us": dt, "cpu_us": dc, "_shape": s})
-        bar.close()
-    finally:
-        del sch.schedule
+    pending = sorted(workload, key=lambda x: x[0])
+    k = 0
+    step = 0
+    bar = tqdm(total=len(pending), desc="calibrate", unit="req", disable=not progress, file=sys.stderr)
+    while k < len(pending) or engine.has_unfinished_requests():
+        if k < len(pending) and not engine.has_unfinished_requests():
+            step = max(step, pending[k][0])  # idle: fast-forward to the next submission
+        while k < len(pending) and pending[k][0] <= step:
+            _, ids, n = pending[k]
+            engine.add_request(f"cal-{k}-{time.monotonic_ns()}", ids,
+                               SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+            k += 1
+        c = time.thread_time()
+        t = time.perf_counter()
+        outs = engine.step()
+        dt = (time.perf_counter() - t) * 1e6
+        dc = (time.thread_time() - c) * 1e6
+        step += 1
+        plan = engine.last_plan
+        bar.update(sum(1 for o in outs if o.finished))
+        if plan.is_empty():
+            continue
+        s = StepShape.of(plan, after_prefill=bool(rows) and bool(rows[-1]["_shape"].prefill))
+        rows.append({"step": step, "n_seqs": s.n_seqs, "n_prefill": len(s.prefill),
+                     "prefill_tokens": sum(n for n, _ in s.prefill), "n_decode": len(s.decode_ctx),
+                     "context_tokens": sum(s.decode_ctx) + sum(n + p for n, p in s.prefill), "n_sample": s.n_sample,
+                     "copies": s.zero_slots + s.restores + s.saves, "measured_us": dt, "cpu_us": dc, "_shape": s})
+    bar.close()
     return rows
 
 
@@ -798,7 +807,7 @@ def write_bundle(out: str, engine, prof: Profiler | None, meta_extra: dict) -> N
     save_meta(out, meta_extra)
 
 
-def engine_resolved_per_tp(mc, dtype: str, user_block_size: int, tps=(1, 2, 4, 8), layout: str = "in-page") -> dict:
+def engine_resolved_per_tp(mc, dtype: str, user_block_size: int, layout: str, tps=(1, 2, 4, 8)) -> dict:
     from ..config import ConfigError
     from ..sizing import ENGINE_KERNEL_ALIGNMENT, engine_block_size, geometry
 
@@ -808,7 +817,7 @@ def engine_resolved_per_tp(mc, dtype: str, user_block_size: int, tps=(1, 2, 4, 8
             g = geometry(mc, kv_dtype=dtype, conv_dtype=dtype, ssm_dtype="float32", tp=tp)
         except ConfigError:
             continue
-        per[tp] = {"block_size": engine_block_size(g, user_block_size, layout=layout), "layout": layout,
+        per[tp] = {"block_size": engine_block_size(g, user_block_size, layout), "layout": layout,
                    "kernel_alignment": ENGINE_KERNEL_ALIGNMENT, "gdn_state_bytes": g.gdn_state_bytes,
                    "kv_bytes_per_token_per_layer": g.kv_bytes_per_token_per_layer,
                    "profiled": tp == 1}
@@ -844,7 +853,7 @@ def profile(engine, out: str, *, quick: bool = False, repeats: int | None = None
                      "cpu_count": os.cpu_count(), "torch_threads": threads, "platform": platform.platform()},
         "dtypes": {"model": engine.dtype, "kv": engine.dtype, "conv": engine.dtype, "ssm": "float32"},
         "versions": {"deltaserve": ds_version, "torch": str(torch.__version__), "python": platform.python_version()},
-        "engine_resolved": {"per_tp": engine_resolved_per_tp(mc, engine.dtype, cfg.block_size, layout=cfg.cache_layout)},
+        "engine_resolved": {"per_tp": engine_resolved_per_tp(mc, engine.dtype, cfg.block_size, cfg.cache_layout)},
         "engine": {"block_size_flag": cfg.block_size, "max_num_seqs": cfg.max_num_seqs,
                    "max_num_batched_tokens": cfg.max_num_batched_tokens, "kv_cache_memory": engine.pool.total_bytes,
                    "cache_layout": cfg.cache_layout, "enable_prefix_caching": cfg.enable_prefix_caching},

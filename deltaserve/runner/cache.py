@@ -1,17 +1,18 @@
-"""The cache tensors: the page pool, the live GDN slots, and (per-block layout) the checkpoint tensor.
+"""The cache tensors: the page pool, the live GDN slots, and (checkpoints beside the pool) their tensor.
 
 Storage is raw bytes so one page can hold either attention K/V or GDN states; every copy between a
 slot and a checkpoint is a byte copy (bit-exact, NaN encodings included).
 
   pool[i]:  [num_pages, page_bytes] uint8, layer position i (i < group_size)
             attention layer a reads pool[a] as [num_pages, 2, block_size, kv_heads, head_dim] (kv dtype);
-            in-page checkpoints: GDN layer l of group g = l // group_size keeps its state at
-            pool[l % group_size][page], bytes [0, conv_bytes) conv then [conv_bytes, state_bytes) recurrent.
-            runs layout: the same byte stream cut into page_bytes pieces, piece j at
-            pool[l % group_size][location[g * pages_per_state + j]].
+            checkpoints in pool pages (layouts.py): GDN layer l of group g = l // group_size keeps its state
+            as one byte stream, [0, conv_bytes) conv then [conv_bytes, state_bytes) recurrent, cut into
+            page_bytes pieces, piece j at pool[l % group_size][location[g * pages_per_state + j]] (in-page: one
+            piece, pages_per_state = 1).
   conv[l]:  [num_slots, kernel - 1, conv_dim] conv dtype   (live state of GDN layer l)
   ssm[l]:   [num_slots, v_heads, v_dim, k_dim] float32      (live state of GDN layer l)
-  per-block layout: ckpt_conv[l] / ckpt_ssm[l] shaped like conv/ssm with num_pages rows.
+  checkpoints beside the pool (per-block layout): ckpt_conv[l] / ckpt_ssm[l] shaped like conv/ssm with num_pages
+            rows, row p holding the checkpoint of the block in attention page p.
 """
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ import torch
 from ..config import ModelConfig
 from ..model.batch import Caches
 from ..scheduler.plan import StateCopy
-from ..sizing import PoolPlan
+from ..sizing import Pool
 
 
 class CacheStore:
-    def __init__(self, m: ModelConfig, plan: PoolPlan, kv_dtype: torch.dtype, conv_dtype: torch.dtype,
+    def __init__(self, m: ModelConfig, plan: Pool, kv_dtype: torch.dtype, conv_dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
         self.plan = plan
         self.block_size = plan.block_size
@@ -38,10 +39,10 @@ class CacheStore:
         ssm_shape = (m.linear_num_value_heads, m.linear_value_head_dim, m.linear_key_head_dim)
         self.conv = [torch.zeros(plan.num_slots, *conv_shape, dtype=conv_dtype, device=device) for _ in range(n_gdn)]
         self.ssm = [torch.zeros(plan.num_slots, *ssm_shape, dtype=torch.float32, device=device) for _ in range(n_gdn)]
-        self.per_block = plan.layout == "per-block"
+        self.beside = not plan.layout.in_pool  # checkpoints in a tensor beside the pool, a row per page
         self.pages_per_state = plan.pages_per_state
         self.page_bytes = plan.page_bytes
-        rows = plan.num_pages if self.per_block else 0
+        rows = plan.num_pages if self.beside and n_gdn else 0
         self.ckpt_conv = [torch.zeros(rows, *conv_shape, dtype=conv_dtype, device=device) for _ in range(n_gdn)] if rows else []
         self.ckpt_ssm = [torch.zeros(rows, *ssm_shape, dtype=torch.float32, device=device) for _ in range(n_gdn)] if rows else []
         self.conv_bytes = self.conv[0][0].numel() * self.conv[0].element_size() if n_gdn else 0
@@ -77,7 +78,7 @@ class CacheStore:
 
     def _page_views(self, l: int, location: tuple[int, ...]) -> list[torch.Tensor]:
         """Byte views of GDN layer l's checkpoint at `location`, in state order (conv bytes, then recurrent)."""
-        if self.per_block:
+        if self.beside:
             (page,) = location
             return [self.ckpt_conv[l][page].view(torch.uint8).view(-1), self.ckpt_ssm[l][page].view(torch.uint8).view(-1)]
         k, pos = self.pages_per_state, self.pool[l % self.group_size]

@@ -16,7 +16,7 @@ def tune_allocator() -> None:
     """Keep glibc from mmapping (and unmapping) every allocation >= 32 MiB.
 
     Each fresh 4 KiB page faults at ~3 us on this machine kind, so large prefill temporaries
-    cost 2-3x without this (CPU-NOTES). Idempotent; a no-op off glibc.
+    cost 2-3x without this (docs/cpu.md). Idempotent; a no-op off glibc.
     """
     global _tuned
     if _tuned:

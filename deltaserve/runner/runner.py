@@ -1,4 +1,5 @@
-"""The model runner: carries out a StepPlan on the caches and samples the next tokens."""
+"""The model runner: carries out a StepPlan on the caches (zero, restore, forward, save) and returns the logits
+the engine samples from."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,24 +3,22 @@
 One function for the engine and the simulator, so the block size, the pool, the GDN slots and the
 chunking rules of a simulated replica are the ones the engine would have. Pure Python, no torch.
 
-    shape = resolve_shape(model_config, dtype="bfloat16", block_size=16, kv_cache_memory=64 << 20,
-                          max_num_seqs=8)
-    memory, scheduler = build_scheduler(shape, max_num_seqs=8, max_num_batched_tokens=512,
-                                        enable_prefix_caching=True)
+    shape, memory, scheduler = build(model_config, EngineConfig(...), kv_cache_memory=64 << 20)
 
-This mirrors LLMEngine.__init__ (engine.py): the block size is vLLM's rule at this engine's alignment
-(--block-size rounded up to a multiple of the 64-token GDN chunk; the runs layout takes that alignment
-itself as its block, and a GDN state spans several pages), the pool is sizing.plan_pool over the
-cache budget with one GDN slot per --max-num-seqs, the conv state and KV take the model dtype and the
-recurrent state float32.
+The cache layout is chosen here, once, from --cache-layout (layouts.py); the page size is the layout's
+choice at this engine's alignment (--block-size rounded up to a multiple of the 64-token GDN chunk: the
+runs layout takes that alignment, in-page and per-block vLLM's hybrid block at it); the pool is
+sizing.size_pool over the cache budget with one GDN slot per --max-num-seqs; the conv state and KV take the
+model dtype and the recurrent state float32.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ConfigError, ModelConfig
+from ..config import ENGINE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
+from ..layouts import layout_for
 from ..memory.manager import MemoryManager
-from ..sizing import Geometry, PoolPlan, engine_block_size, geometry, plan_pool
+from ..sizing import Geometry, Pool, engine_block_size, geometry, size_pool
 from .scheduler import Scheduler
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -39,26 +37,27 @@ class EngineShape:
     dtype: str
     geometry: Geometry
     block_size: int
-    pool: PoolPlan
+    pool: Pool
     max_model_len: int
 
 
-def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16, kv_cache_memory: int,
-                  max_num_seqs: int, cache_layout: str = "runs", max_model_len: int | None = None,
-                  enable_prefix_caching: bool = True) -> EngineShape:
+def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = ENGINE_DEFAULTS["block_size"],
+                  kv_cache_memory: int, max_num_seqs: int, cache_layout: str = ENGINE_DEFAULTS["cache_layout"],
+                  max_model_len: int | None = None, enable_prefix_caching: bool = True) -> EngineShape:
     """The engine's block size, pool and max model length for a cache budget of kv_cache_memory bytes.
 
     The max model length defaults to what one request can hold in the pool (the memory manager holds
     checkpoint pages back in align mode). Raises ConfigError where the engine would refuse to start."""
     dt = resolve_dtype(dtype, mc)
     geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")
-    bs = engine_block_size(geom, block_size, layout=cache_layout)
-    pool = plan_pool(geom, kv_cache_memory, bs, max_num_seqs, cache_layout)
+    layout = layout_for(cache_layout)
+    bs = engine_block_size(geom, block_size, layout)
+    pool = size_pool(geom, kv_cache_memory, bs, max_num_seqs, layout)
     if pool.num_pages < 2:
         raise ConfigError(f"a {kv_cache_memory:,}-byte cache budget holds {pool.num_pages} pages of {bs} tokens "
                           f"after {pool.num_slots} GDN slots of {pool.slot_bytes:,} bytes; raise --kv-cache-memory "
                           f"or lower --max-num-seqs")
-    cap = MemoryManager.from_plan(pool, caching=enable_prefix_caching).max_request_tokens()
+    cap = MemoryManager.from_pool(pool, caching=enable_prefix_caching).max_request_tokens()
     max_len = max_model_len or min(mc.max_position_embeddings, cap)
     if max_len > cap:
         raise ConfigError(f"--max-model-len {max_len} exceeds what one request can hold in the KV pool "
@@ -67,13 +66,23 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = 16,
     return EngineShape(dt, geom, bs, pool, max_len)
 
 
-def build_memory(shape: EngineShape, *, enable_prefix_caching: bool = True) -> MemoryManager:
-    return MemoryManager.from_plan(shape.pool, caching=enable_prefix_caching)
-
-
 def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_tokens: int,
                     enable_prefix_caching: bool = True, prefill_merge_tokens: int = 0) -> tuple[MemoryManager, Scheduler]:
     """A fresh MemoryManager and the Scheduler over it, as the engine builds them."""
-    memory = build_memory(shape, enable_prefix_caching=enable_prefix_caching)
+    memory = MemoryManager.from_pool(shape.pool, caching=enable_prefix_caching)
     return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              prefill_merge_tokens=prefill_merge_tokens)
+
+
+def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
+          dtype: str | None = None) -> tuple[EngineShape, MemoryManager, Scheduler]:
+    """Everything the engine (and a simulated replica) derives from its flags: the shape, then the memory
+    manager and the scheduler over it. dtype overrides cfg.dtype (a simulated replica: the bundle's)."""
+    shape = resolve_shape(mc, dtype=dtype or cfg.dtype, block_size=cfg.block_size, kv_cache_memory=kv_cache_memory,
+                          max_num_seqs=cfg.max_num_seqs, cache_layout=cfg.cache_layout,
+                          max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching)
+    memory, scheduler = build_scheduler(shape, max_num_seqs=cfg.max_num_seqs,
+                                        max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                        enable_prefix_caching=cfg.enable_prefix_caching,
+                                        prefill_merge_tokens=cfg.prefill_merge_tokens)
+    return shape, memory, scheduler

@@ -6,7 +6,7 @@ The scheduler asks the policy two things:
       `start` means "not this step".
   save_at(end): whether the step whose chunk ends at `end` saves the slot into a checkpoint.
 
-Later policies (seed 004: checkpoints on a chunk grid and at the end of every request) implement the
+Later policies (checkpoints on a sparse grid, at fork points, at the end of every request) implement the
 same two methods; the memory manager still refuses any save that is not at the end of a full block.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ class CheckpointPolicy(Protocol):
 
 
 class AlignEveryBlock:
-    """vLLM's align mode, seed 000: prefill chunks end on block boundaries, and every step that ends on
+    """vLLM's align mode: prefill chunks end on block boundaries, and every step that ends on
     a block boundary (a decode that completes a block included) saves a checkpoint, so every checkpoint
     is exact and a hit can resume at any block that has one.
 
@@ -52,7 +52,7 @@ class GridChunks:
 
     Why floor at all without caching: decodes take budget first, so without flooring a prompt's chunk
     boundaries would depend on how many other requests happen to be decoding, and the GDN chunked kernel
-    is only bit-exact across chunk boundaries on its 64-token grid (DESIGN rule 8). Flooring makes a
+    is only bit-exact across chunk boundaries on its 64-token grid (docs/design.md, the 64-token grid). Flooring makes a
     request's logits independent of the batch it shares (concurrent == solo, chunked == unchunked,
     bit-identical) for at most grid - 1 tokens of budget per step.
     """

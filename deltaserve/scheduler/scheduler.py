@@ -69,7 +69,7 @@ class Scheduler:
         replay_decode: after a preemption, recompute the prompt through the prefill path and the
         generated tokens through the decode path, one per step (default), so the resumed request
         computes every token on the path the uninterrupted run used: prefill and decode differ in the
-        last bits (CPU-NOTES.md), and on near-tied logits that flips greedy tokens. False: recompute
+        last bits (docs/cpu.md), and on near-tied logits that flips greedy tokens. False: recompute
         everything through prefill (vLLM's way; fewer steps, not bit-exact).
         prefill_merge_tokens: a waiting request joins a step only while the step's prefill tokens are
         below this (the first prefill of a step always joins); 0 = no limit. Prompts that arrive
@@ -319,7 +319,7 @@ class Scheduler:
         without a checkpoint (find_prefix's num_matched_blocks): typically a shared system prompt followed
         by different text, computed by the earlier sequence inside one chunk. Ending a chunk there saves a
         checkpoint at the fork, so every later sequence with that prefix hits it. Costs at most one more
-        step for this request; the chunk end is a block boundary, so bits are unchanged (DESIGN rule 8).
+        step for this request; the chunk end is a block boundary, so bits are unchanged (docs/design.md, the 64-token grid).
         """
         end = self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
         return req.fork_point if start < req.fork_point < end else end

@@ -1,10 +1,14 @@
-"""The two generation routes: request -> engine requests -> OpenAI responses (whole or streamed).
+"""The two generation routes: request -> engine requests -> one delta stream -> OpenAI responses.
 
 One HTTP request becomes one engine request per (prompt, sample): n > 1 and batched completion
 prompts fan out, each with its own id, its own guide, and its seed offset by the sample's number.
-Outputs of all of them arrive in one RequestSink. Whatever way the HTTP exchange ends (finished,
-error, client gone mid-stream), every engine request still unfinished is aborted, which frees its
-pages and GDN slot.
+Outputs of all of them arrive in one RequestSink and become one stream of Deltas (what a choice added:
+text, token ids, logprobs, and for chat its reasoning, content and tool calls, parsed once, as they
+arrive). A streamed response formats each delta as it comes; a whole response is the fold of the same
+deltas (fold_deltas), so the two cannot diverge. Validation of the prompt and the sampling values is the
+engine's (engine.check_request); its EngineInputError becomes a 400 naming the field. Whatever way the
+HTTP exchange ends (finished, error, client gone mid-stream), every engine request still unfinished is
+aborted, which frees its pages and GDN slot.
 """
 from __future__ import annotations
 
@@ -75,9 +79,55 @@ class _Job:
     timer: RequestTimer | None = None
     reasoning: Qwen3ReasoningParser | None = None
     tools: Qwen3CoderToolParser | None = None
-    tool_calls_sent: int = 0
+    only_first_call: bool = False  # parallel_tool_calls false: tool calls after the first are dropped
     prompt_logprobs: Any = None
-    out_text: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Delta:
+    """What one choice produced since its previous delta."""
+
+    job: _Job
+    text: str  # new visible text (all of it; chat splits it into reasoning and content)
+    start: int  # its new tokens are job.last's token_ids[start:end] (logprobs alike)
+    end: int
+    reasoning: str = ""  # chat: new reasoning text
+    content: str = ""  # chat: new content text
+    tool_calls: list = field(default_factory=list)  # chat: tool calls completed in this delta
+    finished: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.job.index
+
+
+@dataclass
+class Choice:
+    """A whole choice: the fold of its deltas."""
+
+    job: _Job
+    text: str = ""
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list = field(default_factory=list)
+    end: int = 0  # tokens out
+
+    def add(self, d: Delta) -> None:
+        self.text += d.text
+        self.reasoning += d.reasoning
+        self.content += d.content
+        self.tool_calls += d.tool_calls
+        self.end = d.end
+
+
+def _engine_error_param(e, jobs: list[_Job], prompt_param: str) -> str | None:
+    """The request field an EngineInputError names, in this route's words (the prompt is 'messages' in chat)."""
+    param = getattr(e, "param", None)
+    if param == "prompt":
+        return prompt_param
+    if param is not None and jobs and param in type(jobs[0].params).__dataclass_fields__:
+        return param
+    return None
 
 
 class AbortingStream(StreamingResponse):
@@ -123,32 +173,10 @@ class OpenAIServing:
         v = getattr(mc, "vocab_size", None)
         return int(v) if v else int(self.engine.tokenizer.vocab_size)
 
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise bad_request("The prompt is empty.", param, "empty_prompt")
-        v = self.vocab_size
-        for t in ids:
-            if not 0 <= t < v:
-                raise bad_request(f"Token id {t} in {param} is out of vocabulary [0, {v}).", param, "invalid_token_id")
-
-    def _check_length(self, n_prompt: int, max_tokens: int | None, param: str) -> int:
-        max_len = int(self.engine.engine.max_model_len)
-        if n_prompt >= max_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_len} tokens. However, your request has "
-                f"{n_prompt} input tokens. Please reduce the length of the input.", param, "context_length_exceeded")
-        if max_tokens is None:
-            return max_len - n_prompt
-        if n_prompt + max_tokens > max_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_len} tokens. However, you requested "
-                f"{n_prompt + max_tokens} tokens ({n_prompt} in the {'messages' if param == 'messages' else 'prompt'}, "
-                f"{max_tokens} in the completion). Please reduce the length of the "
-                f"{'messages' if param == 'messages' else 'prompt'} or completion.", param, "context_length_exceeded")
-        return max_tokens
-
-    def _sampling_params(self, req, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None,
+    def _sampling_params(self, req, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
                          seed: int | None, guide: Any):
+        """The request's sampling values (their ranges are checked here, the vocabulary and the context length by
+        the engine)."""
         from ..sampling_params import SamplingParams
 
         kw: dict[str, Any] = {}
@@ -160,15 +188,13 @@ class OpenAIServing:
         if req.logit_bias is not None:
             kw["logit_bias"] = dict(req.logit_bias)
         try:
-            sp = SamplingParams(n=1, seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                                ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                                structured=guide, **kw)
-            sp.validate_for(self.vocab_size)
+            return SamplingParams(n=1, seed=seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+                                  ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  structured=guide, **kw)
         except (ValueError, TypeError) as e:
             msg = str(e)
             first = msg.split(" ", 1)[0]
             raise bad_request(msg, first if first.isidentifier() else None) from None
-        return sp
 
     def _grammar(self, req, tok, tools: list[dict] | None, forced: Any) -> str | None:
         rf = req.response_format
@@ -208,7 +234,10 @@ class OpenAIServing:
         from ..structured import GuideFactory
         return GuideFactory.for_tokenizer(tok).guide(grammar, wait_for_think_end)
 
-    async def _submit(self, jobs: list[_Job], sink: RequestSink, cache_salt: str | None) -> None:
+    async def _submit(self, jobs: list[_Job], sink: RequestSink, cache_salt: str | None,
+                      prompt_param: str = "prompt") -> None:
+        """Hand every job to the engine; the engine's refusal of one (EngineInputError) aborts them all and
+        becomes a 400 that names the field (the prompt under this route's name for it)."""
         from ..engine import EngineInputError
 
         submitted: list[_Job] = []
@@ -222,10 +251,8 @@ class OpenAIServing:
             raise ApiError(503, str(e), "service_unavailable", None, "not_ready") from None
         except EngineInputError as e:
             self._abort(submitted)
-            msg = str(e)
-            first = msg.split(" ", 1)[0]
-            raise bad_request(msg or type(e).__name__, first if first.isidentifier() and first in
-                              type(jobs[0].params).__dataclass_fields__ else None) from None
+            raise bad_request(str(e) or type(e).__name__, _engine_error_param(e, jobs, prompt_param),
+                              getattr(e, "code", "invalid_value")) from None
         except BaseException:
             self._abort(submitted)
             raise
@@ -237,14 +264,48 @@ class OpenAIServing:
                 j.finished = True
                 j.finish_reason = j.finish_reason or "abort"
 
-    async def _wait_all(self, jobs, sink, request) -> None:
-        """Run every job of a non-streamed request to completion (an engine failure becomes a 500)."""
+    async def _deltas(self, jobs: list[_Job], sink: RequestSink, request: Request | None) -> AsyncIterator[Delta]:
+        """The delta stream: one Delta per engine output, until every job finished. Chat jobs (those with a
+        reasoning parser) have their text split into reasoning, content and tool calls here, once."""
+        async for job, out in self._outputs(jobs, sink, request):
+            c = out.outputs[0] if out.outputs else None
+            if c is None:
+                continue
+            text = self._new_text(job, c)
+            start, end = job.ids_seen, len(c.token_ids)
+            job.ids_seen = end
+            d = Delta(job, text, start, end, finished=job.finished)
+            if job.reasoning is not None:
+                self._parse(d)
+            yield d
+
+    @staticmethod
+    def _parse(d: Delta) -> None:
+        """Chat: the delta's text through the reasoning parser, then its content through the tool parser."""
+        job = d.job
+        r, c = job.reasoning.feed(d.text)
+        if d.finished:
+            r2, c2 = job.reasoning.finish()
+            r, c = r + r2, c + c2
+        d.reasoning, d.content = r, c
+        if job.tools is not None:
+            d.content, d.tool_calls = job.tools.feed(c)
+            if d.finished:
+                c3, k3 = job.tools.finish()
+                d.content, d.tool_calls = d.content + c3, d.tool_calls + k3
+            if job.only_first_call:
+                d.tool_calls = [k for k in d.tool_calls if k.index == 0]
+
+    async def fold_deltas(self, jobs: list[_Job], sink: RequestSink, request: Request | None) -> list[Choice]:
+        """Run every job to completion: the whole choices, in index order (an engine failure becomes a 500)."""
+        choices = {j.index: Choice(j) for j in jobs}
         try:
-            async for _ in self._outputs(jobs, sink, request):
-                pass
+            async for d in self._deltas(jobs, sink, request):
+                choices[d.index].add(d)
         except EngineStepError as e:
             raise ApiError(500, f"The engine failed while generating: {e}", "internal_error", None,
                            "engine_error") from None
+        return [choices[i] for i in sorted(choices)]
 
     async def _outputs(self, jobs: list[_Job], sink: RequestSink,
                        request: Request | None) -> AsyncIterator[tuple[_Job, Any]]:
@@ -386,7 +447,6 @@ class OpenAIServing:
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
         _, tok = self._ready()
-        # prompts
         p = req.prompt
         if isinstance(p, str):
             prompts: list[Any] = [p]
@@ -394,18 +454,7 @@ class OpenAIServing:
             prompts = [p]
         else:
             prompts = list(p)
-        encoded: list[tuple[list[int], str | None]] = []
-        for i, pr in enumerate(prompts):
-            param = "prompt"
-            if isinstance(pr, str):
-                ids = tok.encode(pr)
-                if not ids:
-                    raise bad_request("The prompt is empty.", param, "empty_prompt")
-                encoded.append((ids, pr))
-            else:
-                ids = list(pr)
-                self._check_ids(ids, param)
-                encoded.append((ids, None))
+        encoded = [(tok.encode(pr), pr) if isinstance(pr, str) else (list(pr), None) for pr in prompts]
         max_tokens = req.max_tokens
         echo_only = False
         if max_tokens == 0 and req.echo:
@@ -418,13 +467,11 @@ class OpenAIServing:
         grammar = self._grammar(req, tok, None, None)
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs: list[_Job] = []
-        prompt_lens: dict[int, int] = {}
+        prompt_lens = {pi: len(ids) for pi, (ids, _) in enumerate(encoded)}
         for pi, (ids, text) in enumerate(encoded):
-            mt = self._check_length(len(ids), max_tokens, "prompt")
-            prompt_lens[pi] = len(ids)
             for s in range(req.n):
                 seed = None if req.seed is None else req.seed + s
-                sp = self._sampling_params(req, mt, req.logprobs, prompt_lp, seed,
+                sp = self._sampling_params(req, max_tokens, req.logprobs, prompt_lp, seed,
                                            self._guide(tok, grammar, False))
                 jobs.append(_Job(pi * req.n + s, f"{rid}-{pi}-{s}", ids, sp, text))
         sink = RequestSink(asyncio.get_running_loop())
@@ -433,18 +480,14 @@ class OpenAIServing:
         if req.stream:
             gen = self._stream_completions(req, jobs, sink, rid, created, prompt_lens, echo_only, request)
             return AbortingStream(gen, media_type="text/event-stream")
-        await self._wait_all(jobs, sink, request)
         choices = []
-        for j in sorted(jobs, key=lambda j: j.index):
-            c = j.last.outputs[0] if j.last is not None and j.last.outputs else None
-            text = c.text if c is not None else ""
-            ids = list(c.token_ids) if c is not None else []
-            lps = list(c.logprobs) if c is not None and c.logprobs is not None else None
+        for ch in await self.fold_deltas(jobs, sink, request):
+            j, c = ch.job, (ch.job.last.outputs[0] if ch.job.last is not None and ch.job.last.outputs else None)
+            text, ids = ch.text, list(c.token_ids[:ch.end]) if c is not None else []
+            lps = list(c.logprobs[:ch.end]) if c is not None and c.logprobs is not None else None
             if echo_only:
                 text, ids, lps = "", [], ([] if lps is not None else None)
-            prefix = ""
-            if req.echo:
-                prefix = j.prompt_text if j.prompt_text is not None else tok.decode(j.prompt_ids)
+            prefix = self._echo(j, tok) if req.echo else ""
             logprobs = None
             if req.logprobs is not None:
                 if req.echo:
@@ -467,6 +510,10 @@ class OpenAIServing:
         return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                              "choices": choices, "usage": usage})
 
+    @staticmethod
+    def _echo(job: _Job, tok) -> str:
+        return job.prompt_text if job.prompt_text is not None else tok.decode(job.prompt_ids)
+
     async def _stream_completions(self, req, jobs, sink, rid, created, prompt_lens, echo_only, request):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         tok = self.engine.tokenizer
@@ -481,26 +528,22 @@ class OpenAIServing:
         try:
             if req.echo:
                 for j in sorted(jobs, key=lambda j: j.index):
-                    prefix = j.prompt_text if j.prompt_text is not None else tok.decode(j.prompt_ids)
-                    yield chunk([{"index": j.index, "text": prefix, "logprobs": None, "finish_reason": None}])
+                    yield chunk([{"index": j.index, "text": self._echo(j, tok), "logprobs": None,
+                                  "finish_reason": None}])
             offsets: dict[int, int] = {}
-            async for job, out in self._outputs(jobs, sink, request):
-                c = out.outputs[0] if out.outputs else None
-                if c is None:
-                    continue
-                text = "" if echo_only else self._new_text(job, c)
-                start, end = job.ids_seen, len(c.token_ids)
-                job.ids_seen = end
+            async for d in self._deltas(jobs, sink, request):
+                job, c = d.job, d.job.last.outputs[0]
+                text = "" if echo_only else d.text
                 logprobs = None
-                if req.logprobs is not None and not echo_only and end > start:
+                if req.logprobs is not None and not echo_only and d.end > d.start:
                     off = offsets.get(job.index, 0)
-                    logprobs = self._completion_logprobs(list(c.token_ids[start:end]),
-                                                         list((c.logprobs or [])[start:end]), req.logprobs, off)
+                    logprobs = self._completion_logprobs(list(c.token_ids[d.start:d.end]),
+                                                         list((c.logprobs or [])[d.start:d.end]), req.logprobs, off)
                     offsets[job.index] = off + sum(len(t) for t in logprobs["tokens"])
-                fin = ("length" if echo_only else job.finish_reason) if job.finished else None
+                fin = ("length" if echo_only else job.finish_reason) if d.finished else None
                 # a chunk for every step that produced tokens, even when their text is still incomplete
                 # (vLLM does the same): a client's time to first token is the time of the first chunk
-                if text or logprobs is not None or fin is not None or (end > start and not echo_only):
+                if text or logprobs is not None or fin is not None or (d.end > d.start and not echo_only):
                     ch = {"index": job.index, "text": text, "logprobs": logprobs, "finish_reason": fin}
                     if fin is not None:
                         ch["stop_reason"] = None if echo_only else job.stop_reason
@@ -519,15 +562,10 @@ class OpenAIServing:
             yield "data: [DONE]\n\n"
 
     # ================================================================ /v1/chat/completions
-    async def chat(self, req: ChatCompletionRequest, request: Request):
-        self.check_model(req.model)
-        _, tok = self._ready()
+    def _render_chat(self, req: ChatCompletionRequest, tok, use_tools: list[dict] | None) -> str:
+        """The conversation through the checkpoint's chat template (400 on what the template refuses)."""
         from ..tokenizer import TokenizerError
 
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-        forced = req.tool_choice if (choice == "required" or isinstance(choice, NamedToolChoice)) else None
-        use_tools = tools if choice != "none" else None
         kwargs = dict(req.chat_template_kwargs or {})
         bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
         if bad:
@@ -549,71 +587,65 @@ class OpenAIServing:
                 d["reasoning_content"] = m.reasoning_content
             messages.append(d)
         try:
-            prompt_text = tok.apply_chat_template(messages, tools=use_tools, add_generation_prompt=True, **kwargs)
+            return tok.apply_chat_template(messages, tools=use_tools, add_generation_prompt=True, **kwargs)
         except TokenizerError as e:
             raise bad_request(str(e), "messages", "invalid_messages") from None
         except TypeError as e:
             raise bad_request(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
+
+    async def chat(self, req: ChatCompletionRequest, request: Request):
+        self.check_model(req.model)
+        _, tok = self._ready()
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        forced = req.tool_choice if (choice == "required" or isinstance(choice, NamedToolChoice)) else None
+        use_tools = tools if choice != "none" else None
+        prompt_text = self._render_chat(req, tok, use_tools)
         ids = tok.encode(prompt_text)
-        if not ids:
-            raise bad_request("The rendered prompt is empty.", "messages", "empty_prompt")
         thinking = prompt_opens_thinking(prompt_text)
-        max_tokens = self._check_length(len(ids), req.max_new_tokens, "messages")
         n_top = (req.top_logprobs or 0) if req.logprobs else None
         grammar = self._grammar(req, tok, tools, forced)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs: list[_Job] = []
         for s in range(req.n):
             seed = None if req.seed is None else req.seed + s
-            sp = self._sampling_params(req, max_tokens, n_top, req.prompt_logprobs, seed,
+            sp = self._sampling_params(req, req.max_new_tokens, n_top, req.prompt_logprobs, seed,
                                        self._guide(tok, grammar, thinking))
-            j = _Job(s, f"{rid}-{s}", ids, sp, prompt_text)
+            j = _Job(s, f"{rid}-{s}", ids, sp, prompt_text, only_first_call=req.parallel_tool_calls is False)
             j.reasoning = Qwen3ReasoningParser(thinking)
             j.tools = Qwen3CoderToolParser(tools) if use_tools else None
             jobs.append(j)
         sink = RequestSink(asyncio.get_running_loop())
-        await self._submit(jobs, sink, req.cache_salt)
+        await self._submit(jobs, sink, req.cache_salt, prompt_param="messages")
         created = int(time.time())
         prompt_lens = {0: len(ids)}
         if req.stream:
             gen = self._stream_chat(req, jobs, sink, rid, created, prompt_lens, n_top, request)
             return AbortingStream(gen, media_type="text/event-stream")
-        await self._wait_all(jobs, sink, request)
         choices = []
-        for j in jobs:
-            c = j.last.outputs[0] if j.last is not None and j.last.outputs else None
-            text = c.text if c is not None else ""
-            r1, c1 = j.reasoning.feed(text)
-            r2, c2 = j.reasoning.finish()
-            reasoning = (r1 + r2) if j.reasoning.saw_reasoning else None
-            content: str | None = c1 + c2
-            calls = []
-            if j.tools is not None:
-                t1, k1 = j.tools.feed(content)
-                t2, k2 = j.tools.finish()
-                content, calls = (t1 + t2) or None, k1 + k2
-                if req.parallel_tool_calls is False:
-                    calls = calls[:1]
-            msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None,
-                                   "reasoning_content": reasoning}
-            if calls:
-                msg["tool_calls"] = [{"id": k.id, "type": "function",
-                                      "function": {"name": k.name, "arguments": k.arguments}} for k in calls]
-            else:
-                msg["tool_calls"] = []
-            fr = j.finish_reason
-            if calls and fr == "stop":
-                fr = "tool_calls"
+        for ch in await self.fold_deltas(jobs, sink, request):
+            j = ch.job
+            content = ch.content if j.tools is None else (ch.content or None)
+            msg: dict[str, Any] = {"role": "assistant", "content": content if (content or not ch.tool_calls) else None,
+                                   "reasoning_content": ch.reasoning if j.reasoning.saw_reasoning else None,
+                                   "tool_calls": [{"id": k.id, "type": "function",
+                                                   "function": {"name": k.name, "arguments": k.arguments}}
+                                                  for k in ch.tool_calls]}
             logprobs = None
-            if n_top is not None and c is not None:
-                logprobs = {"content": self._chat_logprobs(c, 0, len(c.token_ids), n_top)}
-            choices.append({"index": j.index, "message": msg, "logprobs": logprobs, "finish_reason": fr,
-                            "stop_reason": j.stop_reason})
+            if n_top is not None and j.last is not None and j.last.outputs:
+                logprobs = {"content": self._chat_logprobs(j.last.outputs[0], 0, ch.end, n_top)}
+            choices.append({"index": j.index, "message": msg, "logprobs": logprobs,
+                            "finish_reason": self._chat_finish(j, bool(ch.tool_calls)), "stop_reason": j.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
                 "choices": choices, "usage": self._usage(jobs, prompt_lens)}
         if req.prompt_logprobs is not None:
             body["prompt_logprobs"] = self._prompt_logprobs_json(jobs[0].prompt_logprobs)
         return JSONResponse(body)
+
+    @staticmethod
+    def _chat_finish(job: _Job, called: bool) -> str | None:
+        """A choice that stopped after writing tool calls finished with "tool_calls" (OpenAI's reason)."""
+        return "tool_calls" if called and job.finish_reason == "stop" else job.finish_reason
 
     async def _stream_chat(self, req, jobs, sink, rid, created, prompt_lens, n_top, request):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -627,58 +659,40 @@ class OpenAIServing:
                 d.update(extra)
             return f"data: {json.dumps(d)}\n\n"
 
-        def deltas(job: _Job, text: str, final: bool) -> list[dict]:
+        def parts(d: Delta) -> list[dict]:
+            """The delta as chat deltas: reasoning, content, then each tool call (its header, then arguments)."""
             out: list[dict] = []
-            r, c = job.reasoning.feed(text)
-            if final:
-                r2, c2 = job.reasoning.finish()
-                r, c = r + r2, c + c2
-            if r:
-                out.append({"reasoning_content": r})
-            if job.tools is None:
-                if c:
-                    out.append({"content": c})
-                return out
-            content, calls = job.tools.feed(c)
-            if final:
-                c3, k3 = job.tools.finish()
-                content, calls = content + c3, calls + k3
-            if content:
-                out.append({"content": content})
-            if req.parallel_tool_calls is False:
-                calls = [k for k in calls if k.index == 0]
-            for k in calls:
+            if d.reasoning:
+                out.append({"reasoning_content": d.reasoning})
+            if d.content:
+                out.append({"content": d.content})
+            for k in d.tool_calls:
                 out.append({"tool_calls": [{"index": k.index, "id": k.id, "type": "function",
                                             "function": {"name": k.name, "arguments": ""}}]})
                 out.append({"tool_calls": [{"index": k.index, "function": {"arguments": k.arguments}}]})
-                job.tool_calls_sent += 1
             return out
 
+        called: set[int] = set()
         try:
             for j in jobs:
                 yield chunk([{"index": j.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None}])
-            async for job, out in self._outputs(jobs, sink, request):
-                c = out.outputs[0] if out.outputs else None
-                if c is None:
-                    continue
-                text = self._new_text(job, c)
-                start, end = job.ids_seen, len(c.token_ids)
-                job.ids_seen = end
+            async for d in self._deltas(jobs, sink, request):
+                job = d.job
                 logprobs = None
-                if n_top is not None and end > start:
-                    logprobs = {"content": self._chat_logprobs(c, start, end, n_top)}
-                ds = deltas(job, text, job.finished)
+                if n_top is not None and d.end > d.start:
+                    logprobs = {"content": self._chat_logprobs(job.last.outputs[0], d.start, d.end, n_top)}
+                ds = parts(d)
+                if d.tool_calls:
+                    called.add(job.index)
                 if logprobs is not None and not ds:
                     ds = [{}]
-                for k, d in enumerate(ds):
-                    yield chunk([{"index": job.index, "delta": d, "logprobs": logprobs if k == 0 else None,
+                for k, part in enumerate(ds):
+                    yield chunk([{"index": job.index, "delta": part, "logprobs": logprobs if k == 0 else None,
                                   "finish_reason": None}])
-                if job.finished:
-                    fr = job.finish_reason
-                    if job.tool_calls_sent and fr == "stop":
-                        fr = "tool_calls"
-                    yield chunk([{"index": job.index, "delta": {}, "logprobs": None, "finish_reason": fr,
+                if d.finished:
+                    yield chunk([{"index": job.index, "delta": {}, "logprobs": None,
+                                  "finish_reason": self._chat_finish(job, job.index in called),
                                   "stop_reason": job.stop_reason}])
             if req.prompt_logprobs is not None:
                 yield chunk([], extra={"prompt_logprobs": self._prompt_logprobs_json(jobs[0].prompt_logprobs)})

@@ -1,10 +1,12 @@
 """`deltaserve simulate`: a discrete-event serving simulator over the engine's own scheduler and memory manager.
 
     deltaserve simulate --cluster-config C.json --trace T.jsonl --output out.csv [--num-reqs N] [--profile DIR]
+                        [engine flags of every replica: --max-num-seqs N, --kv-cache-memory 64M, ...]
     deltaserve simulate gen-trace {agent,mooncake} --out T.jsonl [options]
     deltaserve simulate validate [--presets tiny,qwen3.5-0.8b-shape] --out DIR      (the gate: real vs simulated)
 
-Nothing here imports torch except `validate` (which runs the real engine). See docs/simulator.md.
+Nothing here imports torch. `deltaserve simulate validate` (deltaserve/validate.py, which runs the real engine and
+the profiler beside this package) is routed by cli.py. See docs/simulator.md.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import json
 import sys
 import time
 
+from ..config import REPLICA_FLAGS, ConfigError, add_engine_args, engine_args
 from .bundle import Bundle, load_bundle
 from .cluster import ClusterConfig, Replica, ReplicaConfig, Simulation
 from .latency import LatencyModel, StepShape
@@ -36,22 +39,44 @@ def simulate(cluster: ClusterConfig, trace: list[TraceRequest], bundle: Bundle |
     return sim, sim.run(trace)
 
 
-def _simulate_main(argv: list[str]) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve simulate",
-                                description="simulate serving a trace on a cluster of deltaserve replicas")
-    p.add_argument("--cluster-config", required=True, help="cluster JSON (replicas with engine flags, router, profile)")
+                                description="simulate serving a trace on a cluster of deltaserve replicas; engine "
+                                            "flags given here override every replica's (without --cluster-config: "
+                                            "one replica with these flags, on the --profile bundle)")
+    p.add_argument("--cluster-config", default=None,
+                   help="cluster JSON (replicas with engine flags, router, profile); default: one replica")
     p.add_argument("--trace", required=True, help="JSONL trace (deltaserve or Mooncake format)")
     p.add_argument("--output", required=True, help="per-request CSV")
     p.add_argument("--num-reqs", type=int, default=None, help="simulate only the first N requests")
     p.add_argument("--profile", default=None, help="profile bundle directory (overrides the cluster config's)")
     p.add_argument("--router", default=None, help="override the router policy")
     p.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
-    a = p.parse_args(argv)
-    cluster = ClusterConfig.load(a.cluster_config)
+    add_engine_args(p, REPLICA_FLAGS, title="engine flags of every replica")
+    return p
+
+
+def cluster_from_args(a: argparse.Namespace) -> ClusterConfig:
+    """The cluster config file (or one replica), with the command line's profile, router and engine flags."""
+    if a.cluster_config:
+        cluster = ClusterConfig.load(a.cluster_config)
+    else:
+        if not a.profile:
+            raise ConfigError("give --cluster-config, or --profile for a single replica")
+        cluster = ClusterConfig([ReplicaConfig()], "round-robin", None)
     if a.profile:
         cluster.profile = a.profile
     if a.router:
         cluster.router = a.router
+    flags = engine_args(a)
+    if flags:
+        cluster.replicas = [r.with_flags(**flags) for r in cluster.replicas]
+    return cluster
+
+
+def _simulate_main(argv: list[str]) -> int:
+    a = build_parser().parse_args(argv)
+    cluster = cluster_from_args(a)
     t0 = time.perf_counter()
     trace = read_trace(a.trace, a.num_reqs)
     sim, records = simulate(cluster, trace)
@@ -116,8 +141,4 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "gen-trace":
         return _gen_trace_main(argv[1:])
-    if argv and argv[0] == "validate":
-        from .validate import main as validate_main
-
-        return validate_main(argv[1:])
     return _simulate_main(argv)

@@ -38,7 +38,7 @@ TABLES = {
                         "copies", "measured_us", "cpu_us", "predicted_us"),
 }
 
-# The always-on kernels (dense) and the regime-dependent GDN kernels (linear_attention), as seed 002 splits them.
+# The always-on kernels (dense) and the regime-dependent GDN kernels (linear_attention), as serving simulators for hybrids split them.
 DENSE_KERNELS = {
     # name: what it scales with ("tokens": every token of the step; "rows": the sampled rows)
     "embed": "tokens", "layer_norms": "tokens", "residual": "tokens",

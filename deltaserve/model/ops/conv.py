@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .pointwise import silu
 
-SLICE = 1024  # tokens per slice in prefill: keeps the fp32 temporaries small (see CPU-NOTES, glibc mmap)
+SLICE = 1024  # tokens per slice in prefill: keeps the fp32 temporaries small (docs/cpu.md: glibc mmap)
 SLICE_ELEMS = 1 << 17  # prefill slices of ~SLICE_ELEMS values (>= 64 tokens): temporaries stay cache-sized
 
 

@@ -8,6 +8,7 @@ cpp_extension, and the choice between them and the plain-torch ops, made once wh
     kernels.conv_step(x [T, C], rows [B], weight [C, K], state [S, K-1, C], slots [B]) -> [B, C]
     kernels.rms_norm(x [R, (H,) D], w [D], eps); kernels.add_rms_norm(x, h [R, D], w, eps) -> (x + h, norm)
     kernels.ext.linear_bf16 through ops/linear.py PackedWeight (kind "cpp"), packed by HybridModel.prepack_linears
+The model's layers reach these through its op table (ops/table.py), like every other op.
 
 Each takes every decode sequence of a step in one call, parallel over (sequence, head); each (sequence,
 head) is a fixed loop over its own data, so results are batch-invariant. The plain-torch references are
@@ -138,38 +139,6 @@ class DecodeKernels:
 
 
 TORCH = DecodeKernels("torch")
-
-
-def fused_rms_norm(kernels: DecodeKernels, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """kernels.rms_norm; a module-level name so the profiler can wrap it."""
-    return kernels.rms_norm(x, weight, eps)
-
-
-def fused_add_rms_norm(kernels: DecodeKernels, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """kernels.add_rms_norm: (x + h, rms_norm(x + h)); a module-level name so the profiler can wrap it."""
-    return kernels.add_rms_norm(x, h, weight, eps)
-
-
-def paged_decode_attention(kernels: DecodeKernels, q: torch.Tensor, kv: torch.Tensor, page_table: torch.Tensor,
-                           lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """All decode sequences of a step: q [B, Hq, D] -> [B, Hq, D], K/V read through page_table [B, maxp]
-    (lengths [B] positions each). A module-level name so the profiler can wrap it."""
-    return kernels.attention(q, kv, page_table, lengths, scale)
-
-
-def conv1d_decode_step(kernels: DecodeKernels, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-                       state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """All decode sequences of a step: x [T, C] at rows [B] -> silu(conv) [B, C]; state [S, K-1, C] updated
-    in place at slots [B]. A module-level name so the profiler can wrap it."""
-    return kernels.conv_step(x, rows, weight, state, slots)
-
-
-def gdn_decode_step(kernels: DecodeKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """All decode sequences of a step, state [S, H, dv, dk] updated in place at `slots` [B]: out [B, H, dv].
-    A module-level name so the profiler can wrap it."""
-    return kernels.gdn_step(q, k, v, g, beta, state, slots)
 
 
 def select_decode_kernels(device: torch.device | str, dtype: torch.dtype, mode: str | None = None) -> DecodeKernels:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 CHUNK = 64
-SLICE = 1024  # a multiple of CHUNK; bounds the temporaries of one slice (see CPU-NOTES: glibc mmap)
+SLICE = 1024  # a multiple of CHUNK; bounds the temporaries of one slice (docs/cpu.md: glibc mmap)
 _INV_BLOCK = 8  # the blocked inverse solves 8x8 diagonal blocks by substitution, then merges
 _EXP_MIN = -87.0  # exp(-87) = 1.6e-38 is still a normal float (see _chunk_slice)
 

@@ -6,7 +6,7 @@ Two packings, chosen once per model (HybridModel.prepack_linears):
   memory bandwidth, ~1.3-1.6x oneDNN on this machine (docs/benchmarks.md). Its bits differ from F.linear's in
   the last place (another summation order); tests/test_linear.py holds it to the fp32 reference.
 - "onednn": oneDNN's reordered weights (torch's mkldnn linear ops), where the compiled kernels are missing.
-  F.linear streams weights at ~12-14 GB/s at decode sizes, the reordered ones ~18-23 GB/s (CPU-NOTES); for
+  F.linear streams weights at ~12-14 GB/s at decode sizes, the reordered ones ~18-23 GB/s (docs/cpu.md); for
   bf16 the product has F.linear's bits for every row count (tests/test_parity.py).
 fp32 weights stay on F.linear.
 """

@@ -46,11 +46,12 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from .bundle import load_bundle
-from .cluster import ClusterConfig, ReplicaConfig, Simulation
-from .latency import LatencyModel, SpeedTrace
-from .report import RequestRecord, mean, percentile, summarize
-from .trace import AgentTraceSpec, TraceRequest, agent_trace
+from .config import REPLICA_FLAGS
+from .sim.bundle import load_bundle
+from .sim.cluster import ClusterConfig, ReplicaConfig, Simulation
+from .sim.latency import LatencyModel, SpeedTrace
+from .sim.report import RequestRecord, mean, percentile, summarize
+from .sim.trace import AgentTraceSpec, TraceRequest, agent_trace
 
 log = logging.getLogger("deltaserve.sim")
 
@@ -96,8 +97,8 @@ def _warmup_requests(n: int, vocab: int, seed: int = 99) -> list[TraceRequest]:
 
 # ------------------------------------------------------------------------------------------------ simulator side
 def _cluster(engine_flags: dict, caching: bool, bundle_path: str) -> ClusterConfig:
-    rc = ReplicaConfig(enable_prefix_caching=caching, num_threads=None,
-                       **{k: v for k, v in engine_flags.items() if k in ReplicaConfig.__dataclass_fields__})
+    rc = ReplicaConfig.from_dict({**{k: v for k, v in engine_flags.items() if k in REPLICA_FLAGS},
+                                  "enable_prefix_caching": caching, "num_threads": None})
     return ClusterConfig([rc], "round-robin", bundle_path)
 
 
@@ -112,7 +113,7 @@ def run_sim(bundle, engine_flags: dict, caching: bool, trace: list[TraceRequest]
     elif wall_per_cpu is not None:
         rep.latency = LatencyModel(bundle, wall_per_cpu=wall_per_cpu)
     if warmup:  # the real engine's warm-up requests, all at once: they leave the same pages cached
-        from ..scheduler import Request
+        from .scheduler import Request
 
         for w in warmup:
             rep.submit(w, Request(w.request_id, w.prompt_token_ids, max_tokens=w.output_length,
@@ -178,10 +179,10 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     clock "cpu": a virtual clock that advances by this thread's CPU time while the engine works (add_request and
     step, one torch thread) and jumps to the next arrival while it is idle: the engine on a core of its own,
     whatever else the shared machine runs. Requests are added once the clock passes their arrival time."""
-    from ..config import EngineConfig
-    from ..engine import LLMEngine
-    from ..sampling_params import SamplingParams
-    from .latency import StepShape
+    from .config import EngineConfig
+    from .engine import LLMEngine
+    from .sampling_params import SamplingParams
+    from .sim.latency import StepShape
 
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
@@ -191,28 +192,15 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
                        **engine_flags)
     params = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
 
-    def traced(engine) -> list:
-        """engine.scheduler.schedule, wrapped: each plan it makes lands in the returned list."""
-        plans, orig = [], engine.scheduler.schedule
-
-        def schedule():
-            plans.append(orig())
-            return plans[-1]
-        engine.scheduler.schedule = schedule
-        return plans
-
-    def timed_step(engine, plans: list, earlier: list) -> tuple:
-        """One engine step: (its outputs, (shape, wall us, cpu us)) or (outputs, None) if nothing was planned."""
+    def timed_step(engine, earlier: list) -> tuple:
+        """One engine step: (its outputs, (shape of its plan, wall us, cpu us))."""
         c, t = time.thread_time(), time.perf_counter()
         outs = engine.step()
         dw, dc = time.perf_counter() - t, time.thread_time() - c
-        if not plans:
-            return outs, None
-        shape = StepShape.of(plans[-1], after_prefill=bool(earlier) and bool(earlier[-1][0].prefill))
-        plans.clear()
+        shape = StepShape.of(engine.last_plan, after_prefill=bool(earlier) and bool(earlier[-1][0].prefill))
         return outs, (shape, dw * 1e6, dc * 1e6)
 
-    def run_warmup(engine, plans: list, salt_suffix: str = "") -> list:
+    def run_warmup(engine, salt_suffix: str = "") -> list:
         """The warm-up requests all at once (prefills, mixed steps, decode batches), to the end."""
         out: list = []
         for w in warmup:
@@ -220,21 +208,17 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
                                                             "cache_salt": (w.cache_salt or "") + salt_suffix},
                                params(w.output_length))
         while engine.has_unfinished_requests():
-            _, st = timed_step(engine, plans, out)
-            if st is not None:
-                out.append(st)
+            out.append(timed_step(engine, out)[1])
         return out
 
     eng = LLMEngine(cfg)
-    plans = traced(eng)
-    warm_steps = run_warmup(eng, plans)
+    warm_steps = run_warmup(eng)
     twin = None
     probe_steps: list = []  # (shape, wall us, cpu us, replay clock, first of its burst)
     if probe == "interleaved":
         peng = LLMEngine(cfg)
-        pplans = traced(peng)
-        run_warmup(peng, pplans, "-probe-first")  # first calls into every kernel: not the machine's speed
-        twin = _TwinReplay(peng, probe_trace, lambda: timed_step(peng, pplans, twin.steps), params)
+        run_warmup(peng, "-probe-first")  # first calls into every kernel: not the machine's speed
+        twin = _TwinReplay(peng, probe_trace, lambda: timed_step(peng, twin.steps), params)
     # as a served engine does after start-up (vLLM too): freeze what exists now (weights' wrappers, traces,
     # both engines) so that the collector's oldest-generation passes scan only what the replay creates; an
     # unfrozen heap made 10-60 ms pauses inside random steps, which no latency model should predict
@@ -267,7 +251,7 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
             continue
         dc0, dw0 = time.thread_time() - c, time.perf_counter() - t  # adding requests: the replay's time too
         t_step = now()
-        outs, st = timed_step(eng, plans, steps or warm_steps)
+        outs, st = timed_step(eng, steps or warm_steps)
         dc, dw = dc0 + (st[2] * 1e-6 if st else 0.0), dw0 + (st[1] * 1e-6 if st else 0.0)
         virtual += dc
         busy_wall += dw
@@ -298,7 +282,7 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
             print(f"    real ({clock} clock): {n_done}/{len(trace)} done, {k} arrived, t={now():.1f}s", file=sys.stderr,
                   flush=True)
             last_print = time.time()
-    after_steps = run_warmup(eng, plans, "-after") if probe == "bracket" else []
+    after_steps = run_warmup(eng, "-after") if probe == "bracket" else []
     info = {"clock": clock, "probe": probe,
             "replay_wall_per_cpu": round(busy_wall / busy_cpu, 4) if busy_cpu > 0 else 1.0,
             "replay_wall_s": round(time.perf_counter() - w0 - paused, 2),
@@ -498,10 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.makedirs(a.out, exist_ok=True)
-    from ..profile import make_engine
-    from ..profile.profiler import profile as run_profile
-    from .report import write_csv
-    from .trace import write_trace
+    from .profile import make_engine
+    from .profile.profiler import profile as run_profile
+    from .sim.report import write_csv
+    from .sim.trace import write_trace
 
     out_json = os.path.join(a.out, "validation.json")
     results: list[dict] = []
@@ -523,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         bdir = os.path.join(a.out, "bundles", preset)
         if a.reprofile or not os.path.exists(os.path.join(bdir, "meta.yaml")):
             print(f"[{preset}] profiling into {bdir}", file=sys.stderr, flush=True)
-            eng = make_engine(None, preset, num_threads=a.num_threads, **sc.engine)
+            eng = make_engine(preset=preset, num_threads=a.num_threads, **sc.engine)
             run_profile(eng, bdir, quick=a.quick or preset in a.quick_profile.split(","), source=f"preset:{preset}")
             del eng
         bundle = load_bundle(bdir)

@@ -116,14 +116,11 @@ class FakeEngine:
         self._gen = 0
 
     def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None):
-        from deltaserve.engine import EngineInputError
+        from deltaserve.engine import EngineInputError, check_request
         from deltaserve.tokenizer import IncrementalDetokenizer
 
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        if not ids:
-            raise EngineInputError("the prompt is empty")
-        if any(not 0 <= t < self.model_config.vocab_size for t in ids):
-            raise EngineInputError("prompt token id out of range")
+        params = check_request(ids, params, self.model_config.vocab_size, self.max_model_len)  # as the engine does
         if request_id in self._live:
             raise EngineInputError("duplicate id")
         guide = params.structured

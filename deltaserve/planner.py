@@ -14,57 +14,15 @@ import dataclasses
 import glob
 import json
 import os
-import re
 import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from . import sizing as S
-from .config import ConfigError, EngineConfig, ModelConfig
+from .config import ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, parse_bytes, parse_count
+from .layouts import REPORT_LAYOUTS
 from .presets import is_preset, load_preset, preset_names, preset_source
-
-# Layouts the planner reports: the engine's three (sizing.LAYOUTS) and the per-block arm with one GDN
-# group's state per page, which is what seed 000's upstream per-block pool measures.
-REPORT_LAYOUTS = {
-    "in-page": ("in-page", "model"),
-    "runs": ("runs", "model"),
-    "per-block": ("per-block", "model"),
-    "per-block-group": ("per-block", "group"),
-}
-LAYOUT_NOTES = {
-    "in-page": "live slots + pages; checkpoints in pages owned by GDN groups",
-    "runs": "the same with pages of the alignment; a checkpoint spans several pages per GDN group",
-    "per-block": "+ one whole-model GDN state per page (this engine's per-block arm)",
-    "per-block-group": "+ one GDN group's state per page (vllm-gaudi's per-block tensors)",
-}
-_ENGINE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'20000000000', '20GB', '96GiB', '1.5e9', '512 MiB' -> bytes. Decimal units are powers of 1000."""
-    if isinstance(text, int):
-        return text
-    mt = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not mt or mt.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 20GB, 96GiB, 1.5e10)")
-    return int(float(mt.group(1)) * _UNITS[mt.group(2).lower()])
-
-
-def parse_count(text: str | int) -> int:
-    """'262144', '256k', '27B' (billions), '1.5e9' -> an integer count (k = 1024 for token counts is not
-    used: 'k' is 1000, '256Ki' is 262,144)."""
-    if isinstance(text, int):
-        return text
-    units = {"": 1, "k": 10**3, "ki": 2**10, "m": 10**6, "mi": 2**20, "b": 10**9, "g": 10**9, "t": 10**12}
-    mt = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    if not mt or mt.group(2).lower() not in units:
-        raise argparse.ArgumentTypeError(f"not a count: {text!r} (e.g. 262144, 256Ki, 27B)")
-    return int(float(mt.group(1)) * units[mt.group(2).lower()])
-
 
 # ---------------------------------------------------------------- model and weights
 
@@ -79,7 +37,7 @@ class ModelSource:
 
 def resolve_model(spec: str | None) -> ModelSource:
     """--model: a preset name, a checkpoint directory or a config.json (a multimodal Qwen3.5 config works)."""
-    spec = spec or _ENGINE_DEFAULTS.get("preset", "tiny")
+    spec = spec or ENGINE_DEFAULTS.get("preset", "tiny")
     if os.path.isdir(spec):
         path = os.path.join(spec, "config.json")
         if not os.path.isfile(path):
@@ -149,7 +107,7 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
          kv_cache_dtype: str = "auto", mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
          mamba_cache_mode: str = "align", mamba_block_size: int | None = None,
          num_speculative_tokens: int = 0, max_model_len: int | None = None, max_num_seqs: int | None = None,
-         layout: str = "in-page") -> dict[str, Any]:
+         layout: str = ENGINE_DEFAULTS["cache_layout"]) -> dict[str, Any]:
     """Everything `deltaserve plan` prints, as a JSON-able dict (keys documented in docs/planner.md)."""
     src = model if isinstance(model, ModelSource) else (
         ModelSource(model, "<ModelConfig>", "config", "", None) if isinstance(model, ModelConfig)
@@ -157,8 +115,8 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
     m = src.config
     warnings: list[str] = []
     tp = int(tensor_parallel_size)
-    block_size = int(block_size if block_size is not None else _ENGINE_DEFAULTS.get("block_size", 16))
-    max_num_seqs = int(max_num_seqs if max_num_seqs is not None else _ENGINE_DEFAULTS.get("max_num_seqs", 16))
+    block_size = int(block_size if block_size is not None else ENGINE_DEFAULTS.get("block_size", 16))
+    max_num_seqs = int(max_num_seqs if max_num_seqs is not None else ENGINE_DEFAULTS.get("max_num_seqs", 16))
     max_model_len = int(max_model_len or m.max_position_embeddings)
     for flag, val in (("--tensor-parallel-size", tp), ("--block-size", block_size),
                       ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
@@ -166,7 +124,8 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
             raise ConfigError(f"{flag} must be >= 1, not {val}")
     if num_speculative_tokens < 0:
         raise ConfigError("--num-speculative-tokens must be >= 0")
-    if layout not in REPORT_LAYOUTS:
+    chosen_layout = REPORT_LAYOUTS.get(layout)
+    if chosen_layout is None:
         raise ConfigError(f"--layout must be one of {', '.join(REPORT_LAYOUTS)}, not {layout!r}")
     if not 0 < gpu_memory_utilization <= 1:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
@@ -177,7 +136,7 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
     kernel = int(kernel_alignment) if kernel_alignment else S.kernel_alignment_for(device)
     alignment = S.alignment_for(kernel, block_size)
     chunk = mamba_block_size or None
-    engine_block = S.engine_block_size(g, block_size, mamba_cache_mode)
+    engine_block = S.engine_block_size(g, block_size, "in-page", mamba_cache_mode)
     if kernel_alignment is None and kernel == S.ENGINE_KERNEL_ALIGNMENT and mamba_cache_mode != "all":
         block = engine_block  # this engine: --block-size rounded up to its 64-token grid
         alignment = S.alignment_for(kernel, S.ENGINE_KERNEL_ALIGNMENT * S.cdiv(block_size, kernel))
@@ -230,17 +189,17 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
     pool_tokens: dict[str, int | None] = {}
     pool_blocks: dict[str, int | None] = {}
     concurrent: dict[str, int | None] = {}
-    for name, (lay, state) in REPORT_LAYOUTS.items():
+    for name, lay in REPORT_LAYOUTS.items():
         if budget is None:
             pool_tokens[name] = pool_blocks[name] = concurrent[name] = None
             continue
-        p = S.plan_pool(g, budget, alignment if lay == "runs" else block, max_num_seqs, lay, state)
+        p = S.size_pool(g, budget, lay.page_tokens(alignment, block), max_num_seqs, lay)
         pool_tokens[name], pool_blocks[name] = p.pool_tokens, p.num_pages
         concurrent[name] = S.max_concurrent_seqs(p, max_model_len, mamba_cache_mode)
-        pools[name] = {**dataclasses.asdict(p), "pool_tokens": p.pool_tokens, "bytes_per_page": p.bytes_per_page,
-                       "total_bytes": p.total_bytes,
-                       "pages_per_seq": S.pages_per_seq(p, max_model_len, mamba_cache_mode),
-                       "note": LAYOUT_NOTES[name]}
+        pools[name] = {**dataclasses.asdict(p), "layout": lay.name, "pool_tokens": p.pool_tokens,
+                       "bytes_per_page": p.bytes_per_page, "total_bytes": p.total_bytes,
+                       "pages_per_seq": S.pages_per_seq(p, max_model_len, mamba_cache_mode), "note": lay.note,
+                       "chosen": lay is chosen_layout}
     ratio = None
     if budget is not None and pool_tokens["per-block"]:
         ratio = pool_tokens["in-page"] / pool_tokens["per-block"]
@@ -367,7 +326,7 @@ def format_table(r: dict[str, Any]) -> str:
         out.append(f"  {'layout':<17}{'pages':>10}{'tokens':>14}  {'seqs @ ' + format(r['max_model_len'], ','):>16}"
                    "  what a page costs")
         for name, p in r["pools"].items():
-            mark = "*" if name == r["layout"] else " "
+            mark = "*" if p["chosen"] else " "
             unit = f" x {p['block_size']}" if p["block_size"] != r["block_size"] else ""
             out.append(f"{mark} {(name + unit):<17}{p['num_pages']:>10,}{p['pool_tokens']:>14,}"
                        f"  {r['max_concurrent_seqs'][name]:>16,}  {p['bytes_per_page']:,} B: {p['note']}")
@@ -391,8 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None,
                     help="checkpoint directory, config.json or preset "
                          f"({', '.join(preset_names(include_aliases=True))}); default: the engine's preset")
-    ap.add_argument("--block-size", type=int, default=None,
-                    help=f"vLLM's --block-size (default {_ENGINE_DEFAULTS.get('block_size', 16)}); "
+    ap.add_argument("--block-size", type=ENGINE_FLAGS["block_size"].parse, default=None,
+                    help=f"vLLM's --block-size (default {ENGINE_DEFAULTS.get('block_size', 16)}); "
                          "the alignment is max(kernel block size, --block-size)")
     ap.add_argument("--device", default="deltaserve", choices=sorted(S.KERNEL_ALIGNMENTS),
                     help="sets the kernel alignment: cuda 16 (flash-attention), gaudi 128, "
@@ -410,12 +369,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--mamba-block-size", type=int, default=None,
                     help=f"chunk the block aligns to in 'all' mode (default {S.GDN_CHUNK_SIZE}, the GDN kernel chunk)")
     ap.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP tokens: conv rows and state pages")
-    ap.add_argument("--max-model-len", type=parse_count, default=None,
+    ap.add_argument("--max-model-len", type=ENGINE_FLAGS["max_model_len"].parse, default=None,
                     help="context length (default the config's max_position_embeddings); 256Ki = 262,144")
-    ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help=f"running sequences = live GDN slots (default {_ENGINE_DEFAULTS.get('max_num_seqs', 16)})")
-    ap.add_argument("--layout", default="in-page", choices=sorted(REPORT_LAYOUTS), help="the layout warnings refer to")
-    ap.add_argument("--budget", "--kv-cache-memory", dest="budget", type=parse_bytes, default=None,
+    ap.add_argument("--max-num-seqs", type=ENGINE_FLAGS["max_num_seqs"].parse, default=None,
+                    help=f"running sequences = live GDN slots (default {ENGINE_DEFAULTS.get('max_num_seqs', 16)})")
+    ap.add_argument("--layout", "--cache-layout", default=ENGINE_DEFAULTS["cache_layout"], choices=sorted(REPORT_LAYOUTS),
+                    help=f"the layout warnings refer to (default: the engine's, {ENGINE_DEFAULTS['cache_layout']})")
+    ap.add_argument("--budget", "--kv-cache-memory", dest="budget", type=ENGINE_FLAGS["kv_cache_memory"].parse,
+                    default=None,
                     help="bytes per rank for the cache (pages + GDN slots), e.g. 20GB or 18GiB")
     ap.add_argument("--device-memory", type=parse_bytes, default=None,
                     help="device memory per rank; budget = memory x --gpu-memory-utilization - weights - --reserve")

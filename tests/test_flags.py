@@ -1,0 +1,119 @@
+"""Every engine flag is defined once (config.EngineConfig) and parses the same in every command."""
+import json
+
+import pytest
+
+from deltaserve.config import ENGINE_DEFAULTS, ENGINE_FLAGS, REPLICA_FLAGS, ConfigError, EngineConfig, engine_args
+
+# one value per flag, as a user types it, and what every command must make of it
+SAMPLES = {
+    "model": ("/ckpt/Qwen3.5-0.8B", "/ckpt/Qwen3.5-0.8B"),
+    "preset": ("qwen3.5-0.8b-shape", "qwen3.5-0.8b-shape"),
+    "dtype": ("float32", "float32"),
+    "max_model_len": ("32k", 32_000),
+    "max_num_seqs": ("4", 4),
+    "max_num_batched_tokens": ("512", 512),
+    "prefill_merge_tokens": ("0", 0),
+    "kv_cache_memory": ("2G", 2 << 30),
+    "memory_utilization": ("0.3", 0.3),
+    "block_size": ("64", 64),
+    "enable_prefix_caching": (None, False),  # --no-enable-prefix-caching
+    "cache_layout": ("in-page", "in-page"),
+    "seed": ("3", 3),
+    "num_threads": ("1", 1),
+    "device": ("cpu", "cpu"),
+}
+
+
+def _parsers():
+    from deltaserve.bench.agent import build_parser as agent_parser
+    from deltaserve.bench.throughput import build_parser as throughput_parser
+    from deltaserve.cli import generate_parser
+    from deltaserve.profile import build_parser as profile_parser
+    from deltaserve.server.cli import make_parser as serve_parser
+    from deltaserve.sim import build_parser as simulate_parser
+
+    # command: (its parser, the arguments it requires, the engine flags it takes)
+    return {
+        "generate": (generate_parser(), ["--prompt", "hi"], tuple(ENGINE_FLAGS)),
+        "serve": (serve_parser(), [], tuple(ENGINE_FLAGS)),
+        "profile": (profile_parser(), ["--out", "b"], tuple(ENGINE_FLAGS)),
+        "simulate": (simulate_parser(), ["--trace", "t", "--output", "o"], REPLICA_FLAGS),
+        "bench agent": (agent_parser(), [], ("model", "preset", "seed", "kv_cache_memory", "max_num_batched_tokens",
+                                            "max_num_seqs")),
+        "bench throughput": (throughput_parser(), [], ("kv_cache_memory", "max_num_batched_tokens")),
+    }
+
+
+def test_samples_cover_every_flag():
+    assert set(SAMPLES) == set(ENGINE_FLAGS)
+    assert set(REPLICA_FLAGS) < set(ENGINE_FLAGS) and "model" not in REPLICA_FLAGS
+
+
+@pytest.mark.parametrize("command", list(_parsers()))
+def test_every_flag_parses_the_same_in_every_command(command):
+    parser, required, takes = _parsers()[command]
+    assert engine_args(parser.parse_args(required)) == {}, "a flag not given must leave EngineConfig's default"
+    offered = {a.dest for a in parser._actions if a.dest in ENGINE_FLAGS}
+    assert offered == set(takes), f"{command} offers {sorted(offered)}"
+    for name in takes:
+        text, want = SAMPLES[name]
+        opt = ENGINE_FLAGS[name].option(name)
+        argv = required + ([f"--no-{opt[2:]}"] if text is None else [opt, text])
+        got = engine_args(parser.parse_args(argv))
+        assert got == {name: want}, (command, name, got)
+        assert getattr(EngineConfig.from_kwargs(**got), name) == want
+
+
+def test_kv_cache_memory_sizes():
+    from deltaserve.config import parse_bytes
+
+    assert [parse_bytes(x) for x in ("4294967296", "4G", "4GiB", "512M", "512MiB", "20GB", "1.5e9")] == \
+        [4 << 30, 4 << 30, 4 << 30, 512 << 20, 512 << 20, 20 * 10**9, 1_500_000_000]
+    for bad in ("lots", "4Q", "Gi", "-3G"):
+        with pytest.raises(Exception):
+            parse_bytes(bad)
+
+
+def test_bad_values_are_refused_with_the_flag_named():
+    for kw, flag in ((dict(max_num_seqs=0), "--max-num-seqs"), (dict(cache_layout="sideways"), "--cache-layout"),
+                     (dict(num_threads=0), "--num-threads"), (dict(kv_cache_memory=-1), "--kv-cache-memory")):
+        with pytest.raises(ConfigError, match=flag):
+            EngineConfig.from_kwargs(**kw)
+    with pytest.raises(ConfigError, match="unknown EngineConfig option"):
+        EngineConfig.from_kwargs(max_num_seq=4)
+
+
+def test_simulate_flags_override_every_replica(tmp_path):
+    from deltaserve.sim import build_parser, cluster_from_args
+
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"profile": "b", "replicas": [{"count": 2, "max_num_seqs": 8, "block_size": 128}]}))
+    a = build_parser().parse_args(["--cluster-config", str(cfg), "--trace", "t", "--output", "o",
+                                   "--max-num-seqs", "4", "--kv-cache-memory", "64M"])
+    reps = cluster_from_args(a).replicas
+    assert len(reps) == 2 and all(r.engine.max_num_seqs == 4 and r.engine.kv_cache_memory == 64 << 20
+                                  and r.engine.block_size == 128 for r in reps)
+    one = cluster_from_args(build_parser().parse_args(["--profile", "b", "--trace", "t", "--output", "o"]))
+    assert [r.engine for r in one.replicas] == [EngineConfig()] and one.profile == "b"
+    with pytest.raises(ConfigError, match="--profile"):
+        cluster_from_args(build_parser().parse_args(["--trace", "t", "--output", "o"]))
+
+
+def test_cluster_config_checks_replica_flags_as_the_engine_does():
+    from deltaserve.sim.cluster import ReplicaConfig
+
+    assert ReplicaConfig.from_dict({"max_num_seqs": 4, "tp": 2}).engine.max_num_seqs == 4
+    with pytest.raises(ValueError, match="unknown replica option"):
+        ReplicaConfig.from_dict({"model": "/x"})  # a replica's model is its bundle's
+    with pytest.raises(ConfigError, match="--max-num-seqs"):
+        ReplicaConfig.from_dict({"max_num_seqs": 0})
+
+
+def test_defaults_agree_everywhere():
+    from deltaserve.planner import build_parser as plan_parser
+    from deltaserve.sim.cluster import ReplicaConfig
+
+    assert ENGINE_DEFAULTS["cache_layout"] == "runs"
+    assert plan_parser().parse_args([]).layout == ENGINE_DEFAULTS["cache_layout"]
+    assert ReplicaConfig().engine == EngineConfig()
