@@ -248,6 +248,9 @@ class EngineConfig:
     enable_prefix_caching: bool = _flag(True, "hybrid prefix caching (GDN checkpoints)", None, replica=True)
     cache_layout: str = _flag(LAYOUT_NAMES[0], "where GDN checkpoints live (docs/design.md)", choices=LAYOUT_NAMES,
                               replica=True)
+    checkpoint_grid: int = _flag(256, "also checkpoint every N tokens inside prefill chunks while the pool has free "
+                                 "pages, so later requests that share a prefix hit near its end (rounded up to "
+                                 "a multiple of the page; 0 = off)", int, metavar="N", replica=True)
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)
@@ -270,6 +273,8 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory must be a positive number of bytes")
         if self.block_size < 1:
             raise ConfigError("--block-size must be >= 1")
+        if self.checkpoint_grid < 0:
+            raise ConfigError("--checkpoint-grid must be >= 0 (0 = off)")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:

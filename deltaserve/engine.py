@@ -81,6 +81,10 @@ class EngineStats:
     preemptions: int
     prompt_tokens: int  # total prompt tokens computed
     generation_tokens: int  # total tokens generated
+    checkpoints_saved_by_kind: dict[str, int] = field(default_factory=dict)  # step / prompt / fork / grid
+    checkpoints_evicted_by_kind: dict[str, int] = field(default_factory=dict)
+    checkpoints_kept: int = 0  # checkpoints in the cache or held by requests now
+    checkpoint_bytes: int = 0  # the memory they take (pool pages, or the per-block layout's side tensor rows)
 
 
 @dataclass
@@ -386,6 +390,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
         m = self.memory
+        kept, ckpt_pages = m.num_checkpoints()
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             pages_total=m.num_pages, pages_used=m.num_pages_in_use, slots_total=m.num_slots,
@@ -393,4 +398,8 @@ class LLMEngine:
             prefix_cache_queries=s["prefix_queries"], prefix_cache_hits=s["prefix_hits"],
             checkpoints_saved=s["checkpoints_saved"], checkpoints_restored=s["checkpoints_restored"],
             evictions=s["evictions"], preemptions=s["preemptions"],
-            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total)
+            prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
+            checkpoints_saved_by_kind=s["checkpoints_saved_by_kind"],
+            checkpoints_evicted_by_kind=s["checkpoints_evicted_by_kind"],
+            checkpoints_kept=kept, checkpoint_bytes=ckpt_pages * self.pool.bytes_per_page
+            + (0 if self.pool.layout.in_pool else kept * self.pool.per_page_state_bytes))

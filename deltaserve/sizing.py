@@ -128,11 +128,14 @@ def resolve_block_size(g: Geometry, kernel_block_size: int, user_block_size: int
 
 
 def engine_block_size(g: Geometry, user_block_size: int, layout: str | CacheLayout,
-                      mamba_cache_mode: str = "align") -> int:
+                      mamba_cache_mode: str = "align", kernel_alignment: int = ENGINE_KERNEL_ALIGNMENT) -> int:
     """The page this engine uses: --block-size rounded up to a multiple of ENGINE_KERNEL_ALIGNMENT (its GDN
-    chunk grid), then the layout's choice between that alignment and vLLM's hybrid block at it."""
-    user = ENGINE_KERNEL_ALIGNMENT * cdiv(user_block_size, ENGINE_KERNEL_ALIGNMENT)
-    return layout_for(layout).page_tokens(user, resolve_block_size(g, ENGINE_KERNEL_ALIGNMENT, user, mamba_cache_mode))
+    chunk grid), then the layout's choice between that alignment and vLLM's hybrid block at it.
+
+    kernel_alignment: another engine's smallest kernel block (KERNEL_ALIGNMENTS, e.g. cuda 16), when the
+    simulator replays that engine (sim/external_replay.py); this engine always uses its own."""
+    user = kernel_alignment * cdiv(user_block_size, kernel_alignment)
+    return layout_for(layout).page_tokens(user, resolve_block_size(g, kernel_alignment, user, mamba_cache_mode))
 
 
 def gdn_pages_per_layer(mamba_cache_mode: str, num_speculative_tokens: int = 0, max_model_len: int = 0,

@@ -19,6 +19,7 @@ SAMPLES = {
     "block_size": ("64", 64),
     "enable_prefix_caching": (None, False),  # --no-enable-prefix-caching
     "cache_layout": ("in-page", "in-page"),
+    "checkpoint_grid": ("512", 512),
     "seed": ("3", 3),
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),

@@ -226,12 +226,16 @@ def test_fail_closed():
     m = MemoryManager(12, 2, BS, 2, caching=True, layout="in-page")
     m.admit("a")
     m.append_pages("a", 8)
-    for end in (0, 3, 4, 6, 10, 12):  # not block ends, not the last block, or past the page table
+    for end in (0, 3, 6, 10, 12):  # not block ends, or past the page table
         with pytest.raises(CheckpointError):
             m.reserve_checkpoint("a", end)
+    m.reserve_checkpoint("a", 4, "grid")  # inside the chunk being computed
     m.reserve_checkpoint("a", 8)
-    with pytest.raises(CheckpointError):
-        m.reserve_checkpoint("a", 8)  # twice
+    for end in (4, 8):
+        with pytest.raises(CheckpointError):
+            m.reserve_checkpoint("a", end)  # twice
+    with pytest.raises(ValueError):
+        m.reserve_checkpoint("a", 4, "whim")
     with pytest.raises(CheckpointError):
         m.publish("a", [(b"h", b"p", (1, 2, 3))])  # a partial block
     _, ks = keys(T1)

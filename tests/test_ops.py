@@ -210,6 +210,31 @@ def test_chunked_gdn_slices_do_not_change_bits(monkeypatch):
     assert torch.equal(torch.cat([part1[0], part2[0]]), big[0]) and torch.equal(part2[1], big[1])
 
 
+@pytest.mark.parametrize("slice_", [1024, 128])
+def test_chunked_gdn_states_inside_a_call_equal_the_states_of_split_calls(monkeypatch, slice_):
+    """states_at gives the state after each grid position inside one call, bit for bit the state that a call
+    stopping there returns (what a checkpoint taken inside a prefill chunk relies on), whatever the start
+    offset, slice size, and with positions at slice ends and at the call's end."""
+    monkeypatch.setattr(gdn_mod, "SLICE", slice_)
+    args = gdn_inputs(731, seed=17)  # positions 37 .. 767
+    init = rand_state(seed=4)
+    start = 37  # an offset into the 64-token grid
+    at = (64, 128, 320, 384, 704, 768)
+    got: list = []
+    out, final = chunk_gated_delta_rule(*args, initial_state=init, start_pos=start, states_at=at, states=got)
+    assert len(got) == len(at)
+    for p, st in zip(at, got):
+        n = p - start
+        ref = chunk_gated_delta_rule(*(x[:n] for x in args), initial_state=init, start_pos=start)[1]
+        assert torch.equal(st, ref), p
+    assert torch.equal(got[-1], final) and torch.equal(out, chunk_gated_delta_rule(*args, initial_state=init,
+                                                                                    start_pos=start)[0])
+    with pytest.raises(ValueError):
+        chunk_gated_delta_rule(*args, start_pos=start, states_at=(100,), states=[])  # not on the grid
+    with pytest.raises(ValueError):
+        chunk_gated_delta_rule(*args, start_pos=start, states_at=(0,), states=[])  # not inside the call
+
+
 def test_chunked_gdn_does_not_modify_initial_state():
     args = gdn_inputs(65)
     s0 = rand_state()

@@ -47,12 +47,13 @@ def test_align_mode_floors_prefill_chunks_and_saves_on_boundaries():
     assert spans(p1) == [("a", 0, 8, False, False)] and len(p1.saves) == 1 and p1.zero_slots == (0,)
     assert p1.zero_pages == (0, 1) and p1.saves[0].location == (2, 3)
     assert spans(p2) == [("a", 8, 8, False, False)] and len(p2.saves) == 1
-    # the last chunk stops at the prompt's last block boundary (its checkpoint is the one later
-    # requests hit), the ragged tail follows
-    assert spans(p3) == [("a", 16, 4, False, False)] and len(p3.saves) == 1
-    assert spans(p4) == [("a", 20, 3, False, True)] and not p4.saves
-    assert spans(p5) == [("a", 23, 1, True, True)] and len(p5.saves) == 1  # a decode that completes a block
+    # the last chunk runs to the prompt's ragged end and samples; the checkpoint after the prompt's last block
+    # boundary (the one later requests hit) is taken inside it
+    assert spans(p3) == [("a", 16, 7, False, True)] and [c.pos for c in p3.saves] == [20]
+    assert spans(p4) == [("a", 23, 1, True, True)] and [c.pos for c in p4.saves] == [24]  # a decode completes a block
+    assert spans(p5) == [("a", 24, 1, True, True)] and not p5.saves
     assert s.memory.stats.checkpoints_saved == 4
+    assert s.memory.stats.saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0}
 
 
 def test_caching_off_chunks_are_not_floored():
@@ -239,15 +240,15 @@ def test_hit_backs_off_to_a_block_with_a_checkpoint(layout):
     assert spans(p) == [("b", 4, 4, False, True)] and b.num_cached_tokens == 4 and len(p.restores) == 1
     assert not p.zero_slots
     # a chunk spanning two blocks leaves no checkpoint at the first one: no hit for the same prompt,
-    # which therefore stops its first chunk at that fork point and leaves the checkpoint for the next
+    # which therefore saves one at that fork point, inside its chunk, for the next
     s2 = make(budget=16, layout=layout)
     s2.add(Request("a", list(range(1, 9)), max_tokens=1))
     run_all(s2)
     c = Request("c", list(range(1, 9)), max_tokens=1)
     s2.add(c)
     p = step(s2)
-    assert spans(p) == [("c", 0, 4, False, False)] and c.num_cached_tokens == 0 and p.zero_slots
-    assert len(p.saves) == 1
+    assert spans(p) == [("c", 0, 8, False, True)] and c.num_cached_tokens == 0 and p.zero_slots
+    assert [c.pos for c in p.saves] == [4, 8]
     run_all(s2)
     e = Request("e", list(range(1, 9)), max_tokens=1)
     s2.add(e)
@@ -262,9 +263,9 @@ def test_hit_backs_off_to_a_block_with_a_checkpoint(layout):
 
 @pytest.mark.parametrize("layout", ["in-page", "per-block"])
 def test_shared_system_prompt_gets_a_checkpoint_at_the_fork(layout):
-    """Sessions sharing a 3-block system prompt, each computed in one chunk: the first leaves checkpoints
-    only at its own prompt's end; the second ends its first chunk where its text diverges from the cached
-    chain (the fork point) and saves there; every later session hits the shared blocks."""
+    """Sessions sharing a 3-block system prompt, each computed in one chunk: the first leaves a checkpoint
+    only at its own prompt's last block boundary; the second saves one, inside its chunk, where its text
+    diverges from the cached chain (the fork point); every later session hits the shared blocks."""
     system = list(range(1, 13))  # 3 blocks
     s = make(num_pages=64, budget=32, layout=layout)
     reqs = [Request(f"s{i}", system + [100 + i] * 9, max_tokens=1) for i in range(4)]  # 21 tokens each
@@ -272,17 +273,18 @@ def test_shared_system_prompt_gets_a_checkpoint_at_the_fork(layout):
     run_all(s)
     s.add(reqs[1])
     p = step(s)
-    assert spans(p) == [("s1", 0, 12, False, False)] and len(p.saves) == 1 and reqs[1].num_cached_tokens == 0
+    assert spans(p) == [("s1", 0, 21, False, True)] and reqs[1].num_cached_tokens == 0
+    assert [(c.pos) for c in p.saves] == [12, 20] and s.memory.stats.saved_by_kind["fork"] == 1
     run_all(s)
     for r in reqs[2:]:
         s.add(r)
         p = step(s)
-        assert spans(p)[0] == (r.request_id, 12, 8, False, False) and r.num_cached_tokens == 12
+        assert spans(p)[0] == (r.request_id, 12, 9, False, True) and r.num_cached_tokens == 12
         run_all(s)
     # without a fork (a prompt that extends the cached chain to its end) nothing changes
     t = Request("t", list(reqs[3].prompt_token_ids) + [7, 7, 7, 7], max_tokens=1)
     s.add(t)
-    assert spans(step(s)) == [("t", 20, 4, False, False)] and t.num_cached_tokens == 20
+    assert spans(step(s)) == [("t", 20, 5, False, True)] and t.num_cached_tokens == 20
 
 
 def test_multi_turn_extension_hits_previous_turn():
@@ -379,9 +381,16 @@ def test_align_policy_chunk_ends():
     assert a.chunk_end(0, 100, 1000) == 0  # less than a block of budget: wait
     assert a.chunk_end(0, 64, 100) == 0  # no boundary before the end: wait until the end fits
     assert a.chunk_end(0, 448, 100) == 100  # reaches the end
-    assert a.chunk_end(0, 448, 300) == 256  # stops at the last boundary; the tail runs next step
-    assert a.chunk_end(256, 448 + 256, 300) == 300
+    assert a.chunk_end(0, 448, 300) == 300  # reaches the ragged end: its checkpoints are taken inside the chunk
     assert a.chunk_end(0, 448, 256) == 256
+    assert a.saves(0, 300, 300, 0) == [(256, "prompt")]
+    assert a.saves(0, 384, 1000, 128) == [(128, "fork"), (384, "step")]
+    assert a.saves(256, 257, 100, 0) == []  # a decode inside a block
+    g2 = AlignEveryBlock(128, grid=256)
+    assert g2.saves(0, 1000, 1000, 640) == [(256, "grid"), (512, "grid"), (640, "fork"), (768, "grid"),
+                                            (896, "prompt")]
+    with pytest.raises(ValueError):
+        AlignEveryBlock(128, grid=200)
     g = GridChunks(64)
     assert (g.chunk_end(0, 100, 1000), g.chunk_end(0, 63, 1000), g.chunk_end(0, 100, 90)) == (64, 0, 90)
 

@@ -83,8 +83,8 @@ class ToyExecutor:
                 raise CheckpointError("restore off a block boundary")
         for c in plan.saves:
             w = by_slot.get(c.slot)
-            if w is None or (w.start_pos + len(w.token_ids)) % self.bs:
-                raise CheckpointError("save after a partial block")
+            if w is None or c.pos % self.bs or not w.start_pos < c.pos <= w.start_pos + len(w.token_ids):
+                raise CheckpointError("save after a partial block, or outside the slot's work")
         if self.mutant == "no_restore":
             return
         for c in plan.restores:
@@ -96,25 +96,35 @@ class ToyExecutor:
                 self.slots[c.slot] = list(self.block_state[c.location[0]])
 
     def forward(self, plan: StepPlan) -> dict[str, int]:
+        """The work, token by token; each save takes the slot's state after exactly token pos - 1 (inside the
+        chunk or at its end, as the runner's GDN layers and slot copy do)."""
         bs, out = self.bs, {}
+        saves: dict[int, list] = {}
+        for c in plan.saves:
+            pos = c.pos + (self.bs if self.mutant == "save_a_block_late" else 0)
+            saves.setdefault(c.slot, []).append((pos, c))
         for w in plan.work:
             st = self.slots[w.slot]
+            due = saves.get(w.slot, [])
             for i, t in enumerate(w.token_ids):
                 pos = w.start_pos + i
                 self.kv[w.page_ids[pos // bs]][pos % bs] = t
                 for g in range(self.G):
                     st[g] = H(st[g], t, g)
+                for p, c in due:
+                    if p == pos + 1 and self.mutant != "no_save":
+                        self._save(c, st)
             if w.sample:
                 end = w.start_pos + len(w.token_ids)
                 out[w.request_id] = sample(st, self.kv[w.page_ids[(end - 1) // bs]])
-        if self.mutant != "no_save":
-            for c in plan.saves:
-                if self.pooled:
-                    for i, q in enumerate(c.location):
-                        self.kv[q][0] = self.slots[c.slot][i // self.k]
-                else:
-                    self.block_state[c.location[0]] = tuple(self.slots[c.slot])
         return out
+
+    def _save(self, c, states) -> None:
+        if self.pooled:
+            for i, q in enumerate(c.location):
+                self.kv[q][0] = states[i // self.k]
+        else:
+            self.block_state[c.location[0]] = tuple(states)
 
 
 def sample(states, page_rows) -> int:
@@ -168,7 +178,8 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
     max_num_seqs = rng.randint(3, 5)
     budget = bs * rng.randint(1, 5) + rng.randint(0, bs - 1)
     mem = MemoryManager(num_pages, max_num_seqs, bs, G, caching=caching, layout=layout, pages_per_state=k)
-    sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode)
+    # a checkpoint grid on two seeds of three: saves inside chunks, from free pages only
+    sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode, checkpoint_grid=bs * (seed % 3))
     ex = ToyExecutor(mem, mutant)
     ref = Reference(G, bs)
     res = Result()
@@ -356,7 +367,7 @@ def test_state_machine_recompute_through_prefill(layout):
     assert checks > 1000 and preemptions > 20
 
 
-MUTANTS = ["no_save", "no_restore", "no_slot_handback", "no_zero_pages", "no_zero_slots"]
+MUTANTS = ["no_save", "no_restore", "no_slot_handback", "no_zero_pages", "no_zero_slots", "save_a_block_late"]
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)

@@ -77,6 +77,7 @@ class CacheEntry:
     tokens: tuple[int, ...]
     page: int  # the attention page holding this block's K/V
     checkpoint: tuple[int, ...] | None = None  # GDN state after the block's last token, if kept
+    checkpoint_kind: str | None = None  # why it was taken (SAVE_KINDS)
     hits: int = 0  # prefix hits that ended at this block (restored its checkpoint)
 
     def matches(self, parent: BlockHash, tokens: Sequence[int]) -> bool:
@@ -99,6 +100,9 @@ class PrefixHit:
         return self.num_blocks * self.block_size
 
 
+SAVE_KINDS = ("step", "prompt", "fork", "grid")  # why a checkpoint was taken (scheduler/policy.py)
+
+
 @dataclass
 class CacheStats:
     """Monotonic counters (the server exports them as metrics)."""
@@ -106,6 +110,8 @@ class CacheStats:
     prefix_query_tokens: int = 0  # tokens of sequences looked up in the cache (each admission)
     prefix_hit_tokens: int = 0  # of those, tokens served by the cache
     checkpoints_saved: int = 0  # saves that ran (counted when their step is committed)
+    saved_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SAVE_KINDS, 0))
+    evicted_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SAVE_KINDS, 0))  # checkpoints
     checkpoints_restored: int = 0  # restores planned
     evicted_pages: int = 0  # cached pages whose content was dropped (including sibling checkpoint pages)
     preemptions: int = 0
@@ -137,8 +143,10 @@ class _Seq:
     keys: list[tuple[BlockHash, BlockHash, tuple[int, ...]]] = field(default_factory=list)  # published blocks
     ckpt: tuple[int, ...] | None = None  # pooled checkpoints: the held latest checkpoint
     ckpt_block: int = -1
+    ckpt_kind: str | None = None
     pending: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block index -> planned save location
-    orphan_saves: set[int] = field(default_factory=set)  # beside the pool: saved blocks not attached to an entry
+    pending_kind: dict[int, str] = field(default_factory=dict)  # block index -> why it is saved (SAVE_KINDS)
+    orphan_saves: dict[int, str] = field(default_factory=dict)  # beside the pool: saved blocks not attached (-> kind)
 
 
 class MemoryManager:
@@ -237,6 +245,14 @@ class MemoryManager:
         return MemoryUsage(self.num_pages, self.num_pages - cached - free, cached, free, self.num_slots,
                            len(self._slot_owner))
 
+    def num_checkpoints(self) -> tuple[int, int]:
+        """(checkpoints kept: cached ones plus held ones not attached to an entry, pool pages they take)."""
+        cached = sum(1 for e in self._cache.values() if e.checkpoint is not None)
+        held = sum(1 for s in self._seqs.values() if s.ckpt is not None and s.ckpt[0] not in self._role)
+        held += sum(len(s.orphan_saves) for s in self._seqs.values())
+        pages = sum(1 for k in self._kind if k is not None and k >= 0)
+        return cached + held, pages
+
     def free_page_ids(self) -> tuple[int, ...]:
         """Pages nobody will read (for tests that plant garbage there)."""
         return tuple(self._free)
@@ -316,7 +332,7 @@ class MemoryManager:
                 if self._pooled:
                     for q in location:
                         self._ref_cached(q)
-                    seq.ckpt, seq.ckpt_block = location, hit.num_blocks - 1
+                    seq.ckpt, seq.ckpt_block, seq.ckpt_kind = location, hit.num_blocks - 1, last.checkpoint_kind
                 self.stats.checkpoints_restored += 1
         return seq.slot, location
 
@@ -330,22 +346,29 @@ class MemoryManager:
         seq.pages.extend(new)
         return new
 
-    def reserve_checkpoint(self, seq_id: str, end: int) -> tuple[int, ...]:
-        """Plan a save of seq_id's slot after the step whose chunk ends at position `end`.
+    def num_free_pages(self) -> int:
+        """Pages that hold nothing: taking them evicts no cached content."""
+        return len(self._free)
 
-        Call after append_pages(seq_id, end). Returns the location (pooled: checkpoint_pages new pages;
-        beside the pool: the block's attention page). Raises CheckpointError unless `end` is the end of the
-        last block of the page table, a full block not yet published.
+    def reserve_checkpoint(self, seq_id: str, end: int, kind: str = "step") -> tuple[int, ...]:
+        """Plan a save of seq_id's GDN state after position `end`: the end of its work in the coming step, or a
+        block boundary inside its prefill chunk. kind: why (SAVE_KINDS; counted, and kept for eviction).
+
+        Call after append_pages(seq_id, the chunk's end). Returns the location (pooled: checkpoint_pages new
+        pages; beside the pool: the block's attention page). Raises CheckpointError unless `end` is the end of
+        a full block of the page table that is not yet published nor already planned.
         """
         seq = self._seqs[seq_id]
         if not self.caching or not self.num_gdn_groups:
             raise CheckpointError("checkpoints need caching on and GDN layers")
+        if kind not in SAVE_KINDS:
+            raise ValueError(f"checkpoint kind must be one of {SAVE_KINDS}, not {kind!r}")
         if end <= 0 or end % self.block_size:
             raise CheckpointError(f"save after position {end}: not the end of a full block "
                                   f"(block size {self.block_size})")
         k = end // self.block_size - 1
-        if k != len(seq.pages) - 1 or k in seq.pending or k < len(seq.keys):
-            raise CheckpointError(f"save of block {k}: not the last block of the chunk being computed "
+        if not len(seq.keys) <= k < len(seq.pages) or k in seq.pending:
+            raise CheckpointError(f"save of block {k}: not an unpublished block of the chunk being computed "
                                   f"(page table holds {len(seq.pages)} blocks, {len(seq.keys)} published)")
         if self._pooled:
             if self.checkpoint_pages > self.num_allocatable():
@@ -357,6 +380,7 @@ class MemoryManager:
                 raise CheckpointError(f"save into page {p}, which is shared through the cache")
             loc = (p,)
         seq.pending[k] = loc
+        seq.pending_kind[k] = kind
         return loc
 
     def publish(self, seq_id: str, blocks: Sequence[tuple[BlockHash, BlockHash, Sequence[int]]]) -> None:
@@ -388,8 +412,9 @@ class MemoryManager:
         seq = self._seqs[seq_id]
         done = sorted(k for k in seq.pending if k < len(seq.keys))
         for k in done:
-            loc = seq.pending.pop(k)
+            loc, kind = seq.pending.pop(k), seq.pending_kind.pop(k)
             self.stats.checkpoints_saved += 1
+            self.stats.saved_by_kind[kind] += 1
             h, parent, toks = seq.keys[k]
             e = self._cache.get(h)
             ok = e is not None and e.matches(parent, toks)
@@ -398,23 +423,23 @@ class MemoryManager:
                     self._repoint(e, loc[0])  # our duplicate carries the state: it becomes the cached copy
                 if ok and e.page == loc[0]:
                     if e.checkpoint is None:
-                        e.checkpoint = loc
+                        e.checkpoint, e.checkpoint_kind = loc, kind
                 else:
-                    seq.orphan_saves.add(k)
+                    seq.orphan_saves[k] = kind
                 continue
             if ok and e.checkpoint is None:
-                e.checkpoint = loc
+                e.checkpoint, e.checkpoint_kind = loc, kind
                 for q in loc:
                     self._role[q] = h
-                self._hold_ckpt(seq, loc, k)
+                self._hold_ckpt(seq, loc, k, kind)
             elif ok:  # the entry already has one: hold that, drop ours
                 for q in e.checkpoint:
                     self._ref_cached(q)
                 for q in loc:
                     self._release(q)
-                self._hold_ckpt(seq, e.checkpoint, k)
+                self._hold_ckpt(seq, e.checkpoint, k, e.checkpoint_kind)
             else:  # no entry (a colliding or evicted hash): keep ours, maybe attached at free()
-                self._hold_ckpt(seq, loc, k)
+                self._hold_ckpt(seq, loc, k, kind)
         return len(done)
 
     def free(self, seq_id: str) -> None:
@@ -453,13 +478,15 @@ class MemoryManager:
         h = self._role.pop(p)
         e = self._cache[h]
         self.stats.evicted_pages += 1
+        if e.checkpoint is not None:
+            self.stats.evicted_by_kind[e.checkpoint_kind] += 1
         if e.page == p:
             del self._cache[h]
             if self._pooled and e.checkpoint:
                 for q in e.checkpoint:
                     self._drop_role(q)
         else:
-            ck, e.checkpoint = e.checkpoint, None
+            ck, e.checkpoint, e.checkpoint_kind = e.checkpoint, None, None
             for q in ck:
                 if q != p:
                     self._drop_role(q)
@@ -500,9 +527,9 @@ class MemoryManager:
                 self._free.append(p)
                 self._kind[p] = None
 
-    def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int) -> None:
+    def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: str | None) -> None:
         old = seq.ckpt
-        seq.ckpt, seq.ckpt_block = loc, k
+        seq.ckpt, seq.ckpt_block, seq.ckpt_kind = loc, k, kind
         if old is not None:  # replaced: low value unless some request has hit it
             h = self._role.get(old[0])
             low = h is None or self._cache[h].hits == 0
@@ -519,14 +546,14 @@ class MemoryManager:
             h, parent, toks = seq.keys[seq.ckpt_block]
             e = self._cache.get(h)
             if e is not None and e.matches(parent, toks) and e.checkpoint is None:
-                e.checkpoint = seq.ckpt
+                e.checkpoint, e.checkpoint_kind = seq.ckpt, seq.ckpt_kind
                 for q in seq.ckpt:
                     self._role[q] = h
-        for k in seq.orphan_saves:
+        for k, kind in seq.orphan_saves.items():
             h, parent, toks = seq.keys[k]
             e = self._cache.get(h)
             if e is not None and e.page == seq.pages[k] and e.checkpoint is None:
-                e.checkpoint = (e.page,)
+                e.checkpoint, e.checkpoint_kind = (e.page,), kind
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(self, deep: bool = True) -> None:
@@ -585,6 +612,7 @@ class MemoryManager:
                 assert block_hash(e.parent, e.tokens) == h, "cache entry does not hash to its key"
             roles[e.page] = h
             assert self._kind[e.page] == ATTN, f"cached attention page {e.page} owned by {self._kind[e.page]}"
+            assert (e.checkpoint is None) == (e.checkpoint_kind is None), f"entry {h!r}: checkpoint without its kind"
             if e.checkpoint is not None:
                 assert G > 0
                 if self._pooled:

@@ -5,6 +5,7 @@ Built by the model runner from a StepPlan; consumed by the model's forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -19,6 +20,9 @@ class Span:
     slot: int  # GDN state slot
     page_ids: torch.Tensor  # [num_pages] int64, the attention page table covering pos + length tokens
     is_decode: bool
+    # checkpoints taken inside this prefill span: (absolute position p, location), the state of every GDN layer
+    # after exactly token p - 1 (pos < p < pos + length, p on the 64-token grid) goes to Caches.save_state
+    saves: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
 
 @dataclass
@@ -52,3 +56,6 @@ class Caches:
     conv: list[torch.Tensor]
     ssm: list[torch.Tensor]
     block_size: int
+    # save_state(l, location, conv [K-1, conv_dim], ssm [Hv, dv, dk] fp32): store GDN layer l's state at a
+    # checkpoint location (the runner's CacheStore.save_layer); needed by spans with saves
+    save_state: Callable[[int, tuple[int, ...], torch.Tensor, torch.Tensor], None] | None = None

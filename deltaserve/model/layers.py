@@ -49,6 +49,7 @@ class StepContext:
     decode_slot_range: tuple[int, int] | None = None  # (a, b) when decode_slots == a, a+1, .., b-1: update in place
     kernels: DecodeKernels = TORCH  # the decode ops (ops/cpu_kernels.py), chosen once per model
     ops: Ops = None  # every op the layers call (ops/table.py): the model's, or a caller's (the profiler's timed copy)
+    save_state: object = None  # Caches.save_state: where the checkpoints taken inside a prefill span go
     decode_page_table: torch.Tensor | None = None  # [B, max pages] int64, the decode spans' page tables, padded
     decode_lengths: torch.Tensor | None = None  # [B] int64, positions each decode token attends (pos + 1)
 
@@ -63,8 +64,9 @@ class GDNMixer(nn.Module):
 
     PACKABLE = ("in_proj", "out_proj")
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, gdn_index: int = 0):
         super().__init__()
+        self.gdn_index = gdn_index  # this layer's index among the GDN layers (its caches.conv / ssm entry)
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.hk * self.dk, self.hv * self.dv
@@ -98,13 +100,21 @@ class GDNMixer(nn.Module):
         for s in ctx.batch.prefill_spans:
             rows = slice(s.start, s.start + s.length)
             fresh = s.pos == 0  # a new sequence starts from zero states whatever the slot holds
-            x, conv_state = ops.causal_conv1d_prefill(mixed[rows], self.conv_weight,
-                                                      None if fresh else conv_cache[s.slot])
+            conv_in = None if fresh else conv_cache[s.slot]
+            if s.saves:  # the conv windows before the slot's is overwritten: the last K-1 inputs before each p
+                window = torch.cat([conv_in if conv_in is not None else mixed.new_zeros(self.kernel - 1, c),
+                                    mixed[rows]])
+                windows = [window[p - s.pos: p - s.pos + self.kernel - 1] for p, _ in s.saves]
+            x, conv_state = ops.causal_conv1d_prefill(mixed[rows], self.conv_weight, conv_in)
             conv_cache[s.slot].copy_(conv_state)
             q, k, v = self._split_qkv(x)
+            states: list = []
             _, state = ops.chunk_gated_delta_rule(q, k, v, g[rows], beta[rows],
-                                                  None if fresh else ssm_cache[s.slot], start_pos=s.pos, out=core[rows])
+                                                  None if fresh else ssm_cache[s.slot], start_pos=s.pos, out=core[rows],
+                                                  states_at=tuple(p for p, _ in s.saves), states=states)
             ssm_cache[s.slot].copy_(state)
+            for (_, location), w, st in zip(s.saves, windows if s.saves else (), states):
+                ctx.save_state(self.gdn_index, location, w, st)
         if ctx.decode_rows is not None:
             rows, slots = ctx.decode_rows, ctx.decode_slots
             # compiled kernels: caches updated in place through the slot ids; torch: in place for consecutive
@@ -242,7 +252,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
         self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
         if self.is_gdn:
-            self.linear_attn = GDNMixer(cfg, dtype)
+            self.linear_attn = GDNMixer(cfg, dtype, cfg.layer_types[:index].count("linear_attention"))
         else:
             self.self_attn = AttentionMixer(cfg, dtype)
         if is_moe_layer(cfg, index):

@@ -107,6 +107,9 @@ class HybridModel(nn.Module):
                 dec_rows.append(s.start)
                 dec_slots.append(s.slot)
                 dec_tables.append(s.page_ids)
+            if s.saves and (s.is_decode or any(not s.pos < p < s.pos + s.length or p % 64 for p, _ in s.saves)):
+                raise ValueError(f"span at rows {s.start}..: checkpoints {[p for p, _ in s.saves]} are not grid "
+                                 f"positions inside its prefill chunk {s.pos}..{s.pos + s.length}")
             if s.page_ids.numel() * bs < s.pos + s.length:
                 raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
                                  f"needs {s.pos + s.length}")
@@ -127,6 +130,7 @@ class HybridModel(nn.Module):
                            kv_pages=torch.cat(pages) if pages else empty, kv_rows=torch.cat(rows) if rows else empty,
                            decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots),
                            decode_slot_range=_consecutive(dec_slots), kernels=kernels, ops=ops,
+                           save_state=caches.save_state,
                            decode_page_table=table, decode_lengths=lengths)
 
     def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:

@@ -51,7 +51,7 @@ class CacheStore:
             "a GDN layer state must fit its pages (hybrid block size rule, or pages_per_state in the runs layout)"
 
     def caches(self) -> Caches:
-        return Caches(kv=self.kv, conv=self.conv, ssm=self.ssm, block_size=self.block_size)
+        return Caches(kv=self.kv, conv=self.conv, ssm=self.ssm, block_size=self.block_size, save_state=self.save_layer)
 
     # ---- plan execution: zeroing and bit-exact state copies ----
     def zero_pages(self, pages: tuple[int, ...]) -> None:
@@ -97,6 +97,13 @@ class CacheStore:
         """Slot -> checkpoint, every GDN layer."""
         for l in range(len(self.conv)):
             _copy_bytes(self._page_views(l, c.location), self._slot_views(l, c.slot))
+
+    def save_layer(self, l: int, location: tuple[int, ...], conv: torch.Tensor, ssm: torch.Tensor) -> None:
+        """GDN layer l's state taken inside a prefill chunk -> its checkpoint (conv [K-1, conv_dim] in the conv
+        dtype, ssm [Hv, dv, dk] float32, both contiguous): the same bytes a slot save of that state writes."""
+        assert conv.dtype == self.conv[l].dtype and ssm.dtype == torch.float32 and conv.is_contiguous() \
+            and ssm.is_contiguous(), "a checkpoint is the slot's own dtypes and layout"
+        _copy_bytes(self._page_views(l, location), [conv.view(torch.uint8).view(-1), ssm.view(torch.uint8).view(-1)])
 
     def restore(self, c: StateCopy) -> None:
         """Checkpoint -> slot, every GDN layer."""

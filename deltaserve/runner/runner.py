@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.batch import ForwardBatch, Span
-from ..scheduler.plan import SeqWork, StepPlan
+from ..scheduler.plan import SeqWork, StateCopy, StepPlan
 from .cache import CacheStore
 
 
@@ -39,10 +39,17 @@ class ModelRunner:
                                      f"(start {None if w is None else w.start_pos}, block {bs})")
         for c in plan.saves:
             w = by_slot.get(c.slot)
-            if w is None or (w.start_pos + len(w.token_ids)) % bs:
-                raise StateCopyError(f"save of slot {c.slot} after a partial block")
+            end = None if w is None else w.start_pos + len(w.token_ids)
+            pos = end if c.pos is None else c.pos
+            if w is None or pos % bs or not w.start_pos < pos <= end:
+                raise StateCopyError(f"save of slot {c.slot} at {pos}: not a block boundary of its work "
+                                     f"({None if w is None else w.start_pos}..{end}, block {bs})")
 
-    def build_batch(self, work: list[SeqWork]) -> ForwardBatch:
+    def build_batch(self, work: list[SeqWork], saves: tuple[StateCopy, ...] = ()) -> ForwardBatch:
+        """The flat batch of `work`; saves inside a span (before its end) ride on it for the GDN layers."""
+        inside: dict[int, list] = {}
+        for c in saves:
+            inside.setdefault(c.slot, []).append((c.pos, c.location))
         ids, pos, spans, start = [], [], [], 0
         for w in work:
             n = len(w.token_ids)
@@ -50,7 +57,7 @@ class ModelRunner:
             pos.extend(range(w.start_pos, w.start_pos + n))
             spans.append(Span(start=start, length=n, pos=w.start_pos, slot=w.slot,
                               page_ids=torch.tensor(w.page_ids, dtype=torch.long, device=self.device),
-                              is_decode=w.is_decode))
+                              is_decode=w.is_decode, saves=tuple(sorted(inside.get(w.slot, ())))))
             start += n
         return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
                             positions=torch.tensor(pos, dtype=torch.long, device=self.device), spans=spans)
@@ -59,6 +66,7 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> StepLogits:
         """zero -> restore -> forward -> save; returns the logits the engine samples from."""
         self._check_copies(plan)
+        ends = {w.slot: w.start_pos + len(w.token_ids) for w in plan.work}
         self.store.zero_pages(plan.zero_pages)
         self.store.zero_slots(plan.zero_slots)
         for c in plan.restores:
@@ -67,7 +75,7 @@ class ModelRunner:
         if plan.work:
             # prefill spans first, then decodes (the model batches the decodes together)
             work = [w for w in plan.work if not w.is_decode] + [w for w in plan.work if w.is_decode]
-            batch = self.build_batch(work)
+            batch = self.build_batch(work, tuple(c for c in plan.saves if c.pos is not None and c.pos < ends[c.slot]))
             hidden = self.model.forward(batch, self.store.caches())  # [T, hidden]
             rows, owners = [], []
             for w, s in zip(work, batch.spans):
@@ -80,5 +88,6 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
                 out.sample = {rid: logits[i] for i, rid in enumerate(owners)}
         for c in plan.saves:
-            self.store.save(c)
+            if c.pos is None or c.pos == ends.get(c.slot):
+                self.store.save(c)
         return out

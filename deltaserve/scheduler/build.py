@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from ..config import ENGINE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
 from ..layouts import layout_for
 from ..memory.manager import MemoryManager
-from ..sizing import Geometry, Pool, engine_block_size, geometry, size_pool
+from ..sizing import ENGINE_KERNEL_ALIGNMENT, Geometry, Pool, engine_block_size, geometry, size_pool
 from .scheduler import Scheduler
 
 MODEL_DTYPES = ("bfloat16", "float16", "float32")
@@ -43,15 +43,18 @@ class EngineShape:
 
 def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = ENGINE_DEFAULTS["block_size"],
                   kv_cache_memory: int, max_num_seqs: int, cache_layout: str = ENGINE_DEFAULTS["cache_layout"],
-                  max_model_len: int | None = None, enable_prefix_caching: bool = True) -> EngineShape:
+                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                  kernel_alignment: int = ENGINE_KERNEL_ALIGNMENT) -> EngineShape:
     """The engine's block size, pool and max model length for a cache budget of kv_cache_memory bytes.
 
     The max model length defaults to what one request can hold in the pool (the memory manager holds
-    checkpoint pages back in align mode). Raises ConfigError where the engine would refuse to start."""
+    checkpoint pages back in align mode). Raises ConfigError where the engine would refuse to start.
+    kernel_alignment: the smallest kernel block of the engine being simulated (sizing.KERNEL_ALIGNMENTS; a
+    foreign engine replayed by sim/external_replay.py); this engine's own by default."""
     dt = resolve_dtype(dtype, mc)
     geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")
     layout = layout_for(cache_layout)
-    bs = engine_block_size(geom, block_size, layout)
+    bs = engine_block_size(geom, block_size, layout, kernel_alignment=kernel_alignment)
     pool = size_pool(geom, kv_cache_memory, bs, max_num_seqs, layout)
     if pool.num_pages < 2:
         raise ConfigError(f"a {kv_cache_memory:,}-byte cache budget holds {pool.num_pages} pages of {bs} tokens "
@@ -67,11 +70,17 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = ENG
 
 
 def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_tokens: int,
-                    enable_prefix_caching: bool = True, prefill_merge_tokens: int = 0) -> tuple[MemoryManager, Scheduler]:
-    """A fresh MemoryManager and the Scheduler over it, as the engine builds them."""
+                    enable_prefix_caching: bool = True, prefill_merge_tokens: int = 0,
+                    checkpoint_grid: int = 0, chunk_grid: int | None = None,
+                    replay_decode: bool = True) -> tuple[MemoryManager, Scheduler]:
+    """A fresh MemoryManager and the Scheduler over it, as the engine builds them. checkpoint_grid is rounded up
+    to a multiple of the page (0 = off). chunk_grid and replay_decode are the Scheduler's (defaults: the
+    engine's); a simulated foreign engine passes its own (vLLM: chunk_grid 1, replay_decode False)."""
     memory = MemoryManager.from_pool(shape.pool, caching=enable_prefix_caching)
+    bs = shape.block_size
     return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             prefill_merge_tokens=prefill_merge_tokens)
+                             prefill_merge_tokens=prefill_merge_tokens, checkpoint_grid=-(-checkpoint_grid // bs) * bs,
+                             chunk_grid=chunk_grid, replay_decode=replay_decode)
 
 
 def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
@@ -84,5 +93,6 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
     memory, scheduler = build_scheduler(shape, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         enable_prefix_caching=cfg.enable_prefix_caching,
-                                        prefill_merge_tokens=cfg.prefill_merge_tokens)
+                                        prefill_merge_tokens=cfg.prefill_merge_tokens,
+                                        checkpoint_grid=cfg.checkpoint_grid)
     return shape, memory, scheduler

@@ -4,7 +4,7 @@ Pure data, no torch. The runner executes a StepPlan in this order:
   1. zero `zero_pages` (every layer position of each page) and `zero_slots` (conv + recurrent state);
   2. `restores`: copy each checkpoint location into its slot (bit-exact byte copies);
   3. run the model over `work` and sample where `SeqWork.sample` is set;
-  4. `saves`: copy each slot into its checkpoint location.
+  4. `saves`: copy each slot into its checkpoint location (saves inside a prefill chunk are taken during 3).
 Then the scheduler's update() publishes the hashes of blocks this step completed.
 """
 from __future__ import annotations
@@ -35,13 +35,16 @@ class SeqWork:
 class StateCopy:
     """A GDN state moving between a live slot and a checkpoint.
 
-    location: in-page layout: one page id per GDN group (the GDN layers of group g keep their
-    state in page location[g], one layer per layer position); per-block layout: (page id,),
-    the index into the separate per-page state tensor (the attention page of that block).
+    location: checkpoints in pool pages: pages_per_state page ids per GDN group (layouts.py); beside the
+    pool (per-block): (page id,), the row of the side tensor (the attention page of that block).
+    pos (saves): the state is the one after exactly token pos - 1: the end of the slot's work in this step
+    (copied from the slot after the forward), or a block boundary inside its prefill chunk (taken by the
+    GDN layers as the chunk passes it). None on restores (they go in before the work starts).
     """
 
     slot: int
     location: tuple[int, ...]
+    pos: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,24 @@
-"""Where checkpoints are taken, and so where prefill chunks may end: a small policy object.
+"""Where prefill chunks end and where checkpoints are taken: a small policy object.
 
 The scheduler asks the policy two things:
   chunk_end(start, limit, total): where a prefill chunk that starts at `start` ends, given it may run
       to `limit` (start + token budget left) and the sequence has `total` tokens to compute. Returning
       `start` means "not this step".
-  save_at(end): whether the step whose chunk ends at `end` saves the slot into a checkpoint.
-
-Later policies (checkpoints on a sparse grid, at fork points, at the end of every request) implement the
-same two methods; the memory manager still refuses any save that is not at the end of a full block.
+  saves(start, end, prompt_end, fork): the checkpoints a step computing [start, end) takes, as
+      (position, kind) in position order, each position a block boundary in (start, end]. A save before
+      `end` is taken inside the chunk, by the GDN layers as their chunked kernel passes that boundary
+      (docs/design.md), so a chunk never has to stop early for one. Kinds (memory.SAVE_KINDS):
+        step    the end of the step's work, when it is a block boundary (a middle prefill chunk, or a decode
+                that completes a block): the resume point after a preemption;
+        prompt  the prompt's last block boundary: what the next turn of a conversation hits;
+        fork    where this request's prompt leaves a chain of cached blocks that has no checkpoint at its end
+                (another sequence computed that shared prefix inside a chunk): the next sequence that shares
+                it hits all of it;
+        grid    every `grid` tokens, so that a prefix someone else will share later (a system prompt, a tool
+                list) has a checkpoint near its end; the scheduler takes these only from free pages, and
+                they are the first evicted.
+The scheduler treats every kind but "step" as optional: taken only while the pool has room for it. The memory
+manager refuses any save that is not at the end of a full, unpublished block of the chunk.
 """
 from __future__ import annotations
 
@@ -16,34 +27,43 @@ from typing import Protocol
 
 class CheckpointPolicy(Protocol):
     def chunk_end(self, start: int, limit: int, total: int) -> int: ...
-    def save_at(self, end: int) -> bool: ...
+    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, str]]: ...
 
 
 class AlignEveryBlock:
-    """vLLM's align mode: prefill chunks end on block boundaries, and every step that ends on
-    a block boundary (a decode that completes a block included) saves a checkpoint, so every checkpoint
-    is exact and a hit can resume at any block that has one.
+    """vLLM's align mode, with checkpoints inside chunks: a prefill chunk that does not reach the end of the
+    sequence ends on a block boundary, so the slot's state there is exact; every step that ends on a block
+    boundary saves it ("step"), and inside the chunk the prompt's last block boundary ("prompt"), the fork
+    point ("fork") and every `grid` tokens ("grid", 0 = none) are saved as the kernel passes them. A prompt
+    computed in one chunk thus leaves its checkpoints without stopping at its last block boundary (vLLM's
+    "force to cache the last chunk" costs a step for the tail; this does not)."""
 
-    As vLLM does ("force to cache the last chunk"), a chunk that would run past the last block boundary
-    of the prompt to its ragged end stops at that boundary, and the tail (< one block) runs next step.
-    That checkpoint after the prompt's last full block is the one later requests hit (the next turn of
-    a conversation, an extension, a diverging suffix); without it, a prompt computed in one chunk would
-    leave no checkpoint at all. Cost: one more step for the tail.
-    """
-
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, grid: int = 0):
+        if grid % block_size:
+            raise ValueError(f"the checkpoint grid ({grid}) must be a multiple of the block size ({block_size})")
         self.block_size = block_size
+        self.grid = grid
 
     def chunk_end(self, start: int, limit: int, total: int) -> int:
-        bs = self.block_size
-        if limit < total:  # a middle chunk ends on a block boundary, or waits for more budget
-            end = limit // bs * bs
-            return end if end > start else start
-        last = total // bs * bs  # the last block boundary of the prefill
-        return last if start < last < total else total  # stop there so its checkpoint is taken
+        if limit >= total:
+            return total
+        end = limit // self.block_size * self.block_size  # a middle chunk ends on a block boundary
+        return end if end > start else start  # or waits for more budget
 
-    def save_at(self, end: int) -> bool:
-        return end % self.block_size == 0
+    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, str]]:
+        bs = self.block_size
+        out: dict[int, str] = {}
+        if end % bs == 0:
+            out[end] = "step"
+        last = prompt_end // bs * bs
+        if start < last < end:
+            out.setdefault(last, "prompt")
+        if start < fork < end:
+            out.setdefault(fork, "fork")
+        if self.grid:
+            for p in range((start // self.grid + 1) * self.grid, end, self.grid):
+                out.setdefault(p, "grid")
+        return sorted(out.items())
 
 
 class GridChunks:
@@ -66,8 +86,8 @@ class GridChunks:
         end = limit // self.grid * self.grid
         return end if end > start else start
 
-    def save_at(self, end: int) -> bool:
-        return False
+    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, str]]:
+        return []
 
 
 def NoCheckpoints() -> GridChunks:

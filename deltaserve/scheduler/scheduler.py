@@ -55,14 +55,16 @@ class _Scheduled:
     new_pages: list[int] = field(default_factory=list)
     zero_slot: bool = False
     restore: tuple[int, ...] | None = None
-    save: tuple[int, ...] | None = None
+    saves: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (position, location)
 
 
 class Scheduler:
     def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
                  checkpoint_policy: CheckpointPolicy | None = None, chunk_grid: int | None = None,
-                 replay_decode: bool = True, prefill_merge_tokens: int = 0):
-        """checkpoint_policy: default AlignEveryBlock with caching on, GridChunks(chunk_grid) with it off.
+                 replay_decode: bool = True, prefill_merge_tokens: int = 0, checkpoint_grid: int = 0):
+        """checkpoint_policy: default AlignEveryBlock(block_size, checkpoint_grid) with caching on,
+        GridChunks(chunk_grid) with it off. checkpoint_grid: also save a checkpoint every this many tokens
+        inside prefill chunks, from free pages only (0 = none; a multiple of the block size).
         chunk_grid (caching off): non-final prefill chunks end on multiples of it; default 64 (the GDN
         kernel grid) when the budget allows a whole grid, else 1. With caching on, chunks end on block
         boundaries, and the engine's blocks are multiples of 64.
@@ -96,7 +98,7 @@ class Scheduler:
         self.prefill_merge_tokens = prefill_merge_tokens
         if checkpoint_policy is None:
             if memory.caching:
-                checkpoint_policy = AlignEveryBlock(memory.block_size)
+                checkpoint_policy = AlignEveryBlock(memory.block_size, checkpoint_grid)
             else:
                 if chunk_grid is None:
                     chunk_grid = KERNEL_GRID if max_num_batched_tokens >= KERNEL_GRID else 1
@@ -185,7 +187,9 @@ class Scheduler:
         st: CacheStats = self.memory.stats
         return {"prefix_queries": st.prefix_query_tokens, "prefix_hits": st.prefix_hit_tokens,
                 "checkpoints_saved": st.checkpoints_saved, "checkpoints_restored": st.checkpoints_restored,
-                "evictions": st.evicted_pages, "preemptions": st.preemptions}
+                "evictions": st.evicted_pages, "preemptions": st.preemptions,
+                "checkpoints_saved_by_kind": dict(st.saved_by_kind),
+                "checkpoints_evicted_by_kind": dict(st.evicted_by_kind)}
 
     def usage(self) -> MemoryUsage:
         return self.memory.usage()
@@ -313,32 +317,45 @@ class Scheduler:
         return req.num_prompt_tokens if self.replay_decode else req.num_tokens
 
     def _chunk_end(self, req: Request, start: int) -> int:
-        """The policy's chunk end, cut at the request's fork point.
+        return self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
+
+    def _saves(self, req: Request, start: int, end: int) -> list[tuple[int, str]]:
+        """The policy's checkpoints for computing [start, end) (position, kind); none without caching or GDN.
 
         The fork point is where the cached chain of blocks this request shares with earlier sequences ends
-        without a checkpoint (find_prefix's num_matched_blocks): typically a shared system prompt followed
-        by different text, computed by the earlier sequence inside one chunk. Ending a chunk there saves a
-        checkpoint at the fork, so every later sequence with that prefix hits it. Costs at most one more
-        step for this request; the chunk end is a block boundary, so bits are unchanged (docs/design.md, the 64-token grid).
-        """
-        end = self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
-        return req.fork_point if start < req.fork_point < end else end
+        without a checkpoint (find_prefix's num_matched_blocks): typically a shared system prompt followed by
+        different text, computed by the earlier sequence inside one chunk. A checkpoint there lets every later
+        sequence with that prefix hit all of it; it is taken inside the chunk, so the bits are unchanged
+        (docs/design.md, the 64-token grid)."""
+        if not (self.caching and self.memory.num_gdn_groups):
+            return []
+        return self.policy.saves(start, end, self._prefill_target(req), req.fork_point)
 
-    def _wants_save(self, end: int) -> bool:
-        return self.caching and self.memory.num_gdn_groups > 0 and self.policy.save_at(end)
+    @staticmethod
+    def _mandatory(saves: list[tuple[int, str]]) -> int:
+        return sum(1 for _, kind in saves if kind == "step")
+
+    def _reserve(self, rec: _Scheduled, saves: list[tuple[int, str]]) -> None:
+        """Reserve the step's save (its pages were counted), then the optional ones while they fit: prompt and
+        fork checkpoints from any allocatable page, grid ones from free pages only (they evict nothing)."""
+        mem, rid, per = self.memory, rec.req.request_id, self.memory.checkpoint_pages
+        for pos, kind in sorted(saves, key=lambda s: s[1] != "step"):
+            room = mem.num_free_pages() if kind == "grid" else mem.num_allocatable()
+            if kind == "step" or room >= per:
+                rec.saves.append((pos, mem.reserve_checkpoint(rid, pos, kind)))
+        rec.saves.sort()
 
     def _schedule_running(self, req: Request, start: int, end: int, is_decode: bool) -> bool:
         rid = req.request_id
-        save = self._wants_save(end)
-        need = self.memory.pages_needed(rid, end) + (self.memory.checkpoint_pages if save else 0)
+        saves = self._saves(req, start, end)
+        need = self.memory.pages_needed(rid, end) + self.memory.checkpoint_pages * self._mandatory(saves)
         while need > self.memory.num_allocatable():
             victim = self.running[-1]
             self._preempt(victim)
             if victim is req:
                 return False
         rec = _Scheduled(req, start, end, is_decode, self.memory.append_pages(rid, end))
-        if save:
-            rec.save = self.memory.reserve_checkpoint(rid, end)
+        self._reserve(rec, saves)
         self._recs[rid] = rec
         self._budget -= end - start
         return True
@@ -368,14 +385,14 @@ class Scheduler:
             hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
         start = hit.num_tokens if hit is not None else 0
         is_decode = self._in_decode(req, start)
-        if hit is not None and hit.num_matched_blocks > hit.num_blocks and self._wants_save(hit.num_matched_blocks * bs):
+        if hit is not None and hit.num_matched_blocks > hit.num_blocks and mem.num_gdn_groups:
             req.fork_point = hit.num_matched_blocks * bs
         end = start + 1 if is_decode else self._chunk_end(req, start)
         if end <= start:
             return False
-        save = self._wants_save(end)
+        saves = self._saves(req, start, end)
         need = (mem.pages_for(end) - (hit.num_blocks if hit else 0)
-                + (mem.checkpoint_pages if save else 0) + mem.pin_cost(hit))
+                + mem.checkpoint_pages * self._mandatory(saves) + mem.pin_cost(hit))
         if need > mem.num_allocatable():
             return False
         rid = req.request_id
@@ -384,8 +401,7 @@ class Scheduler:
             raise CheckpointError(f"restore for {rid} at position {start}, not a block boundary")
         rec = _Scheduled(req, start, end, is_decode, mem.append_pages(rid, end), zero_slot=location is None,
                          restore=location)
-        if save:
-            rec.save = mem.reserve_checkpoint(rid, end)
+        self._reserve(rec, saves)
         if hit is not None:
             mem.stats.prefix_query_tokens += total
             mem.stats.prefix_hit_tokens += start
@@ -415,8 +431,7 @@ class Scheduler:
                 zero_slots.append(slot)
             if rec.restore is not None:
                 restores.append(StateCopy(slot, rec.restore))
-            if rec.save is not None:
-                saves.append(StateCopy(slot, rec.save))
+            saves.extend(StateCopy(slot, loc, pos) for pos, loc in rec.saves)
         plan = StepPlan(work=tuple(work), zero_pages=tuple(zero_pages), zero_slots=tuple(zero_slots),
                         restores=tuple(restores), saves=tuple(saves), preempted=tuple(self._preempted))
         self._recs = {}

@@ -44,6 +44,16 @@ _COUNTERS = (
 )
 
 
+# Labelled by checkpoint kind (step, prompt, fork, grid): (metric name, EngineStats field, help)
+_BY_KIND = (
+    ("deltaserve_checkpoints_saved_by_kind", "checkpoints_saved_by_kind", "GDN checkpoints saved, by why they were taken."),
+    ("deltaserve_checkpoints_evicted_by_kind", "checkpoints_evicted_by_kind", "GDN checkpoints evicted, by kind."),
+)
+_CHECKPOINT_GAUGES = (
+    ("deltaserve_checkpoints_kept", "checkpoints_kept", "GDN checkpoints in the cache or held by requests."),
+    ("deltaserve_checkpoint_bytes", "checkpoint_bytes", "Bytes the kept GDN checkpoints take."),
+)
+
 _INFO = (
     ("deltaserve_block_size", "block_size", "Tokens per page (the hybrid block size)."),
     ("deltaserve_max_model_len", "max_model_len", "The longest prompt plus completion, in tokens."),
@@ -67,7 +77,7 @@ class _EngineStatsCollector:
         stats = self._get()
         if stats is None:
             return
-        for name, field, doc in _GAUGES:
+        for name, field, doc in _GAUGES + _CHECKPOINT_GAUGES:
             v = getattr(stats, field, None)
             if v is None:
                 continue
@@ -80,6 +90,14 @@ class _EngineStatsCollector:
                 continue
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self._model], float(v))
+            yield c
+        for name, field, doc in _BY_KIND:
+            counts = getattr(stats, field, None)
+            if not counts:
+                continue
+            c = CounterMetricFamily(name, doc, labels=["model_name", "kind"])
+            for kind, v in counts.items():
+                c.add_metric([self._model, kind], float(v))
             yield c
 
 

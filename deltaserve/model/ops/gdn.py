@@ -137,10 +137,13 @@ def _qk_scale(x: torch.Tensor, mult: float, use_qk_l2norm: bool) -> torch.Tensor
     return r.mul_(mult) if mult != 1.0 else r
 
 
-def _chunk_slice(q, k, v, g, beta, state, lead: int, dst, use_qk_l2norm: bool) -> None:
+def _chunk_slice(q, k, v, g, beta, state, lead: int, dst, use_qk_l2norm: bool,
+                 grab: dict[int, list] | None = None) -> None:
     """One slice of one sequence. q, k [n, Hk, dk]; v [n, H, dv]; g, beta [n, H] (any float dtypes, any
     strides); state [H, dv, dk] fp32, updated in place; lead: the in-chunk offset of the first token (its
-    absolute position % CHUNK); dst [n, H, dv] receives the output (converted to its dtype).
+    absolute position % CHUNK); dst [n, H, dv] receives the output (converted to its dtype). grab: chunk
+    index i -> a list that receives a copy of the state [H, dv, dk] after chunk i (the state a call starting
+    at that chunk boundary would begin from, bit for bit).
 
     Per chunk (c = cumulative log decay from the chunk start, D_ij = exp(c_i - c_j) for j <= i, else 0):
       A = diag(beta) (K K^T * D), strictly lower;  T = (I + A)^-1
@@ -192,13 +195,16 @@ def _chunk_slice(q, k, v, g, beta, state, lead: int, dst, use_qk_l2norm: bool) -
         v_new = torch.baddbmm(u[i], w[i], st, alpha=-1.0)  # V' = U - W S^T
         torch.bmm(qc[i], st, out=out[i]).baddbmm_(attn[i], v_new)  # O
         st.mul_(cd[i]).baddbmm_(kdt[i], v_new)  # S^T = exp(c_last) S^T + K'^T V'
+        if grab and i in grab:
+            grab[i].append(st.transpose(-1, -2).contiguous())
     state.copy_(st.transpose(-1, -2))
     _from_chunks(dst, out, lead)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                            initial_state: torch.Tensor | None = None, start_pos: int = 0,
-                           use_qk_l2norm: bool = True, out: torch.Tensor | None = None
+                           use_qk_l2norm: bool = True, out: torch.Tensor | None = None,
+                           states_at: tuple[int, ...] = (), states: list | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill of ONE sequence, chunked (WY/UT form) on the absolute 64-token grid.
 
@@ -206,6 +212,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     initial_state [H, dv, dk] (any float dtype; not modified) or None (zeros). start_pos: the absolute
     position of q[0], which fixes the chunk grid. Returns (out [L, H, dv] in q's dtype, final state
     [H, dv, dk] float32). out: an [L, H, dv] tensor to write the output into (then returned) instead.
+    states_at: absolute positions p (multiples of 64, start_pos < p <= start_pos + L) whose state, after
+    exactly token p - 1, is appended to `states` in that order ([H, dv, dk] float32 each): the checkpoints
+    inside a prefill chunk, identical to the state a call that stopped at p would return.
     """
     L, H, dv = v.shape
     hk, dk = q.shape[-2:]
@@ -217,12 +226,23 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = initial_state.to(torch.float32, copy=True)  # updated in place below
     if out is None:
         out = torch.empty(L, H, dv, dtype=q.dtype, device=q.device)
+    wanted = sorted(states_at)
+    bad = [p for p in wanted if p % CHUNK or not start_pos < p <= start_pos + L]
+    if bad:
+        raise ValueError(f"states_at {bad}: not chunk boundaries inside positions {start_pos}..{start_pos + L}")
+    found: list = []
     s = 0
     while s < L:
         a = start_pos + s
         e = min((a // SLICE + 1) * SLICE - start_pos, L)
-        _chunk_slice(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, a % CHUNK, out[s:e], use_qk_l2norm)
+        first = a - a % CHUNK  # absolute start of the slice's first chunk
+        grab = {(p - first) // CHUNK - 1: found for p in wanted if a < p <= start_pos + e}
+        _chunk_slice(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, a % CHUNK, out[s:e], use_qk_l2norm, grab)
         s = e
+    if wanted:
+        if states is None:
+            raise ValueError("states_at needs a `states` list to append to")
+        states.extend(found)
     return out, state
 
 
