@@ -248,9 +248,12 @@ class EngineConfig:
     enable_prefix_caching: bool = _flag(True, "hybrid prefix caching (GDN checkpoints)", None, replica=True)
     cache_layout: str = _flag(LAYOUT_NAMES[0], "where GDN checkpoints live (docs/design.md)", choices=LAYOUT_NAMES,
                               replica=True)
-    checkpoint_grid: int = _flag(256, "also checkpoint every N tokens inside prefill chunks while the pool has free "
+    checkpoint_grid: int = _flag(128, "also checkpoint every N tokens inside prefill chunks while the pool has free "
                                  "pages, so later requests that share a prefix hit near its end (rounded up to "
                                  "a multiple of the page; 0 = off)", int, metavar="N", replica=True)
+    reprefill_outputs: bool = _flag(True, "recompute finished requests' generated tokens through the prefill path in "
+                                    "spare step budget and cache them, so a next turn that contains them hits, bit "
+                                    "for bit as a cold run", None, replica=True)
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)

@@ -85,6 +85,9 @@ class EngineStats:
     checkpoints_evicted_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoints_kept: int = 0  # checkpoints in the cache or held by requests now
     checkpoint_bytes: int = 0  # the memory they take (pool pages, or the per-block layout's side tensor rows)
+    reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (background jobs)
+    reprefill_jobs: int = 0  # jobs finished
+    reprefill_dropped: int = 0  # jobs dropped for a request that needed their seat, slot or pages
 
 
 @dataclass
@@ -235,6 +238,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
 
+    def has_background_work(self) -> bool:
+        """The scheduler's own jobs (finished requests' outputs recomputed by prefill: Scheduler docstring);
+        step() runs them in budget nobody else needs. A server steps them while idle."""
+        return self.scheduler.has_background()
+
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         plan = self.last_plan = self.scheduler.schedule()
@@ -271,7 +279,9 @@ class LLMEngine:
 
         now = time.time()
         for w in plan.work:
-            live = self._live[w.request_id]
+            live = self._live.get(w.request_id)
+            if live is None:  # a background job of the scheduler's: nothing to sample
+                continue
             if live.metrics.first_scheduled_time is None:
                 live.metrics.first_scheduled_time = now
             if w.request_id in logits.prompt and live.params.prompt_logprobs is not None:
@@ -299,7 +309,7 @@ class LLMEngine:
         tokens = {rid: s.token_id for rid, s in sampled.items() if s.error is None}
         self.scheduler.update(plan, tokens)
         for w in plan.work:
-            if not w.is_decode:
+            if not w.is_decode and w.request_id in self._live:
                 self.prompt_tokens_total += len(w.token_ids)
         now = time.time()
         outputs = []
@@ -402,4 +412,6 @@ class LLMEngine:
             checkpoints_saved_by_kind=s["checkpoints_saved_by_kind"],
             checkpoints_evicted_by_kind=s["checkpoints_evicted_by_kind"],
             checkpoints_kept=kept, checkpoint_bytes=ckpt_pages * self.pool.bytes_per_page
-            + (0 if self.pool.layout.in_pool else kept * self.pool.per_page_state_bytes))
+            + (0 if self.pool.layout.in_pool else kept * self.pool.per_page_state_bytes),
+            reprefill_tokens=m.stats.reprefill_tokens, reprefill_jobs=m.stats.reprefill_jobs,
+            reprefill_dropped=m.stats.reprefill_dropped)

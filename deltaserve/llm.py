@@ -68,6 +68,8 @@ class LLM:
                     done[out.request_id] = out
                     bar.update(1)
         bar.close()
+        while self.engine.has_background_work():  # what a server does while idle: the outputs' prefill jobs
+            self.engine.step()
         results: list[RequestOutput | None] = [None] * len(prompts)
         for rid, (i, k) in sorted(owners.items(), key=lambda kv: kv[1]):
             out = done[rid]

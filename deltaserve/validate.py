@@ -1,23 +1,32 @@
-"""The gate: replay the same trace on the real engine and in the simulator, and compare request by request.
+"""The gate: replay the same trace on the real engine and in the simulator, and compare, in three parts.
 
     deltaserve simulate validate --out DIR [--presets tiny,qwen3.5-0.8b-shape] [--loads light,saturated,overloaded]
-                                 [--caching on,off] [--reprofile] [--quick]
+                                 [--caching on,off] [--clocks cpu,wall] [--reprofile] [--quick]
 
 For each preset: profile the engine on this machine into DIR/bundles/PRESET (unless a bundle is there), make an
 agent-session trace, and pick three arrival-time scales for it from the simulator's own estimate of the
 engine's capacity (light: ~30% busy; saturated: ~90% busy; overloaded: arrivals about twice as fast as the
-engine can serve). Each (load, caching) scenario then runs:
+engine can serve). Each (load, caching, clock) scenario replays the trace on a fresh real LLMEngine TWICE (a few
+warm-up requests under their own cache salt, then the trace offline: each request added once its arrival time
+has passed on the replay's clock, engine.step() in a loop for as long as there are requests or background jobs,
+as a server steps; cpu clock: the engine thread's CPU time, idle gaps skipped; wall), each run followed by its
+simulations, and reports:
 
-  real   a fresh LLMEngine (same flags), a few warm-up requests under their own cache salt, then the trace
-         replayed offline, each request added once its arrival time has passed on the replay's clock (cpu: the
-         engine thread's CPU time, idle gaps skipped; wall), engine.step() in a loop; TTFT / TPOT / E2E are
-         the times the loop saw each request's tokens come out
-  sim    one simulated replica with the same flags, the same warm-up requests, the same trace
+  a. scheduling fidelity, exact: the simulator on each real run's own measured step durations (sim/replayed.py:
+     the k-th step takes the k-th measured duration, so the simulated clock is the real one) must take the very
+     same steps: the same requests and token counts in every step, the same cached tokens per request, the same
+     preemptions. A difference is a bug in the code the engine and the simulator share, not noise.
+  b. the latency model, per step: predicted (at the probe's speed: nothing of the replay went into it) against
+     measured duration of every real step, median and p90 |error| by step kind.
+  c. end to end, against the engine's own spread: TTFT mean / p90, TPOT and E2E of the simulation at the probed
+     speed against each real run, beside run 2 against run 1. A metric passes when the simulator is within its
+     bar (5%, 5%, 2%, 3%) or within the real engine's own run-to-run difference, whichever is larger.
 
-and the table compares mean and p90 TTFT, mean TPOT and mean E2E (bars: 5%, 5%, 2%, 3%), plus the mean
-per-request absolute error. The machine is shared and its speed drifts by several percent within a minute (other
-tenants, memory bandwidth), more than the bars; the bundle's tables were measured at another moment. So the
-simulator runs at the speed a probe measured while the replay ran, and the probe uses nothing from the replay:
+The command exits 1 when any run fails part a (that is a bug to find); parts b and c are measurements to read.
+
+The machine is shared and its speed drifts by several percent within a minute, and the bundle's tables were
+measured at another moment. So part c simulates at the speed a probe measured while the replay ran, and the
+probe uses nothing from the replay:
 
   interleaved  (the default) a twin engine, same flags, replays another trace from the same generator at the
                same load (seed + 1: the same kind of steps, none of the same requests) in bursts between the
@@ -30,9 +39,8 @@ simulator runs at the speed a probe measured while the replay ran, and the probe
   before       the warm-up steps alone.
 
 Also simulated, for diagnosis: `static` (the bundle as profiled) and `oracle` (the replay's own measured /
-predicted step time, by step kind as the probe reads it: what is left is the latency model's shape and the
-queue's sensitivity to step boundaries). DIR/steps-*.json keeps every step of the replay
-and of the probe, measured and predicted.
+predicted step time, by step kind as the probe reads it). DIR/steps-*.json keeps every step of each replay and
+of its probe, measured and predicted, and the replay's schedule (what each step did, on the replay's clock).
 """
 from __future__ import annotations
 
@@ -40,6 +48,7 @@ import argparse
 import gc
 import json
 import logging
+import math
 import os
 import random
 import sys
@@ -49,7 +58,9 @@ from dataclasses import dataclass, replace
 from .config import REPLICA_FLAGS
 from .sim.bundle import load_bundle
 from .sim.cluster import ClusterConfig, ReplicaConfig, Simulation
-from .sim.latency import LatencyModel, SpeedTrace
+from .sim.latency import LatencyModel, SpeedTrace, error_summary, step_errors, step_kind
+from .sim.replayed import (LoggedStep, ReplayedLatency, as_json, compare_records, compare_steps, schedule_facts,
+                           step_signature)
 from .sim.report import RequestRecord, mean, percentile, summarize
 from .sim.trace import AgentTraceSpec, TraceRequest, agent_trace
 
@@ -102,29 +113,45 @@ def _cluster(engine_flags: dict, caching: bool, bundle_path: str) -> ClusterConf
     return ClusterConfig([rc], "round-robin", bundle_path)
 
 
+def _model(bundle, wall_per_cpu: "float | StepSpeed | None") -> LatencyModel:
+    """The bundle's latency model at a speed: a constant, a StepSpeed over the replay's clock, or None (the
+    bundle's own wall/CPU)."""
+    if isinstance(wall_per_cpu, StepSpeed):
+        return LatencyModel(bundle, speed=wall_per_cpu.prefill, decode_speed=wall_per_cpu.decode)
+    return LatencyModel(bundle, wall_per_cpu=wall_per_cpu)
+
+
 def run_sim(bundle, engine_flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
-            wall_per_cpu: "float | StepSpeed | None" = None) -> tuple[list[RequestRecord], Simulation]:
+            wall_per_cpu: "float | StepSpeed | None" = None, latency=None,
+            record: bool = False) -> tuple[list[RequestRecord], Simulation]:
     """wall_per_cpu: the speed to simulate, a constant or a StepSpeed over the replay's clock (None: the
-    bundle's own)."""
+    bundle's own). latency: instead, a latency model for the trace's steps (after the warm-up), such as a
+    ReplayedLatency. record: keep every step's signature, as sim.signatures = (warm-up steps, trace steps)."""
     sim = Simulation(_cluster(engine_flags, caching, bundle.path), bundle)
     rep = sim.replicas[0]
-    if isinstance(wall_per_cpu, StepSpeed):
-        rep.latency = LatencyModel(bundle, speed=wall_per_cpu.prefill, decode_speed=wall_per_cpu.decode)
-    elif wall_per_cpu is not None:
-        rep.latency = LatencyModel(bundle, wall_per_cpu=wall_per_cpu)
+    if wall_per_cpu is not None:
+        rep.latency = _model(bundle, wall_per_cpu)
+    sigs: list[tuple] = []
+    if record:
+        rep.on_plan = lambda plan, now: sigs.append(step_signature(plan))
     if warmup:  # the real engine's warm-up requests, all at once: they leave the same pages cached
         from .scheduler import Request
 
         for w in warmup:
             rep.submit(w, Request(w.request_id, w.prompt_token_ids, max_tokens=w.output_length,
                                   cache_salt=w.cache_salt), 0.0)
-        while rep.has_work():
+        while rep.has_work():  # background jobs included, as the real warm-up runs them
             if rep.start(0.0) is None:
                 break
             rep.complete(0.0)
         rep.records.clear()
         rep.num_steps, rep.busy_time = 0, 0.0
-    return sim.run(trace), sim
+    n_warm = len(sigs)
+    if latency is not None:
+        rep.latency = latency
+    recs = sim.run(trace)
+    sim.signatures = (sigs[:n_warm], sigs[n_warm:])
+    return recs, sim
 
 
 def utilization(bundle, flags: dict, caching: bool, trace: list[TraceRequest]) -> float:
@@ -178,7 +205,15 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     clock "wall": arrival times and token times in wall-clock seconds (time.time()), sleeping while idle.
     clock "cpu": a virtual clock that advances by this thread's CPU time while the engine works (add_request and
     step, one torch thread) and jumps to the next arrival while it is idle: the engine on a core of its own,
-    whatever else the shared machine runs. Requests are added once the clock passes their arrival time."""
+    whatever else the shared machine runs. Requests are added once the clock passes their arrival time.
+
+    The engine is stepped while it has requests or background jobs (has_background_work: finished requests'
+    outputs recomputed by prefill), as a server steps it; the warm-up runs to the end of its jobs too, so the
+    replay starts on the cache state the simulated warm-up leaves. After an idle wait the clock is the arrival
+    waited for (a wall-clock sleep that overshoots admits nothing more), which is where the simulator starts
+    an idle replica's step. info["step_log"]: per replay step a LoggedStep (the clock when it was planned, when
+    the loop next looked for arrivals, step_signature of its plan): what the trace-driven simulation
+    (sim/replayed.py) replays and must reproduce; info["warmup_signatures"] the warm-up's steps."""
     from .config import EngineConfig
     from .engine import LLMEngine
     from .sampling_params import SamplingParams
@@ -200,19 +235,26 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
         shape = StepShape.of(engine.last_plan, after_prefill=bool(earlier) and bool(earlier[-1][0].prefill))
         return outs, (shape, dw * 1e6, dc * 1e6)
 
-    def run_warmup(engine, salt_suffix: str = "") -> list:
-        """The warm-up requests all at once (prefills, mixed steps, decode batches), to the end."""
+    def run_warmup(engine, salt_suffix: str = "", signatures: list | None = None) -> list:
+        """The warm-up requests all at once (prefills, mixed steps, decode batches), to the end of their
+        background jobs."""
         out: list = []
         for w in warmup:
             engine.add_request(w.request_id + salt_suffix, {"prompt_token_ids": w.prompt_token_ids,
                                                             "cache_salt": (w.cache_salt or "") + salt_suffix},
                                params(w.output_length))
-        while engine.has_unfinished_requests():
-            out.append(timed_step(engine, out)[1])
+        while _busy(engine):
+            st = timed_step(engine, out)[1]
+            if engine.last_plan.is_empty():  # not a step (see the replay loop); the simulator stops here too
+                break
+            out.append(st)
+            if signatures is not None:
+                signatures.append(step_signature(engine.last_plan))
         return out
 
     eng = LLMEngine(cfg)
-    warm_steps = run_warmup(eng)
+    warm_sigs: list[tuple] = []
+    warm_steps = run_warmup(eng, signatures=warm_sigs)
     twin = None
     probe_steps: list = []  # (shape, wall us, cpu us, replay clock, first of its burst)
     if probe == "interleaved":
@@ -233,25 +275,46 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     c0, w0 = time.thread_time(), time.perf_counter()
     busy_wall = busy_cpu = probe_cpu = 0.0
     steps: list = []
+    step_log: list[LoggedStep] = []
+    wake: float | None = None  # after an idle wait: the arrival waited for, which is the clock now
+    empty = False  # the last step planned nothing
     last_print = time.time()
-    while k < len(pending) or eng.has_unfinished_requests():
+    while k < len(pending) or _busy(eng):
         c, t = time.thread_time(), time.perf_counter()
-        while k < len(pending) and pending[k].arrival_time <= now():
+        t_check = now() if wake is None else wake
+        wake = None
+        if step_log and step_log[-1].end is None:
+            step_log[-1].end = t_check  # what arrived by now the next step sees, here and in the simulator
+        if k < len(pending) and pending[k].arrival_time <= t_check:
+            empty = False  # something new to plan
+        while k < len(pending) and pending[k].arrival_time <= t_check:
             r = pending[k]
             eng.add_request(r.request_id, {"prompt_token_ids": r.prompt_token_ids}, params(r.output_length),
                             cache_salt=r.cache_salt, arrival_time=t0 + r.arrival_time)
             recs[r.request_id] = RequestRecord(r.request_id, r.session_id, 0, r.arrival_time, len(r.prompt_token_ids),
                                                r.output_length)
             k += 1
-        if not eng.has_unfinished_requests():
+        if not _busy(eng) or empty:
+            if k == len(pending):  # busy, yet nothing to plan and nothing left to arrive
+                raise RuntimeError(f"the engine plans empty steps with {eng.scheduler.num_waiting} request(s) "
+                                   f"waiting and no arrival left: the scheduler is stalled")
+            empty = False
+            wake = pending[k].arrival_time
             if clock == "cpu":
-                virtual = max(virtual, pending[k].arrival_time)
+                virtual = max(virtual, wake)
             else:
-                time.sleep(max(0.0, pending[k].arrival_time - now()))
+                time.sleep(max(0.0, wake - now()))
             continue
         dc0, dw0 = time.thread_time() - c, time.perf_counter() - t  # adding requests: the replay's time too
-        t_step = now()
+        t_step = t_check
         outs, st = timed_step(eng, steps or warm_steps)
+        empty = eng.last_plan.is_empty()
+        if empty:
+            # not a step: the scheduler found nothing to run (it dropped a background job whose prompt checkpoint
+            # was evicted, say). The simulated replica then idles until the next arrival at no cost; so does the
+            # replay, and the microseconds of that schedule() are not on its clock
+            continue
+        step_log.append(LoggedStep(t_step, None, step_signature(eng.last_plan)))
         dc, dw = dc0 + (st[2] * 1e-6 if st else 0.0), dw0 + (st[1] * 1e-6 if st else 0.0)
         virtual += dc
         busy_wall += dw
@@ -282,16 +345,25 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
             print(f"    real ({clock} clock): {n_done}/{len(trace)} done, {k} arrived, t={now():.1f}s", file=sys.stderr,
                   flush=True)
             last_print = time.time()
+    if step_log and step_log[-1].end is None:
+        step_log[-1].end = now()
     after_steps = run_warmup(eng, "-after") if probe == "bracket" else []
     info = {"clock": clock, "probe": probe,
             "replay_wall_per_cpu": round(busy_wall / busy_cpu, 4) if busy_cpu > 0 else 1.0,
             "replay_wall_s": round(time.perf_counter() - w0 - paused, 2),
             "replay_cpu_s": round(time.thread_time() - c0 - probe_cpu, 2), "probe_cpu_s": round(probe_cpu, 2),
             "load_avg": os.getloadavg()[0], "steps": steps, "warmup_steps": warm_steps,
-            "after_steps": after_steps, "probe_steps": probe_steps}
+            "after_steps": after_steps, "probe_steps": probe_steps, "step_log": step_log,
+            "warmup_signatures": warm_sigs}
     gc.unfreeze()  # the engines may go now
     del eng, twin
     return [recs[r.request_id] for r in trace], info
+
+
+def _busy(engine) -> bool:
+    """What a server steps the engine for: unfinished requests, or the scheduler's background jobs (stepped while
+    otherwise idle). An engine without background work (a test's stand-in) has none."""
+    return engine.has_unfinished_requests() or bool(getattr(engine, "has_background_work", lambda: False)())
 
 
 def _burst(step, owed_s: float, min_steps: int, cap_s: float) -> list:
@@ -323,7 +395,7 @@ class _TwinReplay:
                                                                               "cache_salt": salt},
                                         self.params(r.output_length))
                 self.k += 1
-            if self.engine.has_unfinished_requests():
+            if _busy(self.engine):
                 _, st = self.timed_step()
                 if st is not None:
                     self.steps.append(st)
@@ -406,20 +478,65 @@ def step_model_error(bundle, steps) -> float:
     return 100.0 * (pred - meas) / meas if meas else float("nan")
 
 
-def _write_steps(path: str, bundle, clock: str, steps: list, probe_steps: list) -> None:
+# ------------------------------------------------------------------------------------------------ the three parts
+def fidelity(bundle, flags: dict, caching: bool, trace: list[TraceRequest], warmup: list[TraceRequest],
+             real: list[RequestRecord], info: dict) -> dict:
+    """Part a: the simulator on this real run's own measured step durations (the k-th step takes the k-th
+    duration, so its clock is the replay's) must take the very same steps, warm-up included, and give every
+    request the same cached tokens, preemptions and outputs. Steps beyond the real run's last (a diverged run)
+    are priced by the bundle so that the run can finish and be compared."""
+    log = info["step_log"]
+    lat = ReplayedLatency.from_log(log, fallback=LatencyModel(bundle, wall_per_cpu=1.0))
+    recs, sim = run_sim(bundle, flags, caching, trace, warmup, latency=lat, record=True)
+    warm_sim, trace_sim = sim.signatures
+    real_sigs = [st.signature for st in log]
+    out = {"warmup": compare_steps(info["warmup_signatures"], warm_sim), "trace": compare_steps(real_sigs, trace_sim),
+           "overrun_steps": lat.overrun, "requests": compare_records(real, recs),
+           "exercised": schedule_facts(real_sigs)}
+    out["identical"] = out["warmup"]["identical"] and out["trace"]["identical"] and out["requests"]["identical"]
+    return out
+
+
+def latency_errors(bundle, steps: list, clock: str, speed) -> list[tuple[str, float]]:
+    """Part b: (kind, error %) of the latency model at `speed` (a probe's, or None: the bundle's own) against
+    every real step, measured on the replay's clock. steps: (shape, wall us, cpu us, replay clock)."""
+    m = 1 if clock == "wall" else 2
+    return step_errors(_model(bundle, speed), [(st[0], st[m], st[3]) for st in steps])
+
+
+def end_to_end(sim_vs_real: list[dict], spread: dict) -> dict:
+    """Part c. sim_vs_real: compare(real run, its simulation at the probed speed) per run; spread: compare(run 1,
+    run 2), the real engine against itself. Per metric: the simulator's worst error over the runs, the real
+    engine's own difference, the bound that applied (the bar, or that difference where it is larger) and
+    whether the simulator is within it."""
+    out: dict = {}
+    for key, bar in BARS.items():
+        sim = max((c[key]["err_pct"] for c in sim_vs_real), key=lambda e: math.inf if math.isnan(e) else abs(e))
+        rr = spread[key]["err_pct"]
+        bound, by = (abs(rr), "spread") if abs(rr) > bar else (bar, "bar")
+        out[key] = {"sim_pct": sim, "real_real_pct": rr, "bound_pct": bound, "bound": by, "pass": abs(sim) <= bound}
+    out["pass"] = all(v["pass"] for v in out.values())
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ output
+def _write_steps(path: str, bundle, clock: str, steps: list, probe_steps: list, step_log: list) -> None:
     """Per step of the replay and of the interleaved probe: [replay clock, measured us on the clock, predicted
-    CPU us, kind, tokens, first of a probe burst]: what the speed trace and the oracle were computed from."""
+    CPU us, kind, tokens, first of a probe burst]: what the speed trace and the oracle were computed from; and
+    the replay's schedule: [planned at, next look for arrivals at, what the step did (as_json of its
+    signature)], what the trace-driven simulation replays."""
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
     m = 1 if clock == "wall" else 2
 
     def row(st) -> list:
         s = st[0]
-        kind = "decode" if s.decode_only else "mixed" if s.decode_ctx else "prefill"
-        return [round(st[3], 4), round(st[m], 1), round(lm.shape_us(s), 1), kind, s.n_tokens,
+        return [round(st[3], 4), round(st[m], 1), round(lm.shape_us(s), 1), step_kind(s), s.n_tokens,
                 len(st) > 4 and bool(st[4])]  # replay steps carry no burst flag
     with open(path, "w") as f:
         json.dump({"clock": clock, "columns": ["t", "measured_us", "predicted_us", "kind", "tokens", "burst_first"],
-                   "replay": [row(st) for st in steps], "probe": [row(st) for st in probe_steps]}, f)
+                   "replay": [row(st) for st in steps], "probe": [row(st) for st in probe_steps],
+                   "schedule_columns": ["start", "end", "signature"],
+                   "schedule": [[ls.start, ls.end, as_json(ls.signature)] for ls in step_log]}, f)
 
 
 def _speeds(info: dict) -> str:
@@ -431,32 +548,156 @@ def _speeds(info: dict) -> str:
     return out
 
 
-def format_table(results: list[dict], variants: dict[str, str]) -> str:
-    """variants: clock -> which simulated variant to show for it."""
-    head = ("| preset | load | caching | clock | reqs | real TTFT mean / p90 (s) | TTFT mean err | TTFT p90 err | "
-            "real TPOT (ms) | TPOT err | real E2E (s) | E2E err | per-req E2E err | cached tok real / sim | "
-            "step-model err | speed probe / oracle | pass |")
-    lines = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+def _table(head: list[str], rows: list[list]) -> str:
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "|".join(["---"] * len(head)) + "|"]
+                     + ["| " + " | ".join(str(c) for c in r) + " |" for r in rows])
+
+
+def _key(r: dict) -> list:
+    return [r["preset"], r["load"], "on" if r["caching"] else "off", r["clock"]]
+
+
+def _clip(text: str, n: int = 70) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def format_fidelity(results: list[dict]) -> str:
+    """Part a, one row per real run."""
+    rows = []
     for r in results:
-        v = variants.get(r["clock"])
-        if v is None or v not in r["compare"]:
-            continue
-        c = r["compare"][v]
-        f = lambda k: f"{c[k]['err_pct']:+.1f}%"  # noqa: E731
-        info = r["real_info"]
-        lines.append(
-            f"| {r['preset']} | {r['load']} | {'on' if r['caching'] else 'off'} | {r['clock']} ({v}) | {r['requests']} | "
-            f"{c['ttft_mean']['real']:.3f} / {c['ttft_p90']['real']:.3f} | {f('ttft_mean')} | {f('ttft_p90')} | "
-            f"{1000 * c['tpot_mean']['real']:.1f} | {f('tpot_mean')} | {c['e2e_mean']['real']:.3f} | {f('e2e_mean')} | "
-            f"{c['per_request_e2e_mape_pct']:.1f}% | {c['cached_tokens']['real']} / {c['cached_tokens']['sim']} | "
-            f"{r['step_model_err_pct']:+.1f}% | {_speeds(info)} | "
-            f"{'yes' if c['pass'] else 'no'} |")
-    return "\n".join(lines)
+        for i, run in enumerate(r["runs"], 1):
+            f = run["fidelity"]
+            tr, req, ex = f["trace"], f["requests"], f["exercised"]
+            diff = "-"
+            for part in ("warmup", "trace"):
+                d = f[part]
+                if not d["identical"]:
+                    diff = (f"{part} step {d['first_diff']}: real `{_clip(d['real_at_diff'])}`, sim "
+                            f"`{_clip(d['sim_at_diff'])}`")
+                    break
+            rows.append(_key(r) + [i, f"{tr['real_steps']} / {tr['sim_steps']}", "**yes**" if f["identical"] else "NO",
+                                   diff, f"{ex['background']} / {ex['preempting']} / {ex['mixed']}",
+                                   f"{req['cached_tokens']['real']} / {req['cached_tokens']['sim']}",
+                                   f"{req['preemptions']['real']} / {req['preemptions']['sim']}",
+                                   f"{1e3 * req['max_time_diff_s']:.3g}"])
+    return _table(["preset", "load", "caching", "clock", "run", "steps real / sim", "identical", "first difference",
+                   "steps with jobs / preemption / mixed", "cached tokens real / sim", "preemptions real / sim",
+                   "max token-time diff (ms)"], rows)
+
+
+def format_step_errors(results: list[dict]) -> str:
+    """Part b, one row per scenario (both runs' steps), at the probed speed."""
+    def cell(e: dict | None) -> str:
+        return "-" if e is None else \
+            f"{e['n']}: {e['median_abs_pct']:.1f}% / {e['p90_abs_pct']:.1f}% ({e['median_pct']:+.1f}%)"
+    rows = [_key(r) + [cell(r["step_errors"]["probe"].get(k)) for k in ("prefill", "mixed", "decode")]
+            for r in results]
+    return _table(["preset", "load", "caching", "clock", "prefill: steps: median / p90 abs err (median err)",
+                   "mixed", "decode"], rows)
+
+
+def format_end_to_end(results: list[dict]) -> str:
+    """Part c, one row per scenario."""
+    rows = []
+    for r in results:
+        e, c = r["end_to_end"], r["runs"][0]["compare"]["probe"]
+        cells = [f"{e[k]['sim_pct']:+.1f}% / {e[k]['real_real_pct']:+.1f}%" for k in BARS]
+        bounds = ", ".join("bar" if e[k]["bound"] == "bar" else f"spread {e[k]['bound_pct']:.1f}%" for k in BARS)
+        rows.append(_key(r) + [r["requests"], f"{c['ttft_mean']['real']:.3f} / {c['ttft_p90']['real']:.3f}",
+                               f"{1000 * c['tpot_mean']['real']:.1f}", f"{c['e2e_mean']['real']:.3f}"]
+                    + cells + [bounds, "**yes**" if e["pass"] else "no"])
+    return _table(["preset", "load", "caching", "clock", "reqs", "real TTFT mean / p90 (s)", "real TPOT (ms)",
+                   "real E2E (s)", "TTFT mean: sim / real-real", "TTFT p90", "TPOT", "E2E",
+                   "bound (TTFT mean, p90, TPOT, E2E)", "pass"], rows)
+
+
+def format_diagnostics(results: list[dict]) -> str:
+    """Per real run: the speeds, the bundle's error over the run's steps, and the errors of each simulated speed."""
+    rows = []
+    for r in results:
+        for i, run in enumerate(r["runs"], 1):
+            errs = []
+            for v in ("probe", "oracle", "static"):
+                c = run["compare"].get(v)
+                errs.append("-" if c is None else " / ".join(f"{c[k]['err_pct']:+.1f}" for k in BARS)
+                            + (" ok" if c["pass"] else ""))
+            rows.append(_key(r) + [i, _speeds(run["real_info"]), f"{run['step_model_err_pct']:+.1f}%"] + errs)
+    return _table(["preset", "load", "caching", "clock", "run", "speed probe / oracle", "step-model err",
+                   "errors % (TTFT mean / p90 / TPOT / E2E): probe", "oracle", "static"], rows)
+
+
+def report(results: list[dict]) -> str:
+    n_fid = sum(1 for r in results for run in r["runs"] if run["fidelity"]["identical"])
+    n_runs = sum(len(r["runs"]) for r in results)
+    n_e2e = sum(1 for r in results if r["end_to_end"]["pass"])
+    return "\n".join([
+        f"## a. Scheduling fidelity: the simulator on each real run's own step durations ({n_fid} of {n_runs} runs "
+        "identical)", "", format_fidelity(results), "",
+        "## b. Latency model per step: predicted at the probed speed against measured, every real step", "",
+        format_step_errors(results), "",
+        f"## c. End to end: simulation at the probed speed against each real run (worst of the two), beside run 2 "
+        f"against run 1 ({n_e2e} of {len(results)} scenarios pass)", "",
+        format_end_to_end(results), "",
+        "## Diagnostics: per run, the probe's and the oracle's speed, and every simulated speed's errors", "",
+        format_diagnostics(results)])
+
+
+# ------------------------------------------------------------------------------------------------ the command
+def replay_once(a, bundle, sc: Scenario, caching: bool, trace: list[TraceRequest], warm: list[TraceRequest],
+                twin: list[TraceRequest], clock: str, tag: str) -> tuple[list[RequestRecord], dict, dict]:
+    """One real replay and everything simulated from it: (its records, its JSON result, its per-step errors by
+    speed)."""
+    from .sim.report import write_csv
+
+    real, info = run_real(sc.preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock, probe=a.probe,
+                          probe_share=a.probe_share, probe_trace=twin)
+    steps, step_log = info.pop("steps"), info.pop("step_log")
+    write_csv(os.path.join(a.out, f"real-{tag}.csv"), real)
+    warm_steps, after_steps = info.pop("warmup_steps"), info.pop("after_steps")
+    probe_steps = info.pop("probe_steps")
+    info["probe_before"] = round(speed_factor(bundle, warm_steps, clock), 4)
+    if after_steps:
+        info["probe_after"] = round(speed_factor(bundle, after_steps, clock), 4)
+    if probe_steps:  # interleaved: the speed over time, by step kind; the tables show its mean
+        probe = step_speed(bundle, probe_steps, clock, a.probe_window)
+        info["probe_range"] = [round(min(probe.prefill.factors + probe.decode.factors), 4),
+                               round(max(probe.prefill.factors + probe.decode.factors), 4)]
+        info["probe_factor"] = round(probe.mean, 4)
+        info["probe_prefill"], info["probe_decode"] = round(probe.prefill.mean, 4), round(probe.decode.mean, 4)
+    else:
+        probe = speed_factor(bundle, warm_steps + after_steps, clock)
+        info["probe_factor"] = round(probe, 4)
+    # the oracle: the replay's own mean speed, by step kind as the probe reads it (one number over the whole
+    # replay when the probe is a single number)
+    oracle = step_speed(bundle, steps, clock, window=len(steps)) if probe_steps and steps \
+        else speed_factor(bundle, steps, clock)
+    if isinstance(oracle, StepSpeed):
+        info["oracle_factor"] = round(oracle.mean, 4)
+        info["oracle_prefill"], info["oracle_decode"] = round(oracle.prefill.mean, 4), round(oracle.decode.mean, 4)
+    else:
+        info["oracle_factor"] = round(oracle, 4)
+    warm_sigs = info.pop("warmup_signatures")
+    _write_steps(os.path.join(a.out, f"steps-{tag}.json"), bundle, clock, steps, probe_steps, step_log)
+    static = 1.0 if clock == "cpu" else None  # CPU tables as measured / the bundle's wall per CPU
+    cmp, sims = {}, {}
+    for variant, wpc in {"probe": probe, "static": static, "oracle": oracle}.items():
+        t = time.perf_counter()
+        recs, _ = run_sim(bundle, sc.engine, caching, trace, warm, wpc)
+        sims[variant] = round(time.perf_counter() - t, 3)
+        write_csv(os.path.join(a.out, f"sim-{tag}-{variant}.csv"), recs)
+        cmp[variant] = compare(real, recs)
+    fid = fidelity(bundle, sc.engine, caching, trace, warm, real,
+                   {"step_log": step_log, "warmup_signatures": warm_sigs})
+    errors = {v: latency_errors(bundle, steps, clock, speed) for v, speed in (("probe", probe), ("static", static))}
+    run = {"real_info": info, "step_model_err_pct": step_model_error(bundle, steps), "real_summary": summarize(real),
+           "compare": cmp, "sim_wall_s": sims, "fidelity": fid}
+    return real, run, errors
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="deltaserve simulate validate",
-                                description="replay traces on the real engine and in the simulator; compare")
+                                description="replay traces on the real engine (twice) and in the simulator; "
+                                            "compare the steps, the step times and the end-to-end metrics")
     p.add_argument("--out", required=True, help="directory for bundles, traces, per-request CSVs and the table")
     p.add_argument("--presets", default="tiny,qwen3.5-0.8b-shape")
     p.add_argument("--loads", default="light,saturated,overloaded")
@@ -484,14 +725,13 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(a.out, exist_ok=True)
     from .profile import make_engine
     from .profile.profiler import profile as run_profile
-    from .sim.report import write_csv
     from .sim.trace import write_trace
 
     out_json = os.path.join(a.out, "validation.json")
     results: list[dict] = []
-    if os.path.exists(out_json):  # earlier runs in this directory: keep what this run does not redo
+    if os.path.exists(out_json):  # earlier runs of this gate in this directory: keep what this run does not redo
         with open(out_json) as f:
-            results = json.load(f).get("results", [])
+            results = [r for r in json.load(f).get("results", []) if "runs" in r and "end_to_end" in r]
 
     def keep(res: dict) -> None:
         key = lambda r: (r["preset"], r["load"], r["caching"], r["clock"])  # noqa: E731
@@ -526,64 +766,27 @@ def main(argv: list[str] | None = None) -> int:
                     tag = f"{preset}-{load}-{'on' if caching else 'off'}-{clock}"
                     trace = base_trace if clock == "cpu" else _scale(base_trace, wpc_bundle)
                     twin = _scale(twin_base, scales[load] * (1.0 if clock == "cpu" else wpc_bundle))
-                    print(f"[{tag}] real replay ({trace[-1].arrival_time:.1f} s of arrivals)", file=sys.stderr,
-                          flush=True)
-                    real, info = run_real(preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock,
-                                          probe=a.probe, probe_share=a.probe_share, probe_trace=twin)
-                    steps = info.pop("steps")
-                    write_csv(os.path.join(a.out, f"real-{tag}.csv"), real)
-                    warm_steps, after_steps = info.pop("warmup_steps"), info.pop("after_steps")
-                    probe_steps = info.pop("probe_steps")
-                    info["probe_before"] = round(speed_factor(bundle, warm_steps, clock), 4)
-                    if after_steps:
-                        info["probe_after"] = round(speed_factor(bundle, after_steps, clock), 4)
-                    if probe_steps:  # interleaved: the speed over time, by step kind; the table shows its mean
-                        probe = step_speed(bundle, probe_steps, clock, a.probe_window)
-                        info["probe_range"] = [round(min(probe.prefill.factors + probe.decode.factors), 4),
-                                               round(max(probe.prefill.factors + probe.decode.factors), 4)]
-                        info["probe_factor"] = round(probe.mean, 4)
-                        info["probe_prefill"], info["probe_decode"] = (round(probe.prefill.mean, 4),
-                                                                       round(probe.decode.mean, 4))
-                    else:
-                        probe = speed_factor(bundle, warm_steps + after_steps, clock)
-                        info["probe_factor"] = round(probe, 4)
-                    # the oracle: the replay's own mean speed, by step kind as the probe reads it (one
-                    # number over the whole replay when the probe is a single number)
-                    oracle = step_speed(bundle, steps, clock, window=len(steps)) if probe_steps and steps \
-                        else speed_factor(bundle, steps, clock)
-                    if isinstance(oracle, StepSpeed):
-                        info["oracle_factor"] = round(oracle.mean, 4)
-                        info["oracle_prefill"], info["oracle_decode"] = (round(oracle.prefill.mean, 4),
-                                                                         round(oracle.decode.mean, 4))
-                    else:
-                        info["oracle_factor"] = round(oracle, 4)
-                    _write_steps(os.path.join(a.out, f"steps-{tag}.json"), bundle, clock, steps, probe_steps)
-                    static = 1.0 if clock == "cpu" else None  # CPU tables as measured / the bundle's wall per CPU
-                    variants = {"probe": probe, "static": static, "oracle": oracle}
-                    cmp, sims = {}, {}
-                    for variant, wpc in variants.items():
-                        t = time.perf_counter()
-                        recs, _ = run_sim(bundle, sc.engine, caching, trace, warm, wpc)
-                        sims[variant] = round(time.perf_counter() - t, 3)
-                        write_csv(os.path.join(a.out, f"sim-{tag}-{variant}.csv"), recs)
-                        cmp[variant] = compare(real, recs)
+                    reals, runs, errors = [], [], {"probe": [], "static": []}
+                    for n in (1, 2):  # the real engine twice, each run followed by its simulations
+                        print(f"[{tag}] real replay {n} of 2 ({trace[-1].arrival_time:.1f} s of arrivals)",
+                              file=sys.stderr, flush=True)
+                        real, run, errs = replay_once(a, bundle, sc, caching, trace, warm, twin, clock, f"{tag}-{n}")
+                        reals.append(real)
+                        runs.append(run)
+                        for v in errors:
+                            errors[v] += errs[v]
+                    spread = compare(reals[0], reals[1])
                     res = {"preset": preset, "load": load, "caching": caching, "clock": clock,
-                           "requests": len(trace), "scale": scales[load], "real_info": info,
-                           "step_model_err_pct": step_model_error(bundle, steps), "real_summary": summarize(real),
-                           "compare": cmp, "sim_wall_s": sims}
+                           "requests": len(trace), "scale": scales[load], "runs": runs, "real_vs_real": spread,
+                           "step_errors": {v: error_summary(e) for v, e in errors.items()},
+                           "end_to_end": end_to_end([r["compare"]["probe"] for r in runs], spread)}
                     keep(res)
-                    print(format_table([res], {"cpu": "probe", "wall": "probe"}).splitlines()[-1], file=sys.stderr,
-                          flush=True)
+                    for table in (format_fidelity, format_step_errors, format_end_to_end):
+                        print("\n".join(table([res]).splitlines()[2:]), file=sys.stderr, flush=True)
                     with open(out_json, "w") as f:
                         json.dump({"results": results, "bars_pct": BARS}, f, indent=2, default=str)
-    text = ["## The gate: real engine vs simulator at the probed speed (see real_info.probe in validation.json)", "",
-            format_table(results, {"cpu": "probe", "wall": "probe"}), "",
-            "## Without the probe: the bundle as profiled (CPU tables; wall clock: the profile's wall/CPU)", "",
-            format_table(results, {"cpu": "static", "wall": "static"}), "",
-            "## Oracle speed (the replay's own mean measured / predicted step time, by step kind): what is left is "
-            "the latency model's shape and the queue's chaos", "",
-            format_table(results, {"cpu": "oracle", "wall": "oracle"})]
+    text = report(results)
     with open(os.path.join(a.out, "validation.md"), "w") as f:
-        f.write("\n".join(text) + "\n")
-    print("\n".join(text))
-    return 0
+        f.write(text + "\n")
+    print(text)
+    return 0 if all(run["fidelity"]["identical"] for r in results for run in r["runs"]) else 1

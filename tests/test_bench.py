@@ -34,6 +34,20 @@ def test_weight_bytes_per_token_counts_tied_head_once():
     assert w["bytes_read"] == 2 * w["params_read"] and os.path.isdir(d)
 
 
+def test_fleet_smoke(capsys):
+    """`bench fleet` on a small fleet: both arms run the same prompts (the re-sent answers are bit-exact, so the
+    arms' prompt lengths agree), sessions 2..N hit the shared prefix, the table and the targets print."""
+    rc = main(["fleet", "--preset", "tiny", "--sessions", "3", "--turns", "2", "--shared-tokens", "400",
+               "--new-tokens", "20,40", "--output-tokens", "4", "--kv-cache-memory", "128M", "--checkpoint-grid", "64"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| arm | wall s |" in text and "| off |" in text and "| runs |" in text and "wall >= 6x" in text
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in text.splitlines()
+            if (ln.startswith("| off |") or ln.startswith("| runs |")) and ln.count("|") == 11}
+    assert rows["off"][4] == "0%" and int(rows["runs"][4].rstrip("%")) >= 90  # 2..N cached of the shared prefix
+    assert float(rows["runs"][5]) > 0.5 and float(rows["off"][5]) == 0.0  # hit rate
+
+
 def test_bench_usage():
     assert main([]) == 2 and main(["--help"]) == 0
 

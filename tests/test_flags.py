@@ -20,6 +20,7 @@ SAMPLES = {
     "enable_prefix_caching": (None, False),  # --no-enable-prefix-caching
     "cache_layout": ("in-page", "in-page"),
     "checkpoint_grid": ("512", 512),
+    "reprefill_outputs": (None, False),  # --no-reprefill-outputs
     "seed": ("3", 3),
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),

@@ -53,7 +53,7 @@ def test_align_mode_floors_prefill_chunks_and_saves_on_boundaries():
     assert spans(p4) == [("a", 23, 1, True, True)] and [c.pos for c in p4.saves] == [24]  # a decode completes a block
     assert spans(p5) == [("a", 24, 1, True, True)] and not p5.saves
     assert s.memory.stats.checkpoints_saved == 4
-    assert s.memory.stats.saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0}
+    assert s.memory.stats.saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0, "generated": 0}
 
 
 def test_caching_off_chunks_are_not_floored():
@@ -287,16 +287,24 @@ def test_shared_system_prompt_gets_a_checkpoint_at_the_fork(layout):
     assert spans(step(s)) == [("t", 20, 5, False, True)] and t.num_cached_tokens == 20
 
 
-def test_multi_turn_extension_hits_previous_turn():
-    s = make(num_pages=64, budget=8)
+@pytest.mark.parametrize("reprefill", [False, True])
+def test_multi_turn_extension_hits_previous_turn(reprefill):
+    """Turn 2 = turn 1's prompt (14 tokens) + its 6 outputs + 3 new. Blocks that decode steps wrote are on the decode
+    path's hash, so without the outputs' recompute turn 2 hits turn 1's prompt to its last block boundary (12);
+    with it, a background job recomputed prompt + outputs to their last full block (20, the last output included,
+    which turn 1 never computed) through the prefill path, and turn 2 hits all of it."""
+    s = Scheduler(MemoryManager(64, 4, BS, 2, True, "in-page"), 4, 8, reprefill_outputs=reprefill)
     a = Request("t1", list(range(1, 15)), max_tokens=6)
     s.add(a)
-    run_all(s)
+    run_all(s)  # runs the background job too
     convo = a.prompt_token_ids + a.output_token_ids  # 20 tokens; the last one was never computed
     t2 = Request("t2", convo + [40, 41, 42], max_tokens=2)
     s.add(t2)
     step(s)
-    assert t2.num_cached_tokens == 16  # blocks 0-3; block 4 ends at 20, past what turn 1 computed
+    assert t2.num_cached_tokens == (20 if reprefill else 12)
+    st = s.memory.stats
+    assert (st.reprefill_jobs, st.reprefill_tokens, st.saved_by_kind["generated"]) == ((1, 20 - 12, 1) if reprefill
+                                                                                        else (0, 0, 0))
 
 
 def test_prompt_logprobs_skip_the_cache():
@@ -368,8 +376,11 @@ def test_stats_and_usage_for_metrics():
         s.add(Request(rid, list(range(1, 9)), max_tokens=1))
         run_all(s)
     st = s.stats()
-    assert st == {"prefix_queries": 16, "prefix_hits": 4, "checkpoints_saved": 3, "checkpoints_restored": 1,
-                  "evictions": 0, "preemptions": 0}
+    assert {k: st[k] for k in ("prefix_queries", "prefix_hits", "checkpoints_saved", "checkpoints_restored",
+                               "evictions", "preemptions")} == \
+        {"prefix_queries": 16, "prefix_hits": 4, "checkpoints_saved": 3, "checkpoints_restored": 1, "evictions": 0,
+         "preemptions": 0}
+    assert st["checkpoints_saved_by_kind"]["step"] == 3 and sum(st["checkpoints_evicted_by_kind"].values()) == 0
     u = s.usage()
     assert u.pages_used == s.memory.num_pages_in_use == 0 and u.pages_cached > 0 and u.kv_usage == 0.0
 

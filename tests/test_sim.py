@@ -297,6 +297,20 @@ def test_simulation_drives_the_real_scheduler(bundle):
     assert summarize(off)["ttft"]["mean"] > summarize(recs)["ttft"]["mean"]
 
 
+def test_requests_arriving_together_start_one_step(bundle):
+    """An idle engine admits everything that has arrived before it plans: two requests at one instant share the
+    first step; one a nanosecond later waits for the next (the real replay loop does the same, validate.py)."""
+    def first_step(t2: float) -> list[str]:
+        sim = Simulation(cluster(bundle, max_num_batched_tokens=1024))
+        plans = []
+        sim.replicas[0].on_plan = lambda plan, now: plans.append([w.request_id for w in plan.work])
+        sim.run([TraceRequest("a", 1.0, 4, prompt_token_ids=list(range(10, 200))),
+                 TraceRequest("b", t2, 4, prompt_token_ids=list(range(300, 400)))])
+        return plans[0]
+    assert first_step(1.0) == ["a", "b"]
+    assert first_step(1.0 + 1e-9) == ["a"]
+
+
 def test_runs_layout_replica_hits_on_the_64_grid(bundle):
     """A replica with cache_layout runs gets the engine's runs pool (64-token pages) from the same builder:
     hits are multiples of 64 and cover at least what the in-page replica's 128-token blocks do."""
@@ -410,22 +424,29 @@ def test_percentile_matches_numpy_linear():
 
 @pytest.mark.slow
 def test_validation_smoke(tmp_path):
-    """One scenario of the gate end to end (quick profile of tiny, real replay on the CPU clock, simulation)."""
+    """One scenario of the gate end to end (quick profile of tiny, two real replays on the CPU clock with the
+    interleaved probe, the simulations), and its three parts in the table."""
     pytest.importorskip("torch")
     from deltaserve.validate import main
 
     out = tmp_path / "val"
     assert main(["--out", str(out), "--presets", "tiny", "--quick", "--loads", "light", "--caching", "on",
-                 "--clocks", "cpu"]) == 0
+                 "--clocks", "cpu"]) == 0  # non-zero when a run's steps are not reproduced exactly
     res = json.loads((out / "validation.json").read_text())["results"]
-    assert len(res) == 1 and res[0]["compare"]["probe"]["cached_tokens"]["real"] > 0
-    info = res[0]["real_info"]  # the interleaved probe: its speed over time, and its mean between the extremes
-    assert info["probe"] == "interleaved" and info["probe_cpu_s"] > 0
-    lo, hi = info["probe_range"]
-    assert 0 < lo <= info["probe_factor"] <= hi
-    steps = json.loads((out / "steps-tiny-light-on-cpu.json").read_text())
+    assert len(res) == 1 and len(res[0]["runs"]) == 2
+    for run in res[0]["runs"]:
+        assert run["fidelity"]["identical"] and run["compare"]["probe"]["cached_tokens"]["real"] > 0
+        info = run["real_info"]  # the interleaved probe: its speed over time, and its mean between the extremes
+        assert info["probe"] == "interleaved" and info["probe_cpu_s"] > 0
+        lo, hi = info["probe_range"]
+        assert 0 < lo <= info["probe_factor"] <= hi
+    assert set(res[0]["step_errors"]["probe"]) <= {"prefill", "mixed", "decode"} and res[0]["step_errors"]["probe"]
+    assert {"sim_pct", "real_real_pct", "bound"} <= set(res[0]["end_to_end"]["ttft_mean"])
+    steps = json.loads((out / "steps-tiny-light-on-cpu-2.json").read_text())
     assert steps["probe"] and steps["replay"] and {r[3] for r in steps["replay"]} <= {"prefill", "mixed", "decode"}
-    assert (out / "validation.md").read_text().count("| tiny | light | on | cpu") == 3
+    assert len(steps["schedule"]) == len(steps["replay"])
+    md = (out / "validation.md").read_text()
+    assert md.count("| tiny | light | on | cpu |") == 2 + 1 + 1 + 2  # a: per run; b; c; diagnostics: per run
 
 
 def test_monotone_tables_never_fall_with_size():

@@ -179,7 +179,8 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
     budget = bs * rng.randint(1, 5) + rng.randint(0, bs - 1)
     mem = MemoryManager(num_pages, max_num_seqs, bs, G, caching=caching, layout=layout, pages_per_state=k)
     # a checkpoint grid on two seeds of three: saves inside chunks, from free pages only
-    sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode, checkpoint_grid=bs * (seed % 3))
+    sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode, checkpoint_grid=bs * (seed % 3),
+                    reprefill_outputs=seed % 2 == 0, job_tokens=bs)  # background jobs on half the seeds
     ex = ToyExecutor(mem, mutant)
     ref = Reference(G, bs)
     res = Result()
@@ -239,7 +240,7 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
 
     empty_steps = 0
     try:
-        while pending_sessions or active:
+        while pending_sessions or active or sch.has_background():
             if pending_sessions and (len(active) < 6 or rng.random() < 0.1):
                 start_turn(pending_sessions.pop(0))
             if rng.random() < 0.08:
@@ -261,8 +262,8 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
             empty_steps = 0
             assert plan.num_tokens <= budget and len(plan.work) <= max_num_seqs
             ex.pre(plan)
-            for w in plan.work:  # the state checks
-                req = active[w.request_id][1]
+            for w in plan.work:  # the state checks (background jobs' too)
+                req = active[w.request_id][1] if w.request_id in active else sch.requests[w.request_id]
                 toks = req.all_token_ids
                 res.state_checks += 1
                 ok = list(w.token_ids) == toks[w.start_pos:w.start_pos + len(w.token_ids)]
@@ -289,8 +290,9 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
                     if sampled[w.request_id] != ref.next_token(w.request_id, req.all_token_ids, end):
                         res.failures += 1
                         raise Mismatch(f"wrong token sampled for {w.request_id} at {end} (step {res.steps})")
-            if active and rng.random() < 0.01:  # abort between schedule() and update()
-                rid = rng.choice([w.request_id for w in plan.work])
+            ours = [w.request_id for w in plan.work if w.request_id in active]
+            if ours and rng.random() < 0.01:  # abort between schedule() and update()
+                rid = rng.choice(ours)
                 sch.abort(rid)
                 done(rid)
             advanced = sch.update(plan, sampled)

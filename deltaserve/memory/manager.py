@@ -100,7 +100,8 @@ class PrefixHit:
         return self.num_blocks * self.block_size
 
 
-SAVE_KINDS = ("step", "prompt", "fork", "grid")  # why a checkpoint was taken (scheduler/policy.py)
+# why a checkpoint was taken (scheduler/policy.py); "generated": a finished request's outputs recomputed by prefill
+SAVE_KINDS = ("step", "prompt", "fork", "grid", "generated")
 
 
 @dataclass
@@ -115,6 +116,9 @@ class CacheStats:
     checkpoints_restored: int = 0  # restores planned
     evicted_pages: int = 0  # cached pages whose content was dropped (including sibling checkpoint pages)
     preemptions: int = 0
+    reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (Scheduler: background jobs)
+    reprefill_jobs: int = 0  # such jobs finished
+    reprefill_dropped: int = 0  # such jobs dropped (a real request needed their seat, slot or pages)
 
     @property
     def hit_rate(self) -> float:
@@ -572,7 +576,8 @@ class MemoryManager:
             for j, (h, parent, toks) in enumerate(seq.keys):
                 assert len(toks) == bs and (j == 0 or parent == seq.keys[j - 1][0])
                 if deep:
-                    assert block_hash(parent, toks) == h, "published key does not hash to itself"
+                    assert h in (block_hash(parent, toks), block_hash(parent, toks, True)), \
+                        "published key does not hash to itself"
             if seq.ckpt is not None:
                 assert self._pooled and len(seq.ckpt) == G * per and 0 <= seq.ckpt_block < len(seq.keys)
                 for i, q in enumerate(seq.ckpt):
@@ -609,7 +614,8 @@ class MemoryManager:
         for h, e in self._cache.items():
             assert e.hash == h and len(e.tokens) == bs
             if deep:
-                assert block_hash(e.parent, e.tokens) == h, "cache entry does not hash to its key"
+                assert h in (block_hash(e.parent, e.tokens), block_hash(e.parent, e.tokens, True)), \
+                    "cache entry does not hash to its key"
             roles[e.page] = h
             assert self._kind[e.page] == ATTN, f"cached attention page {e.page} owned by {self._kind[e.page]}"
             assert (e.checkpoint is None) == (e.checkpoint_kind is None), f"entry {h!r}: checkpoint without its kind"

@@ -72,7 +72,7 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = ENG
 def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_tokens: int,
                     enable_prefix_caching: bool = True, prefill_merge_tokens: int = 0,
                     checkpoint_grid: int = 0, chunk_grid: int | None = None,
-                    replay_decode: bool = True) -> tuple[MemoryManager, Scheduler]:
+                    replay_decode: bool = True, reprefill_outputs: bool = False) -> tuple[MemoryManager, Scheduler]:
     """A fresh MemoryManager and the Scheduler over it, as the engine builds them. checkpoint_grid is rounded up
     to a multiple of the page (0 = off). chunk_grid and replay_decode are the Scheduler's (defaults: the
     engine's); a simulated foreign engine passes its own (vLLM: chunk_grid 1, replay_decode False)."""
@@ -80,7 +80,8 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
     bs = shape.block_size
     return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              prefill_merge_tokens=prefill_merge_tokens, checkpoint_grid=-(-checkpoint_grid // bs) * bs,
-                             chunk_grid=chunk_grid, replay_decode=replay_decode)
+                             chunk_grid=chunk_grid, replay_decode=replay_decode,
+                             reprefill_outputs=reprefill_outputs, job_tokens=prefill_merge_tokens or 256)
 
 
 def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
@@ -94,5 +95,6 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         enable_prefix_caching=cfg.enable_prefix_caching,
                                         prefill_merge_tokens=cfg.prefill_merge_tokens,
-                                        checkpoint_grid=cfg.checkpoint_grid)
+                                        checkpoint_grid=cfg.checkpoint_grid,
+                                        reprefill_outputs=cfg.reprefill_outputs)
     return shape, memory, scheduler

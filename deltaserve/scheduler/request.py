@@ -39,6 +39,11 @@ class Request:
     prompt_logprobs: bool = False  # wants logits at prompt positions: its first prefill skips the cache
     skip_cache_lookup: bool = False  # never look this request up in the cache (it still publishes)
     extra_keys: tuple = ()  # anything else that changes the KV (enters the block hashes)
+    # blocks that hold a generated token are hashed on the decode path (memory/hashing.py): only this request's
+    # resume finds them (the scheduler sets it whenever caching is on)
+    tag_outputs: bool = False
+    background: bool = False  # a job of the scheduler's (outputs recomputed by prefill): no sampling, yields
+    resume_at: int = 0  # a job runs only when its prefix hit reaches this far (the prompt's checkpoint)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V and GDN state are in this request's memory
@@ -95,7 +100,9 @@ class Request:
         hs = self._block_hashes
         while len(hs) < num_blocks:
             j = len(hs)
-            hs.append(block_hash(hs[-1] if hs else self.root_hash, self.tokens(j * block_size, (j + 1) * block_size)))
+            decode = self.tag_outputs and (j + 1) * block_size > self.num_prompt_tokens
+            hs.append(block_hash(hs[-1] if hs else self.root_hash, self.tokens(j * block_size, (j + 1) * block_size),
+                                 decode))
         return hs
 
     def block_key(self, j: int, block_size: int) -> tuple[BlockHash, BlockHash, list[int]]:

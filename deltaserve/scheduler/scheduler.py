@@ -31,6 +31,18 @@ Waiting requests never preempt running ones.
 update() is where a step's results become visible: num_computed_tokens advances, the blocks the step
 completed are published (never at scheduling time), checkpoints the step saved are attached, sampled
 tokens are appended, and requests that reached max_tokens finish ("length").
+
+Generated tokens, prefill-exact: a block that holds a generated token was written by decode steps and is
+published on the decode path's hash (only the request's own resume finds it), because the decode path's last
+bits differ from the prefill path's. With reprefill_outputs (and GDN layers), when a request finishes, a
+background job (a Request with background=True, id "<id>/outputs") recomputes its prompt +
+outputs, to the last full block, through the prefill path from the prompt's checkpoint, and publishes those
+blocks and a checkpoint at their end ("generated"): the next turn of a conversation, which sends them as
+its prompt, then hits them bit for bit as a cold run computes them. Jobs only take what nobody else needs:
+they are scheduled after everything else in a step, at most job_tokens tokens, only while no request waits;
+they take pages as a request does (evicting the least recently used cached content, which the outputs they
+store are likelier to be asked for than), and are dropped (never requeued) when a waiting request needs their
+seat or slot, or a running one their pages. The engine steps them while it is otherwise idle.
 """
 from __future__ import annotations
 
@@ -61,7 +73,8 @@ class _Scheduled:
 class Scheduler:
     def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
                  checkpoint_policy: CheckpointPolicy | None = None, chunk_grid: int | None = None,
-                 replay_decode: bool = True, prefill_merge_tokens: int = 0, checkpoint_grid: int = 0):
+                 replay_decode: bool = True, prefill_merge_tokens: int = 0, checkpoint_grid: int = 0,
+                 reprefill_outputs: bool = False, job_tokens: int = 256):
         """checkpoint_policy: default AlignEveryBlock(block_size, checkpoint_grid) with caching on,
         GridChunks(chunk_grid) with it off. checkpoint_grid: also save a checkpoint every this many tokens
         inside prefill chunks, from free pages only (0 = none; a multiple of the block size).
@@ -78,7 +91,9 @@ class Scheduler:
         together then finish one after another instead of all at the end of one long step: a prefill
         costing t finishes at t, the next at 2t, a mean of 1.5t instead of 2t, and closed-loop sessions
         stop landing their turns in the same step. Short prompts (together under the limit, where the
-        step's fixed cost dominates) still share a step."""
+        step's fixed cost dominates) still share a step.
+        reprefill_outputs: recompute finished requests' outputs through the prefill path in background jobs of
+        at most job_tokens tokens a step (see the module docstring)."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                               f"--max-num-seqs ({max_num_seqs}) >= 1, so every running request can decode")
@@ -107,6 +122,9 @@ class Scheduler:
                                       f"{max_num_batched_tokens}")
                 checkpoint_policy = GridChunks(chunk_grid)
         self.policy = checkpoint_policy
+        self.reprefill = reprefill_outputs and memory.caching and memory.num_gdn_groups > 0
+        self.job_tokens = max(job_tokens, memory.block_size)
+        self.jobs: deque[Request] = deque()  # background jobs not yet admitted (oldest first)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -131,6 +149,7 @@ class Scheduler:
             raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) "
                              f"exceeds the {cap} tokens one request can hold in this pool")
         request.status = RequestStatus.WAITING
+        request.tag_outputs = self.caching  # a hit never serves decode-path bits as prefill ones
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -153,12 +172,75 @@ class Scheduler:
             self.running.remove(req)
             self.memory.free(request_id)
         else:
-            self.waiting.remove(req)
+            (self.jobs if req.background else self.waiting).remove(req)
         req.status = FINISH_STATUS[reason]
         req.finish_reason = reason
         req.slot, req.page_ids = None, ()
-        self._recently_finished[request_id] = req
+        if not req.background:
+            self._recently_finished[request_id] = req
+            if self.reprefill and reason != "abort":
+                self._queue_job(req)
         return True
+
+    # ------------------------------------------------------------------ background jobs
+    def _queue_job(self, req: Request) -> None:
+        """A job that recomputes req's prompt + outputs to their last full block through the prefill path,
+        when that reaches past the prompt's last block boundary (where the prompt's checkpoint is)."""
+        bs, toks = self.block_size, req.all_token_ids
+        n = len(toks) // bs * bs
+        jid = f"{req.request_id}/outputs"
+        if n <= req.num_prompt_tokens // bs * bs or n >= self.max_request_tokens() or jid in self.requests:
+            return
+        job = Request(jid, toks[:n], max_tokens=1, cache_salt=req.cache_salt, extra_keys=req.extra_keys,
+                      arrival_time=req.arrival_time, background=True)
+        job.resume_at = req.num_prompt_tokens // bs * bs  # where its hit must reach (the prompt's checkpoint)
+        job.status = RequestStatus.WAITING
+        self.requests[jid] = job
+        self.jobs.append(job)
+        while len(self.jobs) > 4 * self.max_num_seqs:  # the oldest are the least likely to be sent again
+            self._drop_job(self.jobs[0])
+
+    def _drop_job(self, job: Request) -> None:
+        rec = self._recs.pop(job.request_id, None)  # already in this step's plan: withdrawn
+        if rec is not None:
+            self._budget += rec.end - rec.start
+        self.finish(job.request_id, "abort")
+        self.memory.stats.reprefill_dropped += 1
+
+    def has_background(self) -> bool:
+        """Background jobs queued or running (the engine steps them when it is otherwise idle)."""
+        return bool(self.jobs) or any(r.background for r in self.running)
+
+    def _yield_seats(self) -> None:
+        """A waiting request never waits for a job: drop the newest running jobs while it lacks a seat or slot."""
+        while self.waiting and (len(self.running) >= self.max_num_seqs or not self.memory.num_free_slots):
+            job = next((r for r in reversed(self.running) if r.background), None)
+            if job is None:
+                return
+            self._drop_job(job)
+
+    def _schedule_jobs(self) -> None:
+        """Last in a step: running jobs, then new ones while nothing waits, from the budget left (job_tokens at
+        most each)."""
+        mem = self.memory
+        for job in [r for r in self.running if r.background]:
+            if self._budget < 1:
+                return
+            start = job.num_computed_tokens
+            end = self._chunk_end(job, start, min(self._budget, self.job_tokens))
+            if end <= start:
+                continue
+            self._schedule_running(job, start, end, False)  # a job that does not fit drops itself
+        while (self.jobs and not self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs
+               and mem.num_free_slots):
+            head = self.jobs[0]
+            if not self._admit(head, self.jobs, min(self._budget, self.job_tokens)):
+                if not self.jobs or self.jobs[0] is not head:
+                    continue  # it dropped itself (its prompt's checkpoint is gone): try the next
+                if not self.running:  # idle, and still it does not fit: it never will
+                    self._drop_job(head)
+                    continue
+                return
 
     def abort(self, request_id: str) -> bool:
         return self.finish(request_id, "abort")
@@ -206,6 +288,7 @@ class Scheduler:
             if req is not None and self._schedule_alone(req):
                 return self._build_plan()
             del self._alone[rid]  # finished meanwhile, or cannot run now: back to normal scheduling
+        self._yield_seats()
         stalled = False
         for req in list(self.running):  # 1. decodes
             if self._budget < 1:
@@ -214,7 +297,8 @@ class Scheduler:
                 start = req.num_computed_tokens
                 self._schedule_running(req, start, start + 1, True)
         for req in list(self.running):  # 2. running prefills
-            if req.status is not RequestStatus.RUNNING or req.request_id in self._recs or self._in_decode(req):
+            if (req.status is not RequestStatus.RUNNING or req.request_id in self._recs or self._in_decode(req)
+                    or req.background):
                 continue
             start = req.num_computed_tokens
             assert start < req.num_tokens, f"running request {req.request_id} has nothing to compute"
@@ -228,6 +312,8 @@ class Scheduler:
                    and self.memory.num_free_slots and not self._prefills_full()):
                 if not self._admit(self.waiting[0]):
                     break
+        if not self._preempted and not stalled:  # 4. background jobs, from what is left
+            self._schedule_jobs()
         return self._build_plan()
 
     # ------------------------------------------------------------------ failed steps
@@ -295,6 +381,12 @@ class Scheduler:
                 self.memory.commit_checkpoints(w.request_id)
             if self._alone.get(w.request_id, end + 1) <= end:
                 del self._alone[w.request_id]  # passed the failed step alone
+            if req.background:
+                self.memory.stats.reprefill_tokens += end - w.start_pos
+                if end == req.num_tokens:
+                    self.finish(req.request_id, "stop")  # its blocks and checkpoint stay cached
+                    self.memory.stats.reprefill_jobs += 1
+                continue
             if w.sample and w.request_id in sampled:
                 req.output_token_ids.append(int(sampled[w.request_id]))
                 advanced.append(req)
@@ -316,8 +408,9 @@ class Scheduler:
         """Where the prefill path stops: the prompt's end with replay_decode, else the last token."""
         return req.num_prompt_tokens if self.replay_decode else req.num_tokens
 
-    def _chunk_end(self, req: Request, start: int) -> int:
-        return self.policy.chunk_end(start, start + self._budget, self._prefill_target(req))
+    def _chunk_end(self, req: Request, start: int, budget: int | None = None) -> int:
+        return self.policy.chunk_end(start, start + (self._budget if budget is None else budget),
+                                     self._prefill_target(req))
 
     def _saves(self, req: Request, start: int, end: int) -> list[tuple[int, str]]:
         """The policy's checkpoints for computing [start, end) (position, kind); none without caching or GDN.
@@ -329,19 +422,26 @@ class Scheduler:
         (docs/design.md, the 64-token grid)."""
         if not (self.caching and self.memory.num_gdn_groups):
             return []
-        return self.policy.saves(start, end, self._prefill_target(req), req.fork_point)
+        saves = self.policy.saves(start, end, self._prefill_target(req), req.fork_point)
+        if req.background:  # the job's end is the checkpoint it exists for
+            saves = [(p, "generated" if p == req.num_tokens else kind) for p, kind in saves]
+        return saves
+
+    def _victim(self) -> Request:
+        """Who gives up its pages: a background job first, else the most recently admitted request."""
+        return next((r for r in reversed(self.running) if r.background), self.running[-1])
 
     @staticmethod
     def _mandatory(saves: list[tuple[int, str]]) -> int:
-        return sum(1 for _, kind in saves if kind == "step")
+        return sum(1 for _, kind in saves if kind in ("step", "generated"))
 
     def _reserve(self, rec: _Scheduled, saves: list[tuple[int, str]]) -> None:
         """Reserve the step's save (its pages were counted), then the optional ones while they fit: prompt and
         fork checkpoints from any allocatable page, grid ones from free pages only (they evict nothing)."""
         mem, rid, per = self.memory, rec.req.request_id, self.memory.checkpoint_pages
-        for pos, kind in sorted(saves, key=lambda s: s[1] != "step"):
+        for pos, kind in sorted(saves, key=lambda s: s[1] not in ("step", "generated")):
             room = mem.num_free_pages() if kind == "grid" else mem.num_allocatable()
-            if kind == "step" or room >= per:
+            if kind in ("step", "generated") or room >= per:
                 rec.saves.append((pos, mem.reserve_checkpoint(rid, pos, kind)))
         rec.saves.sort()
 
@@ -350,7 +450,7 @@ class Scheduler:
         saves = self._saves(req, start, end)
         need = self.memory.pages_needed(rid, end) + self.memory.checkpoint_pages * self._mandatory(saves)
         while need > self.memory.num_allocatable():
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is req:
                 return False
@@ -361,6 +461,10 @@ class Scheduler:
         return True
 
     def _preempt(self, victim: Request) -> None:
+        """victim gives up its pages and slot and waits at the front of the queue; a background job is dropped."""
+        if victim.background:
+            self._drop_job(victim)
+            return
         rid = victim.request_id
         self.running.remove(victim)
         rec = self._recs.pop(rid, None)
@@ -375,7 +479,10 @@ class Scheduler:
         self._preempted.append(rid)
         self.memory.stats.preemptions += 1
 
-    def _admit(self, req: Request) -> bool:
+    def _admit(self, req: Request, queue: deque | None = None, budget: int | None = None) -> bool:
+        """Admit req, the head of `queue` (default the waiting queue), with `budget` tokens (default what is
+        left in the step)."""
+        queue = self.waiting if queue is None else queue
         bs, mem = self.block_size, self.memory
         total = req.num_tokens
         hit: PrefixHit | None = None
@@ -384,10 +491,13 @@ class Scheduler:
             hashes = req.block_hashes(nb, bs)
             hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
         start = hit.num_tokens if hit is not None else 0
+        if req.background and start < req.resume_at:  # the prompt's checkpoint is gone: not worth a recompute
+            self._drop_job(req)
+            return False
         is_decode = self._in_decode(req, start)
         if hit is not None and hit.num_matched_blocks > hit.num_blocks and mem.num_gdn_groups:
             req.fork_point = hit.num_matched_blocks * bs
-        end = start + 1 if is_decode else self._chunk_end(req, start)
+        end = start + 1 if is_decode else self._chunk_end(req, start, budget)
         if end <= start:
             return False
         saves = self._saves(req, start, end)
@@ -402,14 +512,14 @@ class Scheduler:
         rec = _Scheduled(req, start, end, is_decode, mem.append_pages(rid, end), zero_slot=location is None,
                          restore=location)
         self._reserve(rec, saves)
-        if hit is not None:
+        if hit is not None and not req.background:
             mem.stats.prefix_query_tokens += total
             mem.stats.prefix_hit_tokens += start
         if req.num_preemptions == 0:
             req.num_cached_tokens = start
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = start
-        self.waiting.popleft()
+        queue.popleft()
         self.running.append(req)
         self._recs[rid] = rec
         self._budget -= end - start
@@ -423,7 +533,8 @@ class Scheduler:
             req.slot = slot = self.memory.slot_of(rid)
             work.append(SeqWork(
                 request_id=rid, token_ids=tuple(req.tokens(rec.start, rec.end)), start_pos=rec.start,
-                slot=slot, page_ids=req.page_ids, is_decode=rec.is_decode, sample=rec.end == req.num_tokens,
+                slot=slot, page_ids=req.page_ids, is_decode=rec.is_decode,
+                sample=rec.end == req.num_tokens and not req.background,
                 prompt_logprobs=req.prompt_logprobs and not rec.is_decode and rec.start < req.num_prompt_tokens
                 and not req._prompt_done))
             zero_pages.extend(rec.new_pages)

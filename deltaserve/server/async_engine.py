@@ -127,11 +127,11 @@ class AsyncEngine:
         log.info("engine ready")
         while not self._stopping.is_set():
             try:
-                busy = engine.has_unfinished_requests()
+                busy = engine.has_unfinished_requests() or self._background(engine)
                 self._drain(block=not busy)
                 if self._stopping.is_set():
                     break
-                if engine.has_unfinished_requests():
+                if engine.has_unfinished_requests() or self._background(engine):
                     self._step()
                 self._snapshot()
             except Exception:  # noqa: BLE001 - the loop must outlive any one bad command
@@ -141,6 +141,11 @@ class AsyncEngine:
         for rid, sink in list(self._sinks.items()):
             sink.put(EngineStepError("the server is shutting down"))
         self._sinks.clear()
+
+    @staticmethod
+    def _background(engine) -> bool:
+        """The engine's own background work (an engine without any, such as a test's fake, has none)."""
+        return bool(getattr(engine, "has_background_work", lambda: False)())
 
     def _snapshot(self) -> None:
         try:

@@ -41,6 +41,9 @@ _COUNTERS = (
     ("deltaserve_checkpoints_saved", "checkpoints_saved", "GDN state checkpoints saved into pages."),
     ("deltaserve_checkpoints_restored", "checkpoints_restored", "GDN state checkpoints restored on a hit."),
     ("deltaserve_evictions", "evictions", "Cached pages evicted."),
+    ("deltaserve_reprefill_tokens", "reprefill_tokens", "Generated tokens recomputed through the prefill path."),
+    ("deltaserve_reprefill_jobs", "reprefill_jobs", "Finished requests whose outputs were recomputed and cached."),
+    ("deltaserve_reprefill_dropped", "reprefill_dropped", "Output recompute jobs dropped for waiting requests."),
 )
 
 

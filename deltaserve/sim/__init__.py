@@ -4,6 +4,7 @@
                         [engine flags of every replica: --max-num-seqs N, --kv-cache-memory 64M, ...]
     deltaserve simulate gen-trace {agent,mooncake} --out T.jsonl [options]
     deltaserve simulate validate [--presets tiny,qwen3.5-0.8b-shape] --out DIR      (the gate: real vs simulated)
+    deltaserve simulate external --bundle DIR --model-config F --trace F --measured F  (a real vLLM run, external.py)
 
 Nothing here imports torch. `deltaserve simulate validate` (deltaserve/validate.py, which runs the real engine and
 the profiler beside this package) is routed by cli.py. See docs/simulator.md.
@@ -141,4 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "gen-trace":
         return _gen_trace_main(argv[1:])
+    if argv and argv[0] == "external":
+        from .external_compare import main as external_main
+
+        return external_main(argv[1:])
     return _simulate_main(argv)

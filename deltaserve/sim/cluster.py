@@ -9,7 +9,8 @@ A replica does what LLMEngine.step does, with time taken from the latency model:
 
 Sampled tokens are a fixed id (the trace gives output lengths; a request finishes at its output length,
 as with ignore_eos). Requests arriving while a step runs are seen by the next schedule(), as in the
-engine's loop; an idle replica starts a step the moment a request arrives.
+engine's loop; an idle replica starts a step the moment a request arrives, once every request arriving at that
+same instant is in (the engine admits everything that has arrived before it plans).
 
 Cluster config (JSON):
 
@@ -105,6 +106,9 @@ class Replica:
         self.busy_time = 0.0
         self._after_prefill = False  # the last step computed prompt tokens (the latency model's cold decode)
         self._queued_tokens = 0
+        # called with (plan, now) for every step this replica starts: what the validation compares with the real
+        # engine's steps (sim/replayed.py)
+        self.on_plan = None
 
     # ---------------------------------------------------------------- load, for routers
     def outstanding(self) -> int:
@@ -140,6 +144,8 @@ class Replica:
         if plan.is_empty():
             self.plan, self.busy_until = None, None
             return None
+        if self.on_plan is not None:
+            self.on_plan(plan, now)
         shape = StepShape.of(plan, after_prefill=self._after_prefill)
         self._after_prefill = bool(shape.prefill)
         dt = self.latency.shape_us(shape, now) * 1e-6
@@ -222,6 +228,7 @@ class Simulation:
         records: list[RequestRecord] = []
         heap: list[tuple[float, int]] = []
         arrivals = sorted(trace, key=lambda r: r.arrival_time)
+        idle: set[int] = set()  # idle replicas given a request at this instant, started once all of it is in
         i = 0
         now = 0.0
         while i < len(arrivals) or heap:
@@ -244,11 +251,16 @@ class Simulation:
             k = self.router.route(req, tr.session_id, reps)
             self.router.observe(k, req, tr.session_id)
             records.append(reps[k].submit(tr, req, now))
-            r = reps[k]
-            if r.busy_until is None and r.has_work():
-                end = r.start(now)
+            if reps[k].busy_until is None:
+                idle.add(k)
+            if i < len(arrivals) and arrivals[i].arrival_time == now:
+                continue  # an engine admits everything that has arrived before it plans: the rest of this instant first
+            for k in sorted(idle):
+                r = reps[k]
+                end = r.start(now) if r.has_work() else None
                 if end is not None:
                     heapq.heappush(heap, (end, k))
+            idle.clear()
         for r in reps:  # anything left can never be scheduled (no step could make progress)
             for rid in list(r._reqs):
                 r.records[rid].status = "unfinished"

@@ -23,6 +23,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 from .bundle import DENSE_KERNELS, Bundle
+from .report import percentile
 
 GDN_CHUNK = 64
 
@@ -311,3 +312,31 @@ class LatencyModel:
 
     def step_seconds(self, plan) -> float:
         return self.step_us(plan) * 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- per-step error
+STEP_KINDS = ("prefill", "mixed", "decode")
+
+
+def step_kind(s: StepShape) -> str:
+    """prefill: prompt (or recompute) tokens only; decode: decode tokens only; mixed: both in one step."""
+    return "decode" if s.decode_only else "mixed" if s.decode_ctx else "prefill"
+
+
+def step_errors(model, steps) -> list[tuple[str, float]]:
+    """(kind, (predicted - measured) / measured in %) per step. steps: (shape, measured us, clock at its start);
+    model: anything with shape_us(shape, now), priced at the step's start as the simulator prices it. A step
+    measured at 0 us is left out (no relative error)."""
+    return [(step_kind(s), 100.0 * (model.shape_us(s, t) - us) / us) for s, us, t in steps if us > 0]
+
+
+def error_summary(errors: list[tuple[str, float]]) -> dict[str, dict]:
+    """Per step kind: steps, median and p90 of |error|, and the median signed error (the model's bias), in %."""
+    out = {}
+    for kind in STEP_KINDS:
+        es = [e for k, e in errors if k == kind]
+        if es:
+            ab = [abs(e) for e in es]
+            out[kind] = {"n": len(es), "median_abs_pct": percentile(ab, 50), "p90_abs_pct": percentile(ab, 90),
+                         "median_pct": percentile(es, 50)}
+    return out

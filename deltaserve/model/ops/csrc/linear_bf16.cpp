@@ -30,6 +30,7 @@ namespace {
 
 constexpr int kCols = 16;        // output columns per accumulator vector
 constexpr int64_t kPanel = 24;   // column blocks per panel: a panel's weights stay in L2 across the row tiles
+constexpr int64_t kSerialBelow = int64_t(1) << 20;  // multiply-adds a thread takes on at least
 constexpr int64_t kAhead = 8;    // weight vectors prefetched ahead along k, per column block
 
 template <int MT, int NB>
@@ -119,8 +120,12 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const __m512bh*>(packed.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // threads split the column blocks, never k: a column's sum order is the same for any thread count
-  at::parallel_for(0, nblk, 1, [&](int64_t t0, int64_t t1) {
+  // threads split the column blocks, never k: a column's sum order is the same for any thread count. A chunk
+  // covers at least ~1M multiply-adds (kSerialBelow): a small call (a small model's decode) runs on the calling
+  // thread, because waking the other threads costs more than the work, and far more on a loaded host, where the
+  // parallel region waits for every thread to be scheduled (a tiny decode step took 277 ms instead of ~3 ms)
+  const int64_t grain = std::max<int64_t>(1, kSerialBelow / std::max<int64_t>(1, 16 * K * M));
+  at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t b0 = t0; b0 < t1; b0 += kPanel) {
       const int64_t b1 = std::min(t1, b0 + kPanel);
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
