@@ -18,6 +18,7 @@ from .layouts import LAYOUT_NAMES
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 MODEL_DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")  # --dtype
+EVICTIONS = ("lru", "value")  # --eviction: memory/eviction.py EVICTION_POLICIES
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
 
 
@@ -251,6 +252,9 @@ class EngineConfig:
     checkpoint_grid: int = _flag(128, "also checkpoint every N tokens inside prefill chunks while the pool has free "
                                  "pages, so later requests that share a prefix hit near its end (rounded up to "
                                  "a multiple of the page; 0 = off)", int, metavar="N", replica=True)
+    eviction: str = _flag("lru", "which cached page goes first under pressure: lru (least recently released; "
+                          "checkpoints replaced and never hit before all) or value (the least recompute spared per "
+                          "page, weighed with hits and recency)", choices=EVICTIONS, replica=True)
     reprefill_outputs: bool = _flag(True, "recompute finished requests' generated tokens through the prefill path in "
                                     "spare step budget and cache them, so a next turn that contains them hits, bit "
                                     "for bit as a cold run", None, replica=True)
@@ -276,6 +280,8 @@ class EngineConfig:
             raise ConfigError("--kv-cache-memory must be a positive number of bytes")
         if self.block_size < 1:
             raise ConfigError("--block-size must be >= 1")
+        if self.eviction not in EVICTIONS:
+            raise ConfigError(f"--eviction must be one of {', '.join(EVICTIONS)}, not {self.eviction!r}")
         if self.checkpoint_grid < 0:
             raise ConfigError("--checkpoint-grid must be >= 0 (0 = off)")
         if self.max_model_len is not None and self.max_model_len < 2:

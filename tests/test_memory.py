@@ -299,12 +299,12 @@ def test_duplicates_republished_when_the_winner_is_evicted():
 class _Driver:
     """Random valid use of the manager, as a scheduler would: admit (with hits), grow, save, publish, free."""
 
-    def __init__(self, seed: int, layout: str, caching: bool):
+    def __init__(self, seed: int, layout: str, caching: bool, eviction=None):
         self.rng = random.Random(seed)
         G = self.rng.randint(0, 3)
         k = 3 if layout == "runs" else 1  # pages per state
         self.m = MemoryManager(self.rng.randint(1 + 2 * G * k, 30 + 2 * G * k), self.rng.randint(1, 4), BS, G,
-                               caching, layout, pages_per_state=k)
+                               caching, layout, eviction, pages_per_state=k)
         self.seqs: dict[str, dict] = {}
         self.n = 0
         prefixes = [[self.rng.randint(1, 9) for _ in range(self.rng.randint(0, 20))] for _ in range(3)]
@@ -370,3 +370,34 @@ def test_randomized_integrity(layout, caching):
         for _ in range(300):
             d.step()
         d.finish()
+
+
+def test_value_eviction_takes_what_spares_least_first():
+    """ValueEviction pops the lowest priority (L + value), low-value pages first, ties in release order, and
+    inflates L to what it evicted (recency); the engine's names match the policies."""
+    from deltaserve.config import EVICTIONS
+    from deltaserve.memory.eviction import EVICTION_POLICIES, ValueEviction
+
+    assert set(EVICTIONS) == set(EVICTION_POLICIES)
+    v = ValueEviction()
+    v.push(1, value=64.0)
+    v.push(2, value=8.0)
+    v.push(3, low_value=True, value=500.0)
+    v.push(4, value=64.0)
+    assert list(v) == [3, 2, 1, 4] and len(v) == 4 and 2 in v
+    v.remove(2)
+    assert v.pop() == 3 and v.pop() == 1
+    v.push(5, value=10.0)  # released after an eviction at priority 64: 64 + 10, behind page 4 (64)
+    assert list(v) == [4, 5] and v.pop() == 4 and v.pop() == 5 and len(v) == 0
+
+
+@pytest.mark.parametrize("layout", ["in-page", "runs", "per-block"])
+def test_value_eviction_under_pressure_keeps_integrity(layout):
+    from deltaserve.memory.eviction import ValueEviction
+
+    for seed in range(4):
+        d = _Driver(seed, layout, True, eviction=ValueEviction())
+        for _ in range(300):
+            d.step()
+        d.finish()
+        assert d.m.stats.evicted_pages > 0 or seed, "the pressure run evicts"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from deltaserve.memory import CheckpointError, MemoryManager
+from deltaserve.memory.eviction import ValueEviction
 from deltaserve.scheduler import Request, Scheduler, StepPlan
 
 NAN = -1  # sticky garbage
@@ -177,7 +178,9 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
     num_pages = rng.randint(28, 44) + (k - 1) * 4 * G
     max_num_seqs = rng.randint(3, 5)
     budget = bs * rng.randint(1, 5) + rng.randint(0, bs - 1)
-    mem = MemoryManager(num_pages, max_num_seqs, bs, G, caching=caching, layout=layout, pages_per_state=k)
+    eviction = ValueEviction() if seed % 3 == 1 else None  # eviction by value on a third of the seeds
+    mem = MemoryManager(num_pages, max_num_seqs, bs, G, caching=caching, layout=layout, pages_per_state=k,
+                        eviction=eviction)
     # a checkpoint grid on two seeds of three: saves inside chunks, from free pages only
     sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode, checkpoint_grid=bs * (seed % 3),
                     reprefill_outputs=seed % 2 == 0, job_tokens=bs)  # background jobs on half the seeds

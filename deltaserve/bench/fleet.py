@@ -24,8 +24,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..config import ENGINE_DEFAULTS, add_engine_args, engine_args
+from ..config import ENGINE_DEFAULTS, EVICTIONS, add_engine_args, engine_args
 from ..layouts import LAYOUT_NAMES
+from .agent.workload import TurnResult
 
 DEFAULTS = {  # per preset: sessions, turns, output tokens, the cache pool
     "tiny": {"sessions": 4, "turns": 4, "output_tokens": 32, "kv_cache_memory": 512 << 20},
@@ -35,16 +36,6 @@ DEFAULTS = {  # per preset: sessions, turns, output tokens, the cache pool
 
 def _progress(msg: str) -> None:
     print(f"[fleet {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-@dataclass
-class TurnRecord:
-    session: int
-    turn: int
-    prompt_tokens: int
-    cached_tokens: int
-    ttft_s: float
-    e2e_s: float
 
 
 @dataclass(frozen=True)
@@ -79,7 +70,7 @@ def run_arm(engine_flags: dict, wl: Workload, label: str) -> dict:
     convo = [list(wl.shared) + list(wl.first[s]) for s in range(n)]
     turn = [0] * n
     live: dict[str, list] = {}
-    records: list[TurnRecord] = []
+    records: list[TurnResult] = []
     bg_s = 0.0
     job_tokens0 = eng.stats().reprefill_tokens
 
@@ -109,8 +100,8 @@ def run_arm(engine_flags: dict, wl: Workload, label: str) -> dict:
                 continue
             del live[out.request_id]
             s, sent, first = st
-            records.append(TurnRecord(s, turn[s], len(out.prompt_token_ids), out.num_cached_tokens, first - sent,
-                                      now - sent))
+            records.append(TurnResult(label, s, turn[s], len(out.prompt_token_ids), out.num_cached_tokens,
+                                      first - sent, now - sent, len(out.outputs[0].token_ids), sent - t0))
             convo[s] += list(out.outputs[0].token_ids)
             if turn[s] == 0 and s + 1 < n:
                 send(s + 1)  # the staggered start
@@ -170,7 +161,9 @@ def format_report(arms: list[dict], head: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve bench fleet", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arms", default="off,runs", help=f"comma list of off and cache layouts ({', '.join(LAYOUT_NAMES)})")
+    p.add_argument("--arms", default="off,runs",
+                   help=f"comma list of off and cache layouts ({', '.join(LAYOUT_NAMES)}), a layout optionally "
+                        f"with an eviction policy (runs:value, runs:lru: a pressure scenario compares them)")
     p.add_argument("--sessions", type=int, default=None)
     p.add_argument("--turns", type=int, default=None, help="turns per session")
     p.add_argument("--shared-tokens", type=int, default=2000, help="the shared system prompt + tool list")
@@ -178,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=None)
     p.add_argument("--workload-seed", type=int, default=0)
     add_engine_args(p, ("preset", "model", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                        "checkpoint_grid", "reprefill_outputs", "num_threads"))
+                        "checkpoint_grid", "reprefill_outputs", "eviction", "num_threads"))
     return p
 
 
@@ -193,12 +186,17 @@ def main(argv: list[str] | None = None) -> int:
     wl = make_workload(sessions, turns, a.shared_tokens, (lo, hi), out_tokens, a.workload_seed)
     base = {"kv_cache_memory": d["kv_cache_memory"], "dtype": "bfloat16", "max_num_seqs": max(4, sessions), **flags}
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    bad = [x for x in arms if x != "off" and x not in LAYOUT_NAMES]
+    bad = [x for x in arms if x != "off" and (x.split(":")[0] not in LAYOUT_NAMES
+                                              or x.partition(":")[2] not in ("",) + EVICTIONS)]
     if bad:
-        raise SystemExit(f"deltaserve bench fleet: unknown arm(s) {bad}; choose from off, {', '.join(LAYOUT_NAMES)}")
+        raise SystemExit(f"deltaserve bench fleet: unknown arm(s) {bad}; choose from off, {', '.join(LAYOUT_NAMES)} "
+                         f"(optionally :{'|:'.join(EVICTIONS)})")
     results = []
     for arm in arms:
-        cfg = {**base, "enable_prefix_caching": arm != "off"} | ({} if arm == "off" else {"cache_layout": arm})
+        layout, _, eviction = arm.partition(":")
+        cfg = {**base, "enable_prefix_caching": arm != "off"}
+        if arm != "off":
+            cfg |= {"cache_layout": layout} | ({"eviction": eviction} if eviction else {})
         _progress(f"{arm}: {sessions} sessions x {turns} turns")
         results.append(run_arm(cfg, wl, arm))
         r = results[-1]

@@ -5,17 +5,21 @@ checkpoint). The memory manager tells the policy when a page becomes evictable (
 referenced again (`remove`), and asks it for a victim (`pop`). The manager owns all consequences of an
 eviction (invalidating the cache entry, freeing sibling checkpoint pages).
 
-Later policies (evict by the recompute a page saves per byte, docs/design.md) implement
-the same four methods.
+Two policies: LRUEviction (the default) and ValueEviction (by the recompute a page spares per page held,
+weighed with hits and recency); `--eviction lru|value` picks one.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import OrderedDict
 from typing import Iterator, Protocol
 
 
 class EvictionPolicy(Protocol):
-    def push(self, page: int, low_value: bool = False) -> None: ...
+    # value: the prefill tokens the page's content spares per page held (the manager computes it only for a
+    # policy whose `wants_value` is true); low_value: a checkpoint replaced by a newer one and never hit
+    def push(self, page: int, low_value: bool = False, value: float = 0.0) -> None: ...
     def remove(self, page: int) -> None: ...
     def pop(self) -> int: ...
     def __len__(self) -> int: ...
@@ -38,11 +42,13 @@ class LRUEviction:
     checkpoint is unusable anyway).
     """
 
+    wants_value = False
+
     def __init__(self) -> None:
         self._low: OrderedDict[int, None] = OrderedDict()
         self._q: OrderedDict[int, None] = OrderedDict()
 
-    def push(self, page: int, low_value: bool = False) -> None:
+    def push(self, page: int, low_value: bool = False, value: float = 0.0) -> None:
         assert page not in self._q and page not in self._low, f"page {page} is already evictable"
         (self._low if low_value else self._q)[page] = None
 
@@ -65,3 +71,51 @@ class LRUEviction:
     def __iter__(self) -> Iterator[int]:
         yield from self._low
         yield from self._q
+
+
+class ValueEviction:
+    """Evict what spares the least recompute per page, weighed with hits and recency (Greedy-Dual-Size-Frequency).
+
+    A page's priority when it becomes evictable is L + (1 + hits) * value, value being the prefill tokens its
+    content spares per page (the manager's estimate: an attention page spares its block; a checkpoint the tokens
+    back to the previous checkpoint of its chain, over its pages), and L the priority of the last page evicted
+    (so what has waited long enough goes, whatever its value: recency). The lowest priority goes first; ties by
+    release order, so a sequence's tail goes before its head as under LRU. A low-value page (a checkpoint its
+    sequence replaced and nobody hit) has value 0: it goes first, as under LRU."""
+
+    wants_value = True
+
+    def __init__(self) -> None:
+        self._heap: list[list] = []  # [priority, release order, page, alive]
+        self._entry: dict[int, list] = {}
+        self._clock = itertools.count()
+        self._inflation = 0.0  # L
+
+    def push(self, page: int, low_value: bool = False, value: float = 0.0) -> None:
+        assert page not in self._entry, f"page {page} is already evictable"
+        e = [self._inflation + (0.0 if low_value else value), next(self._clock), page, True]
+        self._entry[page] = e
+        heapq.heappush(self._heap, e)
+
+    def remove(self, page: int) -> None:
+        self._entry.pop(page)[3] = False  # left in the heap, skipped when it surfaces
+
+    def pop(self) -> int:
+        while True:
+            pri, _, page, alive = heapq.heappop(self._heap)
+            if alive:
+                del self._entry[page]
+                self._inflation = pri
+                return page
+
+    def __len__(self) -> int:
+        return len(self._entry)
+
+    def __contains__(self, page: object) -> bool:
+        return page in self._entry
+
+    def __iter__(self) -> Iterator[int]:
+        yield from (e[2] for e in sorted(self._entry.values(), key=lambda e: (e[0], e[1])))
+
+
+EVICTION_POLICIES = {"lru": LRUEviction, "value": ValueEviction}

@@ -40,7 +40,8 @@ Choices (and why)
     state region before anything reads it, and the padding is never read.
   * Eviction (memory/eviction.py): LRU by release time, except that a checkpoint replaced by a newer
     one and never hit goes first, so a running sequence's stale checkpoints are evicted before the
-    resume point of a sequence it just preempted.
+    resume point of a sequence it just preempted; or, by value, the page that spares the least recompute
+    per page held (_value), weighed with hits and recency.
   * A sequence that computes a block already cached by someone else keeps its own copy uncached (the
     "duplicate"). When it frees, its duplicates are published if their hash has left the cache
     meanwhile (and so is its orphaned latest checkpoint), so concurrent identical prefixes survive the
@@ -60,6 +61,7 @@ from .eviction import EvictionPolicy, LRUEviction
 from .hashing import BlockHash, block_hash
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
+VALUE_WALK = 256  # blocks a checkpoint's value looks back for the previous checkpoint
 
 
 class CheckpointError(RuntimeError):
@@ -526,10 +528,25 @@ class MemoryManager:
         assert self._ref[p] >= 0, f"page {p} released more often than taken"
         if self._ref[p] == 0:
             if p in self._role:
-                self._evictor.push(p, low_value)
+                self._evictor.push(p, low_value, self._value(p) if self._evictor.wants_value else 0.0)
             else:
                 self._free.append(p)
                 self._kind[p] = None
+
+    def _value(self, p: int) -> float:
+        """The prefill tokens cached page p spares per page held: an attention page its block; a checkpoint the
+        tokens back to the previous checkpoint of its chain (what a hit recomputes without it; the walk stops
+        after VALUE_WALK blocks), times 1 + its hits, over its pages."""
+        e = self._cache[self._role[p]]
+        if e.page == p:
+            return float(self.block_size)
+        n, parent = 1, e.parent
+        while n < VALUE_WALK:
+            pe = self._cache.get(parent)
+            if pe is None or pe.checkpoint is not None:
+                break
+            n, parent = n + 1, pe.parent
+        return n * self.block_size * (1 + e.hits) / len(e.checkpoint)
 
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: str | None) -> None:
         old = seq.ckpt

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from ..config import ENGINE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
 from ..layouts import layout_for
+from ..memory.eviction import EVICTION_POLICIES
 from ..memory.manager import MemoryManager
 from ..sizing import ENGINE_KERNEL_ALIGNMENT, Geometry, Pool, engine_block_size, geometry, size_pool
 from .scheduler import Scheduler
@@ -72,11 +73,12 @@ def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = ENG
 def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_tokens: int,
                     enable_prefix_caching: bool = True, prefill_merge_tokens: int = 0,
                     checkpoint_grid: int = 0, chunk_grid: int | None = None,
-                    replay_decode: bool = True, reprefill_outputs: bool = False) -> tuple[MemoryManager, Scheduler]:
+                    replay_decode: bool = True, reprefill_outputs: bool = False,
+                    eviction: str = "lru") -> tuple[MemoryManager, Scheduler]:
     """A fresh MemoryManager and the Scheduler over it, as the engine builds them. checkpoint_grid is rounded up
     to a multiple of the page (0 = off). chunk_grid and replay_decode are the Scheduler's (defaults: the
     engine's); a simulated foreign engine passes its own (vLLM: chunk_grid 1, replay_decode False)."""
-    memory = MemoryManager.from_pool(shape.pool, caching=enable_prefix_caching)
+    memory = MemoryManager.from_pool(shape.pool, caching=enable_prefix_caching, eviction=EVICTION_POLICIES[eviction]())
     bs = shape.block_size
     return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              prefill_merge_tokens=prefill_merge_tokens, checkpoint_grid=-(-checkpoint_grid // bs) * bs,
@@ -96,5 +98,5 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
                                         enable_prefix_caching=cfg.enable_prefix_caching,
                                         prefill_merge_tokens=cfg.prefill_merge_tokens,
                                         checkpoint_grid=cfg.checkpoint_grid,
-                                        reprefill_outputs=cfg.reprefill_outputs)
+                                        reprefill_outputs=cfg.reprefill_outputs, eviction=cfg.eviction)
     return shape, memory, scheduler
