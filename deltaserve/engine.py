@@ -87,7 +87,7 @@ class EngineStats:
     checkpoint_bytes: int = 0  # the memory they take (pool pages, or the per-block layout's side tensor rows)
     reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (background jobs)
     reprefill_jobs: int = 0  # jobs finished
-    reprefill_dropped: int = 0  # jobs dropped for a request that needed their seat, slot or pages
+    reprefill_dropped: int = 0  # jobs dropped: a request needed their seat, slot or pages, or all was cached
 
 
 @dataclass

@@ -39,8 +39,8 @@ background job (a Request with background=True, id "<id>/outputs") recomputes it
 outputs, to the last full block, through the prefill path from the prompt's checkpoint, and publishes those
 blocks and a checkpoint at their end ("generated"): the next turn of a conversation, which sends them as
 its prompt, then hits them bit for bit as a cold run computes them. Jobs only take what nobody else needs:
-they are scheduled after everything else in a step, at most job_tokens tokens, only while no request waits;
-they take pages as a request does (evicting the least recently used cached content, which the outputs they
+they run only in steps that nothing else has work for (at most job_tokens tokens a step: a step with a job
+in it never delays a live request's prefill or decode); they take pages as a request does (evicting the least recently used cached content, which the outputs they
 store are likelier to be asked for than), and are dropped (never requeued) when a waiting request needs their
 seat or slot, or a running one their pages. The engine steps them while it is otherwise idle.
 """
@@ -220,8 +220,7 @@ class Scheduler:
             self._drop_job(job)
 
     def _schedule_jobs(self) -> None:
-        """Last in a step: running jobs, then new ones while nothing waits, from the budget left (job_tokens at
-        most each)."""
+        """A step with no other work: running jobs, then new ones (job_tokens at most each)."""
         mem = self.memory
         for job in [r for r in self.running if r.background]:
             if self._budget < 1:
@@ -312,7 +311,7 @@ class Scheduler:
                    and self.memory.num_free_slots and not self._prefills_full()):
                 if not self._admit(self.waiting[0]):
                     break
-        if not self._preempted and not stalled:  # 4. background jobs, from what is left
+        if not self._recs and not self.waiting:  # 4. background jobs, only in a step nobody else has work for
             self._schedule_jobs()
         return self._build_plan()
 
@@ -487,11 +486,13 @@ class Scheduler:
         total = req.num_tokens
         hit: PrefixHit | None = None
         if self.caching and not req.skip_cache_lookup and not (req.prompt_logprobs and not req._prompt_done):
-            nb = (total - 1) // bs  # a hit leaves at least one token to compute
+            nb = total // bs if req.background else (total - 1) // bs  # a hit leaves a token to sample from
             hashes = req.block_hashes(nb, bs)
             hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
         start = hit.num_tokens if hit is not None else 0
-        if req.background and start < req.resume_at:  # the prompt's checkpoint is gone: not worth a recompute
+        if req.background and (start < req.resume_at or hit.num_matched_blocks * bs == total):
+            # the prompt's checkpoint is gone (not worth a recompute), or every block is cached already (a next
+            # turn that re-sent these outputs computed them first, and went on past them)
             self._drop_job(req)
             return False
         is_decode = self._in_decode(req, start)

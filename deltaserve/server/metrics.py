@@ -43,7 +43,8 @@ _COUNTERS = (
     ("deltaserve_evictions", "evictions", "Cached pages evicted."),
     ("deltaserve_reprefill_tokens", "reprefill_tokens", "Generated tokens recomputed through the prefill path."),
     ("deltaserve_reprefill_jobs", "reprefill_jobs", "Finished requests whose outputs were recomputed and cached."),
-    ("deltaserve_reprefill_dropped", "reprefill_dropped", "Output recompute jobs dropped for waiting requests."),
+    ("deltaserve_reprefill_dropped", "reprefill_dropped", "Output recompute jobs dropped: a request needed their seat, "
+     "slot or pages, or the outputs were cached already."),
 )
 
 
