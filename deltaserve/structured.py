@@ -167,13 +167,18 @@ class GuideFactory:
         return rules
 
     def _value_rule(self, fname: str, pname: str, schema: Any) -> str:
+        """A parameter value's rule. Strings are raw text (no quotes) so their bounds are regexes: enum / const
+        (the alternatives), pattern (a full match, as llguidance's JSON schemas take it), minLength / maxLength
+        (intersected with the pattern), and never the closing tag; any other type is its JSON schema (%json:
+        numeric bounds, enums of numbers, objects, arrays), so a bounded value ends."""
         if schema is True or schema == {} or not isinstance(schema, dict):
             return _FREE_TEXT
         t = schema.get("type")
         types = [t] if isinstance(t, str) else (list(t) if isinstance(t, list) else [])
-        if "enum" in schema and isinstance(schema["enum"], list) and schema["enum"]:
+        choices = [schema["const"]] if "const" in schema else schema.get("enum")
+        if isinstance(choices, list) and choices:
             alts = []
-            for v in schema["enum"]:
+            for v in choices:
                 text = v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
                 alts.append(json.dumps(text, ensure_ascii=False))
             return " | ".join(alts)
@@ -181,15 +186,20 @@ class GuideFactory:
             lo = schema.get("minLength")
             hi = schema.get("maxLength")
             pattern = schema.get("pattern")
+            parts = []
             if pattern is not None:
                 if not isinstance(pattern, str):
                     raise GrammarError(f"{fname}.{pname}: pattern must be a string")
-                return "/" + self._llg.regex_to_lark(pattern) + "/"
+                parts.append("/" + self._llg.regex_to_lark(pattern) + "/")
             if isinstance(lo, int) or isinstance(hi, int):
                 lo_s = str(max(int(lo or 0), 0))
                 hi_s = str(int(hi)) if isinstance(hi, int) else ""
-                return f"/(?s:.{{{lo_s},{hi_s}}})/ & ~/(?s:.*<\\/parameter>.*)/"
-            return _FREE_TEXT
+                if hi_s and int(hi_s) < int(lo_s):
+                    raise GrammarError(f"{fname}.{pname}: maxLength {hi_s} is below minLength {lo_s}")
+                parts.append(f"/(?s:.{{{lo_s},{hi_s}}})/")
+            if not parts:
+                return _FREE_TEXT
+            return " & ".join(parts + ["~/(?s:.*<\\/parameter>.*)/"])
         sub = dict(schema)
         sub["x-guidance"] = _JSON_OPTIONS
         return "%json " + json.dumps(sub, ensure_ascii=False)
@@ -263,3 +273,35 @@ class GrammarGuide:
 
     def is_finished(self) -> bool:
         return self._finished or (not self._waiting and self._m.is_stopped())
+
+
+class ThinkingBudgetGuide:
+    """At most `budget` reasoning tokens: once a think block the prompt opened has used them, only </think> may
+    follow (Anthropic's thinking.budget_tokens, enforced rather than hinted). After </think> the inner guide (a
+    forced tool call's or a JSON format's grammar, itself waiting for </think>) constrains the answer, or nothing."""
+
+    def __init__(self, inner: Any, think_end_id: int, budget: int):
+        self._inner = inner
+        self._end = int(think_end_id)
+        self._budget = int(budget)
+        self._used = 0
+        self._thinking = True
+
+    def allowed_tokens(self, vocab_size: int) -> torch.Tensor | None:
+        if self._thinking and self._used >= self._budget:
+            mask = torch.zeros(vocab_size, dtype=torch.bool)
+            mask[self._end] = True
+            return mask
+        return self._inner.allowed_tokens(vocab_size) if self._inner is not None else None
+
+    def accept(self, token_id: int) -> None:
+        if self._thinking:
+            if int(token_id) == self._end:
+                self._thinking = False
+            else:
+                self._used += 1
+        if self._inner is not None:
+            self._inner.accept(token_id)
+
+    def is_finished(self) -> bool:
+        return self._inner is not None and self._inner.is_finished()

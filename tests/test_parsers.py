@@ -219,3 +219,60 @@ def test_random_garbage_never_crashes():
             assert isinstance(json.loads(call.arguments), dict)
         if not calls:
             assert (c or "") == text
+
+
+# ---------------------------------------------------------------- a forced call cut by max_tokens
+
+NOTE_TOOLS = [{"type": "function", "function": {"name": "write_file", "parameters": {"type": "object", "properties": {
+    "path": {"type": "string"}, "n": {"type": "integer"}, "content": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "wait", "parameters": {"type": "object", "properties": {}}}}]
+FULL = ("<tool_call>\n<function=write_file>\n<parameter=path>\na.txt\n</parameter>\n<parameter=n>\n3\n</parameter>\n"
+        "<parameter=content>\nhello world, and more\n</parameter>\n</function>\n</tool_call>")
+
+
+def salvage(text, forced_name="write_file", cuts=()):
+    p = Qwen3CoderToolParser(NOTE_TOOLS, forced_name=forced_name, forced=True)
+    content, calls, last = "", [], 0
+    for c in list(cuts) + [len(text)]:
+        d, k = p.feed(text[last:c])
+        content, calls, last = content + d, calls + k, c
+    d, k = p.finish(salvage=True)
+    return content + d, calls + k
+
+
+@pytest.mark.parametrize("named", ["write_file", None])
+def test_salvage_returns_the_call_with_the_arguments_so_far(named):
+    """Every cut of a forced call gives a call (never markup as content) whose arguments are a prefix of the
+    final ones: finished parameters whole, the one being written up to the cut, a half-written name dropped."""
+    final = {"path": "a.txt", "n": 3, "content": "hello world, and more"}
+    # `required`: the name must be known, and "w" could still be write_file or wait
+    first = 1 if named else len("<tool_call>\n<function=wr")
+    for cut in range(len(FULL) + 1):
+        content, calls = salvage(FULL[:cut], named, cuts=[cut // 2])
+        assert content == "", (cut, content)  # never the markup as content
+        if cut < first:
+            assert calls == [], cut
+            continue
+        assert len(calls) == 1 and calls[0].name == "write_file", cut
+        args = json.loads(calls[0].arguments)
+        for k, v in args.items():
+            assert (final[k] if k == "content" else str(final[k])).startswith(str(v)), (cut, k, v)
+        assert calls[0].complete == (cut >= FULL.index("</function>") + len("</function>")), cut
+    assert json.loads(calls[0].arguments) == final
+
+
+def test_salvage_picks_the_only_tool_a_cut_name_can_be():
+    _, calls = salvage("<tool_call>\n<function=wri", forced_name=None)
+    assert [c.name for c in calls] == ["write_file"] and calls[0].arguments == "{}" and not calls[0].complete
+    _, calls = salvage("<tool_call>\n<function=", forced_name=None)  # write_file or wait: unknown
+    assert calls == []
+
+
+def test_salvage_after_a_complete_call_and_without_salvage():
+    two = FULL + "\n" + FULL[:70]
+    _, calls = salvage(two, forced_name=None)
+    assert [c.complete for c in calls] == [True, False] and json.loads(calls[1].arguments) == {"path": "a.txt"}
+    p = Qwen3CoderToolParser(NOTE_TOOLS, forced_name="write_file")
+    content, calls = p.feed(FULL[:70])
+    c2, k2 = p.finish()  # not cut by max_tokens (or not forced): the unfinished call is content, as before
+    assert calls + k2 == [] and content + c2 == FULL[:70]

@@ -192,6 +192,30 @@ def test_tool_result_fed_back(client):
     assert r.usage.prompt_tokens > 0
 
 
+NOTE = {"type": "function", "function": {"name": "write_note", "parameters": {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 6}, "body": {"type": "string"}}, "required": ["title", "body"]}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "write_note"}}])
+def test_forced_call_cut_by_max_tokens_is_still_a_call(client, choice):
+    """A forced call whose free-text parameter runs into max_tokens comes back in tool_calls with the arguments
+    written so far and finish_reason "length" -- not as <tool_call> markup in content -- streamed or whole."""
+    kw = dict(tools=[NOTE], tool_choice=choice, max_tokens=40)
+    r = chat(client, "Write a note", **kw)
+    c = r.choices[0]
+    assert c.finish_reason == "length" and c.message.content is None and len(c.message.tool_calls) == 1
+    args = json.loads(c.message.tool_calls[0].function.arguments)
+    assert set(args) == {"title", "body"} and len(args["title"]) <= 6  # maxLength ended the title
+    calls, finish, content = {}, None, ""
+    for ch in chat(client, "Write a note", stream=True, **kw):
+        for x in ch.choices:
+            finish = x.finish_reason or finish
+            content += x.delta.content or ""
+            for d in x.delta.tool_calls or []:
+                calls[d.index] = calls.get(d.index, "") + (d.function.arguments or "")
+    assert finish == "length" and content == "" and json.loads(calls[0]) == args
+
+
 def test_auto_tool_choice_plain_text_is_content(client):
     r = chat(client, "Say hi", tools=[WEATHER], max_tokens=16)  # tool_choice auto by default
     m = r.choices[0].message

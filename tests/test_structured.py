@@ -157,3 +157,57 @@ def test_wait_for_think_end(tok, factory):
         g.accept(t)
     mask = g.allowed_tokens(factory.vocab_size)
     assert mask is not None and 0 < int(mask.sum()) < factory.vocab_size
+
+
+BOUNDED = {"type": "object", "properties": {
+    "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+    "tag": {"type": "string", "pattern": "^[a-z]+$", "maxLength": 4},
+    "note": {"type": "string", "minLength": 2, "maxLength": 5},
+    "mode": {"const": "fast"},
+    "level": {"enum": [1, 2, 3]},
+    "days": {"type": "integer", "minimum": 2, "maximum": 5},
+    "odd": {"type": "integer", "exclusiveMinimum": 10, "exclusiveMaximum": 13},
+    "ratio": {"type": "number", "minimum": 0.5, "maximum": 2},
+    "maybe": {"type": ["string", "null"], "maxLength": 3}},
+    "required": ["code", "tag", "note", "mode", "level", "days", "odd", "ratio", "maybe"]}
+
+
+def test_tool_grammar_honours_parameter_bounds(tok, factory):
+    """maxLength, pattern (with a length too), const, enum and numeric bounds hold inside the call grammar, so
+    every bounded parameter ends: a random walk always completes the call, and its arguments validate."""
+    tools = [{"type": "function", "function": {"name": "bounded", "parameters": BOUNDED}}]
+    g = factory.tool_call_grammar(tools, "bounded")
+    rnd = random.Random(4)
+    for _ in range(4):
+        guide = factory.guide(g)
+        text = walk(tok, guide, factory.vocab_size, rnd, max_steps=600, prefer_short=0.5)
+        content, calls = extract_tool_calls(text, tools)
+        assert content is None and len(calls) == 1, text
+        jsonschema.validate(json.loads(calls[0].arguments), BOUNDED)
+
+
+def test_tool_grammar_bound_errors(factory):
+    bad = {"type": "object", "properties": {"s": {"type": "string", "minLength": 5, "maxLength": 2}}}
+    with pytest.raises(GrammarError, match="maxLength"):
+        factory.tool_call_grammar([{"type": "function", "function": {"name": "f", "parameters": bad}}], "f")
+
+
+def test_thinking_budget_forces_think_end(tok, factory):
+    from deltaserve.structured import ThinkingBudgetGuide
+
+    end = tok.token_to_id("</think>")
+    inner = factory.guide(factory.json_object_grammar(), wait_for_think_end=True)
+    g = ThinkingBudgetGuide(inner, end, budget=3)
+    word = tok.encode(" thought")[0]
+    for _ in range(3):
+        assert g.allowed_tokens(factory.vocab_size) is None  # thinking freely within the budget
+        g.accept(word)
+    mask = g.allowed_tokens(factory.vocab_size)
+    assert mask.nonzero().flatten().tolist() == [end]  # the budget is spent: only </think>
+    g.accept(end)
+    after = g.allowed_tokens(factory.vocab_size)  # now the answer's grammar applies
+    assert after is not None and 0 < int(after.sum()) < factory.vocab_size and not g.is_finished()
+    free = ThinkingBudgetGuide(None, end, budget=1)
+    free.accept(word)
+    free.accept(end)
+    assert free.allowed_tokens(factory.vocab_size) is None and not free.is_finished()

@@ -23,7 +23,12 @@ the whole text):
 - a call is emitted once it is complete (its `</function>` seen, and the `</tool_call>` that
   follows, if any); a tool call is never emitted half-way and then retracted;
 - from the first malformed or unfinished call on, the rest of the text is content: malformed
-  model output never crashes and never disappears.
+  model output never crashes and never disappears;
+- except for a forced call (tool_choice "required" or a named function) cut short by max_tokens:
+  `finish(salvage=True)` returns it as a call with the parameters written so far (the value being
+  written when the budget ran out ends there), because a client that forced a tool reads `tool_calls`,
+  and under the call grammar the text is tool-call markup only (so a call that cannot be salvaged --
+  cut before its name is known -- is dropped rather than returned as content).
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ class ToolCall:
     id: str
     name: str
     arguments: str  # JSON object text
+    complete: bool = True  # False: a forced call max_tokens cut short, with the arguments written so far
 
 
 def new_tool_call_id() -> str:
@@ -284,10 +290,70 @@ def _parse_call(text: str, start: int, final: bool) -> tuple[str, Any]:
     return "ok", (parsed[0], parsed[1], j)
 
 
-class Qwen3CoderToolParser:
-    """Streaming qwen3_coder parser. feed(delta) -> (content_delta, [completed ToolCall]); finish() likewise."""
+def _parse_partial_call(text: str, start: int, names: list[str], forced_name: str | None
+                        ) -> tuple[str, list[tuple[str, str]]] | None:
+    """The call at text[start] that max_tokens cut short: (name, parameters written so far), or None when not even
+    its function is known. The parameter being written ends where the text does (a partial closing tag dropped);
+    a parameter whose name was not finished is dropped."""
+    i = start
+    if text.startswith(TOOL_CALL_START, i):
+        i += len(TOOL_CALL_START)
+        while i < len(text) and text[i].isspace():
+            i += 1
+    elif not text.startswith(FUNCTION_PREFIX, i) and not TOOL_CALL_START.startswith(text[i:]):
+        return None
+    if not text.startswith(FUNCTION_PREFIX, i):
+        return (forced_name, []) if forced_name else None
+    head = i + len(FUNCTION_PREFIX)
+    gt = text.find(">", head)
+    if gt < 0:  # the name itself was cut: the forced one, or the only tool it can still be
+        partial = text[head:]
+        fits = [n for n in names if n.startswith(partial)]
+        name = forced_name or (fits[0] if len(fits) == 1 else None)
+        return (name, []) if name else None
+    name = text[head:gt].strip()
+    body = text[gt + 1:]
+    e = body.find(FUNCTION_END)
+    if e >= 0:
+        body = body[:e]
+    params: list[tuple[str, str]] = []
+    pos = 0
+    while True:
+        j = body.find(PARAMETER_PREFIX, pos)
+        if j < 0:
+            break
+        k = body.find(">", j + len(PARAMETER_PREFIX))
+        if k < 0:
+            break  # the parameter's name was cut
+        pname = body[j + len(PARAMETER_PREFIX):k].strip()
+        vstart = k + 1
+        end = body.find(PARAMETER_END, vstart)
+        nxt = body.find(PARAMETER_PREFIX, vstart)
+        if end >= 0 and (nxt < 0 or end < nxt):
+            value, pos = body[vstart:end], end + len(PARAMETER_END)
+        elif nxt >= 0:
+            value, pos = body[vstart:nxt], nxt
+        else:  # the value being written when the budget ran out
+            value = body[vstart:]
+            cut = _partial_suffix(value, ("\n" + PARAMETER_END,))
+            value, pos = value[:len(value) - cut], len(body)
+        if value.startswith("\n"):
+            value = value[1:]
+        if value.endswith("\n"):
+            value = value[:-1]
+        if _valid_name(pname):
+            params.append((pname, value))
+    return (name, params) if _valid_name(name) else None
 
-    def __init__(self, tools: list[dict] | None = None):
+
+class Qwen3CoderToolParser:
+    """Streaming qwen3_coder parser. feed(delta) -> (content_delta, [completed ToolCall]); finish() likewise.
+    forced: the output is under a forced-call grammar (forced_name: the named function), so finish(salvage=True)
+    returns a call that max_tokens cut short instead of its markup as content."""
+
+    def __init__(self, tools: list[dict] | None = None, forced_name: str | None = None, forced: bool = False):
+        self._forced_name = forced_name
+        self._forced = forced or forced_name is not None
         self._schemas: dict[str, dict] = {}
         for t in tools or []:
             fn = t.get("function") if isinstance(t, dict) else None
@@ -304,8 +370,36 @@ class Qwen3CoderToolParser:
         self._text += delta
         return self._run(final=False)
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        return self._run(final=True)
+    def finish(self, salvage: bool = False) -> tuple[str, list[ToolCall]]:
+        """The end of the output. salvage (a forced call cut by max_tokens): the unfinished call comes back as a
+        call with the arguments written so far; its markup never becomes content."""
+        if not (salvage and self._forced):
+            return self._run(final=True)
+        content, calls = self._run(final=False)  # complete calls; _pos stops at the unfinished one
+        rest = self._text[self._pos:]
+        if not self._fallback and rest.strip():
+            starts = [p for p in (rest.find(x) for x in _MARKERS) if p >= 0]
+            m = min(starts) if starts else len(rest) - len(rest.lstrip())
+            if starts and _parse_call(rest, m, final=True)[0] == "ok":  # complete after all (no </tool_call>)
+                c2, k2 = self._run(final=True)
+                tail = c2.strip()
+                if TOOL_CALL_END.startswith(tail) or TOOL_CALL_START.startswith(tail):
+                    c2 = ""  # the cut closing tag (or the next call's first bytes): markup, not content
+                return content + c2, calls + k2
+            part = _parse_partial_call(rest, m, list(self._schemas), self._forced_name)
+            if part is not None:
+                name, params = part
+                call = ToolCall(len(self.tool_calls), new_tool_call_id(), name, self.arguments_json(name, params),
+                                complete=False)
+                self.tool_calls.append(call)
+                calls.append(call)
+            elif not rest[m:].startswith(_MARKERS) and not TOOL_CALL_START.startswith(rest[m:].rstrip()):
+                content += rest.rstrip()  # not markup at all: text stays text
+            self._pos = len(self._text)
+        else:
+            c2, k2 = self._run(final=True)
+            content, calls = content + c2, calls + k2
+        return content, calls
 
     def arguments_json(self, name: str, params: list[tuple[str, str]]) -> str:
         schema = self._schemas.get(name, {})

@@ -1,12 +1,15 @@
-"""The FastAPI app: routes, OpenAI error objects, Bearer auth, and the engine's lifecycle.
+"""The FastAPI app: routes, error objects, API-key auth, and the engine's lifecycle.
 
     app = build_app(EngineConfig(...), api_key=None, served_model_name=None)
 
-The engine starts loading in a background thread when the app starts (its lifespan); until it is
-ready, /health and the generation routes answer 503. Errors are OpenAI error objects
-{"error": {"message", "type", "param", "code"}}: 400 for malformed JSON, unknown or unimplemented
-fields and bad values, 401 without the API key, 404 for an unknown model or route, 503 while not
-ready. A handler's failure never reaches the engine thread or another request.
+Three APIs over one engine: OpenAI's (/v1/completions, /v1/chat/completions, /v1/responses) and
+Anthropic's (/v1/messages). The engine starts loading in a background thread when the app starts (its
+lifespan); until it is ready, /health and the generation routes answer 503. Errors are OpenAI error
+objects {"error": {"message", "type", "param", "code"}}, and Anthropic's {"type": "error", "error":
+{"type", "message"}} on /v1/messages (errors.py): 400 for malformed JSON, unknown or unimplemented
+fields and bad values, 401 without the API key (Authorization: Bearer KEY, or Anthropic's x-api-key on
+/v1/messages), 404 for an unknown model or route, 503 while not ready. A handler's failure never
+reaches the engine thread or another request.
 """
 from __future__ import annotations
 
@@ -22,9 +25,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
 from .async_engine import AsyncEngine
+from .errors import ANTHROPIC_PREFIX, ApiError, shaped_error_body
+from .messages import MessagesServing
+from .messages_protocol import CountTokensRequest, MessagesRequest
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .serving import ApiError, OpenAIServing, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from .response_store import DEFAULT_MAX_STORED, ResponseStore
+from .responses import ResponsesServing
+from .responses_protocol import ResponsesRequest
+from .serving import OpenAIServing
 
 log = logging.getLogger("deltaserve.server")
 
@@ -50,13 +59,13 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope.get("path", "").startswith("/v1") and scope.get("method") != "OPTIONS":
-            auth = headers.get(b"authorization", b"").decode("latin-1")
-            expected = f"Bearer {self.api_key}"
-            if not secrets.compare_digest(auth.encode("latin-1", "replace"), expected.encode("latin-1", "replace")):
-                resp = JSONResponse(error_body("Invalid or missing API key (send Authorization: Bearer KEY).",
-                                               "authentication_error", None, "invalid_api_key"), status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+        path = scope.get("path", "")
+        if self.api_key is not None and path.startswith("/v1") and scope.get("method") != "OPTIONS":
+            if not self._authorized(headers, path):
+                how = "x-api-key: KEY or " if path.startswith(ANTHROPIC_PREFIX) else ""
+                resp = JSONResponse(shaped_error_body(path, f"Invalid or missing API key (send {how}Authorization: "
+                                                      "Bearer KEY).", "authentication_error", None, "invalid_api_key"),
+                                    status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, send)
         cl = headers.get(b"content-length")
         if cl is not None:
@@ -65,17 +74,28 @@ class _Guard:
             except ValueError:
                 too_big = False
             if too_big:
-                resp = JSONResponse(error_body(f"The request body is larger than {self.max_body} bytes.",
-                                               "invalid_request_error", None, "body_too_large"), status_code=413)
+                resp = JSONResponse(shaped_error_body(path, f"The request body is larger than {self.max_body} bytes.",
+                                                      "invalid_request_error", None, "body_too_large"), status_code=413)
                 return await resp(scope, receive, send)
         return await self.app(scope, receive, send)
+
+    def _authorized(self, headers: dict, path: str) -> bool:
+        """Authorization: Bearer KEY on every /v1 route; Anthropic's SDKs send x-api-key: KEY instead."""
+        def same(got: str, want: str) -> bool:
+            return secrets.compare_digest(got.encode("latin-1", "replace"), want.encode("latin-1", "replace"))
+
+        if same(headers.get(b"authorization", b"").decode("latin-1"), f"Bearer {self.api_key}"):
+            return True
+        return path.startswith(ANTHROPIC_PREFIX) and same(headers.get(b"x-api-key", b"").decode("latin-1"),
+                                                          self.api_key)
 
 
 def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
     """The first pydantic error as (message, param, code)."""
     if not errors:
         return "Invalid request.", None, "invalid_value"
-    e = errors[0]
+    # a union (a string or a list of items) reports one error per member: the deepest says what is wrong
+    e = max(errors, key=lambda x: len(x.get("loc", ())))
     loc = [x for x in e.get("loc", ()) if x != "body"]
     kind = e.get("type", "")
     if kind == "json_invalid":
@@ -83,6 +103,9 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
         return f"Malformed JSON in the request body{': ' + str(detail) if detail else ''}.", None, "invalid_json"
     # union members add their type as a path element ("str", "list[int]", "function-after[...]"): drop them
     path = [str(x) for x in loc if isinstance(x, int) or (isinstance(x, str) and x.isidentifier())]
+    blamed = (e.get("ctx") or {}).get("error")
+    if isinstance(blamed, FieldError):  # a check across fields that names the one to blame
+        path += blamed.field.split(".")
     param = path[0] if path and not path[0].isdigit() else None
     dotted = ".".join(path)
     if kind == "extra_forbidden":
@@ -90,6 +113,8 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
                 "so it is refused rather than ignored."), param, "unknown_field"
     if kind == "missing":
         return f"Missing required field '{dotted}'.", param, "missing_field"
+    if kind == "union_tag_not_found":
+        return f"Invalid value for '{dotted}': it needs a 'type' field.", param, "invalid_value"
     msg = e.get("msg", "invalid value")
     if msg.startswith("Value error, "):
         msg = msg[len("Value error, "):]
@@ -98,9 +123,11 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
 
 
 def build_app(engine_config: Any, api_key: str | None = None, served_model_name: str | list[str] | None = None,
-              *, engine_factory: Callable[[Any], Any] | None = None, freeze_heap: bool = False) -> FastAPI:
-    """The OpenAI-compatible app over one engine. engine_factory (tests) replaces LLMEngine.from_config.
-    freeze_heap: see AsyncEngine (the `deltaserve serve` process sets it; tests that build many apps do not)."""
+              *, engine_factory: Callable[[Any], Any] | None = None, freeze_heap: bool = False,
+              max_stored_responses: int = DEFAULT_MAX_STORED) -> FastAPI:
+    """The app over one engine. engine_factory (tests) replaces LLMEngine.from_config. freeze_heap: see
+    AsyncEngine (the `deltaserve serve` process sets it; tests that build many apps do not).
+    max_stored_responses: how many /v1/responses (store: true) are kept for previous_response_id."""
     if isinstance(served_model_name, str):
         names = [served_model_name]
     elif served_model_name:
@@ -110,6 +137,8 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
     engine = AsyncEngine(engine_config, engine_factory, freeze_heap=freeze_heap)
     metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.engine if engine.is_ready else None)
     serving = OpenAIServing(engine, metrics, names)
+    responses = ResponsesServing(engine, metrics, names, ResponseStore(max_stored_responses))
+    messages = MessagesServing(engine, metrics, names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -124,29 +153,34 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
     app.state.engine = engine
     app.state.metrics = metrics
     app.state.serving = serving
+    app.state.responses = responses
+    app.state.messages = messages
     app.add_middleware(_Guard, api_key=api_key)
+
+    def shaped(request: Request, message: str, type_: str, param: str | None, code: str | None) -> dict:
+        return shaped_error_body(request.url.path, message, type_, param, code)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(shaped(request, exc.message, exc.type, exc.param, exc.code), status_code=exc.status)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         msg, param, code = _validation_message(list(exc.errors()))
-        return JSONResponse(error_body(msg, "invalid_request_error", param, code), status_code=400)
+        return JSONResponse(shaped(request, msg, "invalid_request_error", param, code), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
         kind = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}.get(
             exc.status_code, "invalid_request_error" if exc.status_code < 500 else "internal_error")
-        return JSONResponse(error_body(str(exc.detail), kind, None, None), status_code=exc.status_code,
+        return JSONResponse(shaped(request, str(exc.detail), kind, None, None), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(f"Internal error: {type(exc).__name__}", "internal_error", None,
-                                       "internal_error"), status_code=500)
+        return JSONResponse(shaped(request, f"Internal error: {type(exc).__name__}", "internal_error", None,
+                                   "internal_error"), status_code=500)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -155,6 +189,26 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await serving.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request):
+        return await responses.create(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str):
+        return responses.retrieve(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return responses.delete(response_id)
+
+    @app.post("/v1/messages")
+    async def create_message(body: MessagesRequest, request: Request):
+        return await messages.create(body, request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(body: CountTokensRequest):
+        return await messages.count_tokens(body)
 
     @app.get("/v1/models")
     async def models():
@@ -172,8 +226,8 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
     async def health():
         if engine.is_ready:
             return Response(status_code=200)
-        return JSONResponse(error_body(engine.load_error or "The engine is loading.", "service_unavailable", None,
-                                       "not_ready"), status_code=503)
+        return JSONResponse(shaped_error_body("/health", engine.load_error or "The engine is loading.",
+                                              "service_unavailable", None, "not_ready"), status_code=503)
 
     @app.get("/metrics")
     async def prometheus():

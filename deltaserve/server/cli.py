@@ -27,6 +27,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="qwen3_coder", choices=["qwen3_coder"])
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool_choice auto is always available")
+    p.add_argument("--max-stored-responses", type=int, default=None, metavar="N",
+                   help="how many /v1/responses (store: true) are kept in memory for previous_response_id "
+                        "(default 1024; the oldest is evicted first; 0 keeps none)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     return p
@@ -52,7 +55,14 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import build_app
 
-    app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True)
+    from .response_store import DEFAULT_MAX_STORED
+
+    stored = DEFAULT_MAX_STORED if args.max_stored_responses is None else args.max_stored_responses
+    if stored < 0:
+        print("deltaserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
+        return 2
+    app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True,
+                    max_stored_responses=stored)
     logging.getLogger("deltaserve").info("serving %s on http://%s:%d", app.state.serving.model_name,
                                          args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,

@@ -13,12 +13,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_N = 64
 
 
+class FieldError(ValueError):
+    """A check across fields that blames one of them: the 400 names `field` (a dotted path), not the request."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (load generators such as guidellm ask for it)
+    continuous_usage_stats: bool | None = False
 
 
 class JsonSchemaSpec(_Strict):
@@ -79,7 +89,7 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _stream_opts(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise FieldError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
 
@@ -151,6 +161,22 @@ class ChatMessage(_Strict):
         return self.content
 
 
+def object_schema(v: dict | None, what: str = "function parameters") -> dict | None:
+    """A tool's parameter schema must be an object schema whose properties map names to schemas (every API's tools
+    become qwen3_coder parameters, one tag per property)."""
+    if v is None:
+        return v
+    if v.get("type", "object") != "object":
+        raise ValueError(f"{what} must be a JSON schema of type object")
+    props = v.get("properties", {})
+    if not isinstance(props, dict) or not all(isinstance(p, (dict, bool)) for p in props.values()):
+        raise ValueError(f"{what}.properties must map names to schemas")
+    req = v.get("required", [])
+    if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
+        raise ValueError(f"{what}.required must be a list of names")
+    return v
+
+
 class FunctionDef(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")
     description: str | None = None
@@ -160,17 +186,7 @@ class FunctionDef(_Strict):
     @field_validator("parameters")
     @classmethod
     def _object_schema(cls, v):
-        if v is None:
-            return v
-        if v.get("type", "object") != "object":
-            raise ValueError("function parameters must be a JSON schema of type object")
-        props = v.get("properties", {})
-        if not isinstance(props, dict) or not all(isinstance(p, (dict, bool)) for p in props.values()):
-            raise ValueError("function parameters.properties must map names to schemas")
-        req = v.get("required", [])
-        if not isinstance(req, list) or not all(isinstance(r, str) for r in req):
-            raise ValueError("function parameters.required must be a list of names")
-        return v
+        return object_schema(v)
 
 
 class ToolDef(_Strict):
@@ -201,22 +217,22 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _checks(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs: true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("give max_tokens or max_completion_tokens, not two different values")
+            raise FieldError("max_tokens", "give max_tokens or max_completion_tokens, not two different values")
         tc = self.tool_choice
         if tc is not None and tc not in ("none", "auto") and not self.tools:
-            raise ValueError("tool_choice 'required' or a named function needs tools")
+            raise FieldError("tool_choice", "tool_choice 'required' or a named function needs tools")
         if isinstance(tc, NamedToolChoice) and tc.function.name not in {t.function.name for t in self.tools or []}:
-            raise ValueError(f"tool_choice names function {tc.function.name!r}, which is not in tools")
+            raise FieldError("tool_choice", f"tool_choice names function {tc.function.name!r}, which is not in tools")
         if self.tools:
             names = [t.function.name for t in self.tools]
             if len(set(names)) != len(names):
-                raise ValueError("tools have duplicate function names")
+                raise FieldError("tools", "tools have duplicate function names")
         forced = tc == "required" or isinstance(tc, NamedToolChoice)
         if forced and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format cannot be combined with a forced tool_choice")
+            raise FieldError("response_format", "response_format cannot be combined with a forced tool_choice")
         return self
 
     @property

@@ -1,0 +1,104 @@
+"""Anthropic Messages -> the chat template's messages, and the request -> the one internal chat request.
+
+`system` becomes the system message; a user message's `tool_result` blocks become tool messages (in their
+order, around its text); an assistant message's `thinking`, `text` and `tool_use` blocks become its
+reasoning_content, content and tool_calls. A final assistant message is a prefill: the answer continues
+from its text (rendered after the generation prompt, not returned). `tools` (input_schema) become chat
+tools; tool_choice auto / any / tool / none become auto / required / the named function / none; `thinking`
+enabled turns the template's thinking on with its budget enforced (structured.ThinkingBudgetGuide), adaptive
+on without a budget, and it is off otherwise (Anthropic's default). output_config.format (a JSON schema) is
+enforced by the grammar, as response_format is in chat.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from .chat_spec import ChatSpec
+from .errors import bad_request
+from .messages_protocol import (CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock, ThinkingEnabled,
+                                ToolResultBlock, ToolUseBlock)
+
+NAMES = {"prompt": "messages", "stop": "stop_sequences"}
+_CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+
+
+def _system(system) -> str | None:
+    if system is None:
+        return None
+    return system if isinstance(system, str) else "".join(b.text for b in system)
+
+
+def conversation(req: CountTokensRequest) -> tuple[list[dict], str]:
+    """(template messages, prefill text)."""
+    out: list[dict[str, Any]] = []
+    sys = _system(req.system)
+    if sys:
+        out.append({"role": "system", "content": sys})
+    calls: set[str] = set()
+    msgs = list(req.messages)
+    prefill = ""
+    if msgs[-1].role == "assistant":
+        last = msgs.pop()
+        blocks = [last.content] if isinstance(last.content, str) else last.content
+        if not all(isinstance(b, (str, TextBlock)) for b in blocks):
+            raise bad_request("A final assistant message (a prefill) may only hold text.",
+                              f"messages.{len(msgs)}.content")
+        if req.thinking_on:
+            raise bad_request("A final assistant message (a prefill) cannot be combined with thinking.",
+                              f"messages.{len(msgs)}")
+        prefill = "".join(b if isinstance(b, str) else b.text for b in blocks)
+    for i, m in enumerate(msgs):
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        if m.role == "assistant":
+            a: dict[str, Any] = {"role": "assistant", "content": ""}
+            for b in m.content:
+                if isinstance(b, ThinkingBlock):
+                    a["reasoning_content"] = a.get("reasoning_content", "") + b.thinking
+                elif isinstance(b, TextBlock):
+                    a["content"] += b.text
+                elif isinstance(b, ToolUseBlock):
+                    a.setdefault("tool_calls", []).append(
+                        {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
+                    calls.add(b.id)
+            out.append(a)
+            continue
+        text: list[str] = []
+        for k, b in enumerate(m.content):
+            if isinstance(b, ToolResultBlock):
+                if b.tool_use_id not in calls:
+                    raise bad_request(f"tool_result block names tool_use_id {b.tool_use_id!r}, which no earlier "
+                                      "tool_use block has.", f"messages.{i}.content.{k}.tool_use_id")
+                if text:
+                    out.append({"role": "user", "content": "".join(text)})
+                    text = []
+                body = b.text()
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": f"Error: {body}" if b.is_error else body})
+            else:
+                text.append(b.text)
+        if text:
+            out.append({"role": "user", "content": "".join(text)})
+    return out, prefill
+
+
+def messages_spec(req: MessagesRequest | CountTokensRequest) -> ChatSpec:
+    messages, prefill = conversation(req)
+    tc = req.tool_choice
+    tools = [t.as_chat_tool() for t in req.tools] if req.tools else None
+    spec = ChatSpec(messages=messages, tools=tools, tool_choice=_CHOICES[tc.type] if tc is not None else None,
+                    tool_name=tc.name if tc is not None and tc.type == "tool" else None,
+                    parallel_tool_calls=not (tc is not None and tc.disable_parallel_tool_use),
+                    template_kwargs={"enable_thinking": req.thinking_on}, prefill=prefill,
+                    thinking_budget=req.thinking.budget_tokens if isinstance(req.thinking, ThinkingEnabled) else None,
+                    names=NAMES, id_prefix="msg_")
+    if isinstance(req, MessagesRequest):
+        spec.max_tokens = req.max_tokens
+        spec.sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                         "stop": req.stop_sequences}
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None:
+            spec.response_format = ("json_schema", fmt.json_schema)
+            spec.names = {**NAMES, "response_format": "output_config.format"}
+    return spec

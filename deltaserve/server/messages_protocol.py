@@ -1,0 +1,232 @@
+"""Request schemas of the Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens).
+
+Unknown fields and block types are refused with a 400 naming them (in Anthropic's error shape, see
+errors.py), never ignored: images, documents, server tools (web search, code execution, ...), citations
+and a service tier are not served, and a client learns so at once. `cache_control` is accepted on every
+block because what it asks for is always done here: deltaserve's prefix cache keeps every prompt's
+blocks, marked or not (the ttl is not promised: pages live until they are evicted).
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from .protocol import FieldError, _Strict, object_schema
+
+
+class CacheControl(_Strict):
+    type: Literal["ephemeral"]
+    ttl: Literal["5m", "1h"] | None = None
+
+
+class TextBlock(_Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: CacheControl | None = None
+    citations: list[Any] | None = None
+
+    @field_validator("citations")
+    @classmethod
+    def _no_citations(cls, v):
+        if v:
+            raise ValueError("citations are not supported")
+        return v
+
+
+class ToolUseBlock(_Strict):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+class ToolResultBlock(_Strict):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[TextBlock] | None = None
+    is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+
+
+class ThinkingBlock(_Strict):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    cache_control: CacheControl | None = None
+
+
+_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
+
+
+def _block_kind(v: Any) -> str | None:
+    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    return None if t is None else f"type={t}" if t in _BLOCK_TYPES else "unsupported block"
+
+
+class UnsupportedBlock(_Strict):
+    """An unknown block type: a 400 that names it and what is served."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, v):
+        t = v.get("type") if isinstance(v, dict) else None
+        why = " (this server serves text models)" if t in ("image", "document", "search_result") else ""
+        raise ValueError(f"content block type {t!r} is not supported{why}; this server takes "
+                         f"{', '.join(_BLOCK_TYPES)}")
+
+
+# tags are not identifiers, so they stay out of the field path a 400 names (messages.0.content.1.tool_use_id)
+Block = Annotated[Union[Annotated[TextBlock, Tag("type=text")], Annotated[ToolUseBlock, Tag("type=tool_use")],
+                        Annotated[ToolResultBlock, Tag("type=tool_result")],
+                        Annotated[ThinkingBlock, Tag("type=thinking")],
+                        Annotated[UnsupportedBlock, Tag("unsupported block")]], Discriminator(_block_kind)]
+
+
+class Message(_Strict):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+    @model_validator(mode="after")
+    def _blocks_by_role(self) -> "Message":
+        if isinstance(self.content, list):
+            for b in self.content:
+                if self.role == "user" and isinstance(b, (ToolUseBlock, ThinkingBlock)):
+                    raise ValueError(f"a user message cannot carry a {b.type} block")
+                if self.role == "assistant" and isinstance(b, ToolResultBlock):
+                    raise ValueError("an assistant message cannot carry a tool_result block")
+        return self
+
+
+class Tool(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any]
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _server_tools(cls, v):
+        if isinstance(v, dict) and v.get("type") not in (None, "custom"):
+            raise ValueError(f"tool type {v.get('type')!r} (a server tool) is not supported; this server runs "
+                             "client tools (name, description, input_schema)")
+        return v
+
+    @field_validator("input_schema")
+    @classmethod
+    def _object_schema(cls, v):
+        return object_schema(v, "input_schema")
+
+    def as_chat_tool(self) -> dict:
+        fn: dict[str, Any] = {"name": self.name}  # chat's key order: the template writes the tool as JSON
+        if self.description is not None:
+            fn["description"] = self.description
+        fn["parameters"] = self.input_schema
+        return {"type": "function", "function": fn}
+
+
+class ToolChoice(_Strict):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+    @model_validator(mode="after")
+    def _name(self) -> "ToolChoice":
+        if (self.type == "tool") != (self.name is not None):
+            raise ValueError("tool_choice of type tool needs a name (and only that type takes one)")
+        return self
+
+
+class ThinkingEnabled(_Strict):
+    type: Literal["enabled"]
+    budget_tokens: int = Field(ge=1024)
+
+
+class ThinkingDisabled(_Strict):
+    type: Literal["disabled"]
+
+
+class ThinkingAdaptive(_Strict):
+    """Thinking on, as long as the model wants (no budget but max_tokens)."""
+
+    type: Literal["adaptive"]
+    display: Literal["summarized"] | None = None  # thinking is returned as written ("omitted" is not served)
+
+
+class JsonOutputFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+    model_config = _Strict.model_config | {"populate_by_name": True}
+
+
+class OutputConfig(_Strict):
+    """Structured output: the text is JSON of the schema (enforced by the grammar, as response_format in chat)."""
+
+    format: JsonOutputFormat | None = None
+
+
+class Metadata(_Strict):
+    user_id: str | None = Field(default=None, max_length=256)  # informational, as OpenAI's `user`
+
+
+class _Conversation(_Strict):
+    """What count_tokens and messages share: the model, the conversation and the tools."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Annotated[Union[ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive],
+                        Field(discriminator="type")] | None = None
+    cache_control: CacheControl | None = None  # the whole request: cached here anyway (see the module doc)
+
+    @model_validator(mode="after")
+    def _tools(self):
+        tc = self.tool_choice
+        if tc is not None and tc.type in ("any", "tool") and not self.tools:
+            raise FieldError("tool_choice", f"tool_choice of type {tc.type} needs tools")
+        if tc is not None and tc.type == "tool" and tc.name not in {t.name for t in self.tools or []}:
+            raise FieldError("tool_choice", f"tool_choice names tool {tc.name!r}, which is not in tools")
+        if self.tools:
+            names = [t.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise FieldError("tools", "tools have duplicate names")
+        return self
+
+    @property
+    def thinking_on(self) -> bool:
+        return isinstance(self.thinking, (ThinkingEnabled, ThinkingAdaptive))
+
+
+class CountTokensRequest(_Conversation):
+    pass
+
+
+class MessagesRequest(_Conversation):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
+
+    @model_validator(mode="after")
+    def _budget(self) -> "MessagesRequest":
+        fmt = self.output_config.format if self.output_config is not None else None
+        if fmt is not None and self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):
+            raise FieldError("output_config.format", "output_config.format cannot be combined with a forced "
+                             "tool_choice")
+        if isinstance(self.thinking, ThinkingEnabled) and self.thinking.budget_tokens >= self.max_tokens:
+            raise FieldError("thinking.budget_tokens", "thinking.budget_tokens must be less than max_tokens")
+        return self

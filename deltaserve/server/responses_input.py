@@ -1,0 +1,132 @@
+"""Responses API input items -> the chat template's messages (and a response's output back into them).
+
+Items map onto the conversation the template renders: user / system / developer messages as they are; an
+assistant turn is the run of `reasoning`, assistant `message` and `function_call` items that follow one
+another (reasoning_content, content, tool_calls); a `function_call_output` is a tool message. The same
+mapping turns a stored response's output into the assistant message a `previous_response_id` continues
+from, so a continued conversation renders to the same prefix the first turn did -- which is what lets the
+prefix cache serve it.
+
+Reasoning's `encrypted_content` (include: ["reasoning.encrypted_content"], what stateless clients such as
+Codex CLI send back) is NOT encrypted here: it is the reasoning text, base64-encoded behind a prefix, which
+the server reads back. deltaserve returns the reasoning in the clear anyway; the field exists so that a
+client that keeps no server state can still hand the reasoning back.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from typing import Any
+
+from .errors import bad_request
+from .responses_protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
+
+_OPAQUE_PREFIX = "deltaserve-reasoning-v1:"
+
+
+def encode_reasoning(text: str) -> str:
+    return _OPAQUE_PREFIX + base64.b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def decode_reasoning(blob: str, where: str) -> str:
+    if not blob.startswith(_OPAQUE_PREFIX):
+        raise bad_request("This encrypted_content was not written by this server, which cannot read it; send the "
+                          "reasoning as content parts of type reasoning_text instead.", where,
+                          "invalid_encrypted_content")
+    try:
+        return base64.b64decode(blob[len(_OPAQUE_PREFIX):], validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise bad_request("encrypted_content is damaged.", where, "invalid_encrypted_content") from None
+
+
+def _reasoning_text(it: ReasoningItem, where: str) -> str:
+    if it.content:
+        return "".join(p.text for p in it.content)
+    if it.encrypted_content:
+        return decode_reasoning(it.encrypted_content, where + ".encrypted_content")
+    return "\n\n".join(p.text for p in it.summary)
+
+
+def _arguments(text: str, where: str) -> dict:
+    try:
+        v = json.loads(text)
+    except ValueError:
+        v = None
+    if not isinstance(v, dict):
+        raise bad_request(f"{where} must be a JSON object (the function's arguments).", where, "invalid_value")
+    return v
+
+
+def input_messages(items: str | list, known_calls: set[str] | None = None) -> list[dict]:
+    """The request's input as template messages. known_calls: call ids from the conversation it continues
+    (a function_call_output must answer a call made before it)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    calls = set(known_calls or ())
+    out: list[dict[str, Any]] = []
+    cur: dict[str, Any] | None = None  # the assistant turn being assembled
+
+    def assistant() -> dict[str, Any]:
+        m: dict[str, Any] = {"role": "assistant", "content": ""}
+        out.append(m)
+        return m
+
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if isinstance(it, MessageItem):
+            if it.role == "assistant":
+                if cur is None or cur["content"] or cur.get("tool_calls"):
+                    cur = assistant()
+                cur["content"] += it.text()
+            else:
+                cur = None
+                out.append({"role": "system" if it.role in ("system", "developer") else "user", "content": it.text()})
+        elif isinstance(it, ReasoningItem):
+            if cur is None or cur["content"] or cur.get("tool_calls") or "reasoning_content" in cur:
+                cur = assistant()
+            cur["reasoning_content"] = _reasoning_text(it, where)
+        elif isinstance(it, FunctionCallItem):
+            if cur is None:
+                cur = assistant()
+            cur.setdefault("tool_calls", []).append(
+                {"id": it.call_id, "type": "function",
+                 "function": {"name": it.name, "arguments": _arguments(it.arguments, where + ".arguments")}})
+            calls.add(it.call_id)
+        elif isinstance(it, FunctionCallOutputItem):
+            if it.call_id not in calls:
+                raise bad_request(f"No function_call with call_id {it.call_id!r} comes before this "
+                                  "function_call_output.", where + ".call_id", "invalid_value")
+            cur = None
+            out.append({"role": "tool", "tool_call_id": it.call_id, "content": it.text()})
+    return out
+
+
+def output_message(output: list[dict]) -> dict | None:
+    """A response's output items as the one assistant message the next turn renders (None if it wrote nothing)."""
+    m: dict[str, Any] = {"role": "assistant", "content": ""}
+    for item in output:
+        if item["type"] == "reasoning":
+            m["reasoning_content"] = "".join(p["text"] for p in item.get("content") or [])
+        elif item["type"] == "message":
+            m["content"] += "".join(p["text"] for p in item["content"])
+        elif item["type"] == "function_call":
+            m.setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": json.loads(item["arguments"] or "{}")}})
+    return m if (m["content"] or m.get("tool_calls") or m.get("reasoning_content")) else None
+
+
+def call_ids(messages: list[dict]) -> set[str]:
+    return {c["id"] for m in messages for c in m.get("tool_calls") or [] if c.get("id")}
+
+
+def with_instructions(instructions: str | None, messages: list[dict]) -> list[dict]:
+    """instructions and the conversation's leading system / developer messages become one system message at the
+    start (Qwen's templates take the system prompt there only)."""
+    k = 0
+    while k < len(messages) and messages[k]["role"] == "system":
+        k += 1
+    texts = ([instructions] if instructions else []) + [m["content"] for m in messages[:k]]
+    head = [{"role": "system", "content": "\n\n".join(texts)}] if texts else []
+    return head + messages[k:]
