@@ -78,3 +78,59 @@ def test_token_budgets_give_the_same_bits():
             conv = conv + list(out.outputs[0].token_ids)
         sigs.append(turn_sigs)
     assert sigs[0] == sigs[1]
+
+
+def test_eight_concurrent_sessions_each_equal_their_cold_run():
+    """Eight sessions sharing a system prompt, two turns each, every turn of all eight submitted together (they
+    share steps, some hit what others computed in the same run): each turn equals its own cold run, bit for bit."""
+    rng = random.Random(24)
+    system = random_tokens(rng, 700)
+    convs = [system + random_tokens(rng, 60 + 7 * i) for i in range(8)]
+    llm = make_llm(max_num_seqs=8, max_num_batched_tokens=1024, kv_cache_memory=256 << 20)
+    for turn in range(2):
+        hits = run(llm, convs, salt="fleet", params=greedy(max_tokens=12))
+        colds = run(llm, convs, salt=[f"cold-{turn}-{i}" for i in range(8)], params=greedy(max_tokens=12))
+        assert [signature(h) for h in hits] == [signature(c) for c in colds]
+        if turn:
+            assert all(h.num_cached_tokens >= 700 // 64 * 64 for h in hits)
+        convs = [c + list(h.outputs[0].token_ids) + random_tokens(rng, 40) for c, h in zip(convs, hits)]
+
+
+# ---------------------------------------------------------------- the gates catch these mutants
+def test_mutant_publishing_decode_path_blocks_is_caught(monkeypatch):
+    """If the blocks decode steps wrote were published on the prefill path's hash, the next turn would hit them and
+    its logprobs would no longer equal the cold run's: the gate above sees it."""
+    from deltaserve.scheduler import Scheduler
+
+    add = Scheduler.add
+
+    def untagged(self, request):
+        add(self, request)
+        request.tag_outputs = False
+    monkeypatch.setattr(Scheduler, "add", untagged)
+    rng = random.Random(22)
+    first = random_tokens(rng, 1200)
+    llm = make_llm(max_num_batched_tokens=2048, kv_cache_memory=256 << 20, reprefill_outputs=False)
+    t1 = run(llm, [first], salt="s", params=greedy(max_tokens=150))[0]
+    second = first + list(t1.outputs[0].token_ids) + random_tokens(rng, 200)
+    hit = run(llm, [second], salt="s")[0]
+    assert hit.num_cached_tokens == (1200 + 150) // 64 * 64  # it hit decode-written blocks ...
+    assert signature(hit) != signature(run(llm, [second], salt="cold")[0])  # ... and is not the cold run
+
+
+def test_mutant_fork_save_on_the_wrong_side_is_caught(monkeypatch):
+    """A fork checkpoint a block past the fork (into the second session's own text) keeps every state exact, but the
+    third session can no longer hit all of the shared prefix: the gate's cached-token bound sees it."""
+    from deltaserve.scheduler.policy import AlignEveryBlock
+
+    saves = AlignEveryBlock.saves
+
+    def shifted(self, start, end, prompt_end, fork):
+        return saves(self, start, end, prompt_end, fork + self.block_size if fork else 0)
+    monkeypatch.setattr(AlignEveryBlock, "saves", shifted)
+    rng = random.Random(21)
+    system = random_tokens(rng, 1500)
+    prompts = [system + random_tokens(rng, 300 + 11 * i) for i in range(3)]
+    llm = make_llm(max_num_batched_tokens=2048, kv_cache_memory=256 << 20, checkpoint_grid=0)
+    hits = [run(llm, [p], salt="fleet")[0] for p in prompts]
+    assert hits[2].num_cached_tokens < 1500 // 64 * 64

@@ -43,7 +43,7 @@ def test_fleet_smoke(capsys):
     text = capsys.readouterr().out
     assert "| arm | wall s |" in text and "| off |" in text and "| runs |" in text and "wall >= 6x" in text
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:-1]] for ln in text.splitlines()
-            if (ln.startswith("| off |") or ln.startswith("| runs |")) and ln.count("|") == 11}
+            if (ln.startswith("| off |") or ln.startswith("| runs |")) and ln.count("|") == 12}
     assert rows["off"][4] == "0%" and int(rows["runs"][4].rstrip("%")) >= 90  # 2..N cached of the shared prefix
     assert float(rows["runs"][5]) > 0.5 and float(rows["off"][5]) == 0.0  # hit rate
 

@@ -401,3 +401,24 @@ def test_value_eviction_under_pressure_keeps_integrity(layout):
             d.step()
         d.finish()
         assert d.m.stats.evicted_pages > 0 or seed, "the pressure run evicts"
+
+
+def test_mutant_evicting_a_held_page_is_caught():
+    """An eviction policy that hands back a page someone holds: the manager refuses it (fail closed)."""
+    from deltaserve.memory.eviction import LRUEviction
+
+    class Careless(LRUEviction):
+        def pop(self) -> int:
+            return held[0]
+
+    m = MemoryManager(6, 2, BS, 1, caching=True, layout="in-page", eviction=Careless())
+    m.admit("c")  # one published block, freed: its page is cached, evictable
+    m.append_pages("c", 4)
+    m.publish("c", keys(list(range(1, 5)))[1])
+    m.free("c")
+    m.admit("a")
+    held = m.append_pages("a", 4 * 5)  # the pool's free pages, all of them
+    assert not m.free_page_ids() and m.num_allocatable() == 1
+    m.admit("b")
+    with pytest.raises(AssertionError):
+        m.append_pages("b", 4)  # needs the evictable page: the careless policy offers one of a's instead

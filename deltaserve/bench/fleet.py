@@ -54,8 +54,10 @@ def make_workload(sessions: int, turns: int, shared_tokens: int, new_tokens: tup
                     [[ids(rng.randint(*new_tokens)) for _ in range(turns - 1)] for _ in range(sessions)], output_tokens)
 
 
-def run_arm(engine_flags: dict, wl: Workload, label: str) -> dict:
-    """One arm: a fresh engine, the fleet replayed closed-loop with the staggered start. Returns its summary."""
+def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.0) -> dict:
+    """One arm: a fresh engine, the fleet replayed closed-loop with the staggered start; a session sends its next
+    turn think_time seconds after its answer is complete (the client runs a tool meanwhile; the engine is free to
+    do its background work). Returns its summary."""
     from ..config import EngineConfig
     from ..engine import LLMEngine
     from ..sampling_params import SamplingParams
@@ -74,6 +76,8 @@ def run_arm(engine_flags: dict, wl: Workload, label: str) -> dict:
     bg_s = 0.0
     job_tokens0 = eng.stats().reprefill_tokens
 
+    due: list[tuple[float, int]] = []  # (when, session): turns waiting for their client's think time
+
     def send(s: int) -> None:
         rid = f"{label}-{s}-{turn[s]}"
         eng.add_request(rid, {"prompt_token_ids": list(convo[s])}, params)
@@ -81,7 +85,14 @@ def run_arm(engine_flags: dict, wl: Workload, label: str) -> dict:
 
     t0 = time.perf_counter()
     send(0)
-    while live or eng.has_background_work():
+    while live or due or eng.has_background_work():
+        now = time.perf_counter()
+        for when, s in [d for d in due if d[0] <= now]:
+            due.remove((when, s))
+            send(s)
+        if not live and not eng.has_background_work():
+            time.sleep(max(0.0, min(w for w, _ in due) - now))
+            continue
         ts = time.perf_counter()
         outs = eng.step()
         dt = time.perf_counter() - ts
@@ -108,9 +119,7 @@ def run_arm(engine_flags: dict, wl: Workload, label: str) -> dict:
             turn[s] += 1
             if turn[s] <= len(wl.news[s]):
                 convo[s] += wl.news[s][turn[s] - 1]
-                send(s)
-        if not live and not eng.has_background_work():
-            break
+                due.append((now + think_time, s))
     wall = time.perf_counter() - t0
     st = eng.stats()
     shared = len(wl.shared)
@@ -126,18 +135,20 @@ def run_arm(engine_flags: dict, wl: Workload, label: str) -> dict:
             "reprefill_tokens": st.reprefill_tokens - job_tokens0, "reprefill_s": bg_s,
             "reprefill_jobs": st.reprefill_jobs, "reprefill_dropped": st.reprefill_dropped,
             "saved_by_kind": st.checkpoints_saved_by_kind, "pool_tokens": eng.pool.pool_tokens,
+            "evictions": st.evictions, "preemptions": st.preemptions,
             "block_size": eng.block_size}
 
 
 def format_report(arms: list[dict], head: str) -> str:
     out = [head, "", "| arm | wall s | later-turn TTFT s | session 1 first TTFT s | sessions 2..N first TTFT s | "
-           "2..N cached of shared | hit rate | re-prefill tokens | re-prefill share of wall | checkpoints saved |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "2..N cached of shared | hit rate | re-prefill tokens | re-prefill share of wall | checkpoints saved | "
+           "evicted pages / preemptions |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
         kinds = ", ".join(f"{k} {v}" for k, v in a["saved_by_kind"].items() if v)
         out.append(f"| {a['arm']} | {a['wall_s']:.2f} | {a['later_ttft_s']:.3f} | {a['first_ttft_s']:.3f} | "
                    f"{a['others_first_ttft_s']:.3f} | {a['others_shared_cached']:.0%} | {a['hit_rate']:.3f} | "
-                   f"{a['reprefill_tokens']:,} | {a['reprefill_s'] / a['wall_s']:.1%} | {kinds or '-'} |")
+                   f"{a['reprefill_tokens']:,} | {a['reprefill_s'] / a['wall_s']:.1%} | {kinds or '-'} | "
+                   f"{a['evictions']:,} / {a['preemptions']} |")
     off = next((a for a in arms if a["arm"] == "off"), None)
     if off is not None:
         out += ["", "| arm vs off | wall | later-turn TTFT | target |", "|---|---|---|---|"]
@@ -169,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-tokens", type=int, default=2000, help="the shared system prompt + tool list")
     p.add_argument("--new-tokens", default="100,300", help="min,max new tokens per turn (user or tool text)")
     p.add_argument("--output-tokens", type=int, default=None)
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="seconds a session's client takes between an answer and its next turn (a tool running)")
     p.add_argument("--workload-seed", type=int, default=0)
     add_engine_args(p, ("preset", "model", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
                         "checkpoint_grid", "reprefill_outputs", "eviction", "num_threads"))
@@ -198,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         if arm != "off":
             cfg |= {"cache_layout": layout} | ({"eviction": eviction} if eviction else {})
         _progress(f"{arm}: {sessions} sessions x {turns} turns")
-        results.append(run_arm(cfg, wl, arm))
+        results.append(run_arm(cfg, wl, arm, a.think_time))
         r = results[-1]
         _progress(f"{arm}: wall {r['wall_s']:.1f}s, later TTFT {r['later_ttft_s']:.3f}s, hit rate {r['hit_rate']:.3f}")
     head = (f"fleet: {sessions} sessions x {turns} turns sharing {a.shared_tokens} tokens, {lo}-{hi} new tokens and "
-            f"{out_tokens} generated per turn (re-sent), {flags.get('model') or preset}, bf16, token budget "
+            f"{out_tokens} generated per turn (re-sent), think time {a.think_time} s, {flags.get('model') or preset}, "
+            f"bf16, token budget "
             f"{base.get('max_num_batched_tokens', ENGINE_DEFAULTS['max_num_batched_tokens'])}")
     print(format_report(results, head))
     return 0

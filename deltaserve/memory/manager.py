@@ -471,6 +471,7 @@ class MemoryManager:
             p = self._free.popleft()
         elif len(self._evictor):
             p = self._evictor.pop()
+            assert self._ref[p] == 0 and p in self._role, f"the eviction policy offered page {p}: held or not cached"
             self._evict(p)
         else:
             raise OutOfPagesError("the pool is exhausted")
