@@ -58,6 +58,7 @@ from typing import Callable, Sequence
 from ..errors import ConfigError
 from ..layouts import CacheLayout, layout_for
 from .eviction import EvictionPolicy, LRUEviction
+from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, CacheRecord
 from .hashing import BlockHash, block_hash
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
@@ -192,6 +193,17 @@ class MemoryManager:
         self._slot_owner: dict[int, str] = {}
         self._seqs: dict[str, _Seq] = {}
         self.stats = CacheStats()
+        self.events: deque[CacheRecord] | None = None  # enable_events(): changes of the cache, for a router
+
+    def enable_events(self) -> deque[CacheRecord]:
+        """Record every change of the prefix cache (memory/events.py) into a deque, and return it: the engine's
+        thread only appends; another thread drains it (deque appends and pops are atomic). Call before the
+        first request, so the records describe the whole cache."""
+        if self._cache:
+            raise RuntimeError("enable cache events before the cache holds anything")
+        if self.events is None:
+            self.events = deque()
+        return self.events
 
     @classmethod
     def from_pool(cls, plan, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
@@ -408,6 +420,8 @@ class MemoryManager:
             if h not in self._cache and p not in self._role:
                 self._cache[h] = CacheEntry(h, parent, toks, p)
                 self._role[p] = h
+                if self.events is not None:
+                    self.events.append(CacheRecord(BLOCK, h, parent, toks, j))
 
     def commit_checkpoints(self, seq_id: str) -> int:
         """The planned saves of published blocks have run: attach them to their cache entries.
@@ -430,6 +444,8 @@ class MemoryManager:
                 if ok and e.page == loc[0]:
                     if e.checkpoint is None:
                         e.checkpoint, e.checkpoint_kind = loc, kind
+                        if self.events is not None:
+                            self.events.append(CacheRecord(CHECKPOINT, h))
                 else:
                     seq.orphan_saves[k] = kind
                 continue
@@ -437,6 +453,8 @@ class MemoryManager:
                 e.checkpoint, e.checkpoint_kind = loc, kind
                 for q in loc:
                     self._role[q] = h
+                if self.events is not None:
+                    self.events.append(CacheRecord(CHECKPOINT, h))
                 self._hold_ckpt(seq, loc, k, kind)
             elif ok:  # the entry already has one: hold that, drop ours
                 for q in e.checkpoint:
@@ -492,11 +510,15 @@ class MemoryManager:
             if self._pooled and e.checkpoint:
                 for q in e.checkpoint:
                     self._drop_role(q)
+            if self.events is not None:
+                self.events.append(CacheRecord(BLOCK_GONE, h))
         else:
             ck, e.checkpoint, e.checkpoint_kind = e.checkpoint, None, None
             for q in ck:
                 if q != p:
                     self._drop_role(q)
+            if self.events is not None:
+                self.events.append(CacheRecord(CHECKPOINT_GONE, h))
         self._kind[p] = None
 
     def _repoint(self, e: CacheEntry, p: int) -> None:
@@ -564,6 +586,8 @@ class MemoryManager:
             if p not in self._role and h not in self._cache:
                 self._cache[h] = CacheEntry(h, parent, toks, p)
                 self._role[p] = h
+                if self.events is not None:
+                    self.events.append(CacheRecord(BLOCK, h, parent, toks, j))
         if self._pooled and seq.ckpt is not None and seq.ckpt[0] not in self._role:
             h, parent, toks = seq.keys[seq.ckpt_block]
             e = self._cache.get(h)
@@ -571,11 +595,15 @@ class MemoryManager:
                 e.checkpoint, e.checkpoint_kind = seq.ckpt, seq.ckpt_kind
                 for q in seq.ckpt:
                     self._role[q] = h
+                if self.events is not None:
+                    self.events.append(CacheRecord(CHECKPOINT, h))
         for k, kind in seq.orphan_saves.items():
             h, parent, toks = seq.keys[k]
             e = self._cache.get(h)
             if e is not None and e.page == seq.pages[k] and e.checkpoint is None:
                 e.checkpoint, e.checkpoint_kind = (e.page,), kind
+                if self.events is not None:
+                    self.events.append(CacheRecord(CHECKPOINT, h))
 
     # ------------------------------------------------------------------ invariants
     def check_integrity(self, deep: bool = True) -> None:

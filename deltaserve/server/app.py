@@ -29,7 +29,7 @@ from .errors import ANTHROPIC_PREFIX, ApiError, shaped_error_body
 from .messages import MessagesServing
 from .messages_protocol import CountTokensRequest, MessagesRequest
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, FieldError
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, FieldError, TokenizeRequest
 from .response_store import DEFAULT_MAX_STORED, ResponseStore
 from .responses import ResponsesServing
 from .responses_protocol import ResponsesRequest
@@ -124,17 +124,29 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
 
 def build_app(engine_config: Any, api_key: str | None = None, served_model_name: str | list[str] | None = None,
               *, engine_factory: Callable[[Any], Any] | None = None, freeze_heap: bool = False,
-              max_stored_responses: int = DEFAULT_MAX_STORED) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED, kv_events: Any = None) -> FastAPI:
     """The app over one engine. engine_factory (tests) replaces LLMEngine.from_config. freeze_heap: see
     AsyncEngine (the `deltaserve serve` process sets it; tests that build many apps do not).
-    max_stored_responses: how many /v1/responses (store: true) are kept for previous_response_id."""
+    max_stored_responses: how many /v1/responses (store: true) are kept for previous_response_id.
+    kv_events: a kv_events.KVEventPublisher (its sockets open): the engine's cache changes are published on it
+    (closed when the app stops)."""
     if isinstance(served_model_name, str):
         names = [served_model_name]
     elif served_model_name:
         names = list(served_model_name)
     else:
         names = [default_model_name(engine_config)]
-    engine = AsyncEngine(engine_config, engine_factory, freeze_heap=freeze_heap)
+    on_loaded = None
+    if kv_events is not None:
+        from ..memory.events import RouterView
+        from .kv_events import event_block_size
+
+        def on_loaded(eng):
+            view = RouterView(eng.block_size, event_block_size(eng), checkpoints=eng.memory.num_gdn_groups > 0)
+            kv_events.attach(eng.memory.enable_events(), view)
+            metrics.engine_collector.kv_event_block_size = view.event_block_size
+
+    engine = AsyncEngine(engine_config, engine_factory, freeze_heap=freeze_heap, on_loaded=on_loaded)
     metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.engine if engine.is_ready else None)
     serving = OpenAIServing(engine, metrics, names)
     responses = ResponsesServing(engine, metrics, names, ResponseStore(max_stored_responses))
@@ -147,6 +159,8 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
             yield
         finally:
             engine.shutdown()
+            if kv_events is not None:
+                kv_events.close()
 
     app = FastAPI(title="deltaserve", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible server for Gated DeltaNet hybrid models")
@@ -209,6 +223,22 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(body: CountTokensRequest):
         return await messages.count_tokens(body)
+
+    @app.post("/v1/completions/render")
+    async def render_completions(body: CompletionRequest):
+        return await serving.render_completions(body)
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(body: ChatCompletionRequest):
+        return await serving.render_chat(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        return await serving.detokenize(body)
 
     @app.get("/v1/models")
     async def models():

@@ -50,13 +50,16 @@ class RequestSink:
 
 class AsyncEngine:
     def __init__(self, engine_config: Any, engine_factory: Callable[[Any], Any] | None = None,
-                 freeze_heap: bool = False):
+                 freeze_heap: bool = False, on_loaded: Callable[[Any], None] | None = None):
         """freeze_heap: once the engine is loaded, collect and freeze the heap (gc.freeze), as vLLM does, so the
         collector's oldest-generation passes scan only what serving creates: on an unfrozen heap they took
         10-60 ms inside engine steps (measured on tiny). For a process that serves one engine for its whole
-        life; frozen objects are never collected, so not for one that builds many."""
+        life; frozen objects are never collected, so not for one that builds many.
+        on_loaded(engine): called on the engine thread once the engine is built, before it serves (the KV events
+        publisher attaches there); what it raises is a load error."""
         self.config = engine_config
         self._factory = engine_factory
+        self._on_loaded = on_loaded
         self.freeze_heap = freeze_heap
         self._cmds: queue.Queue = queue.Queue()
         self._sinks: dict[str, RequestSink] = {}  # engine thread only
@@ -113,6 +116,8 @@ class AsyncEngine:
             else:
                 from ..engine import LLMEngine
                 engine = LLMEngine.from_config(self.config)
+            if self._on_loaded is not None:
+                self._on_loaded(engine)
             self.engine = engine
             self.tokenizer = engine.tokenizer
             self._snapshot()

@@ -30,9 +30,38 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stored-responses", type=int, default=None, metavar="N",
                    help="how many /v1/responses (store: true) are kept in memory for previous_response_id "
                         "(default 1024; the oldest is evicted first; 0 keeps none)")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish prefix-cache events for a KV-aware router (vllm-router --policy kv_aware) on a "
+                        "ZMQ PUB socket, in vLLM's format, at the checkpoint grid (docs/cluster.md); "
+                        "tcp://127.0.0.1:PORT binds loopback, tcp://*:PORT every interface")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KV events config instead: {\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+                        "\"endpoint\": ..., \"replay_endpoint\": ..., \"topic\": ..., \"buffer_steps\": ..., "
+                        "\"hwm\": ...}")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
     return p
+
+
+def kv_events_from_args(args: argparse.Namespace, cfg):
+    """The KV events config the flags ask for (None: no events), checked against the engine config."""
+    from .kv_events import KVEventsConfig
+
+    if args.kv_events_endpoint is not None and args.kv_events_config is not None:
+        raise ValueError("give --kv-events-endpoint or --kv-events-config, not both")
+    if args.kv_events_endpoint is not None:
+        ev = KVEventsConfig.for_endpoint(args.kv_events_endpoint)
+    elif args.kv_events_config is not None:
+        ev = KVEventsConfig.from_json(args.kv_events_config)
+    else:
+        return None
+    if not ev.enabled:
+        return None
+    if not cfg.enable_prefix_caching:
+        raise ValueError("KV events describe the prefix cache: they need --enable-prefix-caching")
+    if cfg.checkpoint_grid <= 0:
+        raise ValueError("KV events are announced at the checkpoint grid: give --checkpoint-grid N > 0")
+    return ev
 
 
 def engine_config_from_args(args: argparse.Namespace):
@@ -48,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = engine_config_from_args(args)
+        events = kv_events_from_args(args, cfg)
+        publisher = None
+        if events is not None:
+            from .kv_events import KVEventPublisher
+
+            publisher = KVEventPublisher(events)  # opens its sockets now: a bad endpoint fails here
     except (ConfigError, ValueError, TypeError) as e:
         print(f"deltaserve serve: {e}", file=sys.stderr)
         return 2
@@ -62,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print("deltaserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
         return 2
     app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True,
-                    max_stored_responses=stored)
+                    max_stored_responses=stored, kv_events=publisher)
     logging.getLogger("deltaserve").info("serving %s on http://%s:%d", app.state.serving.model_name,
                                          args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,

@@ -26,6 +26,8 @@ _GAUGES = (
     ("vllm:num_requests_running", "num_running", "Number of requests in model execution batches."),
     ("vllm:num_requests_waiting", "num_waiting", "Number of requests waiting to be processed."),
     ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
+    # its older name, which some routers and gateways still read
+    ("vllm:gpu_cache_usage_perc", "kv_cache_usage", "KV-cache usage. 1 means 100 percent usage."),
     ("deltaserve_pages_in_use", "pages_used", "Pages referenced by live requests."),
     ("deltaserve_pages_total", "pages_total", "Pages in the pool."),
     ("deltaserve_gdn_slots_in_use", "slots_used", "GDN state slots held by live requests."),
@@ -69,6 +71,7 @@ class _EngineStatsCollector:
         self._get = get_stats
         self._info = get_info
         self._model = model_name
+        self.kv_event_block_size: int | None = None  # set once KV events are published
 
     def collect(self):
         info = self._info() if self._info is not None else None
@@ -78,6 +81,19 @@ class _EngineStatsCollector:
                 g = GaugeMetricFamily(name, doc, labels=["model_name"])
                 g.add_metric([self._model], float(v))
                 yield g
+        if self.kv_event_block_size is not None:
+            g = GaugeMetricFamily("deltaserve_kv_event_block_size", "Tokens per KV event block (the checkpoint grid; "
+                                  "a router's --kv-event-block-size).", labels=["model_name"])
+            g.add_metric([self._model], float(self.kv_event_block_size))
+            yield g
+        pool = getattr(info, "pool", None)
+        if pool is not None and isinstance(getattr(info, "block_size", None), int):
+            # vLLM's info gauge: the cache geometry as labels, value 1 (a page is vLLM's GPU block)
+            g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  labels=["block_size", "num_gpu_blocks", "enable_prefix_caching", "model_name"])
+            caching = getattr(getattr(info, "config", None), "enable_prefix_caching", None)
+            g.add_metric([str(info.block_size), str(pool.num_pages), str(caching), self._model], 1.0)
+            yield g
         stats = self._get()
         if stats is None:
             return
@@ -109,7 +125,8 @@ class ServerMetrics:
     def __init__(self, get_stats, model_name: str, get_info=None):
         self.registry = CollectorRegistry(auto_describe=False)
         self.model_name = model_name
-        self.registry.register(_EngineStatsCollector(get_stats, model_name, get_info))
+        self.engine_collector = _EngineStatsCollector(get_stats, model_name, get_info)
+        self.registry.register(self.engine_collector)
         labels = ["model_name"]
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                               labels, buckets=_TTFT_BUCKETS, registry=self.registry).labels(model_name)

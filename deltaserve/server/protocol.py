@@ -54,8 +54,20 @@ class ResponseFormat(_Strict):
         return self
 
 
+def only(value, field: str, allowed, why: str):
+    """A field accepted only at the value this server always behaves as (a router adds such fields to every
+    body it forwards); any other value is refused, naming the field, rather than ignored."""
+    if value != allowed:
+        raise FieldError(field, f"{field}: {value!r} is not supported: {why} (send {allowed!r} or leave it out)")
+    return value
+
+
 class _SamplingFields(_Strict):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    skip_special_tokens, include_stop_str_in_output are vLLM's; no_stop_trim (SGLang's, which vllm-router adds to
+    every body it forwards) means the same as include_stop_str_in_output: a matched stop string stays in the text.
+    """
 
     model: str | None = None
     temperature: float | None = None
@@ -78,6 +90,10 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     user: str | None = None  # informational (OpenAI's end-user id); logged nowhere, changes nothing
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
     @field_validator("seed")
     @classmethod
@@ -90,7 +106,12 @@ class _SamplingFields(_Strict):
     def _stream_opts(self):
         if self.stream_options is not None and not self.stream:
             raise FieldError("stream_options", "stream_options is only allowed when stream is true")
+        only(self.return_hidden_states, "return_hidden_states", False, "this server returns no hidden states")
         return self
+
+    @property
+    def keeps_stop_str(self) -> bool:
+        return self.include_stop_str_in_output or self.no_stop_trim
 
 
 class CompletionRequest(_SamplingFields):
@@ -213,9 +234,20 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # SGLang's / vLLM's, added by vllm-router to what it forwards: accepted at this server's behaviour only
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+    include_reasoning: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _checks(self) -> "ChatCompletionRequest":
+        only(self.separate_reasoning, "separate_reasoning", True,
+             "reasoning always comes apart from the answer, in reasoning_content")
+        only(self.stream_reasoning, "stream_reasoning", True, "reasoning is streamed as it is generated")
+        only(self.include_reasoning, "include_reasoning", True, "reasoning_content is always returned")
+        only(self.continue_final_message, "continue_final_message", False,
+             "the prompt always ends with the template's generation prompt")
         if self.top_logprobs is not None and not self.logprobs:
             raise FieldError("top_logprobs", "top_logprobs needs logprobs: true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -238,3 +270,39 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: {model, prompt} (the prompt as given) or {model, messages, ...} (the conversation
+    through the chat template, with its generation prompt: the ids a chat request with these messages sends to
+    the engine)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    tools: list[ToolDef] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise FieldError("prompt", "give prompt (text) or messages (a conversation), not both or neither")
+        if self.messages is None and (self.tools is not None or self.chat_template_kwargs is not None):
+            raise FieldError("tools" if self.tools is not None else "chat_template_kwargs",
+                             "tools and chat_template_kwargs go with messages")
+        only(self.add_generation_prompt, "add_generation_prompt", True,
+             "a chat prompt always ends with the template's generation prompt")
+        only(self.continue_final_message, "continue_final_message", False,
+             "a chat prompt always ends with the template's generation prompt")
+        return self
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's /detokenize: {model, tokens} -> {prompt}."""
+
+    model: str | None = None
+    tokens: list[int]

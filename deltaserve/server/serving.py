@@ -19,10 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from .async_engine import EngineStepError, RequestSink
-from .chat_spec import ChatSpec, grammar_for, guide_for, start_chat
+from .chat_spec import ChatSpec, grammar_for, guide_for, render_prompt, start_chat
 from .core import AbortingStream, Delta, Job, ServingCore
 from .errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
-from .protocol import ChatCompletionRequest, CompletionRequest, NamedToolChoice
+from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
+                       TokenizeRequest)
 
 log = logging.getLogger("deltaserve.server")
 
@@ -37,7 +38,10 @@ def _lp(v: float) -> float:
 
 
 def _sampling_values(req) -> dict[str, Any]:
-    return {name: getattr(req, name) for name in _SAMPLING_FIELDS}
+    d = {name: getattr(req, name) for name in _SAMPLING_FIELDS}
+    d["skip_special_tokens"] = req.skip_special_tokens
+    d["include_stop_str_in_output"] = req.keeps_stop_str
+    return d
 
 
 def _json_format(rf) -> tuple[str, Any] | None:
@@ -158,17 +162,71 @@ class OpenAIServing(ServingCore):
                         for t, v in pos.items() if n is None or v.rank <= n or t == own})
         return out
 
+    # ================================================================ render, tokenize, detokenize
+    # The routes a KV-aware router asks for a request's token ids (vLLM's shapes): they go through the same
+    # template and tokenizer as the request itself, so the ids are the ones the engine will cache.
+    def _generate_request(self, rid: str, ids: list[int], req, max_tokens: int | None) -> dict:
+        """vLLM's render answer: the request as the tokens-in GenerateRequest it would run."""
+        sp = {k: v for k, v in _sampling_values(req).items() if v is not None}
+        sp.update(max_tokens=max_tokens, n=req.n, seed=req.seed, min_tokens=req.min_tokens, ignore_eos=req.ignore_eos)
+        return {"request_id": rid, "token_ids": ids, "features": None, "sampling_params": sp,
+                "model": self.model_name, "stream": req.stream, "cache_salt": req.cache_salt, "priority": 0,
+                "kv_transfer_params": None}
+
+    @staticmethod
+    def _completion_prompts(req: CompletionRequest) -> list[Any]:
+        p = req.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+    async def render_completions(self, req: CompletionRequest):
+        self.check_model(req.model)
+        _, tok = self.ready()
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        return JSONResponse([self._generate_request(f"{rid}-{i}", tok.encode(p) if isinstance(p, str) else list(p),
+                                                    req, req.max_tokens)
+                             for i, p in enumerate(self._completion_prompts(req))])
+
+    async def render_chat(self, req: ChatCompletionRequest):
+        self.check_model(req.model)
+        _, tok = self.ready()
+        ids = tok.encode(render_prompt(tok, chat_spec(req)))
+        return JSONResponse(self._generate_request(f"chatcmpl-{uuid.uuid4().hex}", ids, req, req.max_new_tokens))
+
+    async def tokenize(self, req: TokenizeRequest):
+        self.check_model(req.model)
+        eng, tok = self.ready()
+        if req.messages is not None:
+            spec = chat_spec(ChatCompletionRequest(messages=req.messages, tools=req.tools,
+                                                   chat_template_kwargs=req.chat_template_kwargs))
+            ids = tok.encode(render_prompt(tok, spec), add_special_tokens=bool(req.add_special_tokens))
+        else:
+            ids = tok.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens))
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": int(eng.max_model_len), "tokens": ids,
+                                "token_strs": [tok.id_to_piece(t) for t in ids] if req.return_token_strs else None}
+        return JSONResponse(body)
+
+    async def detokenize(self, req: DetokenizeRequest):
+        self.check_model(req.model)
+        eng, tok = self.ready()
+        vocab = getattr(getattr(eng, "model_config", None), "vocab_size", None) or tok.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", "tokens")
+        try:
+            text = tok.decode(req.tokens)
+        except Exception as e:  # noqa: BLE001 - an id the tokenizer has no piece for
+            raise bad_request(f"cannot decode these tokens: {e}", "tokens") from None
+        return JSONResponse({"prompt": text})
+
     # ================================================================ /v1/completions
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
         _, tok = self.ready()
-        p = req.prompt
-        if isinstance(p, str):
-            prompts: list[Any] = [p]
-        elif p and isinstance(p[0], int):
-            prompts = [p]
-        else:
-            prompts = list(p)
+        prompts = self._completion_prompts(req)
         encoded = [(tok.encode(pr), pr) if isinstance(pr, str) else (list(pr), None) for pr in prompts]
         max_tokens = req.max_tokens
         echo_only = False

@@ -8,9 +8,17 @@
                    engine); with no hit anywhere, the replica that last served the request's session;
                    else least-loaded. A replica more than max_imbalance unfinished requests above the least
                    loaded one is passed over, so affinity cannot pile everything onto one replica.
+  kv-aware         vllm-router's kv_aware policy in front of deltaserve replicas (docs/cluster.md): each
+                   replica's cache as the router sees it through its KV events (memory/events.py RouterView,
+                   the same hybrid rule the server publishes: whole checkpoint-grid blocks from token 0, each
+                   ended by a checkpoint); the replica credited with the longest prefix of the prompt, ties and
+                   no credit anywhere to the least loaded (then the lowest index). Events reach the router
+                   instantly here; the real router sees them a publish interval later, and adds speculative
+                   credit for what it just routed (not modelled).
 """
 from __future__ import annotations
 
+from ..memory.events import RouterView
 from ..scheduler import Request
 
 
@@ -92,7 +100,50 @@ class PrefixAffinity(Router):
             self.last_replica[session_id] = index
 
 
-ROUTERS = {"round-robin": RoundRobin, "least-loaded": LeastLoaded, "prefix-affinity": PrefixAffinity}
+class KVAware(Router):
+    name = "kv-aware"
+
+    def __init__(self):
+        self._views: dict[int, tuple[RouterView, object]] = {}
+
+    def _view(self, replica) -> RouterView:
+        v = self._views.get(replica.index)
+        if v is None:
+            mem = replica.memory
+            grid = replica.cfg.engine.checkpoint_grid
+            if not mem.caching or grid <= 0:
+                raise ValueError(f"{replica.name}: the kv-aware router needs prefix caching and a checkpoint grid "
+                                 "(its KV events are announced at the grid)")
+            bs = mem.block_size
+            v = (RouterView(bs, -(-grid // bs) * bs, checkpoints=mem.num_gdn_groups > 0), mem.enable_events())
+            self._views[replica.index] = v
+        view, records = v
+        if records:
+            batch = []
+            while records:
+                batch.append(records.popleft())
+            view.feed(batch)
+        return view
+
+    def credited_tokens(self, req: Request, replica) -> int:
+        """Tokens of the prompt the router credits this replica with: whole event blocks from token 0, each
+        announced (the router hashes tokens only: no salt)."""
+        view = self._view(replica)
+        bs, per = view.block_size, view.per_event
+        probe = Request(req.request_id, req.prompt_token_ids, max_tokens=1)
+        hashes = probe.block_hashes(probe.num_tokens // bs, bs)
+        depth = 0
+        while (depth + 1) * per <= len(hashes) and view.is_announced(hashes[(depth + 1) * per - 1]):
+            depth += 1
+        return depth * view.event_block_size
+
+    def route(self, req, session_id, replicas) -> int:
+        credit = {r.index: self.credited_tokens(req, r) for r in replicas}
+        return min(replicas, key=lambda r: (-credit[r.index],) + _load_key(r)).index
+
+
+ROUTERS = {"round-robin": RoundRobin, "least-loaded": LeastLoaded, "prefix-affinity": PrefixAffinity,
+           "kv-aware": KVAware}
 
 
 def make_router(spec) -> Router:
