@@ -218,6 +218,10 @@ def _optional_int(text: str) -> int | None:
     return None if str(text).lower() in ("none", "auto") else int(text)
 
 
+# --cpu-isa: the compiled CPU kernels' instruction sets (deltaserve/model/ops/cpu_kernels.py builds each)
+CPU_ISA_CHOICES = ("auto", "avx512bf16", "avx512", "avx2", "generic")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's flags (vLLM's names). Unknown keys are errors (see from_kwargs).
@@ -262,6 +266,20 @@ class EngineConfig:
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)
     device: str = _flag("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
+    cpu_isa: str = _flag("auto", "instruction set of the compiled CPU kernels: auto = the fastest this CPU executes "
+                         "(avx512bf16, then avx512, then avx2); a set it cannot execute is an error",
+                         choices=CPU_ISA_CHOICES)
+    # tensor parallelism (deltaserve/parallel/, docs/parallel.md): torchrun's rendezvous names
+    tensor_parallel_size: int = _flag(1, "ranks the model is sharded over (torch.distributed: gloo on CPU, nccl on "
+                                      "CUDA); rank 0 schedules and samples", int, metavar="N", aliases=("-tp",))
+    nnodes: int = _flag(1, "machines the ranks span (tensor-parallel size divides by it)", int, metavar="N")
+    node_rank: int = _flag(0, "this machine's index; node 0 runs the engine, the others only serve their ranks",
+                           int, metavar="N")
+    master_addr: str = _flag("127.0.0.1", "address of node 0, where the ranks meet", metavar="HOST")
+    master_port: int | None = _flag(None, "port on node 0 where the ranks meet (default: a free port, one machine "
+                                    "only)", _optional_int, metavar="PORT")
+    distributed_timeout: float = _flag(120.0, "seconds a rank waits for another before the engine ends with an "
+                                       "error", float, metavar="SECONDS")
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPE_CHOICES:
@@ -288,6 +306,19 @@ class EngineConfig:
             raise ConfigError("--max-model-len must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("--num-threads must be >= 1")
+        if self.cpu_isa not in CPU_ISA_CHOICES:
+            raise ConfigError(f"--cpu-isa must be one of {', '.join(CPU_ISA_CHOICES)}, not {self.cpu_isa!r}")
+        if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:
+            raise ConfigError(f"--tensor-parallel-size {self.tensor_parallel_size} must be >= 1 and divide by "
+                              f"--nnodes {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} must be in [0, --nnodes {self.nnodes})")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr) so the machines can meet")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise ConfigError(f"--master-port {self.master_port} is not a port number")
+        if self.distributed_timeout <= 0:
+            raise ConfigError("--distributed-timeout must be > 0 seconds")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .config import EngineConfig, ModelConfig
+from .config import ConfigError, EngineConfig, ModelConfig
 from .scheduler.build import resolve_dtype
 from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 
@@ -88,6 +88,7 @@ class EngineStats:
     reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (background jobs)
     reprefill_jobs: int = 0  # jobs finished
     reprefill_dropped: int = 0  # jobs dropped: a request needed their seat, slot or pages, or all was cached
+    cpu_kernels: str = ""  # the compiled CPU kernels' instruction set (avx512bf16 / avx512 / avx2), or "torch"
 
 
 @dataclass
@@ -139,6 +140,12 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
+        if self.device.type == "cpu":
+            from .model.ops.cpu_kernels import use_isa
+            try:
+                use_isa(config.cpu_isa)  # the process's choice, before any model is built (logged with the model)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         path = config.model or ensure_model(config.preset, seed=config.seed)
         self.model_path = path
         self.model_name = config.model or f"deltaserve/{config.preset}"
@@ -148,17 +155,29 @@ class LLMEngine:
         if self.dtype == "float16" and self.device.type == "cpu":
             log.warning("float16 has no fast matmul path on most CPUs (~150x slower than bfloat16 here); "
                         "prefer --dtype bfloat16")
-        self.model = load_model(path, dtype=self.dtype, device=self.device)
+        self.parallel = None  # tensor parallelism: rank 0's handle on the other ranks (deltaserve/parallel/)
+        if config.tensor_parallel_size > 1 or config.node_rank:
+            from .parallel.launch import TensorParallel
+            self.parallel = TensorParallel.start(config, path, self.dtype, self.device)  # loads shard 0
+            self.model = self.parallel.model
+        else:
+            self.model = load_model(path, dtype=self.dtype, device=self.device)
         self.tokenizer = load_tokenizer(path)
+        kern = self.model.decode_kernels
+        self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers
 
         # config -> sizing -> memory + scheduler (the builder a simulated replica uses too) -> runner
         budget = config.kv_cache_memory or default_kv_budget(self.device, config.memory_utilization, self.model)
+        if self.parallel:
+            budget = self.parallel.agree_budget(budget)  # per rank: the smallest rank's
         shape, self.memory, self.scheduler = build(mc, config, budget, self.dtype)
         self.block_size, self.pool, self.max_model_len = shape.block_size, shape.pool, shape.max_model_len
         pool, caching = shape.pool, config.enable_prefix_caching
-        self.store = CacheStore(mc, pool, kv_dtype=getattr(torch, self.dtype),
+        self.store = CacheStore(self.model.config, pool, kv_dtype=getattr(torch, self.dtype),  # the rank's heads
                                 conv_dtype=getattr(torch, self.dtype), device=self.device)
         self.runner = ModelRunner(self.model, self.store, self.device)
+        if self.parallel:
+            self.runner = self.parallel.attach(self.runner, pool)  # every step runs on every rank
         self.last_plan = None  # the plan of the latest step (the profiler and the validation read it)
         self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece)
         self._live: dict[str, _Live] = {}
@@ -176,6 +195,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
         return cls(config)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        if self.parallel is not None:
+            self.parallel.close()
 
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
@@ -249,6 +273,8 @@ class LLMEngine:
         try:
             sampled = self._sample(plan, self.runner.execute(plan))
         except Exception as e:  # noqa: BLE001 - one failing request must not take the others down
+            if getattr(e, "fatal", False):  # the engine cannot go on (a tensor-parallel rank is gone)
+                raise
             return self._recover(plan, e)
         return self._emit(plan, sampled)
 
@@ -414,4 +440,4 @@ class LLMEngine:
             checkpoints_kept=kept, checkpoint_bytes=ckpt_pages * self.pool.bytes_per_page
             + (0 if self.pool.layout.in_pool else kept * self.pool.per_page_state_bytes),
             reprefill_tokens=m.stats.reprefill_tokens, reprefill_jobs=m.stats.reprefill_jobs,
-            reprefill_dropped=m.stats.reprefill_dropped)
+            reprefill_dropped=m.stats.reprefill_dropped, cpu_kernels=self.cpu_kernels)

@@ -25,6 +25,13 @@ SAMPLES = {
     "seed": ("3", 3),
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),
+    "cpu_isa": ("avx2", "avx2"),
+    "tensor_parallel_size": ("2", 2),
+    "nnodes": ("1", 1),
+    "node_rank": ("0", 0),
+    "master_addr": ("10.0.0.1", "10.0.0.1"),
+    "master_port": ("29500", 29500),
+    "distributed_timeout": ("30", 30.0),
 }
 
 

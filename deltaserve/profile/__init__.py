@@ -44,6 +44,10 @@ def make_engine(**flags):
     from ..engine import LLMEngine
 
     cfg = EngineConfig.from_kwargs(**flags)
+    if cfg.tensor_parallel_size > 1:  # the profiler times one process's forwards; its bundles derive per_tp
+        from ..errors import ConfigError
+        raise ConfigError("deltaserve profile profiles one rank: drop --tensor-parallel-size (the bundle's "
+                          "engine_resolved.per_tp gives the block size of each TP degree)")
     if cfg.kv_cache_memory is None:
         kv = DEFAULT_KV_BYTES.get(cfg.preset if cfg.model is None else "", 1 << 30)
         cfg = EngineConfig.from_kwargs(**{**flags, "kv_cache_memory": kv})

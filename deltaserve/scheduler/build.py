@@ -45,15 +45,16 @@ class EngineShape:
 def resolve_shape(mc: ModelConfig, *, dtype: str = "auto", block_size: int = ENGINE_DEFAULTS["block_size"],
                   kv_cache_memory: int, max_num_seqs: int, cache_layout: str = ENGINE_DEFAULTS["cache_layout"],
                   max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                  kernel_alignment: int = ENGINE_KERNEL_ALIGNMENT) -> EngineShape:
+                  kernel_alignment: int = ENGINE_KERNEL_ALIGNMENT, tensor_parallel_size: int = 1) -> EngineShape:
     """The engine's block size, pool and max model length for a cache budget of kv_cache_memory bytes.
 
     The max model length defaults to what one request can hold in the pool (the memory manager holds
     checkpoint pages back in align mode). Raises ConfigError where the engine would refuse to start.
     kernel_alignment: the smallest kernel block of the engine being simulated (sizing.KERNEL_ALIGNMENTS; a
-    foreign engine replayed by sim/external_replay.py); this engine's own by default."""
+    foreign engine replayed by sim/external_replay.py); this engine's own by default. tensor_parallel_size: the
+    pool is one rank's (kv_cache_memory is per rank, every size is sizing.geometry's per-rank figure)."""
     dt = resolve_dtype(dtype, mc)
-    geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")
+    geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32", tp=tensor_parallel_size)
     layout = layout_for(cache_layout)
     bs = engine_block_size(geom, block_size, layout, kernel_alignment=kernel_alignment)
     pool = size_pool(geom, kv_cache_memory, bs, max_num_seqs, layout)
@@ -87,12 +88,14 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
 
 
 def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
-          dtype: str | None = None) -> tuple[EngineShape, MemoryManager, Scheduler]:
+          dtype: str | None = None, tp: int | None = None) -> tuple[EngineShape, MemoryManager, Scheduler]:
     """Everything the engine (and a simulated replica) derives from its flags: the shape, then the memory
-    manager and the scheduler over it. dtype overrides cfg.dtype (a simulated replica: the bundle's)."""
+    manager and the scheduler over it. dtype overrides cfg.dtype (a simulated replica: the bundle's); tp
+    overrides cfg.tensor_parallel_size (a simulated replica: its own tp). kv_cache_memory is one rank's."""
     shape = resolve_shape(mc, dtype=dtype or cfg.dtype, block_size=cfg.block_size, kv_cache_memory=kv_cache_memory,
                           max_num_seqs=cfg.max_num_seqs, cache_layout=cfg.cache_layout,
-                          max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching)
+                          max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
+                          tensor_parallel_size=tp or cfg.tensor_parallel_size)
     memory, scheduler = build_scheduler(shape, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         enable_prefix_caching=cfg.enable_prefix_caching,

@@ -88,7 +88,7 @@ class Replica:
         if not kv:
             raise ValueError(f"{self.name}: kv_cache_memory is required (the bundle records none)")
         dtype = eng.dtype if eng.dtype != "auto" else (bundle.meta.get("dtypes") or {}).get("model", "auto")
-        self.shape, self.memory, self.scheduler = build(mc, eng, int(kv), dtype)
+        self.shape, self.memory, self.scheduler = build(mc, eng, int(kv), dtype, tp=cfg.tp)
         recorded = bundle.block_size(cfg.tp)
         if recorded is not None and recorded != self.shape.block_size and eng.block_size == 16:
             log.warning("%s: block size %d differs from the bundle's engine-resolved %d (tp %d)", self.name,
