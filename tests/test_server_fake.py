@@ -172,3 +172,38 @@ def test_served_engine_freezes_its_startup_heap():
     finally:
         frozen.shutdown()
         gc.unfreeze()
+
+
+def test_a_fatal_step_failure_stops_the_server_with_its_reason():
+    """An engine that cannot go on (a tensor-parallel rank died: the error says fatal) is not retried: /health
+    turns 503 with the reason, every request gets it, and the engine's shutdown (its workers) runs."""
+    class RankGone(RuntimeError):
+        fatal = True
+
+    class FatalEngine(FakeEngine):
+        closed = False
+
+        def step(self):
+            if any(r["fail"] for r in self._live.values()):
+                raise RankGone("tensor-parallel worker 1 (pid 4242) exited with code -9")
+            return super().step()
+
+        def shutdown(self):
+            FatalEngine.closed = True
+
+    srv = InProcessServer(build_app(EngineConfig(), engine_factory=FatalEngine))
+    try:
+        from server_support import wait_healthy
+        wait_healthy(srv.base, 30)
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "FAIL_STEP", "max_tokens": 3})
+        assert r.status_code == 500 and "worker 1" in r.json()["error"]["message"]
+        deadline = time.time() + 10
+        while not FatalEngine.closed:
+            assert time.time() < deadline, "the engine's shutdown never ran"
+            time.sleep(0.02)
+        h = httpx.get(srv.base + "/health")
+        assert h.status_code == 503 and "worker 1" in h.json()["error"]["message"]
+        r = httpx.post(srv.base + "/v1/completions", json={"prompt": "hello", "max_tokens": 3})
+        assert r.status_code == 503 and "worker 1" in r.json()["error"]["message"]
+    finally:
+        srv.stop()

@@ -144,8 +144,12 @@ class AsyncEngine:
                 time.sleep(0.01)
         # shutting down: tell whoever still waits
         for rid, sink in list(self._sinks.items()):
-            sink.put(EngineStepError("the server is shutting down"))
+            sink.put(EngineStepError(self.load_error or "the server is shutting down"))
         self._sinks.clear()
+        try:
+            getattr(engine, "shutdown", lambda: None)()  # tensor-parallel workers, if any
+        except Exception:  # noqa: BLE001 - shutting down anyway
+            log.exception("engine.shutdown() failed")
 
     @staticmethod
     def _background(engine) -> bool:
@@ -194,6 +198,14 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as e:  # noqa: BLE001 - keep serving: abort what was in flight, report to those
             self.step_errors += 1
+            if getattr(e, "fatal", False):  # the engine cannot go on (a tensor-parallel rank is gone): not ready
+                self.load_error = f"the engine stopped: {type(e).__name__}: {e}"
+                log.error("%s", self.load_error)
+                for sink in self._sinks.values():
+                    sink.put(EngineStepError(self.load_error))
+                self._sinks.clear()
+                self._stopping.set()
+                return
             log.error("engine step failed; aborting the %d requests in flight\n%s", len(self._sinks),
                       traceback.format_exc())
             for rid, sink in list(self._sinks.items()):
