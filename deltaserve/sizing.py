@@ -218,6 +218,43 @@ def param_count(m: ModelConfig) -> int:
     return total
 
 
+def fp8_linear_shapes(m: ModelConfig) -> list[tuple[int, int]]:
+    """[out, in] of every linear a block-FP8 checkpoint quantizes, by Qwen's -FP8 rule (model/make.py
+    FP8_LINEARS): attention q/k/v/o, GDN in_proj_qkv / in_proj_z (qwen3_next: in_proj_qkvz) and out_proj, the
+    dense MLP, every expert and the shared expert. Embeddings, the head, norms, conv, in_proj_a / b, the router
+    and the shared-expert gate stay in the model dtype."""
+    h, hd = m.hidden_size, m.head_dim
+    hq, hkv = m.num_attention_heads, m.num_key_value_heads
+    vd = m.linear_num_value_heads * m.linear_value_head_dim
+    out: list[tuple[int, int]] = []
+    for i, kind in enumerate(m.layer_types):
+        if kind == "full_attention":
+            out += [(2 * hq * hd, h), (hkv * hd, h), (hkv * hd, h), (h, hq * hd)]
+        elif m.model_type == "qwen3_next":
+            out += [(m.conv_dim + vd, h), (h, vd)]
+        else:
+            out += [(m.conv_dim, h), (vd, h), (h, vd)]
+        if m.is_moe_layer(i):
+            mi = m.moe_intermediate_size
+            out += [(mi, h), (mi, h), (h, mi)] * m.num_experts
+            if m.shared_expert_intermediate_size:
+                si = m.shared_expert_intermediate_size
+                out += [(si, h), (si, h), (h, si)]
+        else:
+            out += [(m.intermediate_size, h), (m.intermediate_size, h), (h, m.intermediate_size)]
+    return out
+
+
+def fp8_weight_bytes(m: ModelConfig, dtype: str) -> tuple[int, int]:
+    """(weight bytes, quantized parameters) of the model as a block-FP8 checkpoint: the fp8_linear_shapes at one
+    byte per parameter plus one fp32 scale per 128 x 128 block (partial blocks rounded up), every other
+    parameter at `dtype`."""
+    shapes = fp8_linear_shapes(m)
+    q = sum(n * k for n, k in shapes)
+    scales = sum(cdiv(n, 128) * cdiv(k, 128) for n, k in shapes)
+    return (param_count(m) - q) * dtype_bytes(dtype) + q + 4 * scales, q
+
+
 @dataclass(frozen=True)
 class Pool:
     """How a byte budget splits into pages and GDN slots for one layout.

@@ -34,9 +34,18 @@ def test_next_turn_over_the_previous_output_is_exact(layout):
     """Turn 2 = turn 1's prompt + its 150 generated tokens + 200 new: it caches prompt + output floored to the
     block, and its tokens and logprobs equal a cold run's, because the generated tokens' blocks were recomputed
     through the prefill path after turn 1 (the decode steps' own blocks are only for turn 1's resume)."""
+    _next_turn_over_the_previous_output_is_exact(layout)
+
+
+def test_next_turn_over_the_previous_output_is_exact_fp8(fp8_tiny):
+    """The same on the block-FP8 checkpoint of the tiny preset."""
+    _next_turn_over_the_previous_output_is_exact("runs", model=fp8_tiny)
+
+
+def _next_turn_over_the_previous_output_is_exact(layout, **kw):
     rng = random.Random(22)
     first = random_tokens(rng, 1200)
-    llm = make_llm(cache_layout=layout, max_num_batched_tokens=2048, kv_cache_memory=256 << 20)
+    llm = make_llm(cache_layout=layout, max_num_batched_tokens=2048, kv_cache_memory=256 << 20, **kw)
     t1 = run(llm, [first], salt="s", params=greedy(max_tokens=150))[0]
     second = first + list(t1.outputs[0].token_ids) + random_tokens(rng, 200)
     hit = run(llm, [second], salt="s")[0]

@@ -38,8 +38,17 @@ def agent_prompts(rng: random.Random) -> list[list[int]]:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("budget", [BLOCK, 3 * BLOCK + 64])
 def test_hit_equals_cold(layout, budget):
+    _hit_equals_cold(layout, budget)
+
+
+def test_hit_equals_cold_fp8(fp8_tiny):
+    """The same gate on the block-FP8 checkpoint of the tiny preset (the compiled linear_fp8 is batch-invariant)."""
+    _hit_equals_cold("in-page", 3 * BLOCK + 64, model=fp8_tiny)
+
+
+def _hit_equals_cold(layout, budget, **kw):
     prompts = agent_prompts(random.Random(7))
-    llm = make_llm(cache_layout=layout, max_num_batched_tokens=budget, kv_cache_memory=128 << 20)
+    llm = make_llm(cache_layout=layout, max_num_batched_tokens=budget, kv_cache_memory=128 << 20, **kw)
     hits = [run(llm, [p], salt="shared")[0] for p in prompts]  # sequential: later prompts hit earlier ones
     colds = run(llm, prompts, salt=[f"cold-{i}" for i in range(len(prompts))])  # all at once, none can hit
     cold_sigs = [signature(run(llm, [p], salt=f"cold-again-{i}")[0]) for i, p in enumerate(prompts[:4])]
@@ -77,10 +86,11 @@ def test_shared_system_prompt_hits_at_the_fork_and_equals_cold(layout):
     assert [signature(h) for h in hits] == [signature(c) for c in colds]
 
 
-def test_drift_zero_with_unrelated_request_between():
+@pytest.mark.parametrize("weights", ["bf16", "fp8"])
+def test_drift_zero_with_unrelated_request_between(weights, request):
     rng = random.Random(8)
     p = random_tokens(rng, 700)
-    llm = make_llm()
+    llm = make_llm(**({"model": request.getfixturevalue("fp8_tiny")} if weights == "fp8" else {}))
     cold = signature(run(llm, [p], salt="cold")[0])
     run(llm, [p], salt="s")  # fill
     run(llm, [random_tokens(rng, 500)], salt="s")  # unrelated request between fill and hit

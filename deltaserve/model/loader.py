@@ -25,6 +25,8 @@ from collections.abc import Callable
 import torch
 
 from ..config import ConfigError, ModelConfig
+from . import quant
+from .ops.fp8 import fuse
 from .qwen3_5 import HybridModel, torch_dtype
 
 log = logging.getLogger("deltaserve.model.loader")
@@ -135,12 +137,14 @@ def _layer_plan(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str], ta
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         if a + "in_proj_qkvz.weight" in keys or cfg.model_type == "qwen3_next":
+            if a + "in_proj_qkvz.weight_scale_inv" in keys:  # its per-key-head grouping cuts through 128-row blocks
+                raise WeightsError(f"{a}in_proj_qkvz: block-FP8 qwen3_next GDN projections are not supported")
             qw, kw, vw, zw = unfuse_qkvz(take(a + "in_proj_qkvz.weight"), hk, dk, hv, dv)
             bw, aw = unfuse_ba(take(a + "in_proj_ba.weight"), hk, hv)
             parts = [qw, kw, vw, zw, bw, aw]
         else:
             parts = [take(a + n + ".weight") for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")]
-        sd[o + "linear_attn.in_proj"] = torch.cat(parts, 0)
+        sd[o + "linear_attn.in_proj"] = fuse(parts)
         conv = take(a + "conv1d.weight")
         sd[o + "linear_attn.conv_weight"] = conv.reshape(conv.shape[0], -1)
         sd[o + "linear_attn.A_log"] = take(a + "A_log")
@@ -149,7 +153,7 @@ def _layer_plan(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str], ta
         sd[o + "linear_attn.out_proj"] = take(a + "out_proj.weight")
     else:
         a = p + "self_attn."
-        sd[o + "self_attn.qkv_proj"] = torch.cat([take(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")], 0)
+        sd[o + "self_attn.qkv_proj"] = fuse([take(a + n + ".weight") for n in ("q_proj", "k_proj", "v_proj")])
         sd[o + "self_attn.q_norm"] = take(a + "q_norm.weight")
         sd[o + "self_attn.k_norm"] = take(a + "k_norm.weight")
         sd[o + "self_attn.o_proj"] = take(a + "o_proj.weight")
@@ -161,17 +165,17 @@ def _layer_plan(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str], ta
             sd[om + "experts_down"] = take(m + "experts.down_proj")
         else:
             E = cfg.num_experts
-            sd[om + "experts_gate_up"] = torch.stack([
-                torch.cat([take(f"{m}experts.{e}.gate_proj.weight"), take(f"{m}experts.{e}.up_proj.weight")], 0)
+            sd[om + "experts_gate_up"] = quant.stack([
+                fuse([take(f"{m}experts.{e}.gate_proj.weight"), take(f"{m}experts.{e}.up_proj.weight")])
                 for e in range(E)])
-            sd[om + "experts_down"] = torch.stack([take(f"{m}experts.{e}.down_proj.weight") for e in range(E)])
+            sd[om + "experts_down"] = quant.stack([take(f"{m}experts.{e}.down_proj.weight") for e in range(E)])
         if layer.mlp.has_shared:
             s = m + "shared_expert."
-            sd[om + "shared_gate_up"] = torch.cat([take(s + "gate_proj.weight"), take(s + "up_proj.weight")], 0)
+            sd[om + "shared_gate_up"] = fuse([take(s + "gate_proj.weight"), take(s + "up_proj.weight")])
             sd[om + "shared_down"] = take(s + "down_proj.weight")
             sd[om + "shared_gate"] = take(m + "shared_expert_gate.weight")
     else:
-        sd[om + "gate_up"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")], 0)
+        sd[om + "gate_up"] = fuse([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
         sd[om + "down"] = take(m + "down_proj.weight")
     return sd
 
@@ -192,11 +196,13 @@ def _check_supported(hf: dict) -> None:
 
 
 def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu",
-               prepack: bool | None = None) -> HybridModel:
+               prepack: bool | None = None, dequantize: bool = False) -> HybridModel:
     """A HybridModel from a checkpoint directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
 
     prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
     compiled linear_bf16, else oneDNN's layout); None = wherever it applies (bf16 on a CPU).
+    Block-FP8 checkpoints (model/quant.py): the linears stay fp8 for the compiled linear_fp8 (bf16 on a CPU);
+    dequantize=True, another dtype or device, or no compiled kernel: dequantized to the model dtype at load.
     Raises ConfigError (unsupported model type or feature) or WeightsError (missing / unknown / misshapen tensor).
     """
     cfg_path = os.path.join(path, "config.json")
@@ -206,6 +212,7 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
         hf = json.load(f)
     cfg = ModelConfig.from_hf(hf)
     _check_supported(hf)
+    spec = quant.read_quantization(hf)
     if dtype == "auto":
         dtype = cfg.dtype
     tdtype = torch_dtype(dtype)
@@ -226,7 +233,9 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     def take(name: str) -> torch.Tensor:
         if name not in by_text:
             raise WeightsError(f"checkpoint {path} is missing tensor {name!r}")
-        return ckpt.get(by_text[name])
+        scale = name + "_scale_inv"  # block-FP8: the weight's scales travel with it (model/quant.py)
+        return quant.fp8_take(by_text[name], ckpt.get(by_text[name]),
+                              ckpt.get(by_text[scale]) if scale in by_text else None, spec, path)
 
     sd: dict[str, torch.Tensor] = {"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     if cfg.tie_word_embeddings:
@@ -248,16 +257,26 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
         log.info("skipped %d multi-token-prediction tensors (mtp.*): not used", skipped["mtp"])
 
     expected = {k: v for k, v in model.state_dict().items()}
+    fp8 = None  # the compiled fp8 kernel, where the fp8 weights stay fp8
+    if spec is not None and not dequantize and tdtype == torch.bfloat16 and torch.device(device).type == "cpu":
+        fp8 = quant.fp8_kernel()
     for name, t in sd.items():
         want = expected[name]
-        if tuple(t.shape) != tuple(want.shape):
-            raise WeightsError(f"tensor for {name} has shape {tuple(t.shape)}, config implies {tuple(want.shape)}")
-        sd[name] = t.to(torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else tdtype).contiguous()
-    model.load_state_dict(sd, strict=True, assign=True)
+        if quant.shape_of(t) != tuple(want.shape):
+            raise WeightsError(f"tensor for {name} has shape {quant.shape_of(t)}, config implies {tuple(want.shape)}")
+        if fp8 is None:
+            t = quant.dequantize(t, tdtype)
+        if isinstance(t, torch.Tensor):
+            sd[name] = t.to(torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else tdtype).contiguous()
+    if spec is not None:
+        log.info("block-FP8 checkpoint: %s", "linears kept in fp8 for the compiled linear_fp8" if fp8 is not None
+                 else f"dequantized to {tdtype} at load")
+    quant.install(model, {n: t for n, t in sd.items() if not isinstance(t, torch.Tensor)})
+    model.load_state_dict({n: t for n, t in sd.items() if isinstance(t, torch.Tensor)}, strict=True, assign=True)
     model.eval()
     model = model.to(device)
     model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
     if prepack is not False and model.prepack_linears():
-        log.info("bf16 projections and head packed for %s", "the compiled linear_bf16 (AVX512-BF16)"
-                 if model.linear_kind == "cpp" else "oneDNN")
+        log.info("bf16 projections and head packed for %s", f"the compiled linear_bf16 ({model.decode_kernels.isa})"
+                 if model.linear_kind == "cpp" else "oneDNN" if model.linear_kind == "onednn" else "F.linear")
     return model

@@ -113,15 +113,51 @@ def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
     return sd
 
 
-def make_random_model(hf_config: dict, out_dir: str, seed: int = 0) -> None:
+# the linears Qwen's -FP8 checkpoints quantize (by the last part of the module name); the rest stays in the
+# model dtype: embeddings, the head, norms, conv1d, A_log / dt_bias, in_proj_a / in_proj_b (in_proj_ba), the
+# MoE router (mlp.gate) and the shared-expert gate
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj",
+               "gate_proj", "up_proj", "down_proj")
+QUANTIZE = ("fp8",)
+
+
+def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Block-FP8 (ops/fp8.py quantize_fp8) of every FP8_LINEARS weight: X.weight becomes float8_e4m3fn codes
+    beside X.weight_scale_inv (fp32, one per 128 x 128 block). Returns the tensors and the quantization_config,
+    whose modules_to_not_convert names every other linear module (as transformers matches them)."""
+    from .ops.fp8 import quantize_fp8
+
+    out: dict[str, torch.Tensor] = {}
+    keep: list[str] = ["lm_head"]
+    for name, t in sd.items():
+        module, _, leaf = name.rpartition(".")
+        kind = module.rsplit(".", 1)[-1]
+        if leaf == "weight" and t.dim() == 2 and kind in FP8_LINEARS:
+            out[name], out[module + ".weight_scale_inv"] = quantize_fp8(t)
+            continue
+        out[name] = t
+        if leaf == "weight" and t.dim() == 2 and kind in ("in_proj_a", "in_proj_b", "in_proj_ba", "gate",
+                                                          "shared_expert_gate", "embed_tokens"):
+            keep.append(module)
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+          "modules_to_not_convert": keep}
+    return out, qc
+
+
+def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: str | None = None) -> None:
     """Write config.json and model.safetensors (seeded random weights) to out_dir, in the checkpoint format
     of hf_config's model_type (qwen3_5_text, qwen3_5_moe_text, qwen3_next, or the text part of qwen3_5 /
-    qwen3_5_moe under model.language_model.*)."""
+    qwen3_5_moe under model.language_model.*). quantize="fp8": the same weights in block-FP8 (Qwen's -FP8
+    format, quantize_state_dict), with its quantization_config."""
     from safetensors.torch import save_file
 
+    if quantize not in (None, *QUANTIZE):
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     config = dict(hf_config)
     config.setdefault("dtype", "bfloat16")
     sd = random_state_dict(config, seed)
+    if quantize == "fp8":
+        sd, config["quantization_config"] = quantize_state_dict(sd)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

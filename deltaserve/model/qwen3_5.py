@@ -21,6 +21,8 @@ from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import rotary_cos_sin, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
+from . import quant
+from .ops.fp8 import fp8_kernel
 from .ops.linear import PackedWeight, can_prepack, linear
 from .ops.table import Ops
 
@@ -131,7 +133,8 @@ class HybridModel(nn.Module):
                            decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots),
                            decode_slot_range=_consecutive(dec_slots), kernels=kernels, ops=ops,
                            save_state=caches.save_state,
-                           decode_page_table=table, decode_lengths=lengths)
+                           decode_page_table=table, decode_lengths=lengths,
+                           decode_all=bool(dec_rows) and dec_rows == list(range(sum(s.length for s in batch.spans))))
 
     def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:
         """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm).
@@ -158,28 +161,34 @@ class HybridModel(nn.Module):
     decode_kernels: DecodeKernels | None = None  # chosen once, on first use or by select_decode_kernels()
     ops: Ops | None = None  # the op table over those kernels (ops/table.py)
 
-    def select_decode_kernels(self, mode: str | None = None) -> DecodeKernels:
+    def select_decode_kernels(self, mode: str | None = None, isa: str | None = None) -> DecodeKernels:
         """Choose (and log) the decode ops for this model's device and dtype: the compiled CPU kernels or the
-        plain-torch ones (mode: auto | cpp | torch, default $DELTASERVE_DECODE_KERNELS; ops/cpu_kernels.py).
+        plain-torch ones (mode: auto | cpp | torch, default $DELTASERVE_DECODE_KERNELS; isa: the kernels'
+        instruction set, default $DELTASERVE_CPU_ISA or the CPU's best; ops/cpu_kernels.py).
         The loader calls it at start-up; a model built by hand chooses on its first forward."""
-        self.decode_kernels = select_decode_kernels(self.device, self.dtype, mode)
+        self.decode_kernels = select_decode_kernels(self.device, self.dtype, mode, isa)
         self.ops = Ops.for_kernels(self.decode_kernels)
         return self.decode_kernels
 
     def prepack_linears(self) -> bool:
         """Where it helps (bf16 weights on a CPU): pack every projection and the head once, for the compiled
-        linear_bf16 where the decode kernels are compiled with AVX512-BF16 (batch-invariant, fastest here),
+        linear_bf16 where the decode kernels are compiled (any instruction set: batch-invariant, fastest here),
         else into oneDNN's layout (F.linear's bits). The packed weights replace the parameters (they leave
         state_dict; the embedding stays for lookups). Returns whether it packed; call once, after loading,
         before serving. self.linear_kind says which packing ("cpp", "onednn" or None)."""
-        if self.packed_head is not None or not can_prepack(self.dtype, self.device):
+        if self.packed_head is not None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return False
         kernels = self.decode_kernels or self.select_decode_kernels()
         ext = kernels.ext if kernels.compiled and kernels.ext.bf16_linear_available() else None
+        if ext is None and not can_prepack(self.dtype, self.device):
+            return False  # neither the compiled linear (any instruction set) nor oneDNN's bf16
+        fp8_ext = fp8_kernel() if quant.quantized_bytes(self) else None  # block-FP8 weights the loader kept
         for module in self.modules():
             names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
             if names:
                 prepack(module, names, ext)
+            if fp8_ext is not None:
+                quant.pack(module, fp8_ext, ext)
         head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
         self.packed_head = PackedWeight(head, ext)
         self.linear_kind = self.packed_head.kind

@@ -1,11 +1,13 @@
 """linear(x, w): F.linear, or a prepacked bf16 GEMM when w is a PackedWeight.
 
 Two packings, chosen once per model (HybridModel.prepack_linears):
-- "cpp": the compiled linear_bf16 (ops/csrc/linear_bf16.cpp, AVX512-BF16). Each output is a fixed-order
+- "cpp": the compiled linear_bf16 (ops/csrc/linear_bf16.cpp; AVX512-BF16, or bf16 widened to fp32 on
+  AVX-512 / AVX2, with the same bits: cpu_kernels.py chooses the instruction set). Each output is a fixed-order
   fp32 sum over k, so a row's bits do not depend on the batch; at decode sizes it streams the weights at the
   memory bandwidth, ~1.3-1.6x oneDNN on this machine (docs/benchmarks.md). Its bits differ from F.linear's in
   the last place (another summation order); tests/test_linear.py holds it to the fp32 reference.
-- "onednn": oneDNN's reordered weights (torch's mkldnn linear ops), where the compiled kernels are missing.
+- "onednn": oneDNN's reordered weights (torch's mkldnn linear ops), where the compiled kernels are missing
+  (or the input dim is odd); "plain" (F.linear) where oneDNN has no bf16 either (an AVX2-only CPU).
   F.linear streams weights at ~12-14 GB/s at decode sizes, the reordered ones ~18-23 GB/s (docs/cpu.md); for
   bf16 the product has F.linear's bits for every row count (tests/test_parity.py).
 fp32 weights stay on F.linear.
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .fp8 import Fp8Weight, SplitWeight
 
 
 class PackedWeight:
@@ -27,6 +31,8 @@ class PackedWeight:
         if ext is not None and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
             self.kind, self.ext = "cpp", ext
             self.packed = ext.pack_bf16_weight(w)  # [ceil(out/16), in/2, 16, 2]
+        elif not can_prepack(w.dtype, w.device):  # an odd input dim on a CPU without oneDNN bf16
+            self.kind, self.ext, self.packed = "plain", None, w
         else:
             self.kind, self.ext = "onednn", None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
@@ -38,10 +44,16 @@ def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor | PackedWeight) -> torch.Tensor:
-    """x [..., in] @ w^T -> [..., out]."""
+    """x [..., in] @ w^T -> [..., out]. w may also be a block-FP8 weight (ops/fp8.py: Fp8Weight, SplitWeight)."""
+    if isinstance(w, (Fp8Weight, SplitWeight)):
+        return w.linear(x)
     if isinstance(w, PackedWeight):
         if w.kind == "cpp":
             n = w.shape[0]
+            if x.dim() == 2:  # every projection of a step: no reshape round trip (two dispatches per call)
+                return w.ext.linear_bf16(x, w.packed, n)
             return w.ext.linear_bf16(x.reshape(-1, x.shape[-1]), w.packed, n).view(*x.shape[:-1], n)
+        if w.kind == "plain":
+            return F.linear(x, w.packed)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), w.packed, None, "none", [], "")
     return F.linear(x, w)

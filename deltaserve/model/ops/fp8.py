@@ -1,0 +1,282 @@
+"""Block-FP8 weights (the format of Qwen's -FP8 checkpoints): e4m3 codes with one fp32 scale per 128 x 128 block.
+
+    q, scale_inv = quantize_fp8(w)                 # w [N, K] -> q [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
+    dequantize_fp8(q, scale_inv, dtype)            # (q * scale) in fp32, rounded once to dtype: transformers' formula
+    linear_fp8_reference(x, q, scale_inv)          # the plain-torch product, block by block (the oracle)
+    Fp8Weight(q, row_scale).pack(ext)              # packed once for the compiled kernel (csrc/linear_fp8.cpp)
+    SplitWeight([part, ...])                       # a fused projection whose parts cannot share one packing
+
+The kernel's sum (csrc/linear_fp8.cpp): y[m, n] = sum over k blocks (ascending) of scale[n, kb] * p[m, n, kb],
+p the fp32 dot product of the block's 128 k; the reference computes the same terms with torch matmuls (their
+own order inside a block), so the two agree to fp32 rounding, not bit for bit (tests/test_fp8.py). Against
+the dequantized bf16 model an FP8 model differs by the bf16 rounding of each dequantized weight (2^-9 relative),
+which the kernel never does (docs/fp8.md states the logit tolerance).
+
+Scales are applied per 16 output columns (one column block of the kernel): a fused projection packs into one
+Fp8Weight when every part but the last has a multiple of 16 rows, which every Qwen3.5 projection has; otherwise,
+and where fp8 and bf16 parts meet (Qwen keeps in_proj_a / in_proj_b in bf16 beside an fp8 in_proj_qkv / z), it
+is a SplitWeight: one product per part, concatenated (a column's bits do not depend on its neighbours).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("deltaserve")
+
+BLOCK = 128  # the scale block, both dims (weight_block_size [128, 128])
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+COLS = 16  # output columns per kernel column block: the scale granularity of a packed weight
+
+_SOURCE = Path(__file__).with_name("csrc") / "linear_fp8.cpp"
+_lock = threading.Lock()
+_exts: dict[str, object] = {}  # build -> the module, or the exception that stopped its build
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---- the format --------------------------------------------------------------------------------------------
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)] fp32), DeepSeek / Qwen's rule:
+    scale = amax(|block|) / 448 (1 for an all-zero block), q = round(w / scale) to e4m3 (saturating at 448).
+    Every step is one correctly rounded fp32 op, so the bytes are the same on every machine."""
+    assert w.dim() == 2
+    N, K = w.shape
+    nb, kb = cdiv(N, BLOCK), cdiv(K, BLOCK)
+    wf = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32)
+    wf[:N, :K] = w.float()
+    blocks = wf.view(nb, BLOCK, kb, BLOCK)
+    amax = blocks.abs().amax(dim=(1, 3))  # [nb, kb]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.view(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous(), scale.contiguous()
+
+
+def check_scale_shape(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> None:
+    N, K = q.shape
+    want = (cdiv(N, BLOCK), cdiv(K, BLOCK))
+    if scale_inv.dim() != 2 or tuple(scale_inv.shape) != want:
+        raise ValueError(f"{name}: weight_scale_inv has shape {tuple(scale_inv.shape)}; a [{N}, {K}] weight in "
+                         f"128 x 128 blocks needs {want}")
+
+
+def row_scales(scale_inv: torch.Tensor, n: int) -> torch.Tensor:
+    """[ceil(N/128), KB] block scales -> [N, KB] fp32, one row per output row."""
+    return scale_inv.float().repeat_interleave(BLOCK, dim=0)[:n].contiguous()
+
+
+def dequantize_rows(q: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """q [N, K] e4m3, row_scale [N, KB] -> (q * scale) in fp32, rounded once to dtype."""
+    K = q.shape[1]
+    s = row_scale.float().repeat_interleave(BLOCK, dim=1)[:, :K]
+    return (q.float() * s).to(dtype)
+
+
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The checkpoint's weight in dtype: transformers' Fp8Dequantize formula ((q.float() * s).to(dtype)) with the
+    block grid of the format (the last block of a dim may be partial)."""
+    check_scale_shape(q, scale_inv)
+    return dequantize_rows(q, row_scales(scale_inv, q.shape[0]), dtype)
+
+
+def linear_fp8_reference(x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ dequant(q [N, K])^T -> [M, N] in x's dtype: per k block a fp32 product of the exact fp8
+    values, scaled per output row, summed over blocks in ascending order (the kernel's terms, csrc/linear_fp8.cpp)."""
+    M, K = x.shape
+    xf, qf, s = x.float(), q.float(), row_scale.float()
+    y = torch.zeros(M, q.shape[0], dtype=torch.float32, device=x.device)
+    for kb in range(cdiv(K, BLOCK)):
+        ks = slice(kb * BLOCK, min(K, (kb + 1) * BLOCK))
+        y = y + (xf[:, ks] @ qf[:, ks].t()) * s[:, kb]
+    return y.to(x.dtype)
+
+
+# ---- the compiled kernel -----------------------------------------------------------------------------------
+
+# builds: the -march level each is compiled for and the /proc/cpuinfo flags it needs (fastest first). A build
+# never holds an instruction outside its set, so its cached binary is safe on any CPU that has the set.
+_V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
+BUILDS = {"avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi"],
+                     _V3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_bf16", "avx512vbmi"}),
+          "avx2": (["-march=x86-64-v3"], _V3),
+          "generic": ([], set())}
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def executable_builds() -> tuple[str, ...]:
+    """The builds this CPU executes, fastest first (avx512: the vpermi2b + vdpbf16ps path; avx2 / generic:
+    the portable loop, compiled for that level)."""
+    import platform
+
+    flags = _cpu_flags()
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    return tuple(b for b, (_, need) in BUILDS.items() if (x86 or b == "generic") and need <= flags)
+
+
+def load_fp8_extension(build: str | None = None):
+    """The compiled linear_fp8 module of `build` (default: the fastest this CPU executes), built on first call
+    and cached in-process and on disk (torch's extension cache). Raises on failure."""
+    build = build or executable_builds()[0]
+    with _lock:
+        if build not in _exts:
+            from torch.utils import cpp_extension
+
+            if build not in executable_builds():
+                raise RuntimeError(f"fp8 build {build!r} needs CPU flags this CPU lacks")
+            t0 = time.perf_counter()
+            try:
+                _exts[build] = cpp_extension.load(
+                    name=f"deltaserve_fp8_kernels_{build}", sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", *BUILDS[build][0], "-ffp-contract=off", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+                log.info("fp8 linear: compiled kernel %s, path %s, built or loaded in %.1f s", build,
+                         _exts[build].fp8_paths()[0], time.perf_counter() - t0)
+            except Exception as e:  # noqa: BLE001 - no compiler / headers: the caller dequantizes instead
+                _exts[build] = e
+        ext = _exts[build]
+        if isinstance(ext, Exception):
+            raise ext
+        return ext
+
+
+def fp8_kernel() -> object | None:
+    """The compiled module, or None (logged once) where it cannot be built."""
+    try:
+        return load_fp8_extension()
+    except Exception as e:  # noqa: BLE001
+        log.warning("fp8 linear: no compiled kernel (%s: %s)", type(e).__name__,
+                    str(e).strip().splitlines()[-1] if str(e).strip() else "")
+        return None
+
+
+# ---- weights as the model holds them -----------------------------------------------------------------------
+
+class Fp8Weight:
+    """A [N, K] block-FP8 linear weight: e4m3 codes and one fp32 scale per output row and 128-k block
+    (row_scale [N, ceil(K/128)], the checkpoint's block grid expanded over rows, so fused parts keep theirs).
+    Unpacked, linear() runs the torch reference; pack(ext) moves it into the kernel's layout (and drops the
+    unpacked codes)."""
+
+    def __init__(self, q: torch.Tensor, row_scale: torch.Tensor):
+        assert q.dim() == 2 and q.dtype == FP8, (q.shape, q.dtype)
+        assert row_scale.shape == (q.shape[0], cdiv(q.shape[1], BLOCK)) and row_scale.dtype == torch.float32
+        self.shape = tuple(q.shape)
+        self.dtype = torch.bfloat16  # what the product returns
+        self.q, self.row_scale = q.contiguous(), row_scale.contiguous()
+        self.ext = self.packed = self.scales = None
+        self.path = ""
+
+    @classmethod
+    def from_checkpoint(cls, q: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> "Fp8Weight":
+        check_scale_shape(q, scale_inv, name)
+        return cls(q, row_scales(scale_inv, q.shape[0]))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the product streams: the codes plus the scales."""
+        if self.packed is not None:
+            return self.packed.numel() + self.scales.numel() * 4
+        return self.q.numel() + self.row_scale.numel() * 4
+
+    def pack(self, ext) -> None:
+        self.packed, self.scales = ext.pack_fp8_weight(self.q.view(torch.uint8), self.row_scale)
+        self.ext, self.q = ext, None  # the codes live on in the packed layout only
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.q is None:
+            raise ValueError("dequantize an Fp8Weight before packing it")
+        return dequantize_rows(self.q, self.row_scale, dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.packed is not None:
+            y = self.ext.linear_fp8(x2, self.packed, self.scales, self.shape[0], self.path)
+        else:
+            y = linear_fp8_reference(x2, self.q, self.row_scale)
+        return y.view(*x.shape[:-1], self.shape[0])
+
+
+class SplitWeight:
+    """A fused projection held as parts (Fp8Weight, bf16 tensor or its PackedWeight), stacked along the
+    output rows: y = cat(part products). Used where the parts cannot share one Fp8Weight."""
+
+    def __init__(self, parts: list):
+        self.parts = list(parts)
+        self.shape = (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+        assert all(p.shape[1] == self.shape[1] for p in self.parts)
+        self.dtype = torch.bfloat16
+
+    @property
+    def nbytes(self) -> int:
+        return sum(weight_nbytes(p) for p in self.parts)
+
+    def pack(self, fp8_ext, bf16_ext) -> None:
+        from .linear import PackedWeight
+
+        for i, p in enumerate(self.parts):
+            if isinstance(p, Fp8Weight):
+                p.pack(fp8_ext)
+            elif isinstance(p, torch.Tensor):
+                self.parts[i] = PackedWeight(p, bf16_ext)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p.to(dtype) for p in self.parts])
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        from .linear import linear
+
+        return torch.cat([linear(x, p) for p in self.parts], dim=-1)
+
+
+def weight_nbytes(w) -> int:
+    if isinstance(w, (Fp8Weight, SplitWeight)):
+        return w.nbytes
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return w.packed.numel() * w.packed.element_size()  # PackedWeight
+
+
+def fuse(parts: list) -> torch.Tensor | Fp8Weight | SplitWeight:
+    """Stack projection parts (tensors and Fp8Weights, in row order) into what the layer holds: a tensor when
+    none is fp8; one Fp8Weight when all are and every part but the last has a multiple of 16 rows (a column
+    block of the packed kernel then never mixes two parts' scales); else a SplitWeight of runs, each run fused."""
+    if not any(isinstance(p, Fp8Weight) for p in parts):
+        return torch.cat(parts, 0)
+    runs: list[list] = []
+    for p in parts:
+        fp8 = isinstance(p, Fp8Weight)
+        if runs and isinstance(runs[-1][0], Fp8Weight) == fp8 and (
+                not fp8 or runs[-1][-1].shape[0] % COLS == 0 and all(r.shape[0] % COLS == 0 for r in runs[-1])):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    fused = [r[0] if len(r) == 1 else
+             Fp8Weight(torch.cat([x.q for x in r]), torch.cat([x.row_scale for x in r])) if isinstance(r[0], Fp8Weight)
+             else torch.cat(r, 0) for r in runs]
+    return fused[0] if len(fused) == 1 else SplitWeight(fused)
+
+
+def is_quantized(w) -> bool:
+    return isinstance(w, (Fp8Weight, SplitWeight))
+
+
+def dequantize_weight(w, dtype: torch.dtype) -> torch.Tensor:
+    return w.dequantize(dtype)
