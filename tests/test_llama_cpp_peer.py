@@ -1,0 +1,211 @@
+"""llama.cpp as a benchmark peer (issue 17, section 1): the pieces that need no llama.cpp binary
+(command lines, the converter wrapper's pre-tokenizer choice, timings parsing, the table), and an end-to-end
+run of the real llama-server on the tiny model, which skips unless scripts/setup_llama_cpp.sh has built it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from deltaserve.bench import main
+from deltaserve.bench.peers import PeerUnavailable, gguf_convert
+from deltaserve.bench.peers import llama_cpp as lc
+
+
+@pytest.fixture(scope="module")
+def tiny_dir():
+    from deltaserve.embedded import ensure_model
+
+    return ensure_model("tiny")
+
+
+# --------------------------------------------------------------------------- no binary needed
+def test_server_command_assembly():
+    cmd = lc.server_command("/x/llama-server", "/m/t.gguf", port=8123, ctx=32768, slots=8, threads=2)
+    assert cmd == ["/x/llama-server", "-m", "/m/t.gguf", "--host", "127.0.0.1", "--port", "8123", "-c", "32768",
+                   "-np", "8", "-t", "2", "--no-webui"]
+    cmd = lc.server_command("s", "g", port=1, ctx=4, slots=1, threads=1, extra=("-ub", "2048"))
+    assert cmd[-2:] == ["-ub", "2048"]
+    for bad in ({"slots": 0, "threads": 1, "ctx": 8}, {"slots": 1, "threads": 0, "ctx": 8},
+                {"slots": 8, "threads": 1, "ctx": 4}):
+        with pytest.raises(ValueError, match="slots >= 1"):
+            lc.server_command("s", "g", port=1, **bad)
+
+
+def test_convert_command(tiny_dir, tmp_path):
+    cmd = lc.convert_command(tiny_dir, "q8_0", "/o/t.gguf", tree="/tree", python="/py")
+    assert cmd == ["/py", lc.CONVERTER, "/tree", tiny_dir, "--outtype", "q8_0", "--outfile", "/o/t.gguf", "--no-mtp"]
+    assert os.path.exists(lc.CONVERTER)
+    # MTP tensors decide, not the config's mtp_num_hidden_layers (the 0.8B shape declares one, stores none)
+    import torch
+    from safetensors.torch import save_file
+
+    for name, keys in (("mtp", ["model.norm.weight", "mtp.fc.weight"]), ("declared", ["model.norm.weight"])):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"mtp_num_hidden_layers": 1}))
+        save_file({k: torch.zeros(2) for k in keys}, str(d / "model.safetensors"))
+    assert lc.has_mtp_layers(str(tmp_path / "mtp")) and not lc.has_mtp_layers(str(tmp_path / "declared"))
+    assert not lc.has_mtp_layers(tiny_dir)
+    d = tmp_path / "mtp"
+    assert "--no-mtp" not in lc.convert_command(str(d), "bf16", "o", tree="t")
+    with pytest.raises(ValueError, match="choose from bf16, f32, q8_0"):
+        lc.convert_command(tiny_dir, "q4_k", "o", tree="t")
+
+
+def test_gguf_path_is_keyed_by_checkpoint_type_and_build(tiny_dir):
+    a, b = lc.gguf_path(tiny_dir, "bf16"), lc.gguf_path(tiny_dir, "q8_0")
+    assert a != b and os.path.basename(tiny_dir) in a and a.endswith(f"-bf16-{lc.BUILD}.gguf")
+
+
+def test_pre_tokenizer_fallback_only_for_qwen2_regex(tiny_dir, tmp_path):
+    """The embedded tokenizer splits exactly as llama.cpp's qwen2 pre-tokenizer; any other regex keeps
+    the converter's own error (None here)."""
+    assert gguf_convert.fallback_pre(tiny_dir) == "qwen2"
+    tok = json.load(open(os.path.join(tiny_dir, "tokenizer.json"), encoding="utf-8"))
+    assert gguf_convert.split_regexes(tok) == [gguf_convert.QWEN2_SPLIT_REGEX]
+    tok["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = r"\p{L}+|\s+"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok))
+    assert gguf_convert.fallback_pre(str(tmp_path)) is None
+    assert gguf_convert.fallback_pre(str(tmp_path / "missing")) is None
+    assert gguf_convert.split_regexes({"pre_tokenizer": {"type": "Split", "pattern": {"Regex": "x"}}}) == ["x"]
+
+
+def test_converter_wrapper_refuses_a_missing_tree(tmp_path, tiny_dir):
+    r = subprocess.run([sys.executable, lc.CONVERTER, str(tmp_path), tiny_dir], capture_output=True, text=True)
+    assert r.returncode != 0 and "setup_llama_cpp.sh" in r.stderr
+
+
+def test_parse_timings_and_decode_phase():
+    resp = {"content": "x", "timings": {"cache_n": 3, "prompt_n": 509, "prompt_ms": 98.5, "prompt_per_token_ms": 0.19,
+                                        "prompt_per_second": 5167.5, "predicted_n": 32, "predicted_ms": 31.0,
+                                        "predicted_per_token_ms": 1.0, "predicted_per_second": 1000.0}}
+    t = lc.parse_timings(resp)
+    assert t == lc.Timings(prompt_n=509, cache_n=3, prompt_ms=98.5, predicted_n=32, predicted_ms=31.0)
+    with pytest.raises(ValueError, match="no timings"):
+        lc.parse_timings({"content": "x"})
+    with pytest.raises(ValueError, match="predicted_ms"):
+        lc.parse_timings({"timings": {"prompt_n": 1, "prompt_ms": 1.0, "predicted_n": 1}})
+    # two streams: 31 + 15 tokens after the first ones, over the longer stream's 40 ms
+    s, n = lc.decode_phase([t, lc.Timings(10, 0, 5.0, 16, 40.0)])
+    assert n == 46 and s == pytest.approx(0.040)
+    with pytest.raises(ValueError):
+        lc.decode_phase([])
+
+
+def test_peer_without_binary_says_how_to_build(tmp_path, tiny_dir):
+    with pytest.raises(PeerUnavailable, match="setup_llama_cpp.sh"):
+        lc.LlamaCppPeer(tiny_dir, "bf16", slots=1, threads=1, ctx_per_slot=512, log_dir=str(tmp_path),
+                        root=str(tmp_path))
+    with pytest.raises(PeerUnavailable, match="setup_llama_cpp.sh"):
+        lc.require_server(str(tmp_path))
+
+
+def test_salt_keeps_llama_cpp_requests_off_its_cache():
+    from deltaserve.bench.agent.drivers import HttpDriver, LlamaCppDriver
+
+    drv = object.__new__(LlamaCppDriver)
+    assert drv._salt_body("s") == {"cache_prompt": False} and drv._salt_body(None) == {}
+    assert HttpDriver._salt_body(object.__new__(HttpDriver), "s") == {"cache_salt": "s"}
+
+
+def test_render_llama_cpp_columns_and_fp8_hook():
+    from deltaserve.bench.throughput import Results, render
+
+    def res(with_fp8: bool) -> Results:
+        r = Results()
+        r.info.update(rows={"tiny": ["decode@1"]}, peers=["llama.cpp"], llama_cpp_types=["bf16", "q8_0"],
+                      decode_tokens={"tiny": 8}, repeats=1, decode_prompt_len=16)
+        r.best.update({("tiny", "decode@1", "deltaserve"): 100.0, ("tiny", "decode@1", "llama.cpp-bf16"): 200.0,
+                       ("tiny", "decode@1", "llama.cpp-q8_0"): 400.0})
+        r.arm_info.update({("tiny", "deltaserve"): {}, ("tiny", "llama.cpp-bf16"): {"build": "b1", "threads": 2,
+                                                                                   "slots": 8, "gguf_bytes": 1e6},
+                           ("tiny", "llama.cpp-q8_0"): {"gguf_bytes": 5e5}})
+        if with_fp8:
+            r.best[("tiny", "decode@1", "deltaserve-fp8")] = 300.0
+            r.arm_info[("tiny", "deltaserve-fp8")] = {}
+        return r
+
+    text = render(res(False))
+    head = text.splitlines()[0]
+    assert "llama.cpp-bf16 tok/s | llama.cpp-q8_0 tok/s |" in head and "ds/llama.cpp-bf16 | ds/llama.cpp-q8_0 |" in head
+    assert "| tiny | decode@1 | 100 | 200 | 400 | n/a | n/a | 0.50x | 0.25x |" in text, text
+    assert "llama-server -t 2 -np 8" in text
+    text = render(res(True))
+    assert "deltaserve-fp8/llama.cpp-q8_0" in text.splitlines()[0] and "| 0.50x | 0.75x |" in text, text
+
+
+def test_cli_rejects_unknown_peers_and_types(capsys):
+    with pytest.raises(SystemExit):
+        main(["throughput", "--peers", "llamacpp"])
+    assert "choose from transformers, vllm, llama.cpp" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["throughput", "--peers", "llama.cpp", "--llama-cpp-types", "q4_0"])
+    assert "choose from bf16, f32, q8_0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["agent", "--peers", "llama"])
+    assert "llama.cpp" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the real llama-server
+def _need_server():
+    if not os.access(lc.server_binary(), os.X_OK):
+        pytest.skip(f"llama-server not built at {lc.server_binary()} (run scripts/setup_llama_cpp.sh, ~20 min)")
+
+
+@pytest.mark.slow
+def test_llama_server_end_to_end_tiny(tiny_dir, tmp_path, capsys):
+    """Conversion (cached), the server, its tokenizer against ours, timings, then both bench commands with
+    the llama.cpp arm on a very small grid."""
+    _need_server()
+    log = str(tmp_path / "llama.log")
+    gguf = lc.ensure_gguf(tiny_dir, "bf16", log_path=log)
+    assert os.path.getsize(gguf) > 1 << 20
+    srv = lc.LlamaServer(gguf, ctx=2 * 1024, slots=2, threads=2, log_path=log)
+    try:
+        # the qwen2 pre-tokenizer the wrapper chose splits text as our tokenizer does
+        from tokenizers import Tokenizer
+
+        text = "Hello world!  It's 12345 tokens, isn't it?\n\n\tdef f(x): return x**2  # ok 😀"
+        ours = Tokenizer.from_file(os.path.join(tiny_dir, "tokenizer.json")).encode(text, add_special_tokens=False).ids
+        theirs = srv.post("/tokenize", {"content": text, "add_special": False})["tokens"]
+        assert theirs == ours
+        t = srv.complete(list(range(20, 120)), 8)
+        assert t.prompt_n == 100 and t.cache_n == 0 and t.predicted_n == 8 and t.prompt_ms > 0 and t.predicted_ms > 0
+    finally:
+        srv.close()
+    assert srv.proc.poll() is not None
+    rc = main(["throughput", "--preset", "tiny", "--peers", "llama.cpp", "--llama-cpp-types", "bf16",
+               "--prefill-lens", "64", "--streams", "1,2", "--decode-tokens", "4", "--decode-prompt-len", "16",
+               "--repeats", "1", "--bandwidth-gib", "0", "--settle", "0", "--log-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    for row in ("prefill@64", "decode@1", "decode@2"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(f"| tiny | {row} |"))
+        cells = [c.strip() for c in line.split("|")[1:-1]]
+        assert cells[3] not in ("n/a¹", "failed²") and float(cells[3].replace(",", "")) > 0, out
+    rc = main(["agent", "--preset", "tiny", "--arms", "none", "--peers", "llama.cpp", "--sessions", "2",
+               "--target-context", "512", "--output-tokens", "3", "--no-warmup", "--ideal", "alone",
+               "--ideal-context-samples", "1", "--log-dir", str(tmp_path), "--out", str(tmp_path / "agent")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| llama.cpp-bf16 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert float(cells[5]) > 0.3, out  # its prompt cache hits later turns and says so in usage
+    assert "does not report" not in out
+
+
+def test_llama_cpp_targets_lines():
+    from deltaserve.bench.throughput import Results, llama_cpp_targets
+
+    r = Results()
+    r.info["rows"] = {"tiny": ["decode@1", "decode@8"]}
+    r.best.update({("tiny", "decode@1", "deltaserve"): 90.0, ("tiny", "decode@1", "llama.cpp-bf16"): 100.0,
+                   ("tiny", "decode@8", "deltaserve"): 160.0, ("tiny", "decode@8", "llama.cpp-bf16"): 100.0,
+                   ("tiny", "decode@1", "deltaserve-fp8"): 120.0})  # no q8_0 arm ran: no fp8 line
+    assert llama_cpp_targets(r) == [
+        "- tiny decode@1: deltaserve / llama.cpp-bf16 0.90x (missed, target >= 1.0x)",
+        "- tiny decode@8: deltaserve / llama.cpp-bf16 1.60x (met, target >= 1.5x)"]
