@@ -18,8 +18,9 @@ def test_throughput_smoke(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "| preset | row | deltaserve tok/s |" in text
-    for row in ("prefill@32", "decode@1", "decode@2", "roofline@1"):
+    for row in ("prefill@32", "decode@1", "decode@2", "roofline@1", "ms per decode step@1"):
         assert f"| tiny | {row}" in text, text
+    assert "(median " in text and "deltaserve CPU kernels: tiny deltaserve " in text, text  # the step row, the set
     assert "n/a¹" not in text and "failed²" not in text, text
     rows = out.read_text().splitlines()
     assert rows[0].startswith("preset,row,engine") and any(",best," in r for r in rows)

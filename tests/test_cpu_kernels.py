@@ -13,12 +13,19 @@ from deltaserve.model.ops.conv import causal_conv1d_prefill, causal_conv1d_step
 from deltaserve.model.ops.gdn import gated_delta_rule_reference, recurrent_gated_delta_rule_step
 
 
-@pytest.fixture(scope="module")
-def kern():
+@pytest.fixture(scope="module", params=cpu_kernels.ISAS)
+def kern(request):
+    """The compiled kernels of each instruction set this CPU executes (a set it cannot execute skips, saying
+    which and why)."""
+    why = cpu_kernels.cannot_execute(request.param)
+    if why:
+        pytest.skip(why)
     try:
-        return cpu_kernels.select_decode_kernels("cpu", torch.float32, "cpp")
+        k = cpu_kernels.select_decode_kernels("cpu", torch.float32, "cpp", request.param)
     except Exception as e:  # noqa: BLE001 - no compiler on this machine: the torch path is what runs
         pytest.skip(f"C++ decode kernels unavailable: {e}")
+    assert k.isa == request.param and k.ext.kernel_isa() == request.param
+    return k
 
 
 def gen(seed: int) -> torch.Generator:
@@ -166,6 +173,40 @@ def test_selection_modes(monkeypatch):
         cpu_kernels.select_decode_kernels("cpu", torch.float32, "fast")
 
 
+def test_isa_choice_follows_the_cpu_flags(monkeypatch):
+    """auto takes the fastest set the flags allow; a named set the CPU lacks is an error naming the missing
+    flags and the sets it runs (an AVX2-only EPYC, an AVX-512 CPU without BF16, this CPU)."""
+    epyc = frozenset(cpu_kernels.ISA_NEEDS["avx2"] | {"sse4_2"})
+    skylake = frozenset(cpu_kernels.ISA_NEEDS["avx512"])
+    assert cpu_kernels.executable_isas(epyc) == ("avx2",)
+    assert cpu_kernels.resolve_isa("auto", epyc) == "avx2"
+    assert cpu_kernels.resolve_isa("auto", skylake) == "avx512"
+    assert cpu_kernels.resolve_isa("avx2", skylake) == "avx2"
+    with pytest.raises(ValueError, match=r"avx512bf16: this CPU cannot execute it \(missing .*avx512_bf16.*avx512f"):
+        cpu_kernels.resolve_isa("avx512bf16", epyc)
+    with pytest.raises(ValueError, match="it runs: avx2"):
+        cpu_kernels.resolve_isa("avx512", epyc)
+    with pytest.raises(ValueError, match="must be one of"):
+        cpu_kernels.resolve_isa("sse2")
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    assert cpu_kernels.resolve_isa() == "avx2"  # the process's choice (the engine's --cpu-isa sets it)
+    monkeypatch.delenv(cpu_kernels.ISA_ENV)
+    assert cpu_kernels.resolve_isa() == cpu_kernels.executable_isas()[0]
+
+
+def test_engine_refuses_a_set_the_cpu_lacks(monkeypatch):
+    """--cpu-isa avx512bf16 on an AVX2-only CPU: a ConfigError naming what is missing, before any model loads."""
+    from deltaserve.config import ConfigError, EngineConfig
+    from deltaserve.engine import LLMEngine
+
+    with pytest.raises(ConfigError, match="--cpu-isa must be one of"):
+        EngineConfig(cpu_isa="sse2")
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset(cpu_kernels.ISA_NEEDS["avx2"]))
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "auto")
+    with pytest.raises(ConfigError, match=r"avx512bf16: this CPU cannot execute it .*it runs: avx2"):
+        LLMEngine(EngineConfig(cpu_isa="avx512bf16", device="cpu"))
+
+
 def test_model_decode_steps_match_torch_path(kern):
     """Prefill two sequences, then decode steps (slots 2 and 0, a prefill chunk sharing a step) through the
     compiled kernels and through torch: logits agree (fp32 model)."""
@@ -176,7 +217,7 @@ def test_model_decode_steps_match_torch_path(kern):
     model = load_model(ensure_model("tiny", seed=0), dtype="float32")
     logits = {}
     for mode in ("torch", "cpp"):
-        model.select_decode_kernels(mode)
+        model.select_decode_kernels(mode, kern.isa)
         caches = make_caches(model, num_slots=3, num_pages=12, block_size=64)
         a, b, c = Sequence(slot=2, pages=[5, 1, 9]), Sequence(slot=0, pages=[0, 7, 3]), Sequence(slot=1, pages=[4, 2])
         ids = list(range(100, 170))
@@ -193,6 +234,37 @@ def test_model_decode_steps_match_torch_path(kern):
         logits[mode] = torch.stack(rows)
     model.select_decode_kernels()
     torch.testing.assert_close(logits["cpp"], logits["torch"], atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_model_rows_are_batch_invariant(kern):
+    """The bf16 model on this set's kernels and packed linear (what the engine serves): a sequence's logits
+    are the same bits decoded alone and beside two others, in another slot and at another row position (the
+    cache's hit == cold gates rest on it)."""
+    from deltaserve.embedded import ensure_model
+    from deltaserve.model.loader import load_model
+    from deltaserve.model.testing import Sequence, make_caches, step
+
+    model = load_model(ensure_model("tiny", seed=0), dtype="bfloat16", prepack=False)
+    model.select_decode_kernels("cpp", kern.isa)
+    assert model.prepack_linears() and model.linear_kind == "cpp"
+    ids = list(range(100, 170))
+
+    def run(others: bool) -> torch.Tensor:
+        caches = make_caches(model, num_slots=3, num_pages=12, block_size=64)
+        a = Sequence(slot=2 if others else 0, pages=[5, 1] if others else [0, 1])
+        b, c = Sequence(slot=0, pages=[0, 7]), Sequence(slot=1, pages=[4, 2])
+        work = ([(b, ids[:37], False), (a, ids, False), (c, ids[:5], False)] if others else [(a, ids, False)])
+        out = step(model, caches, work)
+        ia = 1 if others else 0
+        rows, tok = [out[ia][-1]], int(out[ia][-1].argmax())
+        for t in range(4):
+            work = [(b, [7 + t], True), (a, [tok], True), (c, [9], True)] if others else [(a, [tok], True)]
+            out = step(model, caches, work)
+            rows.append(out[ia][-1])
+            tok = int(out[ia][-1].argmax())
+        return torch.stack(rows)
+
+    assert torch.equal(run(False), run(True))
 
 
 # ---- fused RMSNorm ---------------------------------------------------------------------------------------

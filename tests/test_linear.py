@@ -11,14 +11,18 @@ from deltaserve.model.ops import cpu_kernels
 from deltaserve.model.ops.linear import PackedWeight, linear
 
 
-@pytest.fixture(scope="module")
-def ext():
+@pytest.fixture(scope="module", params=cpu_kernels.ISAS)
+def ext(request):
+    """The compiled kernels of each instruction set this CPU executes (avx512bf16: vdpbf16ps; avx512, avx2:
+    bf16 widened to fp32); a set it cannot execute skips, saying which."""
+    why = cpu_kernels.cannot_execute(request.param)
+    if why:
+        pytest.skip(why)
     try:
-        mod = cpu_kernels.load_extension()
+        mod = cpu_kernels.load_extension(request.param)
     except Exception as e:  # noqa: BLE001 - no compiler here: oneDNN's packing is what runs
         pytest.skip(f"C++ kernels unavailable: {e}")
-    if not mod.bf16_linear_available():
-        pytest.skip("this CPU has no AVX512-BF16: oneDNN's packing is what runs")
+    assert mod.bf16_linear_available() and mod.kernel_isa() == request.param
     return mod
 
 
@@ -75,3 +79,33 @@ def test_fallbacks_and_errors(ext):
         linear(rand(4, 64, seed=8).float(), pw)
     with pytest.raises(RuntimeError, match="inputs"):
         linear(rand(4, 62, seed=8), pw)
+
+
+def test_every_instruction_set_gives_the_same_bits():
+    """The widened paths add each k pair as vdpbf16ps does (odd product, then even; exact products), so on
+    normal numbers every set this CPU executes gives the same bits, for decode and prefill row counts."""
+    isas = [i for i in cpu_kernels.ISAS if cpu_kernels.cannot_execute(i) is None]
+    if len(isas) < 2:
+        pytest.skip(f"this CPU executes only {isas}: nothing to compare")
+    try:
+        mods = {i: cpu_kernels.load_extension(i) for i in isas}
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"C++ kernels unavailable: {e}")
+    for N, K, M in [(17, 62, 1), (776, 256, 9), (300, 1030, 64)]:
+        w, x = rand(N, K, seed=N), rand(M, K, seed=K)
+        ys = {i: linear(x, PackedWeight(w, m)) for i, m in mods.items()}
+        for i in isas[1:]:
+            assert torch.equal(ys[i], ys[isas[0]]), (i, isas[0], N, K, M)
+
+
+def test_odd_input_dim_without_onednn_bf16_stays_on_f_linear(ext, monkeypatch):
+    """An AVX2-only CPU has no oneDNN bf16: a weight the compiled kernel cannot take (odd input dim) is kept
+    as it is and runs through F.linear (its bits), instead of a oneDNN packing that would fall back slowly."""
+    from deltaserve.model.ops import linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "can_prepack", lambda dtype, device: False)
+    w, x = rand(32, 33, seed=5), rand(4, 33, seed=6)
+    pw = PackedWeight(w, ext)
+    assert pw.kind == "plain"
+    assert torch.equal(linear(x, pw), F.linear(x, w))
+    assert PackedWeight(rand(32, 64, seed=7), ext).kind == "cpp"

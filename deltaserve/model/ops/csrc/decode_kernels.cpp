@@ -15,7 +15,8 @@
 //   through slot ids; accumulation in the order and with the roundings of ops/conv.py _conv_acc (one fp32
 //   mul and one add per tap, never fused), so the bits equal the prefill's.
 
-#include <torch/extension.h>
+#include "aten_lite.h"
+#include <torch/python.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -24,8 +25,11 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define DS_AVX2 1  // the AVX2 + FMA build: 8-lane variants of the AVX-512 loops below, same roundings
 #endif
 
 // Built with -ffp-contract=off: a * b + c stays a multiply and an add unless a kernel asks for std::fma / an
@@ -71,6 +75,25 @@ inline __m512 load16(const bf16_bits* p) {
   const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+#elif defined(DS_AVX2)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16_bits* p) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+// horizontal sum / max of 8 lanes in a fixed order (halves, then pairs)
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
 #endif
 
 // sum_i a[i] * b[i] over n, fp32: LANES partial sums then a fixed tree; the same order for every call
@@ -81,6 +104,12 @@ inline float dot(const float* a, const T* b, int64_t n) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < n; i += LANES) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), load16(b + i), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(DS_AVX2)
+  if (n % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
+    return hsum8(acc);
   }
 #endif
   float acc[LANES] = {0};
@@ -124,6 +153,35 @@ template <> inline __m512 round512<bf16_bits>(__m512 x) {
   r = _mm512_and_si512(r, _mm512_set1_epi32(int(0xffff0000u)));
   return _mm512_castsi512_ps(r);  // scores and probabilities are finite: no NaN case
 }
+#elif defined(DS_AVX2)
+// exp(x) for x <= 0, the polynomial of exp512; 2^n built in the exponent bits, so x is clamped where 2^n is
+// still normal (exp(-87) ~ 1.6e-38: a probability that small rounds away against the max's exp(0) = 1)
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+template <typename T> inline __m256 round256(__m256 x);
+template <> inline __m256 round256<float>(__m256 x) { return x; }
+template <> inline __m256 round256<bf16_bits>(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(int(0xffff0000u)));
+  return _mm256_castsi256_ps(r);
+}
 #endif
 
 // softmax over s[0, L) in fp32 in place, probabilities rounded to T
@@ -151,6 +209,32 @@ inline void softmax_row(float* s, int64_t L) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(vs));
     for (int64_t t = 0; t < full; t += LANES) _mm512_storeu_ps(s + t, round512<T>(_mm512_mul_ps(_mm512_loadu_ps(s + t), inv)));
     if (tail) _mm512_mask_storeu_ps(s + full, tail, round512<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + full), inv)));
+    return;
+  }
+#elif defined(DS_AVX2)
+  if (L >= 8) {  // as the AVX-512 loop, 8 lanes; the tail through a lane mask
+    const int64_t full = L - L % 8;
+    const int rem = int(L % 8);
+    const __m256i mi = _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 mf = _mm256_castsi256_ps(mi), ninf = _mm256_set1_ps(-INFINITY);
+    __m256 vm = ninf;
+    for (int64_t t = 0; t < full; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
+    if (rem) vm = _mm256_max_ps(vm, _mm256_blendv_ps(ninf, _mm256_maskload_ps(s + full, mi), mf));
+    const __m256 m = _mm256_set1_ps(hmax8(vm));
+    __m256 vs = _mm256_setzero_ps();
+    for (int64_t t = 0; t < full; t += 8) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+      _mm256_storeu_ps(s + t, e);
+      vs = _mm256_add_ps(vs, e);
+    }
+    if (rem) {
+      const __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(s + full, mi), m));
+      _mm256_maskstore_ps(s + full, mi, e);
+      vs = _mm256_add_ps(vs, _mm256_and_ps(e, mf));
+    }
+    const __m256 inv = _mm256_set1_ps(1.f / hsum8(vs));
+    for (int64_t t = 0; t < full; t += 8) _mm256_storeu_ps(s + t, round256<T>(_mm256_mul_ps(_mm256_loadu_ps(s + t), inv)));
+    if (rem) _mm256_maskstore_ps(s + full, mi, round256<T>(_mm256_mul_ps(_mm256_maskload_ps(s + full, mi), inv)));
     return;
   }
 #endif
@@ -220,6 +304,46 @@ void attend_avx512(const float* q, const T* const* krows, const T* const* vrows,
     }
   }
 }
+#elif defined(DS_AVX2)
+// AVX2 path for G query heads per kv head, D a multiple of 16: attend_avx512 on 8 lanes. P V keeps NV x 8
+// output columns per head in registers (NV = 2 up to 4 heads, 1 for 8: 16 ymm registers)
+template <typename T, int G>
+void attend_avx2(const float* q, const T* const* krows, const T* const* vrows, int64_t L, int64_t D, float sc,
+                 float* scores, T* out) {
+  for (int64_t t = 0; t < L; ++t) {
+    const T* k = krows[t];
+    __m256 acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
+      for (int g = 0; g < G; ++g) {
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k0, acc[g]);
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d + 8), k1, acc[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) scores[g * L + t] = round_to<T>(round_to<T>(hsum8(acc[g])) * sc);
+  }
+  for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * L, L);
+  constexpr int NV = G <= 4 ? 2 : 1;
+  for (int64_t d = 0; d < D; d += 8 * NV) {
+    __m256 a[G][NV];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < L; ++t) {
+      __m256 vv[NV];
+      for (int v = 0; v < NV; ++v) vv[v] = load8(vrows[t] + d + 8 * v);
+      for (int g = 0; g < G; ++g) {
+        const __m256 p = _mm256_set1_ps(scores[g * L + t]);
+        for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(p, vv[v], a[g][v]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      alignas(32) float buf[8 * NV];
+      for (int v = 0; v < NV; ++v) _mm256_store_ps(buf + 8 * v, a[g][v]);
+      for (int i = 0; i < 8 * NV; ++i) out[g * D + d + i] = from_f<T>(buf[i]);
+    }
+  }
+}
 #endif
 
 template <typename T>
@@ -235,14 +359,24 @@ void attend_one(const float* q, const T* const* krows, const T* const* vrows, in
       default: break;
     }
   }
+#elif defined(DS_AVX2)
+  if (D % 16 == 0) {
+    switch (G) {
+      case 1: return attend_avx2<T, 1>(q, krows, vrows, L, D, sc, scores, out);
+      case 2: return attend_avx2<T, 2>(q, krows, vrows, L, D, sc, scores, out);
+      case 4: return attend_avx2<T, 4>(q, krows, vrows, L, D, sc, scores, out);
+      case 8: return attend_avx2<T, 8>(q, krows, vrows, L, D, sc, scores, out);
+      default: break;
+    }
+  }
 #endif
   attend_generic<T>(q, krows, vrows, L, G, D, sc, scores, out);
 }
 
 // q [B, Hq, D]; kv [P, 2, bs, Hkv, D]; page_table [B, maxp] int64; lengths [B] int64; out [B, Hq, D]
 template <typename T>
-void attention_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch::Tensor& page_table,
-                    const torch::Tensor& lengths, double scale, torch::Tensor& out) {
+void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
+                    const at::Tensor& lengths, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   const int64_t bs = kv.size(2), Hkv = kv.size(3), G = Hq / Hkv;
   const int64_t row_stride = Hkv * D;            // one position inside a page
@@ -280,15 +414,15 @@ void attention_impl(const torch::Tensor& q, const torch::Tensor& kv, const torch
   });
 }
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::Tensor page_table,
-                                     torch::Tensor lengths, double scale) {
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_table,
+                                     at::Tensor lengths, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
   TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(1) == 2, "kv must be a contiguous [P, 2, bs, Hkv, D]");
   TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv dtypes differ");
   TORCH_CHECK(kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "head shapes do not match");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) && page_table.is_contiguous() &&
-              page_table.scalar_type() == torch::kLong, "page_table must be a contiguous int64 [B, maxp]");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == torch::kLong &&
+              page_table.scalar_type() == at::kLong, "page_table must be a contiguous int64 [B, maxp]");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == at::kLong &&
               lengths.is_contiguous(), "lengths must be int64 [B]");
   {
     const int64_t* lens = lengths.data_ptr<int64_t>();
@@ -300,10 +434,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
         TORCH_CHECK(pt[b * maxp + i] >= 0 && pt[b * maxp + i] < P, "page id out of range");
     }
   }
-  auto out = torch::empty_like(q);
-  if (q.scalar_type() == torch::kFloat) {
+  auto out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat) {
     attention_impl<float>(q, kv, page_table, lengths, scale, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     attention_impl<bf16_bits>(q, kv, page_table, lengths, scale, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
@@ -316,8 +450,8 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor kv, torch::T
 // q, k [B, Hk, dk], v [B, H, dv] (inner two dims contiguous, any row stride); g [B, H] fp32; beta [B, H];
 // state [S, H, dv, dk] fp32 contiguous; slots [B] int64; out [B, H, dv] in q's dtype
 template <typename T>
-void gdn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
-              const torch::Tensor& beta, torch::Tensor& state, const torch::Tensor& slots, torch::Tensor& out) {
+void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+              const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
   const int64_t B = v.size(0), H = v.size(1), dv = v.size(2), Hk = q.size(1), dk = q.size(2);
   const int64_t rep = H / Hk;
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
@@ -372,6 +506,22 @@ void gdn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
                                                       _mm512_mul_ps(_mm512_loadu_ps(row + j), ve)));
           continue;
         }
+#elif defined(DS_AVX2)
+        if (dk % 8 == 0) {  // as the AVX-512 branch, 8 lanes
+          __m256 ak = _mm256_setzero_ps(), aq = _mm256_setzero_ps();
+          for (int64_t j = 0; j < dk; j += 8) {
+            const __m256 x = _mm256_loadu_ps(row + j);
+            ak = _mm256_fmadd_ps(_mm256_loadu_ps(kn.data() + j), x, ak);
+            aq = _mm256_fmadd_ps(_mm256_loadu_ps(qn.data() + j), x, aq);
+          }
+          const float delta = (to_f(vr[r]) - hsum8(ak) * e) * bt;
+          o[r] = from_f<T>(hsum8(aq) * e + delta * kq);
+          const __m256 ve = _mm256_set1_ps(e), vd = _mm256_set1_ps(delta);
+          for (int64_t j = 0; j < dk; j += 8)
+            _mm256_storeu_ps(row + j, _mm256_fmadd_ps(vd, _mm256_loadu_ps(kn.data() + j),
+                                                      _mm256_mul_ps(_mm256_loadu_ps(row + j), ve)));
+          continue;
+        }
 #endif
         const float s_k = dot(kn.data(), row, dk), s_q = dot(qn.data(), row, dk);
         const float delta = (to_f(vr[r]) - s_k * e) * bt;
@@ -382,30 +532,30 @@ void gdn_impl(const torch::Tensor& q, const torch::Tensor& k, const torch::Tenso
   });
 }
 
-torch::Tensor gdn_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor g, torch::Tensor beta,
-                              torch::Tensor state, torch::Tensor slots) {
+at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                              at::Tensor state, at::Tensor slots) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "q, k [B, Hk, dk] and v [B, H, dv] expected");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: last dim must be contiguous");
   TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
               beta.scalar_type() == q.scalar_type(), "q, k, v, beta must share a dtype");
-  TORCH_CHECK(g.scalar_type() == torch::kFloat && g.dim() == 2 && g.stride(1) == 1, "g must be fp32 [B, H]");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.dim() == 2 && g.stride(1) == 1, "g must be fp32 [B, H]");
   TORCH_CHECK(beta.dim() == 2 && beta.stride(1) == 1, "beta must be [B, H]");
   const int64_t B = v.size(0), H = v.size(1), dv = v.size(2), dk = q.size(2);
   TORCH_CHECK(H % q.size(1) == 0, "value heads not a multiple of key heads");
   TORCH_CHECK(g.size(0) == B && g.size(1) == H && beta.size(0) == B && beta.size(1) == H, "g, beta shapes");
-  TORCH_CHECK(state.scalar_type() == torch::kFloat && state.is_contiguous() && state.dim() == 4 &&
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
               state.size(1) == H && state.size(2) == dv && state.size(3) == dk, "state must be fp32 [S, H, dv, dk]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == torch::kLong && slots.is_contiguous(),
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && slots.is_contiguous(),
               "slots must be int64 [B]");
   {
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sl[b] >= 0 && sl[b] < state.size(0), "slot out of range");
   }
-  auto out = torch::empty({B, H, dv}, q.options());
-  if (q.scalar_type() == torch::kFloat) {
+  auto out = at::empty({B, H, dv}, q.options());
+  if (q.scalar_type() == at::kFloat) {
     gdn_impl<float>(q, k, v, g, beta, state, slots, out);
-  } else if (q.scalar_type() == torch::kBFloat16) {
+  } else if (q.scalar_type() == at::kBFloat16) {
     gdn_impl<bf16_bits>(q, k, v, g, beta, state, slots, out);
   } else {
     TORCH_CHECK(false, "gdn_decode_step: float32 or bfloat16 only");
@@ -419,8 +569,8 @@ torch::Tensor gdn_decode_step(torch::Tensor q, torch::Tensor k, torch::Tensor v,
 // state [S, K-1, C] in x's dtype, the last K-1 inputs oldest first, updated in place at `slots`;
 // acc [B, C] fp32: sum_j wt[j] * xpad[j] with xpad = (state rows, x), in tap order, one mul and one add per tap
 template <typename T>
-void conv_impl(const torch::Tensor& x, const torch::Tensor& rows, const torch::Tensor& wt, torch::Tensor& state,
-               const torch::Tensor& slots, torch::Tensor& acc) {
+void conv_impl(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
+               const at::Tensor& slots, at::Tensor& acc) {
   const int64_t B = rows.size(0), C = wt.size(1), K = wt.size(0);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const int64_t xs0 = x.stride(0);
@@ -445,15 +595,15 @@ void conv_impl(const torch::Tensor& x, const torch::Tensor& rows, const torch::T
   });
 }
 
-torch::Tensor conv1d_step_acc(torch::Tensor x, torch::Tensor rows, torch::Tensor wt, torch::Tensor state,
-                              torch::Tensor slots) {
+at::Tensor conv1d_step_acc(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state,
+                              at::Tensor slots) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, C] with a contiguous inner dim");
-  TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.scalar_type() == torch::kFloat && wt.size(1) == x.size(1) &&
+  TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.scalar_type() == at::kFloat && wt.size(1) == x.size(1) &&
               wt.size(0) >= 2, "wt must be fp32 contiguous [K >= 2, C]");
   TORCH_CHECK(state.dim() == 3 && state.is_contiguous() && state.scalar_type() == x.scalar_type() &&
               state.size(1) == wt.size(0) - 1 && state.size(2) == x.size(1), "state must be [S, K-1, C] in x's dtype");
-  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == torch::kLong && rows.is_contiguous() &&
-              slots.dim() == 1 && slots.scalar_type() == torch::kLong && slots.is_contiguous() &&
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous() &&
+              slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
               slots.size(0) == rows.size(0), "rows and slots must be int64 [B]");
   {
     const int64_t* rp = rows.data_ptr<int64_t>();
@@ -461,10 +611,10 @@ torch::Tensor conv1d_step_acc(torch::Tensor x, torch::Tensor rows, torch::Tensor
     for (int64_t b = 0; b < rows.size(0); ++b)
       TORCH_CHECK(rp[b] >= 0 && rp[b] < x.size(0) && sl[b] >= 0 && sl[b] < state.size(0), "row or slot out of range");
   }
-  auto acc = torch::empty({rows.size(0), x.size(1)}, x.options().dtype(torch::kFloat));
-  if (x.scalar_type() == torch::kFloat) {
+  auto acc = at::empty({rows.size(0), x.size(1)}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kFloat) {
     conv_impl<float>(x, rows, wt, state, slots, acc);
-  } else if (x.scalar_type() == torch::kBFloat16) {
+  } else if (x.scalar_type() == at::kBFloat16) {
     conv_impl<bf16_bits>(x, rows, wt, state, slots, acc);
   } else {
     TORCH_CHECK(false, "conv1d_step_acc: float32 or bfloat16 only");
@@ -476,18 +626,20 @@ torch::Tensor conv1d_step_acc(torch::Tensor x, torch::Tensor rows, torch::Tensor
 
 // linear_bf16.cpp
 bool bf16_linear_available();
-torch::Tensor pack_bf16_weight(const torch::Tensor& w);
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N);
+std::string kernel_isa();
+at::Tensor pack_bf16_weight(const at::Tensor& w);
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N);
 
 // norm.cpp
-torch::Tensor rms_norm_fused(const torch::Tensor& x, const torch::Tensor& w, double eps);
-std::vector<torch::Tensor> add_rms_norm_fused(const torch::Tensor& x, const torch::Tensor& h, const torch::Tensor& w,
+at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps);
+std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
                                               double eps);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_fused", &rms_norm_fused, "zero-centred RMSNorm, one pass per row (x [R,D] or [R,H,D], w [D], eps)");
   m.def("add_rms_norm_fused", &add_rms_norm_fused, "(x + h, rms_norm(x + h)) for x, h [R, D]");
-  m.def("bf16_linear_available", &bf16_linear_available, "built with AVX512-BF16 (linear_bf16 usable)");
+  m.def("bf16_linear_available", &bf16_linear_available, "linear_bf16 usable (built with AVX2 + FMA or AVX-512)");
+  m.def("kernel_isa", &kernel_isa, "the instruction set this build targets: avx512bf16, avx512, avx2 or none");
   m.def("pack_bf16_weight", &pack_bf16_weight, "[N, K] bf16 weight -> [ceil(N/16), K/2, 16, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed weight^T -> [M, N] bf16 (batch-invariant)");
   m.def("paged_decode_attention", &paged_decode_attention,

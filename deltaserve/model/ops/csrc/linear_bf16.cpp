@@ -1,42 +1,63 @@
-// bf16 linear layers for every row count, loaded with decode_kernels.cpp (one extension, cpu_kernels.py).
+// bf16 linear layers for every row count, loaded with decode_kernels.cpp (one extension per instruction set,
+// cpu_kernels.py).
 //
-// y [M, N] = x [M, K] @ w [N, K]^T, bf16 in and out, fp32 accumulation with AVX512-BF16 (vdpbf16ps).
-// The weight is packed once (pack_bf16_weight) into [ceil(N/16), K/2, 16, 2]: for each block of 16 output
-// columns and each pair of k, one 64-byte vector. A register tile holds MT rows x NB column blocks of fp32
-// accumulators; each k pair loads NB weight vectors, broadcasts each row's (x[2p], x[2p+1]) and issues MT*NB
-// dot-product instructions.
+// y [M, N] = x [M, K] @ w [N, K]^T, bf16 in and out, fp32 accumulation. The weight is packed once
+// (pack_bf16_weight) into [ceil(N/16), K/2, 16, 2]: for each block of 16 output columns and each pair of k, one
+// 64-byte vector. A register tile holds MT rows x NB column blocks of fp32 accumulators; each k pair loads NB
+// weight vectors and broadcasts each row's (x[2p], x[2p+1]). Three builds of this file, one per instruction set:
+// - avx512bf16: one vdpbf16ps per (row, column block, k pair);
+// - avx512: the weight vector widened to fp32 in registers (mask and shift), two fmas;
+// - avx2 (+ FMA): the same on 32-byte halves, four rows per tile.
 //
 // Bits: every output y[m, n] is the fp32 sum over k pairs in ascending order, in its own accumulator, rounded
 // once to bf16 (round to nearest even). Neither the row count, the tile a row falls into, nor the thread
 // split (columns only) changes that order, so a row's result is the same alone or in any batch, in a
-// prefill or a decode step.
+// prefill or a decode step. The widened paths add each pair as vdpbf16ps is specified to (odd product, then
+// even; bf16 products are exact in fp32), so on normal numbers every path gives the same bits (vdpbf16ps
+// also flushes denormals; tests/test_linear.py compares the paths).
 //
 // Speed (2 Xeon cores, AVX512-BF16, no AMX): at the vdpbf16ps peak (~175 GFLOP/s) for large M, like oneDNN;
 // at decode sizes it streams weights at the memory bandwidth where oneDNN's prepacked path reaches ~2/3 of it
-// (docs/benchmarks.md).
+// (docs/benchmarks.md); the widened paths do twice the arithmetic per weight, which decode sizes hide.
 
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
+#include <string>
 #include <utility>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define DS_LINEAR 1
 #include <immintrin.h>
 
 namespace {
 
-constexpr int kCols = 16;        // output columns per accumulator vector
+constexpr int kCols = 16;        // output columns per packed column block (one 64-byte vector per k pair)
 constexpr int64_t kPanel = 24;   // column blocks per panel: a panel's weights stay in L2 across the row tiles
-constexpr int64_t kSerialBelow = int64_t(1) << 20;  // multiply-adds a thread takes on at least
-constexpr int64_t kAhead = 8;    // weight vectors prefetched ahead along k, per column block
+constexpr int64_t kSerialBelow = int64_t(1) << 19;  // multiply-adds below which a call stays on one thread
+constexpr int64_t kAhead = 8;    // k pairs prefetched ahead, per column block
+
+inline float bits_f(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+#if defined(__AVX512BF16__)
+constexpr const char* kIsa = "avx512bf16";
+constexpr int kRows = 8;  // rows per register tile
+// column blocks per tile for MT rows: MT*NB accumulators + NB weight vectors + 1 broadcast <= 32 registers
+constexpr int kNB[9] = {0, 8, 8, 6, 5, 4, 4, 3, 3};
 
 template <int MT, int NB>
-void tile(const uint32_t* __restrict x, int64_t kp_n, const __m512bh* __restrict w, at::BFloat16* __restrict y,
+void tile(const uint32_t* __restrict x, int64_t kp_n, const uint16_t* __restrict wb, at::BFloat16* __restrict y,
           int64_t ys, int64_t ncols) {
-  // x: MT rows of kp_n bf16 pairs (row stride kp_n); w: NB column blocks of kp_n vectors each
+  // x: MT rows of kp_n bf16 pairs (row stride kp_n); wb: NB column blocks of kp_n vectors each
+  const __m512bh* w = reinterpret_cast<const __m512bh*>(wb);
   __m512 acc[MT][NB];
 #pragma GCC unroll 64
   for (int i = 0; i < MT; ++i)
@@ -67,45 +88,155 @@ void tile(const uint32_t* __restrict x, int64_t kp_n, const __m512bh* __restrict
     }
 }
 
-using TileFn = void (*)(const uint32_t*, int64_t, const __m512bh*, at::BFloat16*, int64_t, int64_t);
-// column blocks per tile for MT rows: MT*NB accumulators + NB weight vectors + 1 broadcast <= 32 registers
-constexpr int kNB[9] = {0, 8, 8, 6, 5, 4, 4, 3, 3};
+#elif defined(__AVX512F__)
+// AVX-512 without BF16: each 64-byte weight vector (16 columns x one k pair) is widened to fp32 in registers,
+// the odd element by masking and the even one by a shift, and each pair is added as vdpbf16ps adds it: the
+// odd product first, then the even one (bf16 x bf16 products are exact in fp32, so each step is one rounding)
+constexpr const char* kIsa = "avx512";
+constexpr int kRows = 8;
+// MT*NB accumulators + 2*NB widened weights + 2 broadcasts <= 32 registers
+constexpr int kNB[9] = {0, 8, 6, 5, 4, 4, 3, 3, 3};
+
+template <int MT, int NB>
+void tile(const uint32_t* __restrict x, int64_t kp_n, const uint16_t* __restrict wb, at::BFloat16* __restrict y,
+          int64_t ys, int64_t ncols) {
+  const __m512i* w = reinterpret_cast<const __m512i*>(wb);
+  const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
+  __m512 acc[MT][NB];
+#pragma GCC unroll 64
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 64
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < kp_n; ++p) {
+    __m512 wo[NB], we[NB];
+#pragma GCC unroll 64
+    for (int j = 0; j < NB; ++j) {
+      const __m512i v = _mm512_loadu_si512(w + j * kp_n + p);
+      _mm_prefetch(reinterpret_cast<const char*>(w + j * kp_n + p + kAhead), _MM_HINT_T0);
+      wo[j] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+      we[j] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    }
+#pragma GCC unroll 64
+    for (int i = 0; i < MT; ++i) {
+      const uint32_t u = x[i * kp_n + p];
+      const __m512 xo = _mm512_set1_ps(bits_f(u & 0xffff0000u)), xe = _mm512_set1_ps(bits_f(u << 16));
+#pragma GCC unroll 64
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_fmadd_ps(xe, we[j], _mm512_fmadd_ps(xo, wo[j], acc[i][j]));
+    }
+  }
+#pragma GCC unroll 64
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 64
+    for (int j = 0; j < NB; ++j) {
+      int64_t left = ncols - int64_t(j) * kCols;
+      if (left <= 0) break;
+      alignas(64) float buf[kCols];
+      _mm512_store_ps(buf, acc[i][j]);
+      for (int c = 0; c < std::min<int64_t>(left, kCols); ++c) y[i * ys + j * kCols + c] = at::BFloat16(buf[c]);
+    }
+}
+
+#else
+// AVX2 + FMA: a column block is two 32-byte halves (8 columns x one k pair each), widened like the AVX-512
+// path and added in the same order (odd product, then even), 16 ymm registers
+constexpr const char* kIsa = "avx2";
+constexpr int kRows = 4;
+// MT*2*NB accumulators + 4*NB widened weights + 2 broadcasts <= 16 registers
+constexpr int kNB[5] = {0, 2, 1, 1, 1};
+
+template <int MT, int NB>
+void tile(const uint32_t* __restrict x, int64_t kp_n, const uint16_t* __restrict wb, at::BFloat16* __restrict y,
+          int64_t ys, int64_t ncols) {
+  const __m256i* w = reinterpret_cast<const __m256i*>(wb);  // block j, pair p: halves w[2 (j kp_n + p) + 0/1]
+  const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+  constexpr int NH = 2 * NB;
+  __m256 acc[MT][NH];
+#pragma GCC unroll 64
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 64
+    for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_setzero_ps();
+  for (int64_t p = 0; p < kp_n; ++p) {
+    __m256 wo[NH], we[NH];
+#pragma GCC unroll 64
+    for (int j = 0; j < NB; ++j) {
+      const __m256i* blk = w + 2 * (j * kp_n + p);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 2 * kAhead), _MM_HINT_T0);
+#pragma GCC unroll 2
+      for (int s = 0; s < 2; ++s) {
+        const __m256i v = _mm256_loadu_si256(blk + s);
+        wo[2 * j + s] = _mm256_castsi256_ps(_mm256_and_si256(v, hi));
+        we[2 * j + s] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      }
+    }
+#pragma GCC unroll 64
+    for (int i = 0; i < MT; ++i) {
+      const uint32_t u = x[i * kp_n + p];
+      const __m256 xo = _mm256_set1_ps(bits_f(u & 0xffff0000u)), xe = _mm256_set1_ps(bits_f(u << 16));
+#pragma GCC unroll 64
+      for (int h = 0; h < NH; ++h) acc[i][h] = _mm256_fmadd_ps(xe, we[h], _mm256_fmadd_ps(xo, wo[h], acc[i][h]));
+    }
+  }
+#pragma GCC unroll 64
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 64
+    for (int j = 0; j < NB; ++j) {
+      int64_t left = ncols - int64_t(j) * kCols;
+      if (left <= 0) break;
+      alignas(32) float buf[kCols];
+      _mm256_store_ps(buf, acc[i][2 * j]);
+      _mm256_store_ps(buf + 8, acc[i][2 * j + 1]);
+      for (int c = 0; c < std::min<int64_t>(left, kCols); ++c) y[i * ys + j * kCols + c] = at::BFloat16(buf[c]);
+    }
+}
+#endif
+
+using TileFn = void (*)(const uint32_t*, int64_t, const uint16_t*, at::BFloat16*, int64_t, int64_t);
+constexpr int kMaxNB = kNB[1];
 
 template <int MT, int... NB>
 constexpr std::array<TileFn, sizeof...(NB)> tile_row(std::integer_sequence<int, NB...>) {
   return {&tile<MT, NB + 1>...};
 }
 template <int... MT>
-constexpr std::array<std::array<TileFn, 8>, sizeof...(MT)> tile_table(std::integer_sequence<int, MT...>) {
-  return {tile_row<MT + 1>(std::make_integer_sequence<int, 8>{})...};
+constexpr std::array<std::array<TileFn, kMaxNB>, sizeof...(MT)> tile_table(std::integer_sequence<int, MT...>) {
+  return {tile_row<MT + 1>(std::make_integer_sequence<int, kMaxNB>{})...};
 }
 // kTiles[MT - 1][NB - 1]
-constexpr auto kTiles = tile_table(std::make_integer_sequence<int, 8>{});
+constexpr auto kTiles = tile_table(std::make_integer_sequence<int, kRows>{});
 
 }  // namespace
 #endif
 
 bool bf16_linear_available() {
-#if defined(__AVX512BF16__)
+#if defined(DS_LINEAR)
   return true;
 #else
   return false;
 #endif
 }
 
-torch::Tensor pack_bf16_weight(const torch::Tensor& w) {
+// the instruction set this translation unit was compiled for (cpu_kernels.py checks it against its request)
+std::string kernel_isa() {
+#if defined(DS_LINEAR)
+  return kIsa;
+#else
+  return "none";
+#endif
+}
+
+at::Tensor pack_bf16_weight(const at::Tensor& w) {
   // [N, K] bf16 -> [ceil(N/16), K/2, 16, 2], rows past N zero
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack_bf16_weight: a 2-D bf16 weight");
   TORCH_CHECK(w.size(1) % 2 == 0, "pack_bf16_weight: the input dim must be even, not ", w.size(1));
   const int64_t N = w.size(0), K = w.size(1), nblk = (N + 15) / 16;
-  auto padded = torch::zeros({nblk * 16, K}, w.options());
+  auto padded = at::zeros({nblk * 16, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   return padded.view({nblk, 16, K / 2, 2}).transpose(1, 2).contiguous();
 }
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, int64_t N) {
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   // x [M, K] bf16 -> [M, N] bf16 with the packed weight of pack_bf16_weight
-#if defined(__AVX512BF16__)
+#if defined(DS_LINEAR)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_bf16: x must be [M, K] bf16");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 2,
@@ -115,31 +246,32 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& packed, i
               2 * packed.size(1));
   TORCH_CHECK((N + 15) / 16 == nblk, "linear_bf16: ", N, " outputs do not fit ", nblk, " column blocks");
   auto xc = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
-  const auto* wp = reinterpret_cast<const __m512bh*>(packed.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // threads split the column blocks, never k: a column's sum order is the same for any thread count. A chunk
-  // covers at least ~1M multiply-adds (kSerialBelow): a small call (a small model's decode) runs on the calling
-  // thread, because waking the other threads costs more than the work, and far more on a loaded host, where the
-  // parallel region waits for every thread to be scheduled (a tiny decode step took 277 ms instead of ~3 ms)
-  const int64_t grain = std::max<int64_t>(1, kSerialBelow / std::max<int64_t>(1, 16 * K * M));
+  // threads split the column blocks, never k: a column's sum order is the same for any thread count. A call of
+  // fewer than kSerialBelow multiply-adds (a small model's batch-1 decode) runs on the calling thread, because
+  // waking the other threads costs more than the work, and far more on a loaded host, where a parallel region
+  // waits for every thread to be scheduled (a tiny decode step took 277 ms instead of ~3 ms)
+  const int64_t grain = M * N * K < kSerialBelow ? nblk : 1;
   at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t b0 = t0; b0 < t1; b0 += kPanel) {
       const int64_t b1 = std::min(t1, b0 + kPanel);
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const int mt = static_cast<int>(std::min<int64_t>(8, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const int mt = static_cast<int>(std::min<int64_t>(kRows, M - m0));
         for (int64_t b = b0; b < b1; b += kNB[mt]) {
           const int nb = static_cast<int>(std::min<int64_t>(kNB[mt], b1 - b));
-          kTiles[mt - 1][nb - 1](xp + m0 * kp_n, kp_n, wp + b * kp_n, yp + m0 * N + b * kCols, N, N - b * kCols);
+          kTiles[mt - 1][nb - 1](xp + m0 * kp_n, kp_n, wp + b * kp_n * 2 * kCols, yp + m0 * N + b * kCols, N,
+                                 N - b * kCols);
         }
       }
     }
   });
   return y;
 #else
-  TORCH_CHECK(false, "linear_bf16: built without AVX512-BF16");
+  TORCH_CHECK(false, "linear_bf16: built without AVX2 + FMA or AVX-512");
   return x;
 #endif
 }

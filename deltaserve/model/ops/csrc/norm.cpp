@@ -8,7 +8,7 @@
 // torch's reduction order: results differ from ops/norm.py rms_norm in the last place (tests compare at a
 // tolerance). The residual sum is rounded to the model dtype exactly as torch's `x + h` rounds it.
 
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
@@ -46,7 +46,7 @@ void norm_row(const T* __restrict x, const T* __restrict w, int64_t D, float eps
 }
 
 template <typename T>
-void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, float eps, torch::Tensor& y) {
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, float eps, at::Tensor& y) {
   // x [R, H, D] with a contiguous last dim (any row / head strides); y [R, H, D] contiguous
   const int64_t R = x.size(0), H = x.size(1), D = x.size(2), sr = x.stride(0), sh = x.stride(1);
   const T* xp = x.data_ptr<T>();
@@ -58,8 +58,8 @@ void rms_norm_impl(const torch::Tensor& x, const torch::Tensor& w, float eps, to
 }
 
 template <typename T>
-void add_rms_norm_impl(const torch::Tensor& x, const torch::Tensor& h, const torch::Tensor& w, float eps,
-                       torch::Tensor& s, torch::Tensor& y) {
+void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w, float eps,
+                       at::Tensor& s, at::Tensor& y) {
   const int64_t R = x.size(0), D = x.size(1);
   const T* xp = x.data_ptr<T>();
   const T* hp = h.data_ptr<T>();
@@ -75,7 +75,7 @@ void add_rms_norm_impl(const torch::Tensor& x, const torch::Tensor& h, const tor
   });
 }
 
-void check(const torch::Tensor& x, const torch::Tensor& w) {
+void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rms_norm: fp32 or bf16, not ",
               x.scalar_type());
   TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.scalar_type() == x.scalar_type() && w.size(0) == x.size(-1),
@@ -85,12 +85,12 @@ void check(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-torch::Tensor rms_norm_fused(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps) {
   // x [..., D] (last dim contiguous; 2-D and 3-D views with any outer strides read in place) -> contiguous
   check(x, w);
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "rms_norm: x must be [R, D] or [R, H, D]");
   auto x3 = x.dim() == 3 ? x : x.unsqueeze(1);
-  auto y = torch::empty(x3.sizes(), x.options());
+  auto y = at::empty(x3.sizes(), x.options());
   if (x.scalar_type() == at::kFloat)
     rms_norm_impl<float>(x3, w, static_cast<float>(eps), y);
   else
@@ -98,14 +98,14 @@ torch::Tensor rms_norm_fused(const torch::Tensor& x, const torch::Tensor& w, dou
   return x.dim() == 3 ? y : y.squeeze(1);
 }
 
-std::vector<torch::Tensor> add_rms_norm_fused(const torch::Tensor& x, const torch::Tensor& h, const torch::Tensor& w,
+std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
                                               double eps) {
   // s = x + h (rounded to x's dtype), y = rms_norm(s): x, h [R, D]
   check(x, w);
   TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type(),
               "add_rms_norm: x and h must be [R, D] of one dtype");
   auto xc = x.contiguous(), hc = h.contiguous();
-  auto s = torch::empty_like(xc), y = torch::empty_like(xc);
+  auto s = at::empty_like(xc), y = at::empty_like(xc);
   if (x.scalar_type() == at::kFloat)
     add_rms_norm_impl<float>(xc, hc, w, static_cast<float>(eps), s, y);
   else
