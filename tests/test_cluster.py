@@ -167,7 +167,10 @@ def test_next_turn_lands_where_its_prefix_is_cached():
     real = [(row["landed"], row["cached"]) for row in log.rows]
     simulated = [(rec.replica, rec.cached_tokens) for rec in records]
     routed = [i for i, row in enumerate(log.rows) if row["sent"] is None]
-    assert [s[0] for s in simulated] == [r[0] for r in real], (real, simulated)
+    # where both routers found no credit they pick among equally idle replicas, each breaking the tie its own way:
+    # the replica is compared where a prefix was credited, the hit tokens everywhere
+    credited = [i for i in range(len(real)) if i not in routed or real[i][1] > 0]
+    assert [simulated[i][0] for i in credited] == [real[i][0] for i in credited], (real, simulated)
     # the routed turns hit the same number of tokens (the warm one its whole credited prefix, the one after the
     # eviction nothing)
     assert [simulated[i][1] for i in routed] == [real[i][1] for i in routed], (real, simulated)

@@ -295,7 +295,7 @@ def test_make_model_writes_the_qwen35_tokenizer(tmp_path, monkeypatch, qdir):
     from deltaserve.presets import load_preset
     from deltaserve.tokenizer import load_tokenizer
 
-    def config_only(cfg, out, seed=0):  # the weights are not what this test is about (and are 1.5 GB)
+    def config_only(cfg, out, seed=0, quantize=None):  # the weights are not what this test is about (and are 1.5 GB)
         with open(os.path.join(out, "config.json"), "w") as f:
             json.dump(cfg, f)
 
