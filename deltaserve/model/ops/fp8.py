@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu_kernels import cpu_flags  # one reading of /proc/cpuinfo for every compiled kernel
+
 log = logging.getLogger("deltaserve")
 
 BLOCK = 128  # the scale block, both dims (weight_block_size [128, 128])
@@ -110,23 +112,12 @@ BUILDS = {"avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi"],
           "generic": ([], set())}
 
 
-def _cpu_flags() -> frozenset[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
 def executable_builds() -> tuple[str, ...]:
     """The builds this CPU executes, fastest first (avx512: the vpermi2b + vdpbf16ps path; avx2 / generic:
     the portable loop, compiled for that level)."""
     import platform
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     x86 = platform.machine() in ("x86_64", "AMD64")
     return tuple(b for b, (_, need) in BUILDS.items() if (x86 or b == "generic") and need <= flags)
 
