@@ -50,11 +50,18 @@ def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0, quantize: str | No
     path = os.path.join(home(), "models", f"{preset}-{quantize + '-' if quantize else ''}{key}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     log.info("making the embedded %s model (seeded random weights) in %s", preset, path)
-    tmp = tempfile.mkdtemp(prefix=f".{preset}-", dir=os.path.dirname(path))
+    return build_dir_once(path, lambda tmp: make_model(preset, tmp, seed=seed, quantize=quantize))
+
+
+def build_dir_once(path: str, fill) -> str:
+    """Make the cache directory `path` atomically: fill(tmp) writes a fresh sibling directory, which is renamed
+    into place, so a reader sees all of it or nothing; a process that loses a race drops its own copy."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + "-", dir=os.path.dirname(path))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared $DELTASERVE_HOME out
     try:
-        make_model(preset, tmp, seed=seed, quantize=quantize)
+        fill(tmp)
         try:
             os.rename(tmp, path)
         except OSError:  # another process made it first

@@ -231,10 +231,8 @@ def ensure_qwen35_tokenizer() -> str:
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     ranks, templates = sources()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".qwen3.5-", dir=os.path.dirname(path))
-    os.chmod(tmp, 0o755)
-    try:
+
+    def fill(tmp: str) -> None:
         with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
             json.dump(tokenizer_json(parse_ranks(ranks)), f, ensure_ascii=False, separators=(",", ":"))
         with open(os.path.join(tmp, "tokenizer_config.json"), "w", encoding="utf-8") as f:
@@ -247,14 +245,9 @@ def ensure_qwen35_tokenizer() -> str:
         os.makedirs(os.path.join(tmp, "additional_chat_templates"))
         with open(os.path.join(tmp, "additional_chat_templates", "qwen3_coder.jinja"), "w", encoding="utf-8") as f:
             f.write(templates["qwen3_coder"])
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process made it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+
+    from .embedded import build_dir_once
+    return build_dir_once(path, fill)
 
 
 def write_qwen35_tokenizer(out_dir: str) -> list[str]:

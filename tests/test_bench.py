@@ -175,4 +175,7 @@ def test_bench_linear_tiny():
     res = bl.run("tiny", [1, 3], repeats=1)
     assert [r["rows"] for r in res] == [1, 3] and all(r["onednn_ms"] > 0 and r["compiled_ms"] > 0 for r in res)
     text = bl.render("tiny", res)
-    assert "| 3 |" in text and "oneDNN / compiled" in text
+    assert "| 3 |" in text and "oneDNN / compiled" in text and "fp8" not in text
+    res = bl.run("tiny", [2], repeats=1, fp8=True)  # the block-FP8 arm beside them
+    assert res[0]["fp8_ms"] > 0 and res[0]["fp8_ratio"] > 0
+    assert "| fp8 speed / compiled bf16 |" in bl.render("tiny", res).splitlines()[2]

@@ -2,8 +2,10 @@
 the compiled linear_bf16 (ops/csrc/linear_bf16.cpp), side by side in one run.
 
 Every projection of the model and its head, each with its own weights (so a pass streams them all from memory
-as a decode step does), at several row counts; the two arms alternate pass by pass and the best of --repeats is
-kept. Prints one row per row count: ms per pass for each arm and their ratio.
+as a decode step does), at several row counts; the arms alternate pass by pass and the best of --repeats is
+kept. Prints one row per row count: ms per pass for each arm and their ratio. --fp8 adds a third arm: every
+projection quantized to block-FP8 as `make-model --quantize fp8` does, through the compiled linear_fp8, with the
+head kept bf16 (compiled linear_bf16), as Qwen's FP8 checkpoints keep it.
 """
 from __future__ import annotations
 
@@ -27,17 +29,38 @@ def _weights(preset: str):
     return out
 
 
-def run(preset: str, rows: list[int], repeats: int) -> list[dict]:
+def _fp8_arm(weights, ext) -> list:
+    """The fp8 arm's weights: each projection quantized and packed for linear_fp8, the head compiled bf16."""
+    from ..model.ops.fp8 import Fp8Weight, load_fp8_extension, quantize_fp8
+    from ..model.ops.linear import PackedWeight
+
+    fp8_ext = load_fp8_extension()
+    arm = []
+    for name, w in weights:
+        if name == "head":
+            arm.append(PackedWeight(w, ext))
+            continue
+        fw = Fp8Weight.from_checkpoint(*quantize_fp8(w), name)
+        fw.pack(fp8_ext)
+        arm.append(fw)
+    return arm
+
+
+def run(preset: str, rows: list[int], repeats: int, fp8: bool = False, isa: str | None = None) -> list[dict]:
+    """isa: the compiled kernels' instruction set (cpu_kernels.load_extension's; None = this CPU's choice)."""
     import torch
 
-    from ..model.ops.cpu_kernels import load_extension
+    from ..model.ops.cpu_kernels import load_extension, resolve_isa
     from ..model.ops.linear import PackedWeight, linear
 
-    ext = load_extension()
+    isa = resolve_isa(isa)
+    ext = load_extension(isa)
     if not ext.bf16_linear_available():
-        raise SystemExit("this CPU has no AVX512-BF16: the compiled linear is not built here")
+        raise SystemExit("the compiled linear is not built for this CPU (it needs AVX2 + FMA or AVX-512)")
     weights = _weights(preset)
     arms = {"onednn": [PackedWeight(w) for _, w in weights], "compiled": [PackedWeight(w, ext) for _, w in weights]}
+    if fp8:
+        arms["fp8"] = _fp8_arm(weights, ext)
     gbytes = sum(w.numel() * 2 for _, w in weights) / 1e9
     results = []
     for m in rows:
@@ -49,19 +72,26 @@ def run(preset: str, rows: list[int], repeats: int) -> list[dict]:
                 for p in packed:
                     linear(xs[p.shape[1]], p)
                 best[arm] = min(best[arm], time.perf_counter() - t)
-        results.append({"rows": m, "onednn_ms": 1e3 * best["onednn"], "compiled_ms": 1e3 * best["compiled"],
-                        "ratio": best["onednn"] / best["compiled"], "weights_gb": gbytes,
-                        "compiled_gbps": gbytes / best["compiled"]})
+        r = {"rows": m, "onednn_ms": 1e3 * best["onednn"], "compiled_ms": 1e3 * best["compiled"],
+             "ratio": best["onednn"] / best["compiled"], "weights_gb": gbytes,
+             "compiled_gbps": gbytes / best["compiled"], "isa": isa, "threads": torch.get_num_threads()}
+        if fp8:
+            r.update(fp8_ms=1e3 * best["fp8"], fp8_ratio=best["compiled"] / best["fp8"])
+        results.append(r)
     return results
 
 
 def render(preset: str, results: list[dict]) -> str:
-    lines = [f"bf16 projections + head of {preset} ({results[0]['weights_gb']:.2f} GB of weights per pass)", "",
-             "| rows | oneDNN prepacked ms | compiled linear_bf16 ms | oneDNN / compiled | compiled GB/s |",
-             "|---|---|---|---|---|"]
+    r0 = results[0]
+    lines = [f"bf16 projections + head of {preset} ({r0['weights_gb']:.2f} GB of weights per pass; linear_bf16 built "
+             f"for {r0['isa']}, {r0['threads']} torch threads)", "",
+             "| rows | oneDNN prepacked ms | compiled linear_bf16 ms | oneDNN / compiled | compiled GB/s |"
+             + (" fp8 (linear_fp8, bf16 head) ms | fp8 speed / compiled bf16 |" if "fp8_ms" in results[0] else ""),
+             "|---|---|---|---|---|" + ("---|---|" if "fp8_ms" in results[0] else "")]
     for r in results:
         lines.append(f"| {r['rows']} | {r['onednn_ms']:.1f} | {r['compiled_ms']:.1f} | {r['ratio']:.2f}x | "
-                     f"{r['compiled_gbps']:.1f} |")
+                     f"{r['compiled_gbps']:.1f} |"
+                     + (f" {r['fp8_ms']:.1f} | {r['fp8_ratio']:.2f}x |" if "fp8_ms" in r else ""))
     return "\n".join(lines)
 
 
@@ -71,7 +101,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen3.5-0.8b-shape")
     p.add_argument("--rows", default="1,8,32", help="row counts (tokens per GEMM), comma-separated")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--fp8", action="store_true", help="add the block-FP8 arm (linear_fp8; the head stays bf16)")
+    p.add_argument("--cpu-isa", default=None, choices=("avx512bf16", "avx512", "avx2"),
+                   help="the compiled linear's instruction set (default: the one the engine picks on this CPU)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",") if x]
-    print(render(a.preset, run(a.preset, rows, a.repeats)))
+    if a.threads:
+        import torch
+        torch.set_num_threads(a.threads)
+    print(render(a.preset, run(a.preset, rows, a.repeats, a.fp8, a.cpu_isa)))
     return 0

@@ -129,6 +129,21 @@ def _warmup(driver) -> None:
     driver.ttft([ids(64)])
 
 
+
+def _log_dir(a) -> str:
+    """Where a peer server's log goes: --log-dir, else $DELTASERVE_HOME/bench-logs."""
+    from ...embedded import home
+
+    log_dir = a.log_dir or os.path.join(home(), "bench-logs")
+    os.makedirs(log_dir, exist_ok=True)
+    return log_dir
+
+
+def _context_for(tokens: int) -> int:
+    """A peer's context per sequence: the replay's longest prompt + output, with 64 spare, up to a power of two."""
+    return 1 << (tokens + 64 - 1).bit_length()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     a = p.parse_args(argv)
@@ -217,13 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..peers import PeerUnavailable
         from ..peers.vllm_peer import default_vllm_python
 
-        log_dir = a.log_dir
-        if log_dir is None:
-            from ...embedded import home
-
-            log_dir = os.path.join(home(), "bench-logs")
-        os.makedirs(log_dir, exist_ok=True)
-        max_len = 1 << (last_len + a.output_tokens + 64 - 1).bit_length()
+        log_dir = _log_dir(a)
+        max_len = _context_for(last_len + a.output_tokens)
         _progress("vllm-cpu: starting (compilation takes 1-3 minutes, not measured)")
         try:
             drv = VllmDriver(a.vllm_python or default_vllm_python(), model_dir, max_model_len=max_len,
@@ -237,14 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if "llama.cpp" in peers:
         from ..peers import PeerUnavailable
 
-        log_dir = a.log_dir
-        if log_dir is None:
-            from ...embedded import home
-
-            log_dir = os.path.join(home(), "bench-logs")
-        os.makedirs(log_dir, exist_ok=True)
+        log_dir = _log_dir(a)
         slots = a.llama_cpp_slots or a.max_num_seqs
-        per_slot = 1 << (last_len + a.output_tokens + 64 - 1).bit_length()
+        per_slot = _context_for(last_len + a.output_tokens)
         _progress(f"llama.cpp: converting to GGUF ({a.llama_cpp_type}, cached) and starting llama-server "
                   f"-np {slots} -t {a.llama_cpp_threads} -c {slots * per_slot}")
         try:

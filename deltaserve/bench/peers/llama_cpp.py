@@ -21,7 +21,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from . import PeerUnavailable
+from . import PeerUnavailable, stop_group
 
 BUILD = "b11434"
 OUTTYPES = ("bf16", "f32", "q8_0")  # GGUF weight formats the converter writes for our checkpoints
@@ -241,16 +241,8 @@ class LlamaServer:
 
     def close(self) -> None:
         p = getattr(self, "proc", None)
-        if p is not None and p.poll() is None:
-            try:
-                os.killpg(p.pid, 15)
-                p.wait(timeout=15)
-            except Exception:  # noqa: BLE001
-                try:
-                    os.killpg(p.pid, 9)
-                    p.wait(timeout=5)
-                except Exception:  # noqa: BLE001, S110 - already gone
-                    pass
+        if p is not None:
+            stop_group(p)
         if not self._log.closed:
             self._log.close()
 

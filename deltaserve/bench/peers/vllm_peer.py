@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from . import PeerUnavailable
+from . import PeerUnavailable, stop_group
 
 MARK = "@@BENCH@@ "
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
@@ -156,15 +156,7 @@ class VllmPeer:
                 p.wait(timeout=30)
             except Exception:  # noqa: BLE001, S110 - it is killed below
                 pass
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, 15)
-                    p.wait(timeout=15)
-                except Exception:  # noqa: BLE001
-                    try:
-                        os.killpg(p.pid, 9)
-                    except Exception:  # noqa: BLE001, S110 - already gone
-                        pass
+            stop_group(p)
         if not self._log.closed:
             self._log.close()
 
