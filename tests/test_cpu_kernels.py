@@ -308,3 +308,92 @@ def test_add_rms_norm_sum_has_torch_bits(kern, dtype):
     assert torch.equal(s, x + h)
     torch.testing.assert_close(y.float(), rms_norm(x + h, w, 1e-6).float(), **TOL[dtype])
     assert torch.equal(cpu_kernels.TORCH.add_rms_norm(x, h, w, 1e-6)[1], rms_norm(x + h, w, 1e-6))
+
+
+# ---- the activations (csrc/pointwise.cpp, norm.cpp's gated and q/k norms) ----------------------------------
+
+def _rows_and_rolled(fn, *xs, roll=5):
+    """fn on row-strided inputs; every row alone; and the inputs with their columns rolled (each element at
+    another lane / in another block, the tail included). Returns (full output, rows, rolled output)."""
+    full = fn(*xs)
+    alone = [fn(*(x[r:r + 1] for x in xs)) for r in range(xs[0].shape[0])]
+    rolled = fn(*(x.roll(roll, dims=-1) for x in xs))
+    return full, alone, rolled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [1, 7, 16, 17, 48])
+def test_gdn_gates_match_torch_and_are_position_independent(kern, dtype, H):
+    from deltaserve.model.ops.pointwise import gdn_gates
+
+    T = 9
+    proj = (torch.randn(T, 2 * H + 5, generator=gen(H)) * 12).to(dtype)  # past softplus' threshold of 20 too
+    proj[0, :2 * H] = torch.linspace(-100, 100, 2 * H).to(dtype)  # and the exp clamps
+    b, a = proj[:, 3:3 + H], proj[:, 3 + H:3 + 2 * H]
+    dt_bias = torch.randn(H, generator=gen(1)) - 3
+    neg_decay = -torch.rand(H, generator=gen(2)) * 10
+    g, beta = kern.gdn_gates(b, a, dt_bias, neg_decay)
+    rg, rbeta = gdn_gates(b, a, dt_bias, neg_decay)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    torch.testing.assert_close(g, rg, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(beta.float(), rbeta.float(), **TOL[dtype])
+    for r in (0, 4, 8):
+        g1, b1 = kern.gdn_gates(b[r:r + 1], a[r:r + 1], dt_bias, neg_decay)
+        assert torch.equal(g1[0], g[r]) and torch.equal(b1[0], beta[r])
+    g2, b2 = kern.gdn_gates(b.roll(3, -1), a.roll(3, -1), dt_bias.roll(3), neg_decay.roll(3))
+    assert torch.equal(g2, g.roll(3, -1)) and torch.equal(b2, beta.roll(3, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("I", [1, 15, 16, 17, 100])
+def test_silu_mul_and_gate_output_match_torch_and_are_position_independent(kern, dtype, I):
+    from deltaserve.model.ops.pointwise import gate_output, silu
+
+    gu = (torch.randn(6, 2 * I, generator=gen(I)) * 6).to(dtype)
+    gu[0, :I] = torch.linspace(-120, 120, I).to(dtype)
+    y = kern.ext.silu_mul(gu)
+    torch.testing.assert_close(y.float(), (silu(gu[:, :I]) * gu[:, I:]).float(), **TOL[dtype])
+    assert all(torch.equal(kern.ext.silu_mul(gu[r:r + 1])[0], y[r]) for r in range(6))
+    rolled = torch.cat([gu[:, :I].roll(4, -1), gu[:, I:].roll(4, -1)], dim=1)
+    assert torch.equal(kern.ext.silu_mul(rolled), y.roll(4, -1))
+
+    proj = (torch.randn(6, 3 * I, generator=gen(I + 1)) * 6).to(dtype)
+    o, gate = proj[:, :I].contiguous(), proj[:, I:2 * I]  # the gate: a row-strided view, as in attention
+    full, alone, rolled = _rows_and_rolled(kern.gate_output, o, gate)
+    torch.testing.assert_close(full.float(), gate_output(o, gate).float(), **TOL[dtype])
+    assert all(torch.equal(a[0], full[r]) for r, a in enumerate(alone)) and torch.equal(rolled, full.roll(5, -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,D", [(1, 16), (4, 17), (3, 64), (2, 128)])
+def test_gated_rms_norm_matches_torch_and_is_row_invariant(kern, dtype, H, D):
+    from deltaserve.model.ops.norm import rms_norm_gated
+
+    T = 7
+    x = (3 * torch.randn(T, H, D, generator=gen(D))).to(dtype)
+    proj = (3 * torch.randn(T, H * D + 9, generator=gen(D + 1))).to(dtype)
+    z = proj[:, 9:]  # in_proj's gate columns: a row-strided view
+    w = (1 + 0.1 * torch.randn(D, generator=gen(3))).to(dtype)
+    y = kern.rms_norm_gated(x, z, w, 1e-6)
+    assert y.shape == (T, H * D) and y.dtype == dtype
+    ref = rms_norm_gated(x.reshape(T * H, D), z.reshape(T * H, D), w, 1e-6).view(T, H * D)
+    torch.testing.assert_close(y.float(), ref.float(), **TOL[dtype])
+    torch.testing.assert_close(cpu_kernels.TORCH.rms_norm_gated(x, z, w, 1e-6), ref, atol=0, rtol=0)
+    assert all(torch.equal(kern.rms_norm_gated(x[r:r + 1], z[r:r + 1], w, 1e-6)[0], y[r]) for r in range(T))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,P", [(32, 32), (64, 16), (40, 10), (256, 64)])
+def test_qk_norm_rope_has_the_bits_of_norm_then_torch_rotary(kern, dtype, D, P):
+    """The compiled q/k norm + rotary equals apply_rotary over the compiled rms_norm bit for bit (partial
+    rotary, strided head views as the attention projection's)."""
+    from deltaserve.model.ops.attention import apply_rotary, rotary_cos_sin, rotary_inv_freq
+
+    T, H = 6, 3
+    proj = torch.randn(T, 2 * H * D, generator=gen(D)).to(dtype)
+    q = proj.view(T, H, 2 * D)[..., :D]
+    w = (0.1 * torch.randn(D, generator=gen(P))).to(dtype)
+    cos, sin = rotary_cos_sin(torch.arange(50, 50 + T), rotary_inv_freq(P, 1e6), dtype)
+    y = kern.qk_norm_rope(q, w, 1e-6, cos, sin)
+    assert y.is_contiguous() and y.shape == (T, H, D)
+    assert torch.equal(y, apply_rotary(kern.rms_norm(q, w, 1e-6), cos, sin))

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from .batch import ForwardBatch
+from .fused import fused_decode
 from .ops.cpu_kernels import TORCH, DecodeKernels
 from .ops.linear import PackedWeight
 from .ops.table import Ops
@@ -54,6 +55,8 @@ class StepContext:
     decode_lengths: torch.Tensor | None = None  # [B] int64, positions each decode token attends (pos + 1)
     decode_all: bool = False  # every row of the step is a decode row, in order (decode_rows == 0..T-1): the
     #                           gathers by decode_rows and the scatters back are identities and are skipped
+    fused: bool = False  # decode_all on the model's own op table and compiled kernels: layers that qualify run
+    #                      as one compiled call each (fused.py), with this path's bits
 
 
 class GDNMixer(nn.Module):
@@ -105,8 +108,7 @@ class GDNMixer(nn.Module):
         c, vd, hv = self.conv_dim, self.value_dim, self.hv
         mixed, z = proj[:, :c], proj[:, c:c + vd]
         b, a = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
-        beta = ops.sigmoid(b)
-        g = self._neg_decay() * ops.softplus(a.float() + self.dt_bias)  # [T, Hv] fp32
+        g, beta = ops.gdn_gates(b, a, self.dt_bias, self._neg_decay())  # [T, Hv] fp32, [T, Hv]
         core = None if ctx.decode_all else torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
         for s in ctx.batch.prefill_spans:
             rows = slice(s.start, s.start + s.length)
@@ -153,8 +155,8 @@ class GDNMixer(nn.Module):
                 core = o  # [T, Hv, dv]
             else:
                 core.index_copy_(0, rows, o)
-        core = ops.rms_norm_gated(core.view(T * hv, self.dv), z.reshape(T * hv, self.dv), self.norm_weight, self.eps)
-        return ops.linear(core.view(T, vd), self.out_proj)
+        core = ops.rms_norm_gated(core.view(T, hv, self.dv), z, self.norm_weight, self.eps)  # [T, vd]
+        return ops.linear(core, self.out_proj)
 
 
 class AttentionMixer(nn.Module):
@@ -182,8 +184,8 @@ class AttentionMixer(nn.Module):
         q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)
         k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
         v = proj[:, (2 * hq + hkv) * d:].view(T, hkv, d)
-        q = ops.apply_rotary(ops.rms_norm(q, self.q_norm, self.eps), ctx.cos, ctx.sin)
-        k = ops.apply_rotary(ops.rms_norm(k, self.k_norm, self.eps), ctx.cos, ctx.sin)
+        q = ops.qk_norm_rope(q, self.q_norm, self.eps, ctx.cos, ctx.sin)
+        k = ops.qk_norm_rope(k, self.k_norm, self.eps, ctx.cos, ctx.sin)
         ops.kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)
         batched = ctx.kernels.compiled and ctx.decode_rows is not None
         out = None if batched and ctx.decode_all else torch.empty(T, hq, d, dtype=h.dtype, device=h.device)
@@ -208,7 +210,7 @@ class AttentionMixer(nn.Module):
                 out = o
             else:
                 out.index_copy_(0, ctx.decode_rows, o)
-        out = out.view(T, hq * d) * ops.sigmoid(gate)
+        out = ops.gate_output(out.view(T, hq * d), gate)
         return ops.linear(out, self.o_proj)
 
 
@@ -281,6 +283,10 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if ctx.fused:
+            out = fused_decode(self, x, ctx, cache)
+            if out is not None:
+                return out
         h = ctx.ops.rms_norm(x, self.input_layernorm, self.eps)
         h = self.linear_attn(h, ctx, *cache) if self.is_gdn else self.self_attn(h, ctx, *cache)
         x, h = ctx.ops.add_rms_norm(x, h, self.post_attention_layernorm, self.eps)

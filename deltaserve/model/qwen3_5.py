@@ -121,6 +121,7 @@ class HybridModel(nn.Module):
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev) if xs else None
         empty = torch.empty(0, dtype=torch.long, device=dev)
         kernels = self.decode_kernels or self.select_decode_kernels()
+        own_ops = ops is None or ops is self.ops
         ops = ops or self.ops
         table = lengths = None
         if kernels.compiled and dec_tables:
@@ -128,13 +129,14 @@ class HybridModel(nn.Module):
             table = torch.nn.utils.rnn.pad_sequence([t.to(device=dev, dtype=torch.long) for t in dec_tables],
                                                     batch_first=True)
             lengths = as_index([s.pos + 1 for s in batch.spans if s.is_decode])
+        decode_all = bool(dec_rows) and dec_rows == list(range(sum(s.length for s in batch.spans)))
         return StepContext(batch=batch, cos=cos, sin=sin,
                            kv_pages=torch.cat(pages) if pages else empty, kv_rows=torch.cat(rows) if rows else empty,
                            decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots),
                            decode_slot_range=_consecutive(dec_slots), kernels=kernels, ops=ops,
                            save_state=caches.save_state,
                            decode_page_table=table, decode_lengths=lengths,
-                           decode_all=bool(dec_rows) and dec_rows == list(range(sum(s.length for s in batch.spans))))
+                           decode_all=decode_all, fused=decode_all and own_ops and kernels.compiled)
 
     def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:
         """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm).

@@ -170,7 +170,6 @@ class Instrument:
     def _rules(self) -> dict[str, tuple]:
         """op name -> (kernel or kernel_of(args), key_of(args) or None, after or None)."""
         shape0 = lambda a: int(a[0].shape[0])  # noqa: E731
-        glue = lambda a: {"gdn": "gdn_glue", "attn": "attn_gate"}.get(self._mixer(), "glue")  # noqa: E731
 
         def gather_after(us):  # a gather belongs to the attention call that reads it
             self._pending_gather += us
@@ -185,11 +184,11 @@ class Instrument:
             "rms_norm": (lambda a: self.nmap.get(id(a[1]), "layer_norms"), None, None),
             "add_rms_norm": (lambda a: self.nmap.get(id(a[2]), "layer_norms"), None, None),
             "rms_norm_gated": ("gdn_norm", None, None),
-            "sigmoid": (glue, None, None),
-            "softplus": (glue, None, None),
+            "gdn_gates": ("gdn_glue", None, None),
+            "gate_output": ("attn_gate", None, None),
             "swiglu": ("mlp", None, None),
             "moe": ("mlp", None, None),
-            "apply_rotary": ("attn_qk_norm_rope", None, None),
+            "qk_norm_rope": ("attn_qk_norm_rope", None, None),
             "kv_write": ("attn_kv_write", None, None),
             "kv_gather": ("attn_gather", None, gather_after),
             "prefill_attention": ("attn_prefill", lambda a: (int(a[0].shape[0]), int(a[3]) + int(a[0].shape[0])),

@@ -43,7 +43,10 @@ from pathlib import Path
 import torch
 
 from ...config import CPU_ISA_CHOICES
+from . import pointwise
+from .attention import apply_rotary
 from .norm import rms_norm as rms_norm_torch
+from .norm import rms_norm_gated as rms_norm_gated_torch
 from .pointwise import silu
 
 log = logging.getLogger("deltaserve")
@@ -64,7 +67,8 @@ ISA_WHAT = {"avx512bf16": "AVX512-BF16 dot products",
             "avx512": "AVX-512, bf16 weights widened to fp32 in registers",
             "avx2": "AVX2 + FMA, bf16 weights widened to fp32 in registers",
             "generic": "plain C++ loops, no compiled linear"}
-_SOURCES = [Path(__file__).with_name("csrc") / f for f in ("decode_kernels.cpp", "linear_bf16.cpp", "norm.cpp")]
+_SOURCES = [Path(__file__).with_name("csrc") / f
+            for f in ("decode_kernels.cpp", "linear_bf16.cpp", "norm.cpp", "pointwise.cpp", "decode_layers.cpp")]
 _lock = threading.Lock()
 _exts: dict[str, object] = {}  # isa -> the loaded module, or the exception that stopped its build
 _build_seconds: dict[str, float] = {}
@@ -193,12 +197,7 @@ class DecodeKernels:
         """x [T, C] (the step's rows; rows [B] picks the decode tokens); weight [C, K]; state [S, K-1, C] in
         x's dtype (slots [B] updated in place) -> silu(conv) [B, C] in x's dtype, the bits of
         ops/conv.py causal_conv1d_step (same fp32 mul / add order; silu in torch)."""
-        # [K, C] fp32, made once per weight (and again if it is changed in place), kept on the weight itself
-        cached = getattr(weight, "_ds_tap_major", None)
-        if cached is None or cached[0] != weight._version:
-            cached = (weight._version, weight.float().t().contiguous())
-            weight._ds_tap_major = cached
-        return silu(self.ext.conv1d_step_acc(x, rows, cached[1], state, slots)).to(x.dtype)
+        return silu(self.ext.conv1d_step_acc(x, rows, tap_major(weight), state, slots)).to(x.dtype)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm of x [R, D] or [R, H, D] (last dim contiguous; views read in place) -> contiguous.
@@ -217,9 +216,65 @@ class DecodeKernels:
         s = x + h
         return s, rms_norm_torch(s, weight, eps)
 
+    def rms_norm_gated(self, x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """The GDN output norm: x [T, Hv, dv] (the rule's output), z [T, Hv*dv] (in_proj's gate columns, a
+        row-strided view), weight [dv] -> [T, Hv*dv]. Compiled: one pass per head row; torch: ops/norm.py."""
+        T, H, D = x.shape
+        if self._fused_norm(x, weight) and self._rows(z) and z.dtype == x.dtype:
+            return self.ext.gated_rms_norm(x, z, weight, eps)
+        return rms_norm_gated_torch(x.reshape(T * H, D), z.reshape(T * H, D), weight, eps).view(T, H * D)
+
+    def gdn_gates(self, b: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor,
+                  neg_decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(g [T, Hv] fp32, beta [T, Hv]) from in_proj's b, a columns [T, Hv] (ops/pointwise.py gdn_gates)."""
+        if self._rows(b) and self._rows(a) and a.dtype == b.dtype and dt_bias.dtype == neg_decay.dtype == torch.float32:
+            g, beta = self.ext.gdn_gates(b, a, dt_bias.contiguous(), neg_decay.contiguous())
+            return g, beta
+        return pointwise.gdn_gates(b, a, dt_bias, neg_decay)
+
+    def swiglu(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
+        """x [T, H] -> down(silu(gate(x)) * up(x)) (ops/mlp.py swiglu); compiled: silu * up in one pass."""
+        from .linear import linear  # linear.py imports fp8.py, which imports this module
+
+        gu = linear(x, gate_up)  # [T, 2I]
+        if self._rows(gu):
+            return linear(self.ext.silu_mul(gu), down)
+        gate, up = gu.chunk(2, dim=-1)
+        return linear(silu(gate) * up, down)
+
+    def qk_norm_rope(self, x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+        """apply_rotary(rms_norm(x)) for q or k [T, H, D]; cos, sin [T, P] -> [T, H, D]. Compiled: one pass per
+        head row (the norm's bits are rms_norm's compiled ones, the rotary's torch's exactly)."""
+        if (self._fused_norm(x, weight) and x.dim() == 3 and cos.dtype == sin.dtype == x.dtype
+                and cos.is_contiguous() and sin.is_contiguous()):
+            return self.ext.qk_norm_rope(x, weight, eps, cos, sin)
+        return apply_rotary(self.rms_norm(x, weight, eps), cos, sin)
+
+    def gate_output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o * sigmoid(gate) for o, gate [T, N] (ops/pointwise.py gate_output)."""
+        if self._rows(o) and self._rows(gate) and o.dtype == gate.dtype:
+            return self.ext.gate_output(o, gate)
+        return pointwise.gate_output(o, gate)
+
+    def _rows(self, x: torch.Tensor) -> bool:
+        """x goes to the compiled activations: loaded kernels, a CPU fp32 / bf16 matrix, unit last stride."""
+        return (self.ext is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+                and x.dim() == 2 and x.stride(-1) == 1)
+
     def _fused_norm(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (self.ext is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
                 and weight.dtype == x.dtype and x.stride(-1) == 1)
+
+
+def tap_major(weight: torch.Tensor) -> torch.Tensor:
+    """The conv weight [C, K] as the compiled conv step reads it: [K, C] fp32, made once per weight (and again
+    if it is changed in place), kept on the weight itself."""
+    cached = getattr(weight, "_ds_tap_major", None)
+    if cached is None or cached[0] != weight._version:
+        cached = (weight._version, weight.float().t().contiguous())
+        weight._ds_tap_major = cached
+    return cached[1]
 
 
 TORCH = DecodeKernels("torch")

@@ -29,3 +29,16 @@ def softplus(x: torch.Tensor) -> torch.Tensor:
     """log(1 + exp(x)), linear above 20 (torch's beta=1, threshold=20), computed in fp32, returned in x's dtype."""
     xf = x.float()
     return torch.where(xf > 20.0, xf, torch.log1p(torch.exp(xf))).to(x.dtype)
+
+
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor,
+              neg_decay: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GDN gates of every token: b, a [T, Hv] (in_proj's columns); dt_bias, neg_decay (-exp(A_log)) [Hv]
+    fp32 -> (g = neg_decay * softplus(a + dt_bias) [T, Hv] fp32, beta = sigmoid(b) [T, Hv] in b's dtype).
+    The reference of the compiled gdn_gates (csrc/pointwise.cpp)."""
+    return neg_decay * softplus(a.float() + dt_bias), sigmoid(b)
+
+
+def gate_output(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Gated attention's output o * sigmoid(gate), o and gate [T, N]; the reference of the compiled one."""
+    return o * sigmoid(gate)

@@ -7,7 +7,8 @@ the profiler refuses a table with an op it has no kernel name for (profile/profi
 op's time can silently land in its caller's.
 
 Each entry has the signature of the function it names (ops/attention.py, conv.py, gdn.py, norm.py, mlp.py,
-pointwise.py, linear.py); the decode kernels are DecodeKernels' methods (cpu_kernels.py), None where the
+pointwise.py, linear.py); the activations and norms are DecodeKernels' methods (compiled for every row where the
+kernels are loaded, else those torch functions); the decode kernels are DecodeKernels' methods (cpu_kernels.py), None where the
 compiled kernels are not loaded (the layers then take the torch path).
 """
 from __future__ import annotations
@@ -16,14 +17,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from .attention import apply_rotary, decode_attention, kv_gather, kv_write, prefill_attention
+from .attention import decode_attention, kv_gather, kv_write, prefill_attention
 from .conv import causal_conv1d_prefill, causal_conv1d_step
 from .cpu_kernels import TORCH, DecodeKernels
 from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 from .linear import linear
-from .mlp import moe, swiglu
-from .norm import rms_norm_gated
-from .pointwise import sigmoid, softplus
+from .mlp import moe
 
 
 @dataclass(frozen=True)
@@ -31,12 +30,12 @@ class Ops:
     linear: Callable
     rms_norm: Callable  # (x, w, eps): the layer norms, q/k norms and the final norm
     add_rms_norm: Callable  # (x, h, w, eps) -> (x + h, norm)
-    rms_norm_gated: Callable
-    sigmoid: Callable
-    softplus: Callable
+    rms_norm_gated: Callable  # (x [T, Hv, dv], z [T, Hv*dv], w, eps) -> [T, Hv*dv]: the GDN output norm
+    gdn_gates: Callable  # (b, a [T, Hv], dt_bias, neg_decay) -> (g fp32, beta)
     swiglu: Callable
     moe: Callable
-    apply_rotary: Callable
+    qk_norm_rope: Callable  # (x [T, H, D], w, eps, cos, sin): rotary(rms_norm(x)) for q or k
+    gate_output: Callable  # (o, gate [T, N]) -> o * sigmoid(gate)
     kv_write: Callable
     kv_gather: Callable
     prefill_attention: Callable
@@ -53,8 +52,9 @@ class Ops:
     def for_kernels(cls, kernels: DecodeKernels = TORCH) -> "Ops":
         compiled = kernels.compiled
         return cls(linear=linear, rms_norm=kernels.rms_norm, add_rms_norm=kernels.add_rms_norm,
-                   rms_norm_gated=rms_norm_gated, sigmoid=sigmoid, softplus=softplus, swiglu=swiglu, moe=moe,
-                   apply_rotary=apply_rotary, kv_write=kv_write, kv_gather=kv_gather,
+                   rms_norm_gated=kernels.rms_norm_gated, gdn_gates=kernels.gdn_gates, swiglu=kernels.swiglu, moe=moe,
+                   qk_norm_rope=kernels.qk_norm_rope, gate_output=kernels.gate_output,
+                   kv_write=kv_write, kv_gather=kv_gather,
                    prefill_attention=prefill_attention, decode_attention=decode_attention,
                    causal_conv1d_prefill=causal_conv1d_prefill, chunk_gated_delta_rule=chunk_gated_delta_rule,
                    causal_conv1d_step=causal_conv1d_step,

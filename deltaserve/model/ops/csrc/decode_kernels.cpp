@@ -624,6 +624,30 @@ at::Tensor conv1d_step_acc(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Ten
 
 }  // namespace
 
+// the decode kernels by name for decode_layers.cpp (the layer-at-a-time path calls them directly)
+namespace ds {
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
+                           const at::Tensor& lengths, double scale) {
+  return paged_decode_attention(q, kv, page_table, lengths, scale);
+}
+at::Tensor gdn_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                    const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots) {
+  return gdn_decode_step(q, k, v, g, beta, state, slots);
+}
+at::Tensor conv_step_acc(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
+                         const at::Tensor& slots) {
+  return conv1d_step_acc(x, rows, wt, state, slots);
+}
+}  // namespace ds
+
+// decode_layers.cpp
+at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& dims,
+                            double eps, const at::Tensor& conv_cache, const at::Tensor& ssm_cache,
+                            const at::Tensor& rows, const at::Tensor& slots);
+at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w,
+                                  const std::vector<int64_t>& dims, double eps, double scale,
+                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step);
+
 // linear_bf16.cpp
 bool bf16_linear_available();
 std::string kernel_isa();
@@ -634,10 +658,28 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N)
 at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps);
 std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
                                               double eps);
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps);
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin);
+
+// pointwise.cpp
+std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias,
+                                  const at::Tensor& neg_decay);
+at::Tensor silu_mul(const at::Tensor& gu);
+at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_fused", &rms_norm_fused, "zero-centred RMSNorm, one pass per row (x [R,D] or [R,H,D], w [D], eps)");
   m.def("add_rms_norm_fused", &add_rms_norm_fused, "(x + h, rms_norm(x + h)) for x, h [R, D]");
+  m.def("gated_rms_norm", &gated_rms_norm, "GDN output norm: x [R,H,D], z [R,H*D], w [D], eps -> [R,H*D]");
+  m.def("qk_norm_rope", &qk_norm_rope, "rotary(rms_norm(x)) for q or k: x [R,H,D], w [D], eps, cos, sin [R,P]");
+  m.def("gdn_gates", &gdn_gates, "(g, beta) = (neg_decay * softplus(a + dt_bias), sigmoid(b)) for b, a [T,H]");
+  m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I]");
+  m.def("gate_output", &gate_output, "o * sigmoid(gate) for o, gate [T, N]");
+  m.def("gdn_layer_decode", &gdn_layer_decode,
+        "a GDN decoder layer's decode step, every op of layers.py's path in its order (decode_layers.cpp)");
+  m.def("attention_layer_decode", &attention_layer_decode,
+        "an attention decoder layer's decode step, every op of layers.py's path in its order (decode_layers.cpp)");
   m.def("bf16_linear_available", &bf16_linear_available, "linear_bf16 usable (built with AVX2 + FMA or AVX-512)");
   m.def("kernel_isa", &kernel_isa, "the instruction set this build targets: avx512bf16, avx512, avx2 or none");
   m.def("pack_bf16_weight", &pack_bf16_weight, "[N, K] bf16 weight -> [ceil(N/16), K/2, 16, 2] for linear_bf16");

@@ -9,10 +9,12 @@
 // tolerance). The residual sum is rounded to the model dtype exactly as torch's `x + h` rounds it.
 
 #include "aten_lite.h"
+#include "vec_exp.h"
 #include <ATen/Parallel.h>
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -75,6 +77,58 @@ void add_rms_norm_impl(const at::Tensor& x, const at::Tensor& h, const at::Tenso
   });
 }
 
+template <typename T>
+void gated_impl(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, float eps, at::Tensor& y) {
+  // x [R, H, D]; z [R, H * D] (row stride any); y [R, H * D]
+  const int64_t R = x.size(0), H = x.size(1), D = x.size(2), sr = x.stride(0), sh = x.stride(1), sz = z.stride(0);
+  const T* xp = x.data_ptr<T>();
+  const T* zp = z.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  at::parallel_for(0, R * H, 64, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t r = i / H, h = i % H;
+      const T* xr = xp + r * sr + h * sh;
+      const T* zr = zp + r * sz + h * D;
+      T* yr = yp + r * H * D + h * D;
+      const float inv = inv_rms(xr, D, eps);
+      ds::exp_map(D, [&](int64_t j) { return -load(zr[j]); }, [&](int64_t j, float e) {
+        const float silu = load(zr[j]) / (1.f + e);
+        const float normed = load(store<T>(load(xr[j]) * inv));
+        yr[j] = store<T>(load(store<T>(load(wp[j]) * normed)) * silu);
+      });
+    }
+  });
+}
+
+template <typename T>
+void qk_norm_rope_impl(const at::Tensor& x, const at::Tensor& w, float eps, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& y) {
+  // x [R, H, D] (last dim contiguous); cos, sin [R, P] contiguous, P <= D even; y [R, H, D]
+  const int64_t R = x.size(0), H = x.size(1), D = x.size(2), sr = x.stride(0), sh = x.stride(1), P = cos.size(1);
+  const int64_t half = P / 2;
+  const T* xp = x.data_ptr<T>();
+  const T* wp = w.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* yp = y.data_ptr<T>();
+  auto mul = [](T a, T b) { return load(store<T>(load(a) * load(b))); };  // a bf16 x bf16 product, as torch rounds it
+  at::parallel_for(0, R * H, 64, [&](int64_t a, int64_t b) {
+    std::vector<T> n(D);
+    for (int64_t i = a; i < b; ++i) {
+      const int64_t r = i / H;
+      norm_row(xp + r * sr + (i % H) * sh, wp, D, eps, n.data());
+      const T* c = cp + r * P;
+      const T* s = sp + r * P;
+      T* yr = yp + i * D;
+      // rot * cos + rotate_half(rot) * sin, rotate_half(rot) = cat(-rot[half:], rot[:half]); each op rounded
+      for (int64_t j = 0; j < half; ++j) yr[j] = store<T>(mul(n[j], c[j]) - mul(n[j + half], s[j]));
+      for (int64_t j = half; j < P; ++j) yr[j] = store<T>(mul(n[j], c[j]) + mul(n[j - half], s[j]));
+      for (int64_t j = P; j < D; ++j) yr[j] = n[j];
+    }
+  });
+}
+
 void check(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rms_norm: fp32 or bf16, not ",
               x.scalar_type());
@@ -111,4 +165,38 @@ std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor
   else
     add_rms_norm_impl<at::BFloat16>(xc, hc, w, static_cast<float>(eps), s, y);
   return {s, y};
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps) {
+  // the GDN output norm (ops/norm.py rms_norm_gated): x [R, H, D] (last dim contiguous), z [R, H * D] (row
+  // stride any), w [D] plain weight -> [R, H * D] = norm(x) * w * silu(z), rounded where transformers rounds
+  check(x, w);
+  TORCH_CHECK(x.dim() == 3 && z.dim() == 2 && z.size(0) == x.size(0) && z.size(1) == x.size(1) * x.size(2) &&
+                  z.stride(1) == 1 && z.scalar_type() == x.scalar_type(),
+              "gated_rms_norm: x [R, H, D] and z [R, H * D] of one dtype");
+  auto y = at::empty({x.size(0), x.size(1) * x.size(2)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    gated_impl<float>(x, z, w, static_cast<float>(eps), y);
+  else
+    gated_impl<at::BFloat16>(x, z, w, static_cast<float>(eps), y);
+  return y;
+}
+
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin) {
+  // apply_rotary(rms_norm(x, w, eps), cos, sin) for q or k: x [R, H, D] (last dim contiguous), cos and sin
+  // [R, P] in x's dtype, P <= D even -> [R, H, D] contiguous; the norm is rms_norm_fused's bits, the rotary
+  // torch's (ops/attention.py apply_rotary) exactly
+  check(x, w);
+  TORCH_CHECK(x.dim() == 3, "qk_norm_rope: x must be [R, H, D]");
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.size(1) <= x.size(2) &&
+                  cos.size(1) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "qk_norm_rope: cos and sin must be contiguous [R, P <= D, even] in x's dtype");
+  auto y = at::empty(x.sizes(), x.options());
+  if (x.scalar_type() == at::kFloat)
+    qk_norm_rope_impl<float>(x, w, static_cast<float>(eps), cos, sin, y);
+  else
+    qk_norm_rope_impl<at::BFloat16>(x, w, static_cast<float>(eps), cos, sin, y);
+  return y;
 }

@@ -1,0 +1,96 @@
+"""Decode-only steps one compiled call per layer (deltaserve/model/fused.py, ops/csrc/decode_layers.cpp) give
+the op-table path's bits exactly: logits and every cache (KV pages, conv and GDN state slots) after several
+decode steps of three sequences in non-consecutive slots; a decode row computed in a fused step equals the same
+row computed in a step shared with a prefill chunk (op-table path); and the fused path is really taken."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deltaserve.model.layers as layers
+from deltaserve.model.ops import cpu_kernels
+
+from tests.test_cpu_kernels import kern  # noqa: F401 - the fixture: every instruction set this CPU executes
+
+
+@pytest.fixture(scope="module")
+def model():
+    from deltaserve.embedded import ensure_model
+    from deltaserve.model.loader import load_model
+
+    return load_model(ensure_model("tiny", seed=0), dtype="bfloat16", prepack=False)
+
+
+def _prepared(model, isa):
+    model.select_decode_kernels("cpp", isa)
+    if model.packed_head is None:
+        assert model.prepack_linears() and model.linear_kind == "cpp"
+    return model
+
+
+def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None):
+    from deltaserve.model.testing import Sequence, make_caches, step
+
+    calls = []
+    real = layers.fused_decode
+
+    def spy(*a):
+        out = real(*a) if fused else None
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(layers, "fused_decode", spy)
+    caches = make_caches(model, num_slots=5, num_pages=16, block_size=64)
+    seqs = [Sequence(slot=4, pages=[5, 1]), Sequence(slot=0, pages=[0, 7]), Sequence(slot=2, pages=[4, 2, 9])]
+    ids = list(range(100, 170))
+    out = step(model, caches, [(s, ids[:n], False) for s, n in zip(seqs, (70, 37, 66))])  # 66: a page edge next
+    toks = [int(o[-1].argmax()) for o in out]
+    rows = []
+    late = Sequence(slot=1, pages=[3, 6])
+    for t in range(5):
+        work = [(s, [tok], True) for s, tok in zip(seqs, toks)]
+        if t == with_prefill_at:
+            work.append((late, ids[:20], False))
+        out = step(model, caches, work)
+        rows.append(torch.stack([o[-1] for o in out[:3]]))
+        toks = [int(o[-1].argmax()) for o in out[:3]]
+    monkeypatch.setattr(layers, "fused_decode", real)
+    return torch.stack(rows), caches, calls
+
+
+def test_fused_decode_has_the_op_table_bits(kern, model, monkeypatch):  # noqa: F811
+    m = _prepared(model, kern.isa)
+    fused, fc, calls = _run(m, True, monkeypatch)
+    plain, pc, _ = _run(m, False, monkeypatch)
+    assert sum(calls) == 5 * len(m.layers)  # every layer of every decode step took the compiled call
+    assert torch.equal(fused, plain)
+    for a, b in zip(fc.kv + fc.conv + fc.ssm, pc.kv + pc.conv + pc.ssm):
+        assert torch.equal(a, b)
+
+
+def test_a_decode_row_is_the_same_in_a_fused_and_a_mixed_step(kern, model, monkeypatch):  # noqa: F811
+    m = _prepared(model, kern.isa)
+    fused, _, _ = _run(m, True, monkeypatch)
+    mixed, _, calls = _run(m, True, monkeypatch, with_prefill_at=2)
+    assert sum(calls) == 4 * len(m.layers)  # the step with a prefill chunk took layers.py's path
+    assert torch.equal(fused, mixed)
+
+
+def test_layers_that_do_not_qualify_take_the_op_table_path(model, monkeypatch):
+    """fp32 weights (F.linear, not the packed kernel) never take the compiled call; the torch kernels neither."""
+    from deltaserve.embedded import ensure_model
+    from deltaserve.model.loader import load_model
+    from deltaserve.model.testing import greedy
+
+    fp32 = load_model(ensure_model("tiny", seed=0), dtype="float32")
+    seen = []
+    real = layers.fused_decode
+    monkeypatch.setattr(layers, "fused_decode", lambda *a: seen.append(real(*a)))
+    greedy(fp32, list(range(100, 120)), 3)
+    assert seen and all(s is None for s in seen)
+    seen.clear()
+    m = load_model(ensure_model("tiny", seed=0), dtype="bfloat16")
+    m.select_decode_kernels("torch")
+    greedy(m, list(range(100, 120)), 3)
+    assert not seen  # the torch kernels: StepContext.fused is never set
+    assert cpu_kernels.TORCH.compiled is False
