@@ -101,20 +101,24 @@ class HybridModel(nn.Module):
         cos, sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)
         bs = caches.block_size
         pages, rows = [], []
-        dec_rows, dec_slots, dec_tables = [], [], []
+        dec_rows, dec_slots, dec_tables, dec_pos = [], [], [], []
         for s in batch.spans:
-            if s.is_decode:
-                if s.length != 1:
-                    raise ValueError(f"a decode span has one token, not {s.length}")
-                dec_rows.append(s.start)
-                dec_slots.append(s.slot)
-                dec_tables.append(s.page_ids)
+            if s.is_decode and s.length != 1:
+                raise ValueError(f"a decode span has one token, not {s.length}")
             if s.saves and (s.is_decode or any(not s.pos < p < s.pos + s.length or p % 64 for p, _ in s.saves)):
                 raise ValueError(f"span at rows {s.start}..: checkpoints {[p for p, _ in s.saves]} are not grid "
                                  f"positions inside its prefill chunk {s.pos}..{s.pos + s.length}")
             if s.page_ids.numel() * bs < s.pos + s.length:
                 raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
                                  f"needs {s.pos + s.length}")
+            if s.is_decode:  # its K/V row: one gather for all decode spans, through their page table below
+                dec_rows.append(s.start)
+                dec_slots.append(s.slot)
+                dec_tables.append(s.page_ids)
+                dec_pos.append(s.pos)
+                continue
+            if dec_rows:
+                raise ValueError(f"span at rows {s.start}..: a prefill span after a decode span (prefill spans first)")
             p = torch.arange(s.pos, s.pos + s.length, device=dev)
             pages.append(s.page_ids.to(dev)[p // bs])
             rows.append(p % bs)
@@ -124,18 +128,22 @@ class HybridModel(nn.Module):
         own_ops = ops is None or ops is self.ops
         ops = ops or self.ops
         table = lengths = None
-        if kernels.compiled and dec_tables:
+        if dec_tables:
             # [B, max pages] int64, padded with page 0 (never read: lengths bound every row)
             table = torch.nn.utils.rnn.pad_sequence([t.to(device=dev, dtype=torch.long) for t in dec_tables],
                                                     batch_first=True)
-            lengths = as_index([s.pos + 1 for s in batch.spans if s.is_decode])
+            dpos = as_index(dec_pos)
+            pages.append(table[torch.arange(len(dec_pos), device=dev), dpos // bs])
+            rows.append(dpos % bs)
+            lengths = dpos + 1
         decode_all = bool(dec_rows) and dec_rows == list(range(sum(s.length for s in batch.spans)))
         return StepContext(batch=batch, cos=cos, sin=sin,
                            kv_pages=torch.cat(pages) if pages else empty, kv_rows=torch.cat(rows) if rows else empty,
                            decode_rows=as_index(dec_rows), decode_slots=as_index(dec_slots),
                            decode_slot_range=_consecutive(dec_slots), kernels=kernels, ops=ops,
                            save_state=caches.save_state,
-                           decode_page_table=table, decode_lengths=lengths,
+                           decode_page_table=table if kernels.compiled else None,
+                           decode_lengths=lengths if kernels.compiled else None,
                            decode_all=decode_all, fused=decode_all and own_ops and kernels.compiled)
 
     def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:

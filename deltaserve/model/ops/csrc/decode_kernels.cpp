@@ -16,6 +16,8 @@
 //   mul and one add per tap, never fused), so the bits equal the prefill's.
 
 #include "aten_lite.h"
+#include "kernels.h"
+#include "vec_exp.h"
 #include <torch/python.h>
 #include <ATen/Parallel.h>
 
@@ -125,24 +127,6 @@ inline float dot(const float* a, const T* b, int64_t n) {
 // ---- paged decode attention -------------------------------------------------------------------------------
 
 #if defined(__AVX512F__)
-// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial on x - n ln2, scaled by 2^n; within
-// ~2 ulp of expf, deterministic (no data-dependent path)
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp underflows to 0 well before
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // the value an fp32 vector holds after a round trip through T (bf16: round to nearest even, as f_to_bf16)
 template <typename T> inline __m512 round512(__m512 x);
 template <> inline __m512 round512<float>(__m512 x) { return x; }
@@ -154,25 +138,6 @@ template <> inline __m512 round512<bf16_bits>(__m512 x) {
   return _mm512_castsi512_ps(r);  // scores and probabilities are finite: no NaN case
 }
 #elif defined(DS_AVX2)
-// exp(x) for x <= 0, the polynomial of exp512; 2^n built in the exponent bits, so x is clamped where 2^n is
-// still normal (exp(-87) ~ 1.6e-38: a probability that small rounds away against the max's exp(0) = 1)
-inline __m256 exp256(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 template <typename T> inline __m256 round256(__m256 x);
 template <> inline __m256 round256<float>(__m256 x) { return x; }
 template <> inline __m256 round256<bf16_bits>(__m256 x) {
@@ -197,12 +162,12 @@ inline void softmax_row(float* s, int64_t L) {
     const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
     __m512 vs = _mm512_setzero_ps();
     for (int64_t t = 0; t < full; t += LANES) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
+      const __m512 e = ds::exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
       _mm512_storeu_ps(s + t, e);
       vs = _mm512_add_ps(vs, e);
     }
     if (tail) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m));
+      const __m512 e = ds::exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + full), m));
       _mm512_mask_storeu_ps(s + full, tail, e);
       vs = _mm512_add_ps(vs, _mm512_maskz_mov_ps(tail, e));
     }
@@ -223,12 +188,12 @@ inline void softmax_row(float* s, int64_t L) {
     const __m256 m = _mm256_set1_ps(hmax8(vm));
     __m256 vs = _mm256_setzero_ps();
     for (int64_t t = 0; t < full; t += 8) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+      const __m256 e = ds::exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
       _mm256_storeu_ps(s + t, e);
       vs = _mm256_add_ps(vs, e);
     }
     if (rem) {
-      const __m256 e = exp256(_mm256_sub_ps(_mm256_maskload_ps(s + full, mi), m));
+      const __m256 e = ds::exp_ps(_mm256_sub_ps(_mm256_maskload_ps(s + full, mi), m));
       _mm256_maskstore_ps(s + full, mi, e);
       vs = _mm256_add_ps(vs, _mm256_and_ps(e, mf));
     }
@@ -624,7 +589,7 @@ at::Tensor conv1d_step_acc(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Ten
 
 }  // namespace
 
-// the decode kernels by name for decode_layers.cpp (the layer-at-a-time path calls them directly)
+// the decode kernels by name (kernels.h) for decode_layers.cpp, which calls them directly
 namespace ds {
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
                            const at::Tensor& lengths, double scale) {
@@ -639,34 +604,6 @@ at::Tensor conv_step_acc(const at::Tensor& x, const at::Tensor& rows, const at::
   return conv1d_step_acc(x, rows, wt, state, slots);
 }
 }  // namespace ds
-
-// decode_layers.cpp
-at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& dims,
-                            double eps, const at::Tensor& conv_cache, const at::Tensor& ssm_cache,
-                            const at::Tensor& rows, const at::Tensor& slots);
-at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w,
-                                  const std::vector<int64_t>& dims, double eps, double scale,
-                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step);
-
-// linear_bf16.cpp
-bool bf16_linear_available();
-std::string kernel_isa();
-at::Tensor pack_bf16_weight(const at::Tensor& w);
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N);
-
-// norm.cpp
-at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps);
-std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
-                                              double eps);
-at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps);
-at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
-                        const at::Tensor& sin);
-
-// pointwise.cpp
-std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias,
-                                  const at::Tensor& neg_decay);
-at::Tensor silu_mul(const at::Tensor& gu);
-at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_fused", &rms_norm_fused, "zero-centred RMSNorm, one pass per row (x [R,D] or [R,H,D], w [D], eps)");

@@ -12,6 +12,7 @@
 // Projections are packed bf16 weights (pack_bf16_weight); x [B, H] is the residual stream, returned updated.
 
 #include "aten_lite.h"
+#include "kernels.h"
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/div.h>
@@ -20,26 +21,6 @@
 
 #include <cstring>
 #include <vector>
-
-// the kernels of the other translation units, called as layers.py calls them through the op table
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N);
-at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps);
-std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w, double eps);
-at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps);
-at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
-                        const at::Tensor& sin);
-std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias,
-                                  const at::Tensor& neg_decay);
-at::Tensor silu_mul(const at::Tensor& gu);
-at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
-namespace ds {
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-                           const at::Tensor& lengths, double scale);
-at::Tensor gdn_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                    const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots);
-at::Tensor conv_step_acc(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
-                         const at::Tensor& slots);
-}  // namespace ds
 
 namespace {
 
