@@ -107,6 +107,17 @@ def checkpoint_weight_bytes(directory: str, skip_prefixes: tuple[str, ...] = ("m
     return WeightBytes(total, f"safetensors headers of {len(files)} file(s) in {directory}", count, skipped)
 
 
+def weights_per_rank(total: int, m: ModelConfig, tp: int, dtype_bytes: int) -> int:
+    """Weight bytes one tensor-parallel rank holds (deltaserve/parallel): the embedding whole on every rank, the
+    head as cdiv(vocab, tp) rows of its own (tied or not), everything else divided by tp. total counts the
+    checkpoint's tensors once (a tied head is the embedding's)."""
+    if tp == 1:
+        return total
+    embed = m.vocab_size * m.hidden_size * dtype_bytes
+    rest = total - embed - (0 if m.tie_word_embeddings else embed)
+    return S.cdiv(max(rest, 0), tp) + embed + S.cdiv(m.vocab_size, tp) * m.hidden_size * dtype_bytes
+
+
 # ---------------------------------------------------------------- the plan
 
 def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = None,
@@ -183,7 +194,7 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
         wdt = S.normalize_dtype(weight_dtype) if weight_dtype else dt.model
         how = "--num-params" if num_params is not None else "parameters counted from config.json"
         weights = WeightBytes(params * S.dtype_bytes(wdt), f"{how} ({params:,}) x {wdt}")
-    weight_per_rank = S.cdiv(weights.bytes, tp)
+    weight_per_rank = weights_per_rank(weights.bytes, m, tp, S.dtype_bytes(dt.model))
 
     budget_source = None
     if budget_bytes is not None:

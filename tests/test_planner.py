@@ -152,7 +152,15 @@ def test_budget_from_parameter_count(capsys):
     assert r["weight_bytes"] == 54 * 10**9
     assert r["budget_bytes"] == int(80 * 2**30 * 0.9) - 54 * 10**9
     r = run_json(capsys, "--model", "qwen3.5-27b", "--device-memory", "40GB", "--tensor-parallel-size", "2")
-    assert r["weight_bytes_per_rank"] == -(-r["weight_bytes"] // 2)
+    # each rank: the whole embedding, a head of cdiv(vocab, 2) rows, half of the rest (untied 27B: 2 vocab tables)
+    from deltaserve.config import ModelConfig
+    from deltaserve.presets import load_preset
+
+    m = ModelConfig.from_hf(load_preset("qwen3.5-27b"))
+    table = m.vocab_size * m.hidden_size * 2
+    assert not m.tie_word_embeddings
+    assert r["weight_bytes_per_rank"] == -(-(r["weight_bytes"] - 2 * table) // 2) + table + table // 2
+    assert r["weight_bytes_per_rank"] > -(-r["weight_bytes"] // 2)
     r = run_json(capsys, "--model", "qwen3.5-27b", "--device-memory", "16GB")
     assert r["budget_bytes"] == 0 and any("leave no room" in w for w in r["warnings"])
 
