@@ -79,8 +79,14 @@ inline void exp_block(float* v) {
 template <class Arg, class Put>
 inline void exp_map(int64_t n, Arg arg, Put put) {
   alignas(64) float buf[kExpBlock];
-  for (int64_t i0 = 0; i0 < n; i0 += kExpBlock) {
-    const int m = static_cast<int>(n - i0 < kExpBlock ? n - i0 : kExpBlock);
+  int64_t i0 = 0;
+  for (; i0 + kExpBlock <= n; i0 += kExpBlock) {  // whole blocks: branch-free loops the compiler vectorises
+    for (int l = 0; l < kExpBlock; ++l) buf[l] = arg(i0 + l);
+    exp_block(buf);
+    for (int l = 0; l < kExpBlock; ++l) put(i0 + l, buf[l]);
+  }
+  if (i0 < n) {  // the short last block, zero-padded: the same exp_block
+    const int m = static_cast<int>(n - i0);
     for (int l = 0; l < kExpBlock; ++l) buf[l] = l < m ? arg(i0 + l) : 0.f;
     exp_block(buf);
     for (int l = 0; l < m; ++l) put(i0 + l, buf[l]);
