@@ -8,11 +8,12 @@
 // 16 consecutive k-pair vectors of one column block are one B tile (16 rows x 64 bytes, contiguous 1 KB); an A
 // tile is 16 rows x 32 bf16 of x, read in place (row stride K * 2 bytes), except the last M % 16 rows, read
 // from a copy padded with zero rows. So every tile has one shape, 16 rows x 64 bytes, and one tile
-// configuration serves the whole call. A block of MI x NJ C tiles (MI row tiles of 16, NJ column blocks: 2x2,
-// or 1x3 where 16 rows are left) keeps its fp32 sums in tile registers over the K / 32 chunks, is stored to a
-// scratch buffer, gets the K % 32 tail and is rounded. Threads split the column blocks; a panel of them is
-// reused from L2 by every row tile. On this 2-core Xeon (model 207) it runs at oneDNN's AMX speed from 16 rows
-// on (~1 TFLOP/s a core at 512 rows) and streams the weights at one row ~0.9x as fast as vdpbf16ps.
+// configuration serves the whole call. A block of C tiles (2 row tiles x 2 column blocks, or 1 row tile x up
+// to 5 blocks where 16 rows or fewer are left, as in a decode step) keeps its fp32 sums in tile registers over
+// the K / 32 chunks, is stored to a scratch buffer, gets the K % 32 tail and is rounded. Threads split the
+// column blocks; a panel of them is reused from L2 by every row tile. On this 2-core Xeon (model 207) it runs
+// at about oneDNN's AMX speed from 16 rows on (~1 TFLOP/s a core at 512 rows) and streams the weights at one
+// row at ~0.9x the vdpbf16ps path's speed (docs/cpu.md).
 //
 // Bits: TDPBF16PS's sum within one 32-wide k chunk is the hardware's own (not vdpbf16ps's sequential pairs:
 // its bits differ from the avx512bf16 path in the last place), but each output's value depends only on its
@@ -45,7 +46,7 @@ namespace {
 constexpr int kCols = 16;           // output columns per packed column block
 constexpr int kChunk = 32;          // k per tile step: an A tile row is 32 bf16, a B tile 16 k pairs
 constexpr int kTileElems = 16 * kChunk;  // bf16 per A or B tile (1 KB)
-constexpr int kLdc = 48;            // fp32 per scratch row: up to 3 column blocks
+constexpr int kLdc = 80;            // fp32 per scratch row: up to 5 column blocks
 constexpr int64_t kSerialBelow = int64_t(1) << 19;  // as linear_bf16.cpp: a small call stays on one thread
 constexpr int64_t kPanelBytes = int64_t(1) << 20;   // a panel's weights stay in L2 across the row tiles
 
@@ -65,8 +66,7 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// the tile registers: C tiles 0..3 (row tile i, column block j at i * NJ + j), A tiles 4 and 5, B tiles 6
-// and 7 (and 3 for the third column block of a 1x3 block). All 8 are 16 rows x 64 bytes.
+// the 8 tile registers, all 16 rows x 64 bytes (tile_pair and tile_row say how each uses them)
 DS_AMX_TARGET void configure_tiles() {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
@@ -80,48 +80,38 @@ DS_AMX_TARGET void configure_tiles() {
 
 DS_AMX_TARGET void release_tiles() { _tile_release(); }
 
-// MI row tiles x NJ column blocks of C, summed over `chunks` k chunks and stored fp32 to c [MI*16, kLdc].
-// a0, a1: the first row of each row tile (a1 read only when MI == 2), lda bytes between rows, chunk ch at
-// + ch * kChunk; b: the first column block's packed vectors (chunk ch at + ch * kTileElems; the next block at
-// + b_next).
-template <int MI, int NJ>
-DS_AMX_TARGET void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b, int64_t b_next,
-                              int64_t chunks, float* c) {
-  static_assert(MI * NJ + MI + NJ <= 8 && (MI == 1 || NJ <= 2), "8 tile registers");
+// Two row tiles x NJ <= 2 column blocks of C (C tile i * NJ + j; A tiles 4 and 5; B tiles 6 and 7), summed
+// over `chunks` k chunks and stored fp32 to c [32, kLdc]. a0, a1: the first row of each row tile, lda bytes
+// between rows, chunk ch at + ch * kChunk; b: the first column block's packed vectors (chunk ch at
+// + ch * kTileElems; the next block at + b_next). 2x2: four products per four tile loads.
+template <int NJ>
+DS_AMX_TARGET void tile_pair(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b, int64_t b_next,
+                             int64_t chunks, float* c) {
+  static_assert(NJ == 1 || NJ == 2, "8 tile registers");
   _tile_zero(0);
-  if constexpr (MI * NJ >= 2) _tile_zero(1);
-  if constexpr (MI * NJ >= 3) _tile_zero(2);
-  if constexpr (MI * NJ >= 4) _tile_zero(3);
+  _tile_zero(1);
+  if constexpr (NJ == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
   for (int64_t ch = 0; ch < chunks; ++ch) {
-    const uint16_t* ak = a0 + ch * kChunk;
     const uint16_t* bk = b + ch * kTileElems;
-    _tile_loadd(4, ak, lda);
+    _tile_loadd(4, a0 + ch * kChunk, lda);
     _tile_loadd(6, bk, 64);
     _tile_dpbf16ps(0, 4, 6);
-    if constexpr (NJ >= 2) {
+    _tile_loadd(5, a1 + ch * kChunk, lda);
+    if constexpr (NJ == 1) {
+      _tile_dpbf16ps(1, 5, 6);
+    } else {
       _tile_loadd(7, bk + b_next, 64);
       _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (NJ == 3) {
-      _tile_loadd(3, bk + 2 * b_next, 64);
-      _tile_dpbf16ps(2, 4, 3);
-    }
-    if constexpr (MI == 2) {
-      _tile_loadd(5, a1 + ch * kChunk, lda);
-      if constexpr (NJ == 1) {
-        _tile_dpbf16ps(1, 5, 6);
-      } else {
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
     }
   }
   constexpr int64_t ld = kLdc * 4;  // bytes per scratch row
   _tile_stored(0, c, ld);
-  if constexpr (MI == 1) {
-    if constexpr (NJ >= 2) _tile_stored(1, c + 16, ld);
-    if constexpr (NJ == 3) _tile_stored(2, c + 32, ld);
-  } else if constexpr (NJ == 1) {
+  if constexpr (NJ == 1) {
     _tile_stored(1, c + 16 * kLdc, ld);
   } else {
     _tile_stored(1, c + 16, ld);
@@ -130,11 +120,61 @@ DS_AMX_TARGET void tile_block(const uint16_t* a0, const uint16_t* a1, int64_t ld
   }
 }
 
+// One row tile x NJ <= 5 column blocks (what a decode step runs): C tiles 0, 1, 2, 3, 5; A tile 4; the B tiles
+// alternate 6 and 7 (a load into one waits only for the product that read it two steps before). With few rows
+// the weights stream from memory once: five streams, and the next chunk's lines asked for ahead of its tile
+// loads, kept one row at ~0.93-1.0x the vdpbf16ps path's speed where 1x3 blocks without prefetch ran at ~0.85x.
+template <int NJ>
+DS_AMX_TARGET void tile_row(const uint16_t* a0, const uint16_t*, int64_t lda, const uint16_t* b, int64_t b_next,
+                            int64_t chunks, float* c) {
+  static_assert(NJ >= 1 && NJ <= 5, "5 C tiles");
+  _tile_zero(0);
+  if constexpr (NJ >= 2) _tile_zero(1);
+  if constexpr (NJ >= 3) _tile_zero(2);
+  if constexpr (NJ >= 4) _tile_zero(3);
+  if constexpr (NJ >= 5) _tile_zero(5);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    const uint16_t* bk = b + ch * kTileElems;
+    if (ch + 1 < chunks) {
+      const char* next = reinterpret_cast<const char*>(bk + kTileElems);
+#pragma GCC unroll 5
+      for (int j = 0; j < NJ; ++j)
+#pragma GCC unroll 16
+        for (int l = 0; l < 16; ++l) _mm_prefetch(next + j * b_next * 2 + l * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(4, a0 + ch * kChunk, lda);
+    _tile_loadd(6, bk, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NJ >= 2) {
+      _tile_loadd(7, bk + b_next, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (NJ >= 3) {
+      _tile_loadd(6, bk + 2 * b_next, 64);
+      _tile_dpbf16ps(2, 4, 6);
+    }
+    if constexpr (NJ >= 4) {
+      _tile_loadd(7, bk + 3 * b_next, 64);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    if constexpr (NJ >= 5) {
+      _tile_loadd(6, bk + 4 * b_next, 64);
+      _tile_dpbf16ps(5, 4, 6);
+    }
+  }
+  constexpr int64_t ld = kLdc * 4;
+  _tile_stored(0, c, ld);
+  if constexpr (NJ >= 2) _tile_stored(1, c + 16, ld);
+  if constexpr (NJ >= 3) _tile_stored(2, c + 32, ld);
+  if constexpr (NJ >= 4) _tile_stored(3, c + 48, ld);
+  if constexpr (NJ >= 5) _tile_stored(5, c + 64, ld);
+}
+
 using BlockFn = void (*)(const uint16_t*, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, float*);
-// kBlocks[MI - 1][NJ - 1]; 2x3 does not fit the registers
-constexpr BlockFn kBlocks[2][3] = {{&tile_block<1, 1>, &tile_block<1, 2>, &tile_block<1, 3>},
-                                   {&tile_block<2, 1>, &tile_block<2, 2>, nullptr}};
-constexpr int kMaxNJ[3] = {0, 3, 2};
+// kBlocks[MI - 1][NJ - 1]: 1x1 .. 1x5 rows, 2x1 and 2x2 blocks (2x3 does not fit the 8 tile registers)
+constexpr BlockFn kBlocks[2][5] = {{&tile_row<1>, &tile_row<2>, &tile_row<3>, &tile_row<4>, &tile_row<5>},
+                                   {&tile_pair<1>, &tile_pair<2>, nullptr, nullptr, nullptr}};
+constexpr int kMaxNJ[3] = {0, 5, 2};
 
 // The K tail (the last K % 32 inputs, tail_pairs pairs from pair p0) added to the stored sums in ascending pair
 // order with vdpbf16ps, then each output rounded to bf16. c: rows x (nj column blocks) fp32 at stride kLdc;
@@ -162,8 +202,8 @@ DS_AMX_TARGET void columns(const uint16_t* x, const uint16_t* pad, const uint16_
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
   auto rows_of = [&](int64_t r) { return r * 16 + 16 <= M ? x + r * 16 * K : pad; };
   const int64_t tail_p0 = chunks * (kChunk / 2), tail_pairs = kp_n - tail_p0;
-  // a panel of column blocks (a multiple of 6, for the 2x2 and 1x3 blocks) is reused by every row tile from L2
-  const int64_t panel = std::max<int64_t>(6, kPanelBytes / (b_next * 2) / 6 * 6);
+  // a panel of column blocks (a multiple of 10, for the 2x2 and 1x5 blocks) is reused by every row tile from L2
+  const int64_t panel = std::max<int64_t>(10, kPanelBytes / (b_next * 2) / 10 * 10);
   alignas(64) float c[32 * kLdc];
   if (chunks > 0) configure_tiles();
   for (int64_t b0 = t0; b0 < t1; b0 += panel) {
