@@ -270,9 +270,13 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_
   at::Tensor pad;
   const uint16_t* padp = nullptr;
   if (M % 16 != 0 && chunks > 0) {
-    pad = at::zeros({16, K}, x.options());
-    std::memcpy(pad.data_ptr(), xp + (M / 16) * 16 * K, (M % 16) * K * 2);
-    padp = reinterpret_cast<const uint16_t*>(pad.data_ptr());
+    // filled here rather than by at::zeros, whose fill is a parallel region of its own from 32K elements (a
+    // region waits for every thread to be scheduled: see kSerialBelow)
+    pad = at::empty({16, K}, x.options());
+    auto* p = reinterpret_cast<uint16_t*>(pad.data_ptr());
+    std::memcpy(p, xp + (M / 16) * 16 * K, (M % 16) * K * 2);
+    std::memset(p + (M % 16) * K, 0, (16 - M % 16) * K * 2);
+    padp = p;
   }
   at::parallel_for(0, nblk, serial ? nblk : 1,
                    [&](int64_t t0, int64_t t1) { columns(xp, padp, wp, yp, M, N, kp_n, chunks, t0, t1); });
