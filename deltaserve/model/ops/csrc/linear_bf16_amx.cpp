@@ -195,12 +195,14 @@ void finish(const float* c, int rows, int nj, const uint32_t* x, int64_t kp_n, i
 }
 
 // column blocks [t0, t1) for every row: one thread's share.
-// x: [M, K] bf16; pad: the last M % 16 rows again, then zero rows up to 16 (row stride K as well)
+// x: [M, K] bf16; pad: the last M % 16 rows again, then zero rows up to 16 (row stride K as well; none for M = 1)
 DS_AMX_TARGET void columns(const uint16_t* x, const uint16_t* pad, const uint16_t* wp, at::BFloat16* yp, int64_t M,
                            int64_t N, int64_t kp_n, int64_t chunks, int64_t t0, int64_t t1) {
   const int64_t rtiles = (M + 15) / 16, K = 2 * kp_n, b_next = kp_n * 2 * kCols;
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
-  auto rows_of = [&](int64_t r) { return r * 16 + 16 <= M ? x + r * 16 * K : pad; };
+  // one row (a decode step of one sequence): all 16 rows of its A tiles read that row (row stride 0), so a
+  // chunk's A load is one cache line and nothing is copied; the 15 copies' outputs are dropped
+  auto rows_of = [&](int64_t r) { return r * 16 + 16 <= M || M == 1 ? x + r * 16 * K : pad; };
   const int64_t tail_p0 = chunks * (kChunk / 2), tail_pairs = kp_n - tail_p0;
   // a panel of column blocks (a multiple of 10, for the 2x2 and 1x5 blocks) is reused by every row tile from L2
   const int64_t panel = std::max<int64_t>(10, kPanelBytes / (b_next * 2) / 10 * 10);
@@ -215,7 +217,7 @@ DS_AMX_TARGET void columns(const uint16_t* x, const uint16_t* pad, const uint16_
         const int nj = static_cast<int>(std::min<int64_t>(kMaxNJ[mi], b1 - b));
         const uint16_t* wb = wp + b * b_next;
         if (chunks > 0)
-          kBlocks[mi - 1][nj - 1](rows_of(r), rows_of(r + mi - 1), K * 2, wb, b_next, chunks, c);
+          kBlocks[mi - 1][nj - 1](rows_of(r), rows_of(r + mi - 1), M == 1 ? 0 : K * 2, wb, b_next, chunks, c);
         else
           std::memset(c, 0, sizeof c);
         finish(c, rows, nj, xp + r * 16 * kp_n, kp_n, tail_p0, tail_pairs, wb, b_next, yp + r * 16 * N + b * kCols,
@@ -269,7 +271,7 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_
   // rows, so that every tile load has 16 rows (one tile configuration; the zero rows' outputs are dropped)
   at::Tensor pad;
   const uint16_t* padp = nullptr;
-  if (M % 16 != 0 && chunks > 0) {
+  if (M % 16 != 0 && M > 1 && chunks > 0) {
     // filled here rather than by at::zeros, whose fill is a parallel region of its own from 32K elements (a
     // region waits for every thread to be scheduled: see kSerialBelow)
     pad = at::empty({16, K}, x.options());
