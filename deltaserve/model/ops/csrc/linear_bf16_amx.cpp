@@ -123,7 +123,8 @@ DS_AMX_TARGET void tile_pair(const uint16_t* a0, const uint16_t* a1, int64_t lda
 // One row tile x NJ <= 5 column blocks (what a decode step runs): C tiles 0, 1, 2, 3, 5; A tile 4; the B tiles
 // alternate 6 and 7 (a load into one waits only for the product that read it two steps before). With few rows
 // the weights stream from memory once: five streams, and the next chunk's lines asked for ahead of its tile
-// loads, kept one row at ~0.93-1.0x the vdpbf16ps path's speed where 1x3 blocks without prefetch ran at ~0.85x.
+// loads (with the row read at stride 0: ~0.9x the vdpbf16ps path's speed at one row on two threads, ~0.96x on
+// one, where 1x3 blocks without prefetch from a padded copy ran at ~0.8x).
 template <int NJ>
 DS_AMX_TARGET void tile_row(const uint16_t* a0, const uint16_t*, int64_t lda, const uint16_t* b, int64_t b_next,
                             int64_t chunks, float* c) {
