@@ -219,7 +219,7 @@ def _optional_int(text: str) -> int | None:
 
 
 # --cpu-isa: the compiled CPU kernels' instruction sets (deltaserve/model/ops/cpu_kernels.py builds each)
-CPU_ISA_CHOICES = ("auto", "avx512bf16", "avx512", "avx2", "generic")
+CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
 
 
 @dataclass(frozen=True)
@@ -267,7 +267,7 @@ class EngineConfig:
                                     replica=True)
     device: str = _flag("auto", "where the model runs", choices=("auto", "cpu", "cuda"))
     cpu_isa: str = _flag("auto", "instruction set of the compiled CPU kernels: auto = the fastest this CPU executes "
-                         "(avx512bf16, then avx512, then avx2); a set it cannot execute is an error",
+                         "(amx, then avx512bf16, avx512, avx2); a set it cannot execute is an error",
                          choices=CPU_ISA_CHOICES)
     # tensor parallelism (deltaserve/parallel/, docs/parallel.md): torchrun's rendezvous names
     tensor_parallel_size: int = _flag(1, "ranks the model is sharded over (torch.distributed: gloo on CPU, nccl on "

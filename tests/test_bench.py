@@ -173,9 +173,14 @@ def test_bench_linear_tiny():
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"C++ kernels unavailable: {e}")
     res = bl.run("tiny", [1, 3], repeats=1)
+    isa = cpu_kernels.resolve_isa()
     assert [r["rows"] for r in res] == [1, 3] and all(r["onednn_ms"] > 0 and r["compiled_ms"] > 0 for r in res)
     text = bl.render("tiny", res)
-    assert "| 3 |" in text and "oneDNN / compiled" in text and "fp8" not in text
+    assert "| 3 |" in text and f"oneDNN / {isa} |" in text and "fp8" not in text
     res = bl.run("tiny", [2], repeats=1, fp8=True)  # the block-FP8 arm beside them
     assert res[0]["fp8_ms"] > 0 and res[0]["fp8_ratio"] > 0
-    assert "| fp8 speed / compiled bf16 |" in bl.render("tiny", res).splitlines()[2]
+    assert f"| fp8 speed / {isa} |" in bl.render("tiny", res).splitlines()[2]
+    sets = list(cpu_kernels.executable_isas()[:2])  # one compiled arm per set (amx beside avx512bf16 here)
+    res = bl.run("tiny", [2], repeats=1, isa=sets)
+    assert set(res[0]["arms"]) == {"onednn", *sets} and all(v > 0 for v in res[0]["arms"].values())
+    assert all(f"| compiled {i} |" in bl.render("tiny", res).splitlines()[2] for i in sets)

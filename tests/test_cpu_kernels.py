@@ -13,19 +13,29 @@ from deltaserve.model.ops.conv import causal_conv1d_prefill, causal_conv1d_step
 from deltaserve.model.ops.gdn import gated_delta_rule_reference, recurrent_gated_delta_rule_step
 
 
-@pytest.fixture(scope="module", params=cpu_kernels.ISAS)
-def kern(request):
-    """The compiled kernels of each instruction set this CPU executes (a set it cannot execute skips, saying
-    which and why)."""
-    why = cpu_kernels.cannot_execute(request.param)
+def _kernels(isa: str):
+    why = cpu_kernels.cannot_execute(isa)
     if why:
         pytest.skip(why)
     try:
-        k = cpu_kernels.select_decode_kernels("cpu", torch.float32, "cpp", request.param)
+        k = cpu_kernels.select_decode_kernels("cpu", torch.float32, "cpp", isa)
     except Exception as e:  # noqa: BLE001 - no compiler on this machine: the torch path is what runs
         pytest.skip(f"C++ decode kernels unavailable: {e}")
-    assert k.isa == request.param and k.ext.kernel_isa() == request.param
+    assert k.isa == isa and k.ext.kernel_isa() == isa
     return k
+
+
+@pytest.fixture(scope="module", params=[i for i in cpu_kernels.ISAS if i not in cpu_kernels.ISA_BUILD])
+def kern(request):
+    """The compiled kernels of each build this CPU executes (a set it cannot execute skips, saying which and
+    why). amx is left out: its decode kernels and norms are the avx512bf16 build's, tested there."""
+    return _kernels(request.param)
+
+
+@pytest.fixture(scope="module", params=cpu_kernels.ISAS)
+def kern_any(request):
+    """Each instruction set this CPU executes, amx too: for the tests that run its bf16 linear."""
+    return _kernels(request.param)
 
 
 def gen(seed: int) -> torch.Generator:
@@ -194,6 +204,47 @@ def test_isa_choice_follows_the_cpu_flags(monkeypatch):
     assert cpu_kernels.resolve_isa() == cpu_kernels.executable_isas()[0]
 
 
+def test_amx_needs_the_flags_and_the_kernels_permission(monkeypatch):
+    """amx: the AMX flags and the Linux kernel's permission to use the tile data. Refused (an older kernel, a
+    VM that hides the state), auto takes avx512bf16 and --cpu-isa amx is an error saying why."""
+    sapphire = frozenset(cpu_kernels.ISA_NEEDS["amx"])
+    zen4 = sapphire - {"amx_tile", "amx_bf16"}
+    monkeypatch.setattr(cpu_kernels, "amx_refusal", lambda: None)
+    assert cpu_kernels.executable_isas(sapphire) == cpu_kernels.ISAS
+    assert cpu_kernels.resolve_isa("auto", sapphire) == "amx"
+    assert cpu_kernels.resolve_isa("auto", zen4) == "avx512bf16"
+    with pytest.raises(ValueError, match=r"amx: this CPU cannot execute it \(missing amx_bf16, amx_tile\)"):
+        cpu_kernels.resolve_isa("amx", zen4)
+    refused = "the Linux kernel refused the AMX tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM: test)"
+    monkeypatch.setattr(cpu_kernels, "amx_refusal", lambda: refused)
+    assert cpu_kernels.resolve_isa("auto", sapphire) == "avx512bf16"
+    with pytest.raises(ValueError, match=r"amx: this CPU cannot execute it \(the Linux kernel refused .*: test\)\); "
+                                         r"it runs: avx512bf16, avx512, avx2"):
+        cpu_kernels.resolve_isa("amx", sapphire)
+
+
+def test_engine_picks_amx_here_and_logs_it(caplog):
+    """Where this CPU and kernel run amx, the engine takes it by default, logs it, and packs every bf16
+    projection and the head for linear_bf16_amx."""
+    import logging
+
+    from deltaserve.config import EngineConfig
+    from deltaserve.engine import LLMEngine
+
+    why = cpu_kernels.cannot_execute("amx")
+    if why:
+        pytest.skip(why)
+    with caplog.at_level(logging.INFO, logger="deltaserve"):
+        engine = LLMEngine(EngineConfig(device="cpu", dtype="bfloat16", kv_cache_memory=64 << 20))
+    try:
+        assert engine.cpu_kernels == "amx"
+        assert "cpu kernels: amx (AMX tiles" in caplog.text and "from the CPU's flags" in caplog.text
+        model = engine.model
+        assert model.linear_kind == "cpp" and model.packed_head.ext.linear_bf16 is model.packed_head.ext.base.linear_bf16_amx
+    finally:
+        engine.shutdown()
+
+
 def test_engine_refuses_a_set_the_cpu_lacks(monkeypatch):
     """--cpu-isa avx512bf16 on an AVX2-only CPU: a ConfigError naming what is missing, before any model loads."""
     from deltaserve.config import ConfigError, EngineConfig
@@ -236,7 +287,7 @@ def test_model_decode_steps_match_torch_path(kern):
     torch.testing.assert_close(logits["cpp"], logits["torch"], atol=1e-4, rtol=1e-4)
 
 
-def test_bf16_model_rows_are_batch_invariant(kern):
+def test_bf16_model_rows_are_batch_invariant(kern_any):
     """The bf16 model on this set's kernels and packed linear (what the engine serves): a sequence's logits
     are the same bits decoded alone and beside two others, in another slot and at another row position (the
     cache's hit == cold gates rest on it)."""
@@ -245,8 +296,9 @@ def test_bf16_model_rows_are_batch_invariant(kern):
     from deltaserve.model.testing import Sequence, make_caches, step
 
     model = load_model(ensure_model("tiny", seed=0), dtype="bfloat16", prepack=False)
-    model.select_decode_kernels("cpp", kern.isa)
+    model.select_decode_kernels("cpp", kern_any.isa)
     assert model.prepack_linears() and model.linear_kind == "cpp"
+    assert model.packed_head.ext.kernel_isa() == kern_any.isa  # amx: the projections run linear_bf16_amx
     ids = list(range(100, 170))
 
     def run(others: bool) -> torch.Tensor:

@@ -10,22 +10,19 @@ import torch
 import deltaserve.model.layers as layers
 from deltaserve.model.ops import cpu_kernels
 
-from tests.test_cpu_kernels import kern  # noqa: F401 - the fixture: every instruction set this CPU executes
+from tests.test_cpu_kernels import kern_any  # noqa: F401 - the fixture: every instruction set this CPU executes
 
 
 @pytest.fixture(scope="module")
-def model():
+def model(kern_any):  # noqa: F811
+    """The bf16 tiny model on this set's kernels, its linears packed by this set's build (as the loader does)."""
     from deltaserve.embedded import ensure_model
     from deltaserve.model.loader import load_model
 
-    return load_model(ensure_model("tiny", seed=0), dtype="bfloat16", prepack=False)
-
-
-def _prepared(model, isa):
-    model.select_decode_kernels("cpp", isa)
-    if model.packed_head is None:
-        assert model.prepack_linears() and model.linear_kind == "cpp"
-    return model
+    m = load_model(ensure_model("tiny", seed=0), dtype="bfloat16", prepack=False)
+    m.select_decode_kernels("cpp", kern_any.isa)
+    assert m.prepack_linears() and m.linear_kind == "cpp"
+    return m
 
 
 def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None):
@@ -58,8 +55,8 @@ def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None):
     return torch.stack(rows), caches, calls
 
 
-def test_fused_decode_has_the_op_table_bits(kern, model, monkeypatch):  # noqa: F811
-    m = _prepared(model, kern.isa)
+def test_fused_decode_has_the_op_table_bits(model, monkeypatch):
+    m = model
     fused, fc, calls = _run(m, True, monkeypatch)
     plain, pc, _ = _run(m, False, monkeypatch)
     assert sum(calls) == 5 * len(m.layers)  # every layer of every decode step took the compiled call
@@ -68,15 +65,15 @@ def test_fused_decode_has_the_op_table_bits(kern, model, monkeypatch):  # noqa: 
         assert torch.equal(a, b)
 
 
-def test_a_decode_row_is_the_same_in_a_fused_and_a_mixed_step(kern, model, monkeypatch):  # noqa: F811
-    m = _prepared(model, kern.isa)
+def test_a_decode_row_is_the_same_in_a_fused_and_a_mixed_step(model, monkeypatch):
+    m = model
     fused, _, _ = _run(m, True, monkeypatch)
     mixed, _, calls = _run(m, True, monkeypatch, with_prefill_at=2)
     assert sum(calls) == 4 * len(m.layers)  # the step with a prefill chunk took layers.py's path
     assert torch.equal(fused, mixed)
 
 
-def test_layers_that_do_not_qualify_take_the_op_table_path(model, monkeypatch):
+def test_layers_that_do_not_qualify_take_the_op_table_path(monkeypatch):
     """fp32 weights (F.linear, not the packed kernel) never take the compiled call; the torch kernels neither."""
     from deltaserve.embedded import ensure_model
     from deltaserve.model.loader import load_model

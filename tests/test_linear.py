@@ -1,6 +1,7 @@
 """The compiled bf16 linear (ops/csrc/linear_bf16.cpp through ops/linear.py) against the fp32 reference on
 awkward shapes (outputs not a multiple of 16, one k pair, row counts around the 8-row tile), bit-for-bit batch
-and thread-count invariance, and the fallbacks (odd input dim -> oneDNN, fp32 -> F.linear)."""
+and thread-count invariance, and the fallbacks (odd input dim -> oneDNN, fp32 -> F.linear). The amx set's
+linear (ops/csrc/linear_bf16_amx.cpp) the same way around its 16-row tiles and 32-wide k chunks."""
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,8 @@ from deltaserve.model.ops.linear import PackedWeight, linear
 
 @pytest.fixture(scope="module", params=cpu_kernels.ISAS)
 def ext(request):
-    """The compiled kernels of each instruction set this CPU executes (avx512bf16: vdpbf16ps; avx512, avx2:
-    bf16 widened to fp32); a set it cannot execute skips, saying which."""
+    """The compiled kernels of each instruction set this CPU executes (amx: AMX tiles; avx512bf16: vdpbf16ps;
+    avx512, avx2: bf16 widened to fp32); a set it cannot execute skips, saying which."""
     why = cpu_kernels.cannot_execute(request.param)
     if why:
         pytest.skip(why)
@@ -83,8 +84,9 @@ def test_fallbacks_and_errors(ext):
 
 def test_every_instruction_set_gives_the_same_bits():
     """The widened paths add each k pair as vdpbf16ps does (odd product, then even; exact products), so on
-    normal numbers every set this CPU executes gives the same bits, for decode and prefill row counts."""
-    isas = [i for i in cpu_kernels.ISAS if cpu_kernels.cannot_execute(i) is None]
+    normal numbers every vdpbf16ps-ordered set this CPU executes gives the same bits, for decode and prefill row
+    counts. amx sums 32-wide k chunks its own way: the amx tests below hold it to the reference instead."""
+    isas = [i for i in cpu_kernels.ISAS if i != "amx" and cpu_kernels.cannot_execute(i) is None]
     if len(isas) < 2:
         pytest.skip(f"this CPU executes only {isas}: nothing to compare")
     try:
@@ -109,3 +111,77 @@ def test_odd_input_dim_without_onednn_bf16_stays_on_f_linear(ext, monkeypatch):
     assert pw.kind == "plain"
     assert torch.equal(linear(x, pw), F.linear(x, w))
     assert PackedWeight(rand(32, 64, seed=7), ext).kind == "cpp"
+
+
+# ---- the amx set: AMX tiles for every row count ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def amx():
+    """The amx set's kernels (the avx512bf16 build with linear_bf16 on AMX tiles), or a skip saying why this
+    CPU or its kernel cannot run them (flags, or the tile-data permission refused)."""
+    why = cpu_kernels.cannot_execute("amx")
+    if why:
+        pytest.skip(why)
+    try:
+        mod = cpu_kernels.load_extension("amx")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"C++ kernels unavailable: {e}")
+    assert mod.kernel_isa() == "amx" and mod.linear_bf16 is mod.base.linear_bf16_amx
+    return mod
+
+
+@pytest.mark.parametrize("K", [2, 30, 34, 64, 130, 1030])
+@pytest.mark.parametrize("N", [1, 17, 100])
+def test_amx_matches_the_rounded_reference(amx, N, K):
+    """Rows around the 16-row tile and the 32-row block, outputs off the 16-column block, k off the 32-wide
+    chunk (K < 32: the tail alone): within 2 bf16 units of the fp32 product rounded once (sum order and one
+    rounding; atol for sums that cancel), and mostly equal to it."""
+    w = rand(N, K, seed=N + K)
+    pw = PackedWeight(w, amx)
+    exact = 0
+    for M in (1, 3, 15, 16, 17, 33, 100):
+        x = rand(M, K, seed=M)
+        y = linear(x, pw)
+        assert y.shape == (M, N) and y.dtype == torch.bfloat16
+        ref = (x.float() @ w.float().T).bfloat16()
+        torch.testing.assert_close(y.float(), ref.float(), atol=1e-3 * K ** 0.5, rtol=8e-3)
+        exact += int((y == ref).sum())
+    assert exact >= 0.99 * N * (1 + 3 + 15 + 16 + 17 + 33 + 100)  # a rounding flips only near a tie (measured: <0.1%)
+
+
+@pytest.mark.parametrize("N,K", [(17, 34), (100, 130), (48, 3584), (776, 1024)])
+def test_amx_rows_are_batch_and_thread_invariant(amx, N, K):
+    """A row alone (one row through AMX, 15 zero rows beside it) has the same bits as inside a batch of any size,
+    at any position (a full 16-row tile, the padded last tile, either tile of a 32-row block), beside other
+    rows, on 1 or 2 threads (a thread's share of column blocks changes the block shapes, 1x3 / 1x2 / 2x2)."""
+    pw = PackedWeight(rand(N, K, seed=3), amx)
+    row = rand(1, K, seed=21)
+    n = torch.get_num_threads()
+    try:
+        alone = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            alone[threads] = linear(row, pw)[0]
+        assert torch.equal(alone[1], alone[2])
+        for M in (2, 3, 15, 16, 17, 33, 100):
+            others = rand(M, K, seed=100 + M)
+            for pos in sorted({0, M // 2, M - 1, min(16, M - 1), min(31, M - 1)}):
+                x = others.clone()
+                x[pos] = row[0]
+                for threads in (1, 2):
+                    torch.set_num_threads(threads)
+                    assert torch.equal(linear(x, pw)[pos], alone[1]), (M, pos, threads)
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_amx_tail_alone_is_vdpbf16ps_order(amx):
+    """Below 32 inputs there is no AMX chunk: the K tail is added with vdpbf16ps in ascending pair order from
+    zero, which is the avx512bf16 linear's order, so the bits are that linear's; from 32 inputs on they are
+    AMX's own (and must still match the reference, above)."""
+    vdp = cpu_kernels.load_extension("avx512bf16")
+    for K in (2, 30):
+        w, x = rand(100, K, seed=K), rand(33, K, seed=K + 1)
+        assert torch.equal(linear(x, PackedWeight(w, amx)), linear(x, PackedWeight(w, vdp)))
+    w, x = rand(776, 1024, seed=5), rand(64, 1024, seed=6)  # 50K outputs: some round the other way
+    assert not torch.equal(linear(x, PackedWeight(w, amx)), linear(x, PackedWeight(w, vdp)))

@@ -1,9 +1,12 @@
 """`deltaserve bench linear`: the bf16 projections of a preset through oneDNN's prepacked linear and through
-the compiled linear_bf16 (ops/csrc/linear_bf16.cpp), side by side in one run.
+the compiled linear_bf16 (ops/csrc/linear_bf16.cpp; linear_bf16_amx.cpp for the amx set), side by side in one
+run.
 
 Every projection of the model and its head, each with its own weights (so a pass streams them all from memory
 as a decode step does), at several row counts; the arms alternate pass by pass and the best of --repeats is
-kept. Prints one row per row count: ms per pass for each arm and their ratio. --fp8 adds a third arm: every
+kept. Prints one row per row count: ms per pass for each arm (with its GFLOP/s and the GB/s of weights it
+streams) and oneDNN's time over each compiled arm's. --cpu-isa takes several sets (`amx,avx512bf16`): one
+compiled arm each, the first the one the ratios and --fp8 compare with. --fp8 adds one more arm: every
 projection quantized to block-FP8 as `make-model --quantize fp8` does, through the compiled linear_fp8, with the
 head kept bf16 (compiled linear_bf16), as Qwen's FP8 checkpoints keep it.
 """
@@ -46,22 +49,28 @@ def _fp8_arm(weights, ext) -> list:
     return arm
 
 
-def run(preset: str, rows: list[int], repeats: int, fp8: bool = False, isa: str | None = None) -> list[dict]:
-    """isa: the compiled kernels' instruction set (cpu_kernels.load_extension's; None = this CPU's choice)."""
+def run(preset: str, rows: list[int], repeats: int, fp8: bool = False,
+        isa: str | list[str] | None = None) -> list[dict]:
+    """isa: the compiled kernels' instruction set, or several (cpu_kernels.load_extension's; None = this CPU's
+    choice); the first is "compiled" in the results, every one is in r["arms"] (ms per pass)."""
     import torch
 
     from ..model.ops.cpu_kernels import load_extension, resolve_isa
     from ..model.ops.linear import PackedWeight, linear
+    from ..runner.platform import tune_allocator
 
-    isa = resolve_isa(isa)
-    ext = load_extension(isa)
-    if not ext.bf16_linear_available():
+    tune_allocator()  # as the engine: the head's output at 512 rows (254 MB) is not mmapped and faulted per call
+    isas = [resolve_isa(i) for i in (isa if isinstance(isa, list) else [isa])]
+    exts = {i: load_extension(i) for i in isas}
+    if not all(e.bf16_linear_available() for e in exts.values()):
         raise SystemExit("the compiled linear is not built for this CPU (it needs AVX2 + FMA or AVX-512)")
     weights = _weights(preset)
-    arms = {"onednn": [PackedWeight(w) for _, w in weights], "compiled": [PackedWeight(w, ext) for _, w in weights]}
+    arms = {"onednn": [PackedWeight(w) for _, w in weights]}
+    arms.update({i: [PackedWeight(w, e) for _, w in weights] for i, e in exts.items()})
     if fp8:
-        arms["fp8"] = _fp8_arm(weights, ext)
+        arms["fp8"] = _fp8_arm(weights, exts[isas[0]])
     gbytes = sum(w.numel() * 2 for _, w in weights) / 1e9
+    params = sum(w.numel() for _, w in weights)
     results = []
     for m in rows:
         xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in {w.shape[1] for _, w in weights}}
@@ -72,27 +81,45 @@ def run(preset: str, rows: list[int], repeats: int, fp8: bool = False, isa: str 
                 for p in packed:
                     linear(xs[p.shape[1]], p)
                 best[arm] = min(best[arm], time.perf_counter() - t)
-        r = {"rows": m, "onednn_ms": 1e3 * best["onednn"], "compiled_ms": 1e3 * best["compiled"],
-             "ratio": best["onednn"] / best["compiled"], "weights_gb": gbytes,
-             "compiled_gbps": gbytes / best["compiled"], "isa": isa, "threads": torch.get_num_threads()}
+        first = best[isas[0]]
+        r = {"rows": m, "onednn_ms": 1e3 * best["onednn"], "compiled_ms": 1e3 * first,
+             "ratio": best["onednn"] / first, "weights_gb": gbytes, "compiled_gbps": gbytes / first,
+             "isa": isas[0], "isas": isas, "threads": torch.get_num_threads(), "gflop": 2 * m * params / 1e9,
+             "arms": {a: 1e3 * best[a] for a in ["onednn", *isas]}}
         if fp8:
-            r.update(fp8_ms=1e3 * best["fp8"], fp8_ratio=best["compiled"] / best["fp8"])
+            r.update(fp8_ms=1e3 * best["fp8"], fp8_ratio=first / best["fp8"])
         results.append(r)
     return results
 
 
 def render(preset: str, results: list[dict]) -> str:
     r0 = results[0]
+    isas, fp8 = r0["isas"], "fp8_ms" in r0
     lines = [f"bf16 projections + head of {preset} ({r0['weights_gb']:.2f} GB of weights per pass; linear_bf16 built "
-             f"for {r0['isa']}, {r0['threads']} torch threads)", "",
-             "| rows | oneDNN prepacked ms | compiled linear_bf16 ms | oneDNN / compiled | compiled GB/s |"
-             + (" fp8 (linear_fp8, bf16 head) ms | fp8 speed / compiled bf16 |" if "fp8_ms" in results[0] else ""),
-             "|---|---|---|---|---|" + ("---|---|" if "fp8_ms" in results[0] else "")]
+             f"for {', '.join(isas)}; {r0['threads']} torch threads; ms per pass (GFLOP/s, weight GB/s))", "",
+             "| rows | oneDNN prepacked |" + "".join(f" compiled {i} |" for i in isas)
+             + "".join(f" oneDNN / {i} |" for i in isas)
+             + (f" fp8 (linear_fp8, bf16 head) ms | fp8 speed / {isas[0]} |" if fp8 else ""),
+             "|---|---|" + "---|" * (2 * len(isas)) + ("---|---|" if fp8 else "")]
+
+    def cell(ms: float, r: dict) -> str:
+        return f"{ms:.1f} ({r['gflop'] / ms * 1e3:.0f}, {r['weights_gb'] / ms * 1e3:.1f})"
+
     for r in results:
-        lines.append(f"| {r['rows']} | {r['onednn_ms']:.1f} | {r['compiled_ms']:.1f} | {r['ratio']:.2f}x | "
-                     f"{r['compiled_gbps']:.1f} |"
-                     + (f" {r['fp8_ms']:.1f} | {r['fp8_ratio']:.2f}x |" if "fp8_ms" in r else ""))
+        arms = r["arms"]
+        lines.append(f"| {r['rows']} | {cell(arms['onednn'], r)} |" + "".join(f" {cell(arms[i], r)} |" for i in isas)
+                     + "".join(f" {arms['onednn'] / arms[i]:.2f}x |" for i in isas)
+                     + (f" {r['fp8_ms']:.1f} | {r['fp8_ratio']:.2f}x |" if fp8 else ""))
     return "\n".join(lines)
+
+
+def _isa_list(s: str) -> list[str]:
+    from ..model.ops.cpu_kernels import ISAS
+
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    if not out or any(x not in ISAS for x in out) or len(set(out)) < len(out):
+        raise argparse.ArgumentTypeError(f"--cpu-isa: distinct names from {', '.join(ISAS)}, not {s!r}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,8 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,8,32", help="row counts (tokens per GEMM), comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fp8", action="store_true", help="add the block-FP8 arm (linear_fp8; the head stays bf16)")
-    p.add_argument("--cpu-isa", default=None, choices=("avx512bf16", "avx512", "avx2"),
-                   help="the compiled linear's instruction set (default: the one the engine picks on this CPU)")
+    p.add_argument("--cpu-isa", default=None, type=_isa_list,
+                   help="the compiled linear's instruction set, or several comma-separated (amx,avx512bf16): one "
+                        "arm each, the first compared with --fp8 (default: the one the engine picks on this CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",") if x]

@@ -21,11 +21,17 @@ from .ops.linear import PackedWeight
 
 
 def _packed(*ws) -> bool:
-    return all(isinstance(w, PackedWeight) and w.kind == "cpp" for w in ws)
+    """Packed for the compiled linear, all by one module (the one ops/linear.py calls them with)."""
+    return all(isinstance(w, PackedWeight) and w.kind == "cpp" and w.ext is ws[0].ext for w in ws)
+
+
+def _on_amx(w: PackedWeight) -> bool:
+    """Whether ops/linear.py multiplies this weight on AMX tiles (the amx set's linear_bf16 is linear_bf16_amx)."""
+    return w.ext.kernel_isa() == "amx"
 
 
 def _plan(layer) -> tuple | None:
-    """(kind, weights, dims) for the compiled call, or None when the layer does not qualify."""
+    """(kind, weights, dims, amx) for the compiled call, or None when the layer does not qualify."""
     from .layers import AttentionMixer, DenseMLP, GDNMixer
 
     mlp = layer.mlp
@@ -40,13 +46,17 @@ def _plan(layer) -> tuple | None:
             return None
         w = norms + [m.in_proj.packed, None, m.dt_bias, None, m.norm_weight, m.out_proj.packed]
         dims = [m.in_proj.shape[0], m.conv_dim, m.value_dim, m.hv, m.hk, m.dk, m.dv, m.out_proj.shape[0]]
-        return "gdn", w + tail_w, dims + tail_n
+        if not _packed(m.in_proj, m.out_proj, mlp.gate_up, mlp.down):
+            return None
+        return "gdn", w + tail_w, dims + tail_n, _on_amx(mlp.gate_up)
     m = layer.self_attn
     if type(m) is not AttentionMixer or not _packed(m.qkv_proj, m.o_proj):
         return None
     w = norms + [m.qkv_proj.packed, m.q_norm, m.k_norm, m.o_proj.packed]
     dims = [m.qkv_proj.shape[0], m.hq, m.hkv, m.d, m.o_proj.shape[0]]
-    return "attn", w + tail_w, dims + tail_n
+    if not _packed(m.qkv_proj, m.o_proj, mlp.gate_up, mlp.down):
+        return None
+    return "attn", w + tail_w, dims + tail_n, _on_amx(mlp.gate_up)
 
 
 def fused_decode(layer, x: torch.Tensor, ctx, cache: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
@@ -56,7 +66,7 @@ def fused_decode(layer, x: torch.Tensor, ctx, cache: tuple[torch.Tensor, ...]) -
         plan = layer._fused_plan = _plan(layer)
     if plan is None or x.dtype != torch.bfloat16:
         return None
-    kind, w, dims = plan
+    kind, w, dims, amx = plan
     ext = ctx.kernels.ext
     if kind == "gdn":
         conv, ssm = cache
@@ -64,9 +74,9 @@ def fused_decode(layer, x: torch.Tensor, ctx, cache: tuple[torch.Tensor, ...]) -
             return None
         m = layer.linear_attn
         w[3], w[5] = tap_major(m.conv_weight), m._neg_decay()  # cached; remade if changed in place
-        return ext.gdn_layer_decode(x, w, dims, layer.eps, conv, ssm, ctx.decode_rows, ctx.decode_slots)
+        return ext.gdn_layer_decode(x, w, dims, layer.eps, conv, ssm, ctx.decode_rows, ctx.decode_slots, amx)
     (kv,) = cache
     if kv.dtype != x.dtype:
         return None
     step = [ctx.cos, ctx.sin, ctx.kv_pages, ctx.kv_rows, ctx.decode_page_table, ctx.decode_lengths]
-    return ext.attention_layer_decode(x, w, dims, layer.eps, layer.self_attn.scale, kv, step)
+    return ext.attention_layer_decode(x, w, dims, layer.eps, layer.self_attn.scale, kv, step, amx)

@@ -1,4 +1,4 @@
-"""C++ CPU kernels (csrc/: decode_kernels.cpp, linear_bf16.cpp, norm.cpp), compiled once per machine with torch's
+"""C++ CPU kernels (csrc/: decode_kernels.cpp, linear_bf16.cpp, linear_bf16_amx.cpp, norm.cpp), compiled once per machine with torch's
 cpp_extension, and the choice between them and the plain-torch ops, made once when a model is built.
 
     kernels = select_decode_kernels(device, dtype)     # DecodeKernels; logs one line
@@ -22,6 +22,7 @@ cannot be built; auto, the default: compiled kernels on CPU, torch if compilatio
 in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions) and is reused.
 
 Instruction sets (`--cpu-isa`, or DELTASERVE_CPU_ISA; auto, the default, takes the first this CPU executes):
+    amx         the avx512bf16 build with linear_bf16 on AMX tiles (linear_bf16_amx) for every row count
     avx512bf16  linear_bf16 on vdpbf16ps; decode kernels on AVX-512
     avx512      AVX-512 without BF16: bf16 weights widened to fp32 in registers, fp32 fmas
     avx2        AVX2 + FMA: the same widening on 8 lanes; decode kernels on AVX2
@@ -30,9 +31,18 @@ Each is its own build of the same sources (the -march level of ISA_FLAGS: a bina
 instruction outside its set, so any CPU with the set runs it), so one process can load several (the tests
 run every set this CPU executes against the torch references). Every set keeps each output's fixed
 summation order: rows are batch-invariant on all of them.
+
+amx is not a build of its own: it loads the avx512bf16 build (whose linear_bf16_amx.cpp holds the AMX
+instructions in functions of their own target) and serves its linear through linear_bf16_amx (AmxExtension).
+It needs the CPU's amx_tile + amx_bf16 flags and the Linux kernel's permission to use the tile data
+(arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process: amx_refusal); where either is missing it is not
+executable and auto takes avx512bf16. Its bits differ from the other sets' in the last place (TDPBF16PS sums
+a 32-wide k chunk its own way), so it runs AMX at every row count, one row too: a row's bits never depend
+on which path a step's size would have chosen.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -54,21 +64,26 @@ log = logging.getLogger("deltaserve")
 ENV = "DELTASERVE_DECODE_KERNELS"
 MODES = ("auto", "cpp", "torch")
 ISA_ENV = "DELTASERVE_CPU_ISA"
-ISAS = ("avx512bf16", "avx512", "avx2")  # fastest first: auto takes the first this CPU executes
+ISAS = ("amx", "avx512bf16", "avx512", "avx2")  # fastest first: auto takes the first this CPU executes
 ISA_CHOICES = CPU_ISA_CHOICES  # --cpu-isa's choices (config.py holds them: it imports no torch)
 assert ISA_CHOICES == ("auto",) + ISAS + ("generic",)
-# the compiler's -march level per set, and the /proc/cpuinfo flags that level may emit instructions of
+# the build a set loads, where it is not its own: amx is the avx512bf16 build's linear_bf16_amx
+ISA_BUILD = {"amx": "avx512bf16"}
+# the compiler's -march level per build, and the /proc/cpuinfo flags each set may emit instructions of
 ISA_FLAGS = {"avx512bf16": ["-march=x86-64-v4", "-mavx512bf16"], "avx512": ["-march=x86-64-v4"],
              "avx2": ["-march=x86-64-v3"], "generic": ["-march=native"]}
 _V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"}  # abm: lzcnt
 _V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
-ISA_NEEDS = {"avx512bf16": _V4 | {"avx512_bf16"}, "avx512": _V4, "avx2": _V3}
-ISA_WHAT = {"avx512bf16": "AVX512-BF16 dot products",
+ISA_NEEDS = {"amx": _V4 | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx512bf16": _V4 | {"avx512_bf16"},
+             "avx512": _V4, "avx2": _V3}
+ISA_WHAT = {"amx": "AMX tiles for the bf16 linear at every row count, AVX-512 decode kernels",
+            "avx512bf16": "AVX512-BF16 dot products",
             "avx512": "AVX-512, bf16 weights widened to fp32 in registers",
             "avx2": "AVX2 + FMA, bf16 weights widened to fp32 in registers",
             "generic": "plain C++ loops, no compiled linear"}
 _SOURCES = [Path(__file__).with_name("csrc") / f
-            for f in ("decode_kernels.cpp", "linear_bf16.cpp", "norm.cpp", "pointwise.cpp", "decode_layers.cpp")]
+            for f in ("decode_kernels.cpp", "linear_bf16.cpp", "linear_bf16_amx.cpp", "norm.cpp", "pointwise.cpp",
+                      "decode_layers.cpp")]
 _lock = threading.Lock()
 _exts: dict[str, object] = {}  # isa -> the loaded module, or the exception that stopped its build
 _build_seconds: dict[str, float] = {}
@@ -86,12 +101,41 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+@functools.cache
+def amx_refusal() -> str | None:
+    """None when the Linux kernel lets this process use the AMX tile data, else why not. Asked once per process
+    (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the permission is the process's, every thread
+    has it; oneDNN asks the same), and only where the CPU's flags name AMX."""
+    import ctypes
+    import platform
+
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return "AMX tiles need Linux on x86-64"
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_arch_prctl, req_xcomp_perm, xtiledata = 158, 0x1023, 18
+    if libc.syscall(sys_arch_prctl, req_xcomp_perm, xtiledata) == 0:
+        return None
+    return ("the Linux kernel refused the AMX tile data permission (arch_prctl ARCH_REQ_XCOMP_PERM: "
+            f"{os.strerror(ctypes.get_errno())})")
+
+
+def _why_not(isa: str, flags: frozenset[str]) -> str | None:
+    """Why a CPU with `flags` cannot execute `isa` ("missing ..." flags, or amx's permission refusal), or None."""
+    missing = sorted(ISA_NEEDS.get(isa, set()) - flags)
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if isa == "amx":
+        return amx_refusal()
+    return None
+
+
 def executable_isas(flags: frozenset[str] | None = None) -> tuple[str, ...]:
-    """The instruction sets of ISAS this CPU executes, fastest first; ("generic",) where none (not x86)."""
+    """The instruction sets of ISAS this CPU executes, fastest first; ("generic",) where none (not x86). amx
+    also needs the kernel's permission (amx_refusal)."""
     import platform
 
     flags = cpu_flags() if flags is None else flags
-    found = tuple(i for i in ISAS if ISA_NEEDS[i] <= flags)
+    found = tuple(i for i in ISAS if _why_not(i, flags) is None)
     if found:
         return found
     return ("generic",) if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86") else ()
@@ -109,10 +153,8 @@ def resolve_isa(isa: str | None = None, flags: frozenset[str] | None = None) -> 
             raise ValueError("this x86 CPU has no AVX2 + FMA: no compiled kernels for it")
         return runs[0]
     if name not in runs:
-        have = cpu_flags() if flags is None else flags
-        missing = sorted(ISA_NEEDS.get(name, set()) - have)
-        raise ValueError(f"--cpu-isa {name}: this CPU cannot execute it (missing {', '.join(missing) or 'x86'}); "
-                         f"it runs: {', '.join(runs) or 'none'}")
+        why = _why_not(name, cpu_flags() if flags is None else flags) or "missing x86"
+        raise ValueError(f"--cpu-isa {name}: this CPU cannot execute it ({why}); it runs: {', '.join(runs) or 'none'}")
     return name
 
 
@@ -120,8 +162,8 @@ def cannot_execute(isa: str) -> str | None:
     """Why this CPU cannot execute instruction set `isa` (the flags it lacks), or None when it can."""
     if isa in executable_isas():
         return None
-    missing = sorted(ISA_NEEDS.get(isa, set()) - cpu_flags())
-    return f"this CPU cannot execute the {isa} kernels (it lacks {', '.join(missing) or 'x86'})"
+    why = _why_not(isa, cpu_flags()) or "missing x86"
+    return f"this CPU cannot execute the {isa} kernels ({why})"
 
 
 def use_isa(isa: str) -> str:
@@ -141,32 +183,63 @@ def use_isa(isa: str) -> str:
 
 def load_extension(isa: str | None = None):
     """The compiled module for instruction set `isa` (resolve_isa; built on first call, then cached in-process and
-    on disk). Raises on failure."""
+    on disk; amx: the avx512bf16 build as an AmxExtension). Raises on failure."""
     isa = resolve_isa(isa)
+    build = ISA_BUILD.get(isa, isa)
     with _lock:
-        if isa not in _exts:
+        if build not in _exts:
             from torch.utils import cpp_extension
 
             t0 = time.perf_counter()
             try:
                 ext = cpp_extension.load(
-                    name=f"deltaserve_kernels_{isa}",
+                    name=f"deltaserve_kernels_{build}",
                     sources=[str(p) for p in _SOURCES],
-                    extra_cflags=["-O3", *ISA_FLAGS[isa], "-mtune=native", "-ffp-contract=off", "-fopenmp"],
+                    extra_cflags=["-O3", *ISA_FLAGS[build], "-mtune=native", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],  # resolves to the libgomp.so.1 torch already loaded
                     verbose=False,
                 )
                 built = ext.kernel_isa()
-                if built != (isa if isa != "generic" else built):
-                    raise RuntimeError(f"the {isa} build of the kernels reports {built!r}")
-                _exts[isa] = ext
+                if built != (build if build != "generic" else built):
+                    raise RuntimeError(f"the {build} build of the kernels reports {built!r}")
+                _exts[build] = ext
             except Exception as e:  # noqa: BLE001 - no compiler / headers: the caller falls back
-                _exts[isa] = e
-            _build_seconds[isa] = time.perf_counter() - t0
+                _exts[build] = e
+            _build_seconds[build] = time.perf_counter() - t0
+        if isa != build and isa not in _exts:
+            _exts[isa] = _exts[build] if isinstance(_exts[build], Exception) else _view(isa, _exts[build])
+            _build_seconds[isa] = _build_seconds[build]
         ext = _exts[isa]
         if isinstance(ext, Exception):
             raise ext
         return ext
+
+
+def _view(isa: str, base):
+    """The set `isa` over the build it shares (ISA_BUILD), or the exception that stops it."""
+    assert isa == "amx", isa
+    try:
+        return AmxExtension(base)
+    except RuntimeError as e:
+        return e
+
+
+class AmxExtension:
+    """The avx512bf16 build as the amx set: every function of that build, with linear_bf16 the AMX one
+    (linear_bf16_amx), so PackedWeight and every other caller run it without knowing which set they hold.
+    Made only once the build holds the AMX linear and reports that it can run in this process."""
+
+    def __init__(self, base):
+        if not hasattr(base, "linear_bf16_amx"):
+            raise RuntimeError("the avx512bf16 build of the kernels has no linear_bf16_amx")
+        why = base.amx_linear_status()
+        if why:
+            raise RuntimeError(f"the amx kernels cannot run: {why}")
+        self.base = base
+        # the build's functions as attributes of this object (a call costs what it costs on the module)
+        self.__dict__.update({n: getattr(base, n) for n in dir(base) if not n.startswith("_")})
+        self.linear_bf16 = base.linear_bf16_amx
+        self.kernel_isa = lambda: "amx"
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,12 @@
 
 Two packings, chosen once per model (HybridModel.prepack_linears):
 - "cpp": the compiled linear_bf16 (ops/csrc/linear_bf16.cpp; AVX512-BF16, or bf16 widened to fp32 on
-  AVX-512 / AVX2, with the same bits: cpu_kernels.py chooses the instruction set). Each output is a fixed-order
-  fp32 sum over k, so a row's bits do not depend on the batch; at decode sizes it streams the weights at the
-  memory bandwidth, ~1.3-1.6x oneDNN on this machine (docs/benchmarks.md). Its bits differ from F.linear's in
-  the last place (another summation order); tests/test_linear.py holds it to the fp32 reference.
+  AVX-512 / AVX2, with the same bits: cpu_kernels.py chooses the instruction set; on the amx set
+  ops/csrc/linear_bf16_amx.cpp, AMX tiles for every row count, the same packing, its own bits). Each output is
+  a fixed-order fp32 sum over k, so a row's bits do not depend on the batch; at decode sizes it streams the
+  weights at the memory bandwidth, ~1.3-1.6x oneDNN on this machine (docs/benchmarks.md), and on AMX it
+  matches oneDNN's AMX speed for prefill (docs/cpu.md). Its bits differ from F.linear's in the last place
+  (another summation order); tests/test_linear.py holds it to the fp32 reference.
 - "onednn": oneDNN's reordered weights (torch's mkldnn linear ops), where the compiled kernels are missing
   (or the input dim is odd); "plain" (F.linear) where oneDNN has no bf16 either (an AVX2-only CPU).
   F.linear streams weights at ~12-14 GB/s at decode sizes, the reordered ones ~18-23 GB/s (docs/cpu.md); for

@@ -621,6 +621,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("kernel_isa", &kernel_isa, "the instruction set this build targets: avx512bf16, avx512, avx2 or none");
   m.def("pack_bf16_weight", &pack_bf16_weight, "[N, K] bf16 weight -> [ceil(N/16), K/2, 16, 2] for linear_bf16");
   m.def("linear_bf16", &linear_bf16, "x [M, K] bf16 @ packed weight^T -> [M, N] bf16 (batch-invariant)");
+  m.def("amx_linear_status", &amx_linear_status, "'' when linear_bf16_amx can run in this process, else why not");
+  m.def("linear_bf16_amx", &linear_bf16_amx,
+        "linear_bf16 on AMX tiles (its own bits, batch-invariant; the avx512bf16 build only)");
   m.def("paged_decode_attention", &paged_decode_attention,
         "paged decode attention, all sequences of a step (q [B,Hq,D], kv pool, page_table [B,maxp], lengths [B], scale)");
   m.def("gdn_decode_step", &gdn_decode_step,

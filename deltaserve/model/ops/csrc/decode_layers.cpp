@@ -9,7 +9,8 @@
 // attention_layer_decode  w: ln1, ln2, qkv_proj, q_norm, k_norm, o_proj, gate_up, down
 //                     dims: qkv_N, Hq, Hkv, D, o_N, gate_up_N, down_N
 //                     step: cos, sin [B, R], kv_pages, kv_rows [B], page_table [B, maxp], lengths [B]
-// Projections are packed bf16 weights (pack_bf16_weight); x [B, H] is the residual stream, returned updated.
+// Projections are packed bf16 weights (pack_bf16_weight), multiplied by linear_bf16 or, where amx is set (the amx
+// instruction set), linear_bf16_amx, as ops/linear.py does; x [B, H] is the residual stream, returned updated.
 
 #include "aten_lite.h"
 #include "kernels.h"
@@ -24,11 +25,15 @@
 
 namespace {
 
+using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
+
+inline Linear linear_for(bool amx) { return amx ? &linear_bf16_amx : &linear_bf16; }
+
 // DecoderLayer.forward's tail: (x, h) = add_rms_norm(x, mixed, ln2); x + down(silu(gate(h)) * up(h))
-at::Tensor residual_mlp(const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& ln2, double eps,
+at::Tensor residual_mlp(Linear linear, const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& ln2, double eps,
                         const at::Tensor& gate_up, int64_t gu_n, const at::Tensor& down, int64_t down_n) {
   auto sy = add_rms_norm_fused(x, mixed, ln2, eps);
-  auto m = linear_bf16(silu_mul(linear_bf16(sy[1], gate_up, gu_n)), down, down_n);
+  auto m = linear(silu_mul(linear(sy[1], gate_up, gu_n)), down, down_n);
   return at::add(sy[0], m);
 }
 
@@ -41,13 +46,14 @@ at::Tensor silu_to(const at::Tensor& acc, at::ScalarType dtype) {
 
 at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& dims,
                             double eps, const at::Tensor& conv_cache, const at::Tensor& ssm_cache,
-                            const at::Tensor& rows, const at::Tensor& slots) {
+                            const at::Tensor& rows, const at::Tensor& slots, bool amx) {
+  const Linear linear = linear_for(amx);
   TORCH_CHECK(w.size() == 10 && dims.size() == 10, "gdn_layer_decode: 10 weights and 10 dims");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [B, H] bf16");
   const int64_t in_n = dims[0], c = dims[1], vd = dims[2], hv = dims[3], hk = dims[4], dk = dims[5], dv = dims[6];
   const int64_t B = x.size(0), kd = hk * dk;
   auto h = rms_norm_fused(x, w[0], eps);
-  auto proj = linear_bf16(h, w[2], in_n);  // [B, conv_dim + value_dim + 2 Hv]
+  auto proj = linear(h, w[2], in_n);  // [B, conv_dim + value_dim + 2 Hv]
   auto gb = gdn_gates(proj.narrow(1, c + vd, hv), proj.narrow(1, c + vd + hv, hv), w[4], w[5]);
   auto xc = silu_to(ds::conv_step_acc(proj.narrow(1, 0, c), rows, w[3], conv_cache, slots), x.scalar_type());
   auto q = xc.narrow(1, 0, kd).view({B, hk, dk});
@@ -55,12 +61,13 @@ at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& 
   auto v = xc.narrow(1, 2 * kd, c - 2 * kd).view({B, hv, dv});
   auto o = ds::gdn_step(q, k, v, gb[0], gb[1], ssm_cache, slots);  // [B, Hv, dv]
   auto core = gated_rms_norm(o.view({B, hv, dv}), proj.narrow(1, c, vd), w[6], eps);
-  return residual_mlp(x, linear_bf16(core, w[7], dims[7]), w[1], eps, w[8], dims[8], w[9], dims[9]);
+  return residual_mlp(linear, x, linear(core, w[7], dims[7]), w[1], eps, w[8], dims[8], w[9], dims[9]);
 }
 
 at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w,
                                   const std::vector<int64_t>& dims, double eps, double scale,
-                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step) {
+                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step, bool amx) {
+  const Linear linear = linear_for(amx);
   TORCH_CHECK(w.size() == 8 && dims.size() == 7 && step.size() == 6, "attention_layer_decode: 8 weights, 7 dims, "
               "6 step tensors");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [B, H] bf16");
@@ -71,7 +78,7 @@ at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Ten
   TORCH_CHECK(pages.scalar_type() == at::kLong && prow.scalar_type() == at::kLong && pages.is_contiguous() &&
                   prow.is_contiguous() && pages.numel() == B && prow.numel() == B, "kv_pages, kv_rows: int64 [B]");
   auto h = rms_norm_fused(x, w[0], eps);
-  auto proj = linear_bf16(h, w[2], dims[0]);  // [B, (2 Hq + 2 Hkv) D]
+  auto proj = linear(h, w[2], dims[0]);  // [B, (2 Hq + 2 Hkv) D]
   auto qg = proj.narrow(1, 0, 2 * hq * d).view({B, hq, 2 * d});
   auto gate = qg.narrow(2, d, d).reshape({B, hq * d});
   auto q = qk_norm_rope(qg.narrow(2, 0, d), w[3], eps, cos, sin);
@@ -95,5 +102,5 @@ at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Ten
   }
   auto o = ds::paged_attention(q, kv_cache, step[4], step[5], scale);  // [B, Hq, D]
   auto out = gate_output(o.view({B, hq * d}), gate);
-  return residual_mlp(x, linear_bf16(out, w[5], dims[4]), w[1], eps, w[6], dims[5], w[7], dims[6]);
+  return residual_mlp(linear, x, linear(out, w[5], dims[4]), w[1], eps, w[6], dims[5], w[7], dims[6]);
 }

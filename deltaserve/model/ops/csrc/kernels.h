@@ -13,6 +13,10 @@ std::string kernel_isa();
 at::Tensor pack_bf16_weight(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N);
 
+// linear_bf16_amx.cpp
+std::string amx_linear_status();
+at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N);
+
 // norm.cpp
 at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps);
 std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
@@ -30,10 +34,10 @@ at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
 // decode_layers.cpp
 at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& dims,
                             double eps, const at::Tensor& conv_cache, const at::Tensor& ssm_cache,
-                            const at::Tensor& rows, const at::Tensor& slots);
+                            const at::Tensor& rows, const at::Tensor& slots, bool amx);
 at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w,
                                   const std::vector<int64_t>& dims, double eps, double scale,
-                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step);
+                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step, bool amx);
 
 // decode_kernels.cpp: the decode kernels, by name
 namespace ds {
