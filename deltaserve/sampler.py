@@ -152,7 +152,7 @@ class Sampler:
         # plain greedy rows without logprobs: one argmax over all of them (exact: the ids of row-by-row argmax)
         greedy = [i for i, st in enumerate(states) if self._plain_greedy(st) and st.params.logprobs is None]
         fast: dict[int, int] = {}
-        if len(greedy) > 1:
+        if greedy:  # one row too: argmax of the row in place, without sample_row's private copy
             rows = logits if len(greedy) == len(states) else logits[greedy]  # [G, V]
             fast = dict(zip(greedy, torch.argmax(rows, dim=-1).tolist()))
         outs = []
