@@ -12,6 +12,7 @@ bool bf16_linear_available();
 std::string kernel_isa();
 at::Tensor pack_bf16_weight(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N);
+void check_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N);  // TORCH_CHECKs the shapes
 
 // linear_bf16_amx.cpp
 std::string amx_linear_status();

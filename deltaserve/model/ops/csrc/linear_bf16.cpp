@@ -234,17 +234,23 @@ at::Tensor pack_bf16_weight(const at::Tensor& w) {
   return padded.view({nblk, 16, K / 2, 2}).transpose(1, 2).contiguous();
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  // x [M, K] bf16 -> [M, N] bf16 with the packed weight of pack_bf16_weight
-#if defined(DS_LINEAR)
+void check_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  // x [M, K] bf16 against a weight of N outputs packed by pack_bf16_weight (every set's linear_bf16 checks it)
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_bf16: x must be [M, K] bf16");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.size(2) == 16 && packed.size(3) == 2,
               "linear_bf16: weight not packed by pack_bf16_weight");
-  const int64_t M = x.size(0), K = x.size(1), kp_n = K / 2, nblk = packed.size(0);
-  TORCH_CHECK(K % 2 == 0 && packed.size(1) == kp_n, "linear_bf16: x has ", K, " inputs, the weight ",
+  const int64_t K = x.size(1), nblk = packed.size(0);
+  TORCH_CHECK(K % 2 == 0 && packed.size(1) == K / 2, "linear_bf16: x has ", K, " inputs, the weight ",
               2 * packed.size(1));
   TORCH_CHECK((N + 15) / 16 == nblk, "linear_bf16: ", N, " outputs do not fit ", nblk, " column blocks");
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  // x [M, K] bf16 -> [M, N] bf16 with the packed weight of pack_bf16_weight
+#if defined(DS_LINEAR)
+  check_packed_linear(x, packed, N);
+  const int64_t M = x.size(0), K = x.size(1), kp_n = K / 2, nblk = packed.size(0);
   auto xc = x.contiguous();
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;

@@ -25,6 +25,7 @@
 // a decode step through vdpbf16ps would give other bits than the prefill of the same token.
 
 #include "aten_lite.h"
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -249,14 +250,8 @@ std::string amx_linear_status() {
 at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
   // x [M, K] bf16 -> [M, N] bf16 with the packed weight of pack_bf16_weight
 #if defined(DS_AMX)
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear_bf16: x must be [M, K] bf16");
-  TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
-                  packed.size(2) == 16 && packed.size(3) == 2,
-              "linear_bf16: weight not packed by pack_bf16_weight");
+  check_packed_linear(x, packed, N);
   const int64_t M = x.size(0), K = x.size(1), kp_n = K / 2, nblk = packed.size(0);
-  TORCH_CHECK(K % 2 == 0 && packed.size(1) == kp_n, "linear_bf16: x has ", K, " inputs, the weight ",
-              2 * packed.size(1));
-  TORCH_CHECK((N + 15) / 16 == nblk, "linear_bf16: ", N, " outputs do not fit ", nblk, " column blocks");
   const std::string why = amx_linear_status();
   TORCH_CHECK(why.empty(), "linear_bf16_amx: ", why);
   auto xc = x.contiguous();
