@@ -16,6 +16,7 @@ from deltaserve.config import ConfigError
 from deltaserve.model.ops import fp8
 from deltaserve.model.ops.fp8 import Fp8Weight, SplitWeight, fuse, linear_fp8_reference, quantize_fp8
 from deltaserve.model.ops.linear import PackedWeight, linear
+from tests.util import assert_linear_rows_batch_invariant
 
 
 @pytest.fixture(scope="module")
@@ -87,18 +88,7 @@ def test_every_code_converts_exactly(ext, path):
 def test_rows_are_batch_and_thread_invariant(ext, N, K):
     for path in ext.fp8_paths():
         w, _ = packed(ext, N, K, seed=3, path=path)
-        x = rand(41, K, seed=4).to(torch.bfloat16)
-        full = linear(x, w)
-        for m in (0, 7, 8, 9, 40):
-            assert torch.equal(linear(x[m:m + 1], w)[0], full[m])
-        assert torch.equal(linear(x[5:22], w), full[5:22])
-        n = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            one = linear(x, w)
-        finally:
-            torch.set_num_threads(n)
-        assert torch.equal(one, full)
+        assert_linear_rows_batch_invariant(linear, rand(41, K, seed=4).to(torch.bfloat16), w)
 
 
 def test_errors(ext):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from deltaserve.model.ops import cpu_kernels
 from deltaserve.model.ops.linear import PackedWeight, linear
+from tests.util import assert_linear_rows_batch_invariant
 
 
 @pytest.fixture(scope="module", params=cpu_kernels.ISAS)
@@ -55,18 +56,7 @@ def test_leading_dims_and_empty(ext):
 def test_rows_are_batch_and_thread_invariant(ext, N, K):
     """Each row alone, in any batch, at any thread count: the same bits."""
     pw = PackedWeight(rand(N, K, seed=3), ext)
-    x = rand(41, K, seed=4)
-    full = linear(x, pw)
-    for m in (0, 7, 8, 9, 40):
-        assert torch.equal(linear(x[m:m + 1], pw)[0], full[m])
-    assert torch.equal(linear(x[5:22], pw), full[5:22])
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = linear(x, pw)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(one, full)
+    assert_linear_rows_batch_invariant(linear, rand(41, K, seed=4), pw)
 
 
 def test_fallbacks_and_errors(ext):

@@ -35,3 +35,20 @@ def run(llm: LLM, prompts, salt: str | list[str] | None = None, params: Sampling
 
 def random_tokens(rng: random.Random, n: int, vocab: int = 3000) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+def assert_linear_rows_batch_invariant(linear, x, w) -> None:
+    """linear(x, w) [41, N]: each row's bits are the same alone, in a slice of others, and on one thread."""
+    import torch
+
+    full = linear(x, w)
+    for m in (0, 7, 8, 9, 40):
+        assert torch.equal(linear(x[m:m + 1], w)[0], full[m])
+    assert torch.equal(linear(x[5:22], w), full[5:22])
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, w)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, full)

@@ -305,15 +305,9 @@ class DecodeKernels:
             return g, beta
         return pointwise.gdn_gates(b, a, dt_bias, neg_decay)
 
-    def swiglu(self, x: torch.Tensor, gate_up, down) -> torch.Tensor:
-        """x [T, H] -> down(silu(gate(x)) * up(x)) (ops/mlp.py swiglu); compiled: silu * up in one pass."""
-        from .linear import linear  # linear.py imports fp8.py, which imports this module
-
-        gu = linear(x, gate_up)  # [T, 2I]
-        if self._rows(gu):
-            return linear(self.ext.silu_mul(gu), down)
-        gate, up = gu.chunk(2, dim=-1)
-        return linear(silu(gate) * up, down)
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gu [T, 2I] = [gate | up] -> [T, I] (ops/pointwise.py silu_mul); compiled: one pass."""
+        return self.ext.silu_mul(gu) if self._rows(gu) else pointwise.silu_mul(gu)
 
     def qk_norm_rope(self, x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                      sin: torch.Tensor) -> torch.Tensor:

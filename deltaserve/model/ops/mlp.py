@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from .linear import linear
-from .pointwise import sigmoid, silu
+from .pointwise import sigmoid, silu_mul
 
 
-def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """x [T, H]; gate_up [2I, H]; down [H, I] -> down(silu(gate(x)) * up(x)) [T, H]."""
-    gate, up = linear(x, gate_up).chunk(2, dim=-1)
-    return linear(silu(gate) * up, down)
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act=silu_mul) -> torch.Tensor:
+    """x [T, H]; gate_up [2I, H]; down [H, I] -> down(silu(gate(x)) * up(x)) [T, H]. act: the [T, 2I] -> [T, I]
+    activation (the op table passes the compiled one where the kernels are loaded)."""
+    return linear(act(linear(x, gate_up)), down)
 
 
 def swiglu_reference(x, gate_proj, up_proj, down_proj):

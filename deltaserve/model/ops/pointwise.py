@@ -42,3 +42,9 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, dt_bias: torch.Tensor,
 def gate_output(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """Gated attention's output o * sigmoid(gate), o and gate [T, N]; the reference of the compiled one."""
     return o * sigmoid(gate)
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """gu [T, 2I] = [gate | up] -> silu(gate) * up [T, I]: the MLP's activation, the reference of the compiled one."""
+    gate, up = gu.chunk(2, dim=-1)
+    return silu(gate) * up

@@ -14,6 +14,7 @@ compiled kernels are not loaded (the layers then take the torch path).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,7 +23,7 @@ from .conv import causal_conv1d_prefill, causal_conv1d_step
 from .cpu_kernels import TORCH, DecodeKernels
 from .gdn import chunk_gated_delta_rule, recurrent_gated_delta_rule_step
 from .linear import linear
-from .mlp import moe
+from .mlp import moe, swiglu
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class Ops:
     def for_kernels(cls, kernels: DecodeKernels = TORCH) -> "Ops":
         compiled = kernels.compiled
         return cls(linear=linear, rms_norm=kernels.rms_norm, add_rms_norm=kernels.add_rms_norm,
-                   rms_norm_gated=kernels.rms_norm_gated, gdn_gates=kernels.gdn_gates, swiglu=kernels.swiglu, moe=moe,
+                   rms_norm_gated=kernels.rms_norm_gated, gdn_gates=kernels.gdn_gates, swiglu=functools.partial(swiglu, act=kernels.silu_mul), moe=moe,
                    qk_norm_rope=kernels.qk_norm_rope, gate_output=kernels.gate_output,
                    kv_write=kv_write, kv_gather=kv_gather,
                    prefill_attention=prefill_attention, decode_attention=decode_attention,

@@ -109,6 +109,34 @@ inline void convert(const uint8_t* g, const Luts& t, __m512bh& w0, __m512bh& w1)
 
 inline __m512bh bcast(uint32_t v) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(v)); }
 
+// both tiles' k-block epilogue: tot += scale[column block, kb] * acc, each term rounded to fp32 (no fma)
+template <int MT, int NB>
+inline void add_block(const __m512 (&acc)[MT][NB], const float* s, int64_t KB, int64_t kb, __m512 (&tot)[MT][NB]) {
+#pragma GCC unroll 64
+  for (int j = 0; j < NB; ++j) {
+    const __m512 sc = _mm512_set1_ps(s[j * KB + kb]);
+#pragma GCC unroll 64
+    for (int i = 0; i < MT; ++i) {
+      const __m512 term = _mm512_mul_ps(acc[i][j], sc);
+      tot[i][j] = kb == 0 ? term : _mm512_add_ps(tot[i][j], term);
+    }
+  }
+}
+
+// both tiles' store: each row's sums rounded once to bf16 (nearest even), columns past ncols masked off
+template <int MT, int NB>
+inline void store_tile(const __m512 (&tot)[MT][NB], at::BFloat16* y, int64_t ys, int64_t ncols) {
+#pragma GCC unroll 64
+  for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 64
+    for (int j = 0; j < NB; ++j) {
+      const int64_t left = ncols - int64_t(j) * kCols;
+      if (left <= 0) break;
+      const __mmask16 keep = left >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      _mm256_mask_storeu_epi16(y + i * ys + j * kCols, keep, (__m256i)_mm512_cvtneps_pbh(tot[i][j]));
+    }
+}
+
 template <int MT, int NB>
 void tile_avx512(const at::BFloat16* x, int64_t K, const uint8_t* w, int64_t ngroups, const float* s, int64_t KB,
                  at::BFloat16* y, int64_t ys, int64_t ncols, const Luts& t) {
@@ -152,25 +180,9 @@ void tile_avx512(const at::BFloat16* x, int64_t K, const uint8_t* w, int64_t ngr
         }
       }
     }
-#pragma GCC unroll 64
-    for (int j = 0; j < NB; ++j) {
-      const __m512 sc = _mm512_set1_ps(s[j * KB + kb]);
-#pragma GCC unroll 64
-      for (int i = 0; i < MT; ++i) {
-        const __m512 term = _mm512_mul_ps(acc[i][j], sc);
-        tot[i][j] = kb == 0 ? term : _mm512_add_ps(tot[i][j], term);
-      }
-    }
+    add_block<MT, NB>(acc, s, KB, kb, tot);
   }
-#pragma GCC unroll 64
-  for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 64
-    for (int j = 0; j < NB; ++j) {
-      const int64_t left = ncols - int64_t(j) * kCols;
-      if (left <= 0) break;
-      const __mmask16 keep = left >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      _mm256_mask_storeu_epi16(y + i * ys + j * kCols, keep, (__m256i)_mm512_cvtneps_pbh(tot[i][j]));
-    }
+  store_tile<MT, NB>(tot, y, ys, ncols);
 }
 
 template <int MT, int NB>
@@ -209,25 +221,9 @@ void tile_scratch(const at::BFloat16* x, int64_t K, const __m512bh* w, int64_t n
         for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xb, w[j * npairs + p]);
       }
     }
-#pragma GCC unroll 64
-    for (int j = 0; j < NB; ++j) {
-      const __m512 sc = _mm512_set1_ps(s[j * KB + kb]);
-#pragma GCC unroll 64
-      for (int i = 0; i < MT; ++i) {
-        const __m512 term = _mm512_mul_ps(acc[i][j], sc);
-        tot[i][j] = kb == 0 ? term : _mm512_add_ps(tot[i][j], term);
-      }
-    }
+    add_block<MT, NB>(acc, s, KB, kb, tot);
   }
-#pragma GCC unroll 64
-  for (int i = 0; i < MT; ++i)
-#pragma GCC unroll 64
-    for (int j = 0; j < NB; ++j) {
-      const int64_t left = ncols - int64_t(j) * kCols;
-      if (left <= 0) break;
-      const __mmask16 keep = left >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      _mm256_mask_storeu_epi16(y + i * ys + j * kCols, keep, (__m256i)_mm512_cvtneps_pbh(tot[i][j]));
-    }
+  store_tile<MT, NB>(tot, y, ys, ncols);
 }
 
 using TileFn = void (*)(const at::BFloat16*, int64_t, const uint8_t*, int64_t, const float*, int64_t, at::BFloat16*,
