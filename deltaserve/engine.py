@@ -301,8 +301,6 @@ class LLMEngine:
         return [self._output(live)]
 
     def _sample(self, plan, logits) -> dict[str, object]:
-        import torch
-
         now = time.time()
         for w in plan.work:
             live = self._live.get(w.request_id)
@@ -312,11 +310,10 @@ class LLMEngine:
                 live.metrics.first_scheduled_time = now
             if w.request_id in logits.prompt and live.params.prompt_logprobs is not None:
                 self._prompt_logprobs(live, w, logits.prompt[w.request_id])
-        owners = list(logits.sample)
+        owners = logits.owners
         if not owners:
             return {}
-        rows = torch.stack([logits.sample[r] for r in owners])
-        outs = self.sampler.sample(rows, [self._live[r].sampling for r in owners])
+        outs = self.sampler.sample(logits.sample, [self._live[r].sampling for r in owners])
         return dict(zip(owners, outs))
 
     def _prompt_logprobs(self, live: _Live, w, chunk_logits) -> None:

@@ -11,6 +11,7 @@ from deltaserve.model.ops import cpu_kernels
 from deltaserve.model.ops.attention import decode_attention, kv_gather
 from deltaserve.model.ops.conv import causal_conv1d_prefill, causal_conv1d_step
 from deltaserve.model.ops.gdn import gated_delta_rule_reference, recurrent_gated_delta_rule_step
+from deltaserve.model.ops.pointwise import silu
 
 
 def _kernels(isa: str):
@@ -149,7 +150,9 @@ def test_gdn_steps_follow_the_token_loop(kern):
 # ---- conv step ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_conv_step_bit_identical_to_torch_and_prefill(kern, dtype):
+def test_conv_step_bit_identical_to_the_compiled_prefill(kern, dtype):
+    """The compiled step equals the prefill with the compiled silu (what the op table runs) bit for bit, the
+    torch step (torch's exp in the silu) within a few ulp; states equal exactly, other slots untouched."""
     g = gen(5)
     L, C, K, S = 40, 48, 4, 5
     x = torch.randn(L, 2, C, generator=g).to(dtype)  # two sequences, token-major
@@ -164,13 +167,37 @@ def test_conv_step_bit_identical_to_torch_and_prefill(kern, dtype):
         rows = torch.tensor([1, 0])  # the step's rows in another order than the slots
         xt = torch.stack([x[t, 1], x[t, 0]])  # [2, C]: row 0 = sequence 1, row 1 = sequence 0
         o = kern.conv_step(xt, rows, w, state, slots)  # o[i] is sequence i (slot slots[i])
-        assert torch.equal(o, causal_conv1d_step(x[t], w, ref_state))
+        ref = causal_conv1d_step(x[t], w, ref_state)
+        tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(o, ref, **tol)
         outs.append(o)
     for i in range(2):
-        whole, whole_state = causal_conv1d_prefill(x[:, i], w)
+        whole, whole_state = causal_conv1d_prefill(x[:, i], w, silu_into=kern.silu_into)
         assert torch.equal(torch.stack([o[i] for o in outs]), whole)
         assert torch.equal(state[slots[i]], whole_state)
     assert torch.equal(state[[0, 2, 4]], keep[[0, 2, 4]])
+
+
+@pytest.mark.parametrize("C", [1, 7, 16, 17, 100])
+def test_silu_into_matches_torch_and_is_position_independent(kern, C):
+    g = gen(6)
+    acc = torch.randn(9, C, generator=g) * 6
+    acc[0, :2] = torch.tensor([-100.0, 100.0])[:C]  # past the exp clamps
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(9, C, dtype=dtype)
+        kern.silu_into(acc, out)
+        torch.testing.assert_close(out, silu(acc).to(dtype), atol=1e-6, rtol=4e-6 if dtype == torch.float32 else 2 ** -8)
+        alone = torch.empty(1, C, dtype=dtype)
+        kern.silu_into(acc[4:5], alone)
+        assert torch.equal(alone, out[4:5])
+        rolled = torch.empty(9, C, dtype=dtype)
+        kern.silu_into(acc.roll(3, 1), rolled)
+        assert torch.equal(rolled, out.roll(3, 1))
+    strided = torch.empty(9, 2 * C)
+    kern.silu_into(acc, strided[:, :C])  # a column slice written in place
+    expect = torch.empty(9, C)
+    kern.silu_into(acc, expect)
+    assert torch.equal(strided[:, :C], expect)
 
 
 # ---- selection and a model step ----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""Decode-only steps one compiled call per layer (deltaserve/model/fused.py, ops/csrc/decode_layers.cpp) give
-the op-table path's bits exactly: logits and every cache (KV pages, conv and GDN state slots) after several
+"""Decode-only steps in one compiled call for the whole model (deltaserve/model/fused.py, ops/csrc/decode_layers.cpp)
+give the op-table path's bits exactly: logits and every cache (KV pages, conv and GDN state slots) after several
 decode steps of three sequences in non-consecutive slots; a decode row computed in a fused step equals the same
 row computed in a step shared with a prefill chunk (op-table path); and the fused path is really taken."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import deltaserve.model.layers as layers
+import deltaserve.model.fused as program
 
 from tests.test_cpu_kernels import kern_any  # noqa: F401 - the fixture: every instruction set this CPU executes
 
@@ -28,14 +28,14 @@ def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None):
     from deltaserve.model.testing import Sequence, make_caches, step
 
     calls = []
-    real = layers.fused_decode
+    real = program.decode_step
 
     def spy(*a):
         out = real(*a) if fused else None
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(layers, "fused_decode", spy)
+    monkeypatch.setattr(program, "decode_step", spy)
     caches = make_caches(model, num_slots=5, num_pages=16, block_size=64)
     seqs = [Sequence(slot=4, pages=[5, 1]), Sequence(slot=0, pages=[0, 7]), Sequence(slot=2, pages=[4, 2, 9])]
     ids = list(range(100, 170))
@@ -50,7 +50,7 @@ def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None):
         out = step(model, caches, work)
         rows.append(torch.stack([o[-1] for o in out[:3]]))
         toks = [int(o[-1].argmax()) for o in out[:3]]
-    monkeypatch.setattr(layers, "fused_decode", real)
+    monkeypatch.setattr(program, "decode_step", real)
     return torch.stack(rows), caches, calls
 
 
@@ -58,7 +58,7 @@ def test_fused_decode_has_the_op_table_bits(model, monkeypatch):
     m = model
     fused, fc, calls = _run(m, True, monkeypatch)
     plain, pc, _ = _run(m, False, monkeypatch)
-    assert sum(calls) == 5 * len(m.layers)  # every layer of every decode step took the compiled call
+    assert calls == [False] + [True] * 5  # the prefill step took the op-table path, every decode step the program
     assert torch.equal(fused, plain)
     for a, b in zip(fc.kv + fc.conv + fc.ssm, pc.kv + pc.conv + pc.ssm):
         assert torch.equal(a, b)
@@ -68,7 +68,7 @@ def test_a_decode_row_is_the_same_in_a_fused_and_a_mixed_step(model, monkeypatch
     m = model
     fused, _, _ = _run(m, True, monkeypatch)
     mixed, _, calls = _run(m, True, monkeypatch, with_prefill_at=2)
-    assert sum(calls) == 4 * len(m.layers)  # the step with a prefill chunk took layers.py's path
+    assert calls == [False, True, True, False, True, True]  # the step with a prefill chunk: the op-table path
     assert torch.equal(fused, mixed)
 
 
@@ -80,12 +80,12 @@ def test_layers_that_do_not_qualify_take_the_op_table_path(monkeypatch):
 
     fp32 = load_model(ensure_model("tiny", seed=0), dtype="float32")
     seen = []
-    real = layers.fused_decode
-    monkeypatch.setattr(layers, "fused_decode", lambda *a: seen.append(real(*a)))
+    real = program.decode_step
+    monkeypatch.setattr(program, "decode_step", lambda *a: seen.append(real(*a)))
     greedy(fp32, list(range(100, 120)), 3)
     assert seen and all(s is None for s in seen)
     seen.clear()
     m = load_model(ensure_model("tiny", seed=0), dtype="bfloat16")
     m.select_decode_kernels("torch")
     greedy(m, list(range(100, 120)), 3)
-    assert not seen  # the torch kernels: StepContext.fused is never set
+    assert seen and all(s is None for s in seen)  # the torch kernels: no program

@@ -297,6 +297,32 @@ def test_rotary_matches_transformers():
     assert torch.equal(apply_rotary(k, cos, sin), rk[0].transpose(0, 1))
 
 
+@pytest.mark.parametrize("R", [8, 32, 64])
+def test_rotary_table_values_depend_only_on_the_position(R):
+    """The model's table (RotaryTable) holds rotary_cos_sin's values, block by block: a position's cos / sin are
+    the same whatever else a step looks up and however far the table grew before."""
+    from deltaserve.model.ops.attention import RotaryTable
+
+    inv = rotary_inv_freq(R, 1e6)
+    block = RotaryTable.BLOCK
+    grown, whole = RotaryTable(inv, torch.bfloat16), RotaryTable(inv, torch.bfloat16)
+    for end in (3, block + 5, 2 * block + 1):  # grown in three steps against made at once
+        grown(torch.arange(end), end)
+    whole(torch.arange(2 * block + 1), 2 * block + 1)
+    assert torch.equal(grown.cos, whole.cos) and torch.equal(grown.sin, whole.sin)
+    pos = torch.tensor([block + 4, 7, 0, block - 1])
+    cos, sin = grown(pos, 2 * block + 1)
+    for i, p in enumerate(pos.tolist()):
+        a, b = grown(torch.tensor([p]), p + 1)
+        assert torch.equal(a[0], cos[i]) and torch.equal(b[0], sin[i])
+        start = p // block * block  # the block it was made in, made on its own
+        c, s = rotary_cos_sin(torch.arange(start, start + block), inv, torch.bfloat16)
+        assert torch.equal(cos[i], c[p - start]) and torch.equal(sin[i], s[p - start])
+    ref_c, ref_s = rotary_cos_sin(pos, inv, torch.float32)
+    torch.testing.assert_close(cos.float(), ref_c, atol=2 ** -8, rtol=0)
+    torch.testing.assert_close(sin.float(), ref_s, atol=2 ** -8, rtol=0)
+
+
 def paged_sequence(L, Hkv=2, D=16, bs=16, seed=0, num_pages=None):
     """K/V of one sequence written into a shuffled page table; returns (kv pool, page table, k, v)."""
     g = gen(seed)

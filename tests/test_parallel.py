@@ -29,9 +29,10 @@ def _record_logits(llm: LLM) -> dict:
 
     def recording(plan):
         out = execute(plan)
+        rows = dict(zip(out.owners, out.sample if out.owners else ()))
         for w in plan.work:
-            if w.request_id in out.sample:
-                rec[(w.request_id, w.start_pos + len(w.token_ids))] = out.sample[w.request_id].clone()
+            if w.request_id in rows:
+                rec[(w.request_id, w.start_pos + len(w.token_ids))] = rows[w.request_id].clone()
         return out
 
     llm.engine.runner.execute = recording

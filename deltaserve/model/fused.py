@@ -1,16 +1,17 @@
-"""Decode-only steps, one compiled call per decoder layer (ops/csrc/decode_layers.cpp).
+"""Decode-only steps in one compiled call for the whole model (ops/csrc/decode_layers.cpp DecodeModel).
 
-A tiny model's decode step spent most of its time between kernels: ~25 op-table calls per layer, each a
-Python call and a few ATen dispatches. When every row of a step is a decode row (StepContext.fused), each
-qualifying layer runs as one call of the compiled kernels instead, which runs the same kernels in the same
-order on the same tensors as layers.py's path: the bits are the op-table path's exactly
-(tests/test_fused_decode.py), so a decode row is the same whether its step was fused or shared with prefill
-rows (the batch-invariance and hit == cold gates rest on that).
+A tiny model's decode step spent most of its time between kernels: ~25 op-table calls per layer (each a Python
+call and a few ATen dispatches), a module call per layer and ~20 small ATen ops building the step's tensors.
+When every row of a step is a decode row and the model runs on its own op table, decode_step runs the embedding
+lookup, every layer and the final norm as one call of the compiled kernels, which runs the same kernels in the
+same order on the same tensors as the op-table path (qwen3_5.py, layers.py): the bits are that path's exactly
+(tests/test_fused_decode.py), so a decode row is the same whether its step was fused or shared with prefill rows
+(the batch-invariance and hit == cold gates rest on that).
 
-A layer qualifies when its projections are bf16 weights packed for the compiled linear (kind "cpp"), its
-mixer is a plain GDN or attention mixer (not a tensor-parallel wrapper) and its MLP dense; each call also
-checks the caches (bf16 conv and KV pools, fp32 GDN state). Anything else takes layers.py's path. The
-profiler's op table (a timed copy) never takes this path, so its timings stay per op.
+A model qualifies when every layer does: projections bf16 weights packed for the compiled linear (kind "cpp")
+by one module, a plain GDN or attention mixer (not a tensor-parallel wrapper), a dense MLP, bf16 norms; and the
+caches are bf16 (conv, KV) and fp32 (GDN state), checked by every call. Anything else takes the op-table path.
+The profiler's op table (a timed copy) never takes this path, so its timings stay per op.
 """
 from __future__ import annotations
 
@@ -30,53 +31,96 @@ def _on_amx(w: PackedWeight) -> bool:
     return w.ext.kernel_isa() == "amx"
 
 
-def _plan(layer) -> tuple | None:
-    """(kind, weights, dims, amx) for the compiled call, or None when the layer does not qualify."""
+def _layer(layer) -> tuple | None:
+    """(is_gdn, weights, dims, eps, scale, packed weights) for DecodeModel.add_*, or None: the layer does not
+    qualify."""
     from .layers import AttentionMixer, DenseMLP, GDNMixer
 
     mlp = layer.mlp
-    if type(mlp) is not DenseMLP or not _packed(mlp.gate_up, mlp.down) or layer.input_layernorm.dtype != torch.bfloat16:
+    if type(mlp) is not DenseMLP or layer.input_layernorm.dtype != torch.bfloat16:
         return None
-    tail_w = [mlp.gate_up.packed, mlp.down.packed]
-    tail_n = [mlp.gate_up.shape[0], mlp.down.shape[0]]
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.is_gdn:
         m = layer.linear_attn
-        if type(m) is not GDNMixer or not _packed(m.in_proj, m.out_proj) or m.dt_bias.dtype != torch.float32:
+        if type(m) is not GDNMixer:
             return None
-        w = norms + [m.in_proj.packed, None, m.dt_bias, None, m.norm_weight, m.out_proj.packed]
+        packed = (m.in_proj, m.out_proj, mlp.gate_up, mlp.down)
+        if not _packed(*packed) or m.dt_bias.dtype != torch.float32 or m.norm_weight.dtype != torch.bfloat16:
+            return None
+        w = norms + [m.in_proj.packed, tap_major(m.conv_weight), m.dt_bias, m._neg_decay(), m.norm_weight,
+                     m.out_proj.packed]
         dims = [m.in_proj.shape[0], m.conv_dim, m.value_dim, m.hv, m.hk, m.dk, m.dv, m.out_proj.shape[0]]
-        if not _packed(m.in_proj, m.out_proj, mlp.gate_up, mlp.down):
+        scale = 0.0
+    else:
+        m = layer.self_attn
+        if type(m) is not AttentionMixer:
             return None
-        return "gdn", w + tail_w, dims + tail_n, _on_amx(mlp.gate_up)
-    m = layer.self_attn
-    if type(m) is not AttentionMixer or not _packed(m.qkv_proj, m.o_proj):
-        return None
-    w = norms + [m.qkv_proj.packed, m.q_norm, m.k_norm, m.o_proj.packed]
-    dims = [m.qkv_proj.shape[0], m.hq, m.hkv, m.d, m.o_proj.shape[0]]
-    if not _packed(m.qkv_proj, m.o_proj, mlp.gate_up, mlp.down):
-        return None
-    return "attn", w + tail_w, dims + tail_n, _on_amx(mlp.gate_up)
+        packed = (m.qkv_proj, m.o_proj, mlp.gate_up, mlp.down)
+        if not _packed(*packed) or m.q_norm.dtype != torch.bfloat16:
+            return None
+        w = norms + [m.qkv_proj.packed, m.q_norm, m.k_norm, m.o_proj.packed]
+        dims = [m.qkv_proj.shape[0], m.hq, m.hkv, m.d, m.o_proj.shape[0]]
+        scale = m.scale
+    return (layer.is_gdn, w + [mlp.gate_up.packed, mlp.down.packed], dims + [mlp.gate_up.shape[0], mlp.down.shape[0]],
+            layer.eps, scale, packed)
 
 
-def fused_decode(layer, x: torch.Tensor, ctx, cache: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-    """The layer's decode step as one compiled call (x [B, H] -> [B, H]), or None: take layers.py's path."""
-    plan = layer.__dict__.get("_fused_plan", False)
-    if plan is False:
-        plan = layer._fused_plan = _plan(layer)
-    if plan is None or x.dtype != torch.bfloat16:
+def _versions(sources: tuple) -> tuple:
+    return tuple(t._version for t in sources)
+
+
+def decode_program(model):
+    """The model's DecodeModel, or None: it does not qualify. Built on first use, and again when the kernels or
+    the packing changed, or a source of its derived weights (the conv weights it holds tap-major, the A_log
+    it holds as -exp(A_log)) was changed in place."""
+    base = (id(model.decode_kernels), model.linear_kind)
+    cached = model.__dict__.get("_decode_program")  # (base, sources, their versions, program)
+    if cached is not None and cached[0] == base and cached[2] == _versions(cached[1]):
+        return cached[3]
+    kernels = model.decode_kernels
+    program, sources = None, ()
+    if (kernels is not None and kernels.compiled and model.dtype == torch.bfloat16
+            and model.embed_tokens.is_contiguous() and model.norm.dtype == torch.bfloat16):
+        plans = [_layer(layer) for layer in model.layers]
+        amx = {_on_amx(p[5][0]) for p in plans if p is not None}
+        exts = {id(p[5][0].ext) for p in plans if p is not None}
+        if plans and all(p is not None for p in plans) and len(amx) == 1 and len(exts) == 1:
+            ext = plans[0][5][0].ext
+            program = ext.DecodeModel(model.embed_tokens, model.norm, model.config.rms_norm_eps, amx.pop())
+            for is_gdn, w, dims, eps, scale, _ in plans:
+                if is_gdn:
+                    program.add_gdn(w, dims, eps)
+                else:
+                    program.add_attention(w, dims, eps, scale)
+            sources = tuple(t for l in model.layers if l.is_gdn for t in (l.linear_attn.conv_weight, l.linear_attn.A_log))
+    model._decode_program = (base, sources, _versions(sources), program)
+    return program
+
+
+def decode_step(model, batch, caches) -> torch.Tensor | None:
+    """hidden [B, H] (final norm applied) for a step whose every span is a decode span, in one compiled call;
+    None when the step has a prefill span or the model does not qualify (the caller takes the op-table path)."""
+    spans = batch.spans
+    if not spans or not spans[0].is_decode:  # prefill spans come first
         return None
-    kind, w, dims, amx = plan
-    ext = ctx.kernels.ext
-    if kind == "gdn":
-        conv, ssm = cache
-        if conv.dtype != x.dtype or ssm.dtype != torch.float32:
-            return None
-        m = layer.linear_attn
-        w[3], w[5] = tap_major(m.conv_weight), m._neg_decay()  # cached; remade if changed in place
-        return ext.gdn_layer_decode(x, w, dims, layer.eps, conv, ssm, ctx.decode_rows, ctx.decode_slots, amx)
-    (kv,) = cache
-    if kv.dtype != x.dtype:
+    program = decode_program(model)
+    if program is None:
         return None
-    step = [ctx.cos, ctx.sin, ctx.kv_pages, ctx.kv_rows, ctx.decode_page_table, ctx.decode_lengths]
-    return ext.attention_layer_decode(x, w, dims, layer.eps, layer.self_attn.scale, kv, step, amx)
+    bs = caches.block_size
+    for i, s in enumerate(spans):
+        if not s.is_decode or s.length != 1 or s.start != i:
+            raise ValueError(f"span at rows {s.start}..: a decode step's spans are one token each, in row order")
+        if s.saves:
+            raise ValueError(f"span at rows {s.start}..: checkpoints {[p for p, _ in s.saves]} inside a decode span")
+        if s.page_ids.numel() * bs <= s.pos:
+            raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
+                             f"needs {s.pos + 1}")
+    slots = torch.tensor([s.slot for s in spans], dtype=torch.long)
+    lengths = torch.tensor([s.pos + 1 for s in spans], dtype=torch.long)
+    if len(spans) == 1:
+        table = spans[0].page_ids.view(1, -1)
+    else:  # [B, max pages], padded with page 0 (never read: lengths bound every row)
+        table = torch.nn.utils.rnn.pad_sequence([s.page_ids for s in spans], batch_first=True)
+    cos, sin = model.rotary(batch.positions, max(s.pos for s in spans) + 1)
+    return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin,
+                       table.to(torch.long), lengths)

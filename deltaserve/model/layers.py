@@ -17,7 +17,6 @@ from torch import nn
 
 from ..config import ModelConfig
 from .batch import ForwardBatch
-from .fused import fused_decode
 from .ops.cpu_kernels import TORCH, DecodeKernels
 from .ops.linear import PackedWeight
 from .ops.table import Ops
@@ -55,8 +54,6 @@ class StepContext:
     decode_lengths: torch.Tensor | None = None  # [B] int64, positions each decode token attends (pos + 1)
     decode_all: bool = False  # every row of the step is a decode row, in order (decode_rows == 0..T-1): the
     #                           gathers by decode_rows and the scatters back are identities and are skipped
-    fused: bool = False  # decode_all on the model's own op table and compiled kernels: layers that qualify run
-    #                      as one compiled call each (fused.py), with this path's bits
 
 
 class GDNMixer(nn.Module):
@@ -283,10 +280,6 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        if ctx.fused:
-            out = fused_decode(self, x, ctx, cache)
-            if out is not None:
-                return out
         h = ctx.ops.rms_norm(x, self.input_layernorm, self.eps)
         h = self.linear_attn(h, ctx, *cache) if self.is_gdn else self.self_attn(h, ctx, *cache)
         x, h = ctx.ops.add_rms_norm(x, h, self.post_attention_layernorm, self.eps)

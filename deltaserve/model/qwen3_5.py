@@ -18,8 +18,9 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 from .batch import Caches, ForwardBatch
+from . import fused
 from .layers import DecoderLayer, StepContext, _param, prepack
-from .ops.attention import rotary_cos_sin, rotary_inv_freq
+from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from . import quant
 from .ops.fp8 import fp8_kernel
@@ -66,7 +67,8 @@ class HybridModel(nn.Module):
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
             self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.inv_freq = rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta)  # plain attribute: not a weight
+        # cos, sin per position (plain attributes: not weights)
+        self.rotary = RotaryTable(rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta), dtype)
 
     # ---- what the runner allocates -------------------------------------------------------------------
     @property
@@ -95,10 +97,7 @@ class HybridModel(nn.Module):
     # ---- forward -------------------------------------------------------------------------------------
     def _context(self, batch: ForwardBatch, caches: Caches, ops: Ops | None) -> StepContext:
         dev = self.device
-        if self.inv_freq.device != dev:
-            self.inv_freq = self.inv_freq.to(dev)
-        positions = batch.positions.to(dev)
-        cos, sin = rotary_cos_sin(positions, self.inv_freq, self.dtype)
+        cos, sin = self.rotary(batch.positions.to(dev), max((s.pos + s.length for s in batch.spans), default=0))
         bs = caches.block_size
         pages, rows = [], []
         dec_rows, dec_slots, dec_tables, dec_pos = [], [], [], []
@@ -125,7 +124,6 @@ class HybridModel(nn.Module):
         as_index = lambda xs: torch.tensor(xs, dtype=torch.long, device=dev) if xs else None
         empty = torch.empty(0, dtype=torch.long, device=dev)
         kernels = self.decode_kernels or self.select_decode_kernels()
-        own_ops = ops is None or ops is self.ops
         ops = ops or self.ops
         table = lengths = None
         if dec_tables:
@@ -144,11 +142,15 @@ class HybridModel(nn.Module):
                            save_state=caches.save_state,
                            decode_page_table=table if kernels.compiled else None,
                            decode_lengths=lengths if kernels.compiled else None,
-                           decode_all=decode_all, fused=decode_all and own_ops and kernels.compiled)
+                           decode_all=decode_all)
 
     def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:
         """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm).
         ops: the op table to call (default the model's own, self.ops; the profiler passes a timed copy)."""
+        if ops is None or ops is self.ops:
+            hidden = fused.decode_step(self, batch, caches)  # a decode-only step in one compiled call
+            if hidden is not None:
+                return hidden
         ctx = self._context(batch, caches, ops)
         x = F.embedding(batch.input_ids.to(self.device), self.embed_tokens)
         gi = ai = 0

@@ -17,9 +17,11 @@ class StateCopyError(RuntimeError):
 
 @dataclass
 class StepLogits:
-    """Per request: the logits that sample its next token, and (if asked) those of its prompt chunk."""
+    """The logits that sample the step's next tokens, one row per sampling request, and (if asked) those of a
+    request's prompt chunk."""
 
-    sample: dict[str, torch.Tensor]  # request id -> [V] float32
+    owners: list[str]  # the request ids of sample's rows, in order
+    sample: torch.Tensor | None  # [len(owners), V] float32
     prompt: dict[str, torch.Tensor]  # request id -> [len(chunk), V] float32
 
 
@@ -71,7 +73,7 @@ class ModelRunner:
         self.store.zero_slots(plan.zero_slots)
         for c in plan.restores:
             self.store.restore(c)
-        out = StepLogits({}, {})
+        out = StepLogits([], None, {})
         if plan.work:
             # prefill spans first, then decodes (the model batches the decodes together)
             work = [w for w in plan.work if not w.is_decode] + [w for w in plan.work if w.is_decode]
@@ -84,9 +86,9 @@ class ModelRunner:
                 if w.sample:
                     rows.append(s.start + s.length - 1)
                     owners.append(w.request_id)
-            if rows:
-                logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
-                out.sample = {rid: logits[i] for i, rid in enumerate(owners)}
+            if rows:  # a decode-only step samples every row: the head runs on hidden as it is
+                picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+                out.owners, out.sample = owners, self.model.compute_logits(picked)
         for c in plan.saves:
             if c.pos is None or c.pos == ends.get(c.slot):
                 self.store.save(c)

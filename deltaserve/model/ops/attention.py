@@ -33,6 +33,34 @@ def rotary_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class RotaryTable:
+    """cos, sin [T, rotary_dim] for any positions, looked up in a table the model keeps. The table is made by
+    rotary_cos_sin in blocks of BLOCK positions, each block on its own, so a position's values depend on nothing
+    else: not on the other positions of a step, nor on how far the table had grown when it was made (every step,
+    prefill and decode, reads the same values for the same position)."""
+
+    BLOCK = 1024
+
+    def __init__(self, inv_freq: torch.Tensor, dtype: torch.dtype):
+        self.inv_freq, self.dtype = inv_freq, dtype
+        self.cos = self.sin = None  # [n * BLOCK, rotary_dim]
+
+    def __call__(self, positions: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] int64, every one below end -> cos, sin [T, rotary_dim] in the table's dtype."""
+        dev = positions.device
+        if self.cos is None or self.cos.device != dev:
+            self.cos = self.sin = None
+            self.inv_freq = self.inv_freq.to(dev)
+        have = 0 if self.cos is None else self.cos.shape[0]
+        if have < end:
+            blocks = [rotary_cos_sin(torch.arange(a, a + self.BLOCK, device=dev), self.inv_freq, self.dtype)
+                      for a in range(have, end, self.BLOCK)]
+            cos = [c for c, _ in blocks] if self.cos is None else [self.cos] + [c for c, _ in blocks]
+            sin = [s for _, s in blocks] if self.sin is None else [self.sin] + [s for _, s in blocks]
+            self.cos, self.sin = torch.cat(cos), torch.cat(sin)
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return torch.cat((-x2, x1), dim=-1)

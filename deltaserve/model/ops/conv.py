@@ -27,8 +27,10 @@ def _conv_acc(xs: list[torch.Tensor], wt: torch.Tensor, bias: torch.Tensor | Non
 
 
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
-                          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence. x [L, C]; weight [C, K]; state [K-1, C] or None (zeros).
+                          bias: torch.Tensor | None = None, silu_into=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence. x [L, C]; weight [C, K]; state [K-1, C] or None (zeros). silu_into(acc, out): the activation
+    on the fp32 sums (default torch's; the op table passes the compiled one where the kernels are loaded, the one
+    their decode step applies).
 
     Returns (out [L, C] in x's dtype, new_state [K-1, C] in x's dtype: the last K-1 inputs of cat(state, x)).
     """
@@ -58,8 +60,11 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Te
             acc.add_(torch.mul(xs[j:j + m], wt[j], out=tmp))
         if bf is not None:
             acc.add_(bf)
-        torch.neg(acc, out=tmp).exp_().add_(1.0)
-        torch.div(acc, tmp, out=out[s:e])
+        if silu_into is not None:
+            silu_into(acc, out[s:e])
+        else:
+            torch.neg(acc, out=tmp).exp_().add_(1.0)
+            torch.div(acc, tmp, out=out[s:e])
     new_state = x[L - K + 1:].clone() if L >= K - 1 else torch.cat([state[L:], x])  # [K-1, C]: last inputs
     return out, new_state
 

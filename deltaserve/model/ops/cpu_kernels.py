@@ -5,7 +5,7 @@ cpp_extension, and the choice between them and the plain-torch ops, made once wh
     kernels.attention(q [B, Hq, D], kv, page_table [B, maxp], lengths [B], scale) -> [B, Hq, D]
     kernels.gdn_step(q, k [B, Hk, dk], v [B, H, dv], g [B, H] fp32, beta [B, H], state [S, H, dv, dk] fp32,
                      slots [B]) -> out [B, H, dv]   (state slots updated in place)
-    kernels.conv_step(x [T, C], rows [B], weight [C, K], state [S, K-1, C], slots [B]) -> [B, C]
+    kernels.conv_step(x [T, C], rows [B], weight [C, K], state [S, K-1, C], slots [B]) -> silu(conv) [B, C]
     kernels.rms_norm(x [R, (H,) D], w [D], eps); kernels.add_rms_norm(x, h [R, D], w, eps) -> (x + h, norm)
     kernels.ext.linear_bf16 through ops/linear.py PackedWeight (kind "cpp"), packed by HybridModel.prepack_linears
 The model's layers reach these through its op table (ops/table.py), like every other op.
@@ -57,7 +57,6 @@ from . import pointwise
 from .attention import apply_rotary
 from .norm import rms_norm as rms_norm_torch
 from .norm import rms_norm_gated as rms_norm_gated_torch
-from .pointwise import silu
 
 log = logging.getLogger("deltaserve")
 
@@ -268,9 +267,15 @@ class DecodeKernels:
     def conv_step(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
         """x [T, C] (the step's rows; rows [B] picks the decode tokens); weight [C, K]; state [S, K-1, C] in
-        x's dtype (slots [B] updated in place) -> silu(conv) [B, C] in x's dtype, the bits of
-        ops/conv.py causal_conv1d_step (same fp32 mul / add order; silu in torch)."""
-        return silu(self.ext.conv1d_step_acc(x, rows, tap_major(weight), state, slots)).to(x.dtype)
+        x's dtype (slots [B] updated in place) -> silu(conv) [B, C] in x's dtype: ops/conv.py
+        causal_conv1d_step's fp32 mul / add order, then silu_into, as the compiled prefill (the bits of
+        causal_conv1d_prefill(..., silu=self.silu_into))."""
+        return self.ext.conv1d_step(x, rows, tap_major(weight), state, slots)
+
+    def silu_into(self, acc: torch.Tensor, out: torch.Tensor) -> None:
+        """out = silu(acc) = acc / (1 + exp(-acc)) in out's dtype, for the conv's fp32 sums acc [T, C] (views with
+        a unit last stride are written in place); the torch form is ops/conv.py's silu."""
+        self.ext.silu_into(acc, out)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """Zero-centred RMSNorm of x [R, D] or [R, H, D] (last dim contiguous; views read in place) -> contiguous.

@@ -11,9 +11,10 @@
 // gdn_decode_step: one gated-delta-rule token per sequence, updating the fp32 state slots in place through
 //   slot ids (any order, not necessarily consecutive). One pass over each state row: S k and S q from the old
 //   row, then the row update. Same algebra as ops/gdn.py recurrent_gated_delta_rule_step.
-// conv1d_step_acc: the causal conv's pre-activation for one token per sequence, states updated in place
-//   through slot ids; accumulation in the order and with the roundings of ops/conv.py _conv_acc (one fp32
-//   mul and one add per tap, never fused), so the bits equal the prefill's.
+// conv1d_step: the causal conv with its silu for one token per sequence, states updated in place through slot
+//   ids; accumulation in the order and with the roundings of ops/conv.py _conv_acc (one fp32 mul and one add
+//   per tap, never fused), then pointwise.cpp's silu_into, which the compiled prefill also applies (the op
+//   table's causal_conv1d_prefill), so the bits equal the prefill's.
 
 #include "aten_lite.h"
 #include "kernels.h"
@@ -560,8 +561,7 @@ void conv_impl(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt
   });
 }
 
-at::Tensor conv1d_step_acc(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state,
-                              at::Tensor slots) {
+at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state, at::Tensor slots) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, C] with a contiguous inner dim");
   TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.scalar_type() == at::kFloat && wt.size(1) == x.size(1) &&
               wt.size(0) >= 2, "wt must be fp32 contiguous [K >= 2, C]");
@@ -582,9 +582,11 @@ at::Tensor conv1d_step_acc(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Ten
   } else if (x.scalar_type() == at::kBFloat16) {
     conv_impl<bf16_bits>(x, rows, wt, state, slots, acc);
   } else {
-    TORCH_CHECK(false, "conv1d_step_acc: float32 or bfloat16 only");
+    TORCH_CHECK(false, "conv1d_step: float32 or bfloat16 only");
   }
-  return acc;
+  auto out = at::empty({rows.size(0), x.size(1)}, x.options());
+  silu_into(acc, out);
+  return out;
 }
 
 }  // namespace
@@ -599,9 +601,9 @@ at::Tensor gdn_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                     const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots) {
   return gdn_decode_step(q, k, v, g, beta, state, slots);
 }
-at::Tensor conv_step_acc(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
-                         const at::Tensor& slots) {
-  return conv1d_step_acc(x, rows, wt, state, slots);
+at::Tensor conv_step(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
+                     const at::Tensor& slots) {
+  return conv1d_step(x, rows, wt, state, slots);
 }
 }  // namespace ds
 
@@ -613,10 +615,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_gates", &gdn_gates, "(g, beta) = (neg_decay * softplus(a + dt_bias), sigmoid(b)) for b, a [T,H]");
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I]");
   m.def("gate_output", &gate_output, "o * sigmoid(gate) for o, gate [T, N]");
-  m.def("gdn_layer_decode", &gdn_layer_decode,
-        "a GDN decoder layer's decode step, every op of layers.py's path in its order (decode_layers.cpp)");
-  m.def("attention_layer_decode", &attention_layer_decode,
-        "an attention decoder layer's decode step, every op of layers.py's path in its order (decode_layers.cpp)");
+  py::class_<DecodeModel>(m, "DecodeModel", py::module_local(), "a model's decode-only step in one call (decode_layers.cpp)")
+      .def(py::init<at::Tensor, at::Tensor, double, bool>(), py::arg("embed"), py::arg("norm"), py::arg("eps"),
+           py::arg("amx"))
+      .def("add_gdn", &DecodeModel::add_gdn, py::arg("weights"), py::arg("dims"), py::arg("eps"))
+      .def("add_attention", &DecodeModel::add_attention, py::arg("weights"), py::arg("dims"), py::arg("eps"),
+           py::arg("scale"))
+      .def("run", &DecodeModel::run, py::arg("ids"), py::arg("conv"), py::arg("ssm"), py::arg("kv"), py::arg("slots"),
+           py::arg("cos"), py::arg("sin"), py::arg("page_table"), py::arg("lengths"),
+           py::call_guard<py::gil_scoped_release>());
   m.def("bf16_linear_available", &bf16_linear_available, "linear_bf16 usable (built with AVX2 + FMA or AVX-512)");
   m.def("kernel_isa", &kernel_isa, "the instruction set this build targets: avx512bf16, avx512, avx2 or none");
   m.def("pack_bf16_weight", &pack_bf16_weight, "[N, K] bf16 weight -> [ceil(N/16), K/2, 16, 2] for linear_bf16");
@@ -628,6 +635,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention, all sequences of a step (q [B,Hq,D], kv pool, page_table [B,maxp], lengths [B], scale)");
   m.def("gdn_decode_step", &gdn_decode_step,
         "gated delta rule decode step, state slots updated in place (q, k, v, g, beta, state [S,H,dv,dk], slots [B])");
-  m.def("conv1d_step_acc", &conv1d_step_acc,
-        "causal conv1d decode step pre-activation, states updated in place (x [T,C], rows [B], wt [K,C], state, slots)");
+  m.def("conv1d_step", &conv1d_step,
+        "causal conv1d decode step with its silu, states updated in place (x [T,C], rows [B], wt [K,C], state, slots)");
+  m.def("silu_into", &silu_into, "out = silu(acc) in out's dtype, for acc [T, C] fp32 (the GDN conv's activation)");
 }

@@ -1,24 +1,19 @@
-// A decoder layer's decode step in one call, for steps whose every row is a decode row (layers.py takes this
-// path through model/fused.py when the model qualifies). A tiny model's decode step spent most of its time
-// between kernels (Python, ~25 op calls per layer); here the same kernels run in the same order on the same
-// tensors, so the bits are those of layers.py's path exactly (tests/test_fused_decode.py checks it), and a
-// decode row computed in a mixed step (layers.py) equals the same row computed here.
+// A decode-only step of the whole model in one call (DecodeModel, built by model/fused.py), for steps whose
+// every row is a decode row. A tiny model's decode step spent most of its time between kernels: Python, ~25 op
+// calls per layer, a module call per layer and ~20 small ATen ops to build the step's tensors. Here the
+// embedding lookup, every layer and the final norm run the same kernels in the same order on the same tensors as
+// the op-table path (qwen3_5.py, layers.py), so the bits are that path's exactly (tests/test_fused_decode.py),
+// and a decode row computed in a mixed step equals the same row computed here.
 //
-// gdn_layer_decode    w: ln1, ln2, in_proj, conv_wt [K, C] fp32, dt_bias, neg_decay, norm_w, out_proj, gate_up, down
-//                     dims: in_N, conv_dim, value_dim, Hv, Hk, dk, dv, out_N, gate_up_N, down_N
-// attention_layer_decode  w: ln1, ln2, qkv_proj, q_norm, k_norm, o_proj, gate_up, down
-//                     dims: qkv_N, Hq, Hkv, D, o_N, gate_up_N, down_N
-//                     step: cos, sin [B, R], kv_pages, kv_rows [B], page_table [B, maxp], lengths [B]
 // Projections are packed bf16 weights (pack_bf16_weight), multiplied by linear_bf16 or, where amx is set (the amx
-// instruction set), linear_bf16_amx, as ops/linear.py does; x [B, H] is the residual stream, returned updated.
+// instruction set), linear_bf16_amx, as ops/linear.py does; x [B, H] is the residual stream.
 
 #include "aten_lite.h"
 #include "kernels.h"
 
 #include <ATen/ops/add.h>
-#include <ATen/ops/div.h>
-#include <ATen/ops/exp.h>
-#include <ATen/ops/neg.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/index_select.h>
 
 #include <cstring>
 #include <vector>
@@ -26,8 +21,6 @@
 namespace {
 
 using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
-
-inline Linear linear_for(bool amx) { return amx ? &linear_bf16_amx : &linear_bf16; }
 
 // DecoderLayer.forward's tail: (x, h) = add_rms_norm(x, mixed, ln2); x + down(silu(gate(h)) * up(h))
 at::Tensor residual_mlp(Linear linear, const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& ln2, double eps,
@@ -37,25 +30,16 @@ at::Tensor residual_mlp(Linear linear, const at::Tensor& x, const at::Tensor& mi
   return at::add(sy[0], m);
 }
 
-// ops/pointwise.py silu on the conv's fp32 pre-activation, then the cast: the same ATen ops in the same order
-at::Tensor silu_to(const at::Tensor& acc, at::ScalarType dtype) {
-  return at::div(acc, at::add(at::exp(at::neg(acc)), 1.0)).to(dtype);
-}
-
-}  // namespace
-
-at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& dims,
-                            double eps, const at::Tensor& conv_cache, const at::Tensor& ssm_cache,
-                            const at::Tensor& rows, const at::Tensor& slots, bool amx) {
-  const Linear linear = linear_for(amx);
-  TORCH_CHECK(w.size() == 10 && dims.size() == 10, "gdn_layer_decode: 10 weights and 10 dims");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [B, H] bf16");
+// GDNMixer.forward's decode path and the layer around it. rows: 0 .. B-1 (the conv step's rows of proj)
+at::Tensor gdn_layer(Linear linear, const at::Tensor& x, const std::vector<at::Tensor>& w,
+                     const std::vector<int64_t>& dims, double eps, const at::Tensor& conv_cache,
+                     const at::Tensor& ssm_cache, const at::Tensor& rows, const at::Tensor& slots) {
   const int64_t in_n = dims[0], c = dims[1], vd = dims[2], hv = dims[3], hk = dims[4], dk = dims[5], dv = dims[6];
   const int64_t B = x.size(0), kd = hk * dk;
   auto h = rms_norm_fused(x, w[0], eps);
   auto proj = linear(h, w[2], in_n);  // [B, conv_dim + value_dim + 2 Hv]
   auto gb = gdn_gates(proj.narrow(1, c + vd, hv), proj.narrow(1, c + vd + hv, hv), w[4], w[5]);
-  auto xc = silu_to(ds::conv_step_acc(proj.narrow(1, 0, c), rows, w[3], conv_cache, slots), x.scalar_type());
+  auto xc = ds::conv_step(proj.narrow(1, 0, c), rows, w[3], conv_cache, slots);  // [B, conv_dim]
   auto q = xc.narrow(1, 0, kd).view({B, hk, dk});
   auto k = xc.narrow(1, kd, kd).view({B, hk, dk});
   auto v = xc.narrow(1, 2 * kd, c - 2 * kd).view({B, hv, dv});
@@ -64,43 +48,103 @@ at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& 
   return residual_mlp(linear, x, linear(core, w[7], dims[7]), w[1], eps, w[8], dims[8], w[9], dims[9]);
 }
 
-at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w,
-                                  const std::vector<int64_t>& dims, double eps, double scale,
-                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step, bool amx) {
-  const Linear linear = linear_for(amx);
-  TORCH_CHECK(w.size() == 8 && dims.size() == 7 && step.size() == 6, "attention_layer_decode: 8 weights, 7 dims, "
-              "6 step tensors");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "x must be [B, H] bf16");
+// kv[page, 0 | 1, row] = k[i] | v[i] for decode row i at position p = lengths[i] - 1: page = table[i, p / bs],
+// row = p % bs (ops/attention.py kv_write's bits: a copy)
+void kv_write(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+              const at::Tensor& lengths) {
+  const int64_t B = k.size(0), P = kv.size(0), bs = kv.size(2), hkv = k.size(1), d = k.size(2), row = hkv * d;
+  const int64_t maxp = table.size(1);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lengths.data_ptr<int64_t>();
+  auto* kvp = kv.data_ptr<at::BFloat16>();
+  const auto* kp = k.data_ptr<at::BFloat16>();  // contiguous [B, Hkv, D]
+  const auto* vp = v.data_ptr<at::BFloat16>();  // a view of the projection: [B, Hkv, D] with a row stride
+  const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t p = lp[i] - 1;
+    TORCH_CHECK(p >= 0 && p / bs < maxp, "decode row ", i, ": position ", p, " is outside its page table");
+    const int64_t page = tp[i * maxp + p / bs];
+    TORCH_CHECK(page >= 0 && page < P, "decode row ", i, ": page ", page, " is outside the KV pool");
+    at::BFloat16* dst = kvp + (page * 2 * bs + p % bs) * row;
+    std::memcpy(dst, kp + i * row, row * sizeof(at::BFloat16));
+    for (int64_t j = 0; j < hkv; ++j) std::memcpy(dst + bs * row + j * d, vp + i * vs0 + j * vs1, d * sizeof(at::BFloat16));
+  }
+}
+
+// AttentionMixer.forward's decode path and the layer around it
+at::Tensor attention_layer(Linear linear, const at::Tensor& x, const std::vector<at::Tensor>& w,
+                           const std::vector<int64_t>& dims, double eps, double scale, const at::Tensor& kv_cache,
+                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& table,
+                           const at::Tensor& lengths) {
   const int64_t hq = dims[1], hkv = dims[2], d = dims[3], B = x.size(0);
-  const at::Tensor &cos = step[0], &sin = step[1], &pages = step[2], &prow = step[3];
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == x.scalar_type() &&
                   kv_cache.size(3) == hkv && kv_cache.size(4) == d, "kv_cache must be [P, 2, bs, Hkv, D] in x's dtype");
-  TORCH_CHECK(pages.scalar_type() == at::kLong && prow.scalar_type() == at::kLong && pages.is_contiguous() &&
-                  prow.is_contiguous() && pages.numel() == B && prow.numel() == B, "kv_pages, kv_rows: int64 [B]");
   auto h = rms_norm_fused(x, w[0], eps);
   auto proj = linear(h, w[2], dims[0]);  // [B, (2 Hq + 2 Hkv) D]
   auto qg = proj.narrow(1, 0, 2 * hq * d).view({B, hq, 2 * d});
   auto gate = qg.narrow(2, d, d).reshape({B, hq * d});
   auto q = qk_norm_rope(qg.narrow(2, 0, d), w[3], eps, cos, sin);
   auto k = qk_norm_rope(proj.narrow(1, 2 * hq * d, hkv * d).view({B, hkv, d}), w[4], eps, cos, sin);
-  auto v = proj.narrow(1, (2 * hq + hkv) * d, hkv * d).view({B, hkv, d});
-  {  // kv_write: kv[page, 0 | 1, row] = k[i] | v[i], a copy (ops/attention.py kv_write's bits)
-    const int64_t P = kv_cache.size(0), bs = kv_cache.size(2), row = hkv * d;
-    const int64_t* pp = pages.data_ptr<int64_t>();
-    const int64_t* rp = prow.data_ptr<int64_t>();
-    auto* kvp = kv_cache.data_ptr<at::BFloat16>();
-    const auto* kp = k.data_ptr<at::BFloat16>();  // contiguous [B, Hkv, D]
-    const auto* vp = v.data_ptr<at::BFloat16>();  // a view of the projection: [B, Hkv, D] with a row stride
-    const int64_t vs0 = v.stride(0), vs1 = v.stride(1);
-    for (int64_t i = 0; i < B; ++i) {
-      TORCH_CHECK(pp[i] >= 0 && pp[i] < P && rp[i] >= 0 && rp[i] < bs, "kv page or row out of range");
-      at::BFloat16* dst = kvp + (pp[i] * 2 * bs + rp[i]) * row;
-      std::memcpy(dst, kp + i * row, row * sizeof(at::BFloat16));
-      for (int64_t j = 0; j < hkv; ++j)
-        std::memcpy(dst + bs * row + j * d, vp + i * vs0 + j * vs1, d * sizeof(at::BFloat16));
-    }
-  }
-  auto o = ds::paged_attention(q, kv_cache, step[4], step[5], scale);  // [B, Hq, D]
+  kv_write(kv_cache, k, proj.narrow(1, (2 * hq + hkv) * d, hkv * d).view({B, hkv, d}), table, lengths);
+  auto o = ds::paged_attention(q, kv_cache, table, lengths, scale);  // [B, Hq, D]
   auto out = gate_output(o.view({B, hq * d}), gate);
   return residual_mlp(linear, x, linear(out, w[5], dims[4]), w[1], eps, w[6], dims[5], w[7], dims[6]);
+}
+
+void check_index(const at::Tensor& t, int64_t dim, int64_t rows, const char* what) {
+  TORCH_CHECK(t.dim() == dim && t.scalar_type() == at::kLong && t.is_contiguous() && t.size(0) == rows, what,
+              " must be contiguous int64 with ", rows, " rows");
+}
+
+}  // namespace
+
+DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx)
+    : embed_(std::move(embed)), norm_(std::move(norm)), eps_(eps), amx_(amx) {
+  TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous() && embed_.scalar_type() == at::kBFloat16,
+              "DecodeModel: the embedding must be contiguous bf16 [V, H]");
+}
+
+void DecodeModel::add_gdn(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps) {
+  TORCH_CHECK(w.size() == 10 && dims.size() == 10, "DecodeModel.add_gdn: 10 weights and 10 dims");
+  layers_.push_back({true, std::move(w), std::move(dims), eps, 0.0});
+  ++n_gdn_;
+}
+
+void DecodeModel::add_attention(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps, double scale) {
+  TORCH_CHECK(w.size() == 8 && dims.size() == 7, "DecodeModel.add_attention: 8 weights and 7 dims");
+  layers_.push_back({false, std::move(w), std::move(dims), eps, scale});
+  ++n_attn_;
+}
+
+at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>& conv,
+                            const std::vector<at::Tensor>& ssm, const std::vector<at::Tensor>& kv,
+                            const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
+                            const at::Tensor& page_table, const at::Tensor& lengths) const {
+  const Linear linear = amx_ ? &linear_bf16_amx : &linear_bf16;
+  const int64_t B = ids.numel();
+  TORCH_CHECK(int64_t(conv.size()) == n_gdn_ && int64_t(ssm.size()) == n_gdn_ && int64_t(kv.size()) == n_attn_,
+              "DecodeModel.run: ", n_gdn_, " conv and ssm caches and ", n_attn_, " KV pools");
+  check_index(ids, 1, B, "ids");
+  check_index(slots, 1, B, "slots");
+  check_index(lengths, 1, B, "lengths");
+  check_index(page_table, 2, B, "page_table");
+  for (const at::Tensor& t : conv) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "conv caches must be bf16");
+  for (const at::Tensor& t : ssm) TORCH_CHECK(t.scalar_type() == at::kFloat, "GDN state caches must be fp32");
+  for (const at::Tensor& t : kv) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "KV pools must be bf16");
+  const int64_t V = embed_.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " is outside the vocabulary");
+  auto x = at::index_select(embed_, 0, ids);  // F.embedding: a row copy, [B, H]
+  const auto rows = at::arange(B, ids.options());
+  int64_t gi = 0, ai = 0;
+  for (const Layer& l : layers_) {
+    if (l.gdn) {
+      x = gdn_layer(linear, x, l.w, l.dims, l.eps, conv[gi], ssm[gi], rows, slots);
+      ++gi;
+    } else {
+      x = attention_layer(linear, x, l.w, l.dims, l.eps, l.scale, kv[ai], cos, sin, page_table, lengths);
+      ++ai;
+    }
+  }
+  return rms_norm_fused(x, norm_, eps_);
 }

@@ -7,6 +7,14 @@
 #include <string>
 #include <vector>
 
+// The linears (linear_bf16.cpp, linear_bf16_amx.cpp, linear_fp8.cpp) split a call of kSerialBelow multiply-adds or
+// more over the threads, a smaller one stays on the calling thread, where waking the others costs more than the
+// work. At 2^16 a tiny model's batch-1 projections (256 x 256 and up) are parallel: its decode step ran 0.91-1.11
+// ms median against 1.16-1.57 ms at 2^19 (2 cores, interleaved runs). On a host whose cores are taken by other
+// processes every parallel region waits for its threads to be scheduled (a tiny decode step took 277 ms instead
+// of ~3 ms): serve with --num-threads 1 there.
+constexpr int64_t kSerialBelow = int64_t(1) << 16;
+
 // linear_bf16.cpp
 bool bf16_linear_available();
 std::string kernel_isa();
@@ -31,14 +39,36 @@ std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, cons
                                   const at::Tensor& neg_decay);
 at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
+void silu_into(const at::Tensor& acc, at::Tensor& out);
 
-// decode_layers.cpp
-at::Tensor gdn_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<int64_t>& dims,
-                            double eps, const at::Tensor& conv_cache, const at::Tensor& ssm_cache,
-                            const at::Tensor& rows, const at::Tensor& slots, bool amx);
-at::Tensor attention_layer_decode(const at::Tensor& x, const std::vector<at::Tensor>& w,
-                                  const std::vector<int64_t>& dims, double eps, double scale,
-                                  const at::Tensor& kv_cache, const std::vector<at::Tensor>& step, bool amx);
+// decode_layers.cpp: a decode-only step of the whole model (model/fused.py builds one per model)
+class DecodeModel {
+ public:
+  DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx);
+  // w: ln1, ln2, in_proj, conv_wt [K, C] fp32, dt_bias, neg_decay, norm_w, out_proj, gate_up, down
+  // dims: in_N, conv_dim, value_dim, Hv, Hk, dk, dv, out_N, gate_up_N, down_N
+  void add_gdn(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps);
+  // w: ln1, ln2, qkv_proj, q_norm, k_norm, o_proj, gate_up, down; dims: qkv_N, Hq, Hkv, D, o_N, gate_up_N, down_N
+  void add_attention(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps, double scale);
+  // ids [B] -> hidden [B, H] after the final norm; conv / ssm: the GDN layers' caches in layer order, kv the
+  // attention layers'; slots [B] GDN slots; cos, sin [B, R]; page_table [B, maxp], lengths [B] (pos + 1)
+  at::Tensor run(const at::Tensor& ids, const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
+                 const std::vector<at::Tensor>& kv, const at::Tensor& slots, const at::Tensor& cos,
+                 const at::Tensor& sin, const at::Tensor& page_table, const at::Tensor& lengths) const;
+
+ private:
+  struct Layer {
+    bool gdn;
+    std::vector<at::Tensor> w;
+    std::vector<int64_t> dims;
+    double eps, scale;
+  };
+  at::Tensor embed_, norm_;
+  double eps_;
+  bool amx_;
+  std::vector<Layer> layers_;
+  int64_t n_gdn_ = 0, n_attn_ = 0;
+};
 
 // decode_kernels.cpp: the decode kernels, by name
 namespace ds {
@@ -46,6 +76,6 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::
                            const at::Tensor& lengths, double scale);
 at::Tensor gdn_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                     const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots);
-at::Tensor conv_step_acc(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
-                         const at::Tensor& slots);
+at::Tensor conv_step(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
+                     const at::Tensor& slots);
 }  // namespace ds

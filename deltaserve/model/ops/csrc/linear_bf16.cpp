@@ -21,6 +21,7 @@
 // (docs/benchmarks.md); the widened paths do twice the arithmetic per weight, which decode sizes hide.
 
 #include "aten_lite.h"
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -38,7 +39,6 @@ namespace {
 
 constexpr int kCols = 16;        // output columns per packed column block (one 64-byte vector per k pair)
 constexpr int64_t kPanel = 24;   // column blocks per panel: a panel's weights stay in L2 across the row tiles
-constexpr int64_t kSerialBelow = int64_t(1) << 19;  // multiply-adds below which a call stays on one thread
 constexpr int64_t kAhead = 8;    // k pairs prefetched ahead, per column block
 
 inline float bits_f(uint32_t u) {
@@ -257,10 +257,8 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N)
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // threads split the column blocks, never k: a column's sum order is the same for any thread count. A call of
-  // fewer than kSerialBelow multiply-adds (a small model's batch-1 decode) runs on the calling thread, because
-  // waking the other threads costs more than the work, and far more on a loaded host, where a parallel region
-  // waits for every thread to be scheduled (a tiny decode step took 277 ms instead of ~3 ms)
+  // threads split the column blocks, never k: a column's sum order is the same for any thread count; a call of
+  // fewer than kSerialBelow multiply-adds stays on the calling thread (kernels.h)
   const int64_t grain = M * N * K < kSerialBelow ? nblk : 1;
   at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t b0 = t0; b0 < t1; b0 += kPanel) {

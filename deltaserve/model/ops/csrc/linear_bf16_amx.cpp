@@ -48,7 +48,6 @@ constexpr int kCols = 16;           // output columns per packed column block
 constexpr int kChunk = 32;          // k per tile step: an A tile row is 32 bf16, a B tile 16 k pairs
 constexpr int kTileElems = 16 * kChunk;  // bf16 per A or B tile (1 KB)
 constexpr int kLdc = 80;            // fp32 per scratch row: up to 5 column blocks
-constexpr int64_t kSerialBelow = int64_t(1) << 19;  // as linear_bf16.cpp: a small call stays on one thread
 constexpr int64_t kPanelBytes = int64_t(1) << 20;   // a panel's weights stay in L2 across the row tiles
 
 constexpr long kReqXcompPerm = 0x1023;  // arch_prctl ARCH_REQ_XCOMP_PERM

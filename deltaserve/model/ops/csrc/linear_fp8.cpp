@@ -20,6 +20,7 @@
 // table; another summation order inside a block, the same block structure). Decode streams half of bf16's bytes.
 
 #include <torch/extension.h>
+#include "kernels.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -43,7 +44,6 @@ constexpr int64_t kBlock = 128;         // k per scale block (the checkpoint's b
 constexpr int64_t kGroupK = 4;          // k per 64-byte group (two k pairs)
 constexpr int64_t kGroupsPerBlock = kBlock / kGroupK;
 constexpr int64_t kPanel = 24;          // column blocks per panel (L2 reuse across the row tiles)
-constexpr int64_t kSerialBelow = int64_t(1) << 19;  // multiply-adds below which a call stays on one thread
 
 // value of an e4m3fn code: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal (m * 2^-9);
 // 0x7F / 0xFF are NaN (the format has no infinities)

@@ -11,6 +11,8 @@
 //       beta = sigmoid(b); g = neg_decay * softplus(a + dt_bias)   (softplus linear above 20, as torch)
 //   silu_mul(gu [T, 2I]) -> [T, I] = silu(gu[:, :I]) * gu[:, I:]   (silu rounded to the dtype first)
 //   gate_output(o [T, N], gate [T, N]) -> o * sigmoid(gate)         (sigmoid rounded to the dtype first)
+//   silu_into(acc [T, C] fp32, out [T, C]): out = acc / (1 + exp(-acc)) in out's dtype: the GDN conv's
+//       activation on its fp32 sums (ops/conv.py), prefill and decode step alike
 // Inputs may be row-strided views (unit stride along the last dim), as the projections' column slices are.
 
 #include "aten_lite.h"
@@ -92,7 +94,31 @@ void gate_output_impl(const at::Tensor& o, const at::Tensor& gate, at::Tensor& y
   });
 }
 
+template <typename T>
+void silu_into_impl(const at::Tensor& acc, at::Tensor& out) {
+  const int64_t R = acc.size(0), C = acc.size(1), sa = acc.stride(0), so = out.stride(0);
+  const float* ap = acc.data_ptr<float>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, R, kGrainRows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* a = ap + r * sa;
+      T* o = op + r * so;
+      exp_map(C, [&](int64_t i) { return -a[i]; }, [&](int64_t i, float e) { o[i] = st<T>(a[i] / (1.f + e)); });
+    }
+  });
+}
+
 }  // namespace
+
+void silu_into(const at::Tensor& acc, at::Tensor& out) {
+  check_rows(acc, "silu_into: acc");
+  check_rows(out, "silu_into: out");
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.sizes() == out.sizes(), "silu_into: acc must be fp32, out its shape");
+  if (out.scalar_type() == at::kFloat)
+    silu_into_impl<float>(acc, out);
+  else
+    silu_into_impl<c10::BFloat16>(acc, out);
+}
 
 std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias,
                                   const at::Tensor& neg_decay) {
