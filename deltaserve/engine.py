@@ -179,7 +179,7 @@ class LLMEngine:
         if self.parallel:
             self.runner = self.parallel.attach(self.runner, pool)  # every step runs on every rank
         self.last_plan = None  # the plan of the latest step (the profiler and the validation read it)
-        self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece)
+        self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece, argmax=kern.argmax if kern is not None else None)
         self._live: dict[str, _Live] = {}
         self._seed_counter = 0
         self.prompt_tokens_total = 0

@@ -140,9 +140,13 @@ def _position_logprobs(lp: torch.Tensor, token_id: int, n: int,
 
 
 class Sampler:
-    def __init__(self, id_to_piece: Callable[[int], str] | None = None):
-        """id_to_piece (e.g. Tokenizer.id_to_piece) fills Logprob.decoded_token when given."""
+    def __init__(self, id_to_piece: Callable[[int], str] | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """id_to_piece (e.g. Tokenizer.id_to_piece) fills Logprob.decoded_token when given. argmax: rows [N, V] ->
+        [N] int64, torch.argmax(rows, dim=-1)'s answer (the model's compiled one, DecodeKernels.argmax; default
+        torch's)."""
         self.id_to_piece = id_to_piece
+        self.argmax = argmax or (lambda rows: torch.argmax(rows, dim=-1))
 
     # ------------------------------------------------------------------ public
     @torch.inference_mode()
@@ -154,7 +158,7 @@ class Sampler:
         fast: dict[int, int] = {}
         if greedy:  # one row too: argmax of the row in place, without sample_row's private copy
             rows = logits if len(greedy) == len(states) else logits[greedy]  # [G, V]
-            fast = dict(zip(greedy, torch.argmax(rows, dim=-1).tolist()))
+            fast = dict(zip(greedy, self.argmax(rows).tolist()))
         outs = []
         for i, st in enumerate(states):
             try:  # one request's failure (a guide that raises) must not take its batch neighbours down
@@ -205,10 +209,10 @@ class Sampler:
     def _choose(self, raw: torch.Tensor, st: SamplingState) -> int:
         p = st.params
         if self._plain_greedy(st):
-            return int(torch.argmax(raw).item())
+            return int(self.argmax(raw.view(1, -1))[0])
         x = self._process(raw, st)
         if p.greedy:
-            return int(torch.argmax(x).item())
+            return int(self.argmax(x.view(1, -1))[0])
         ids, vals = self._truncate(x, p)
         # one uniform per token from the request's generator, inverse CDF (cheap at any vocab size)
         probs = torch.softmax(vals if ids is not None else x, dim=-1)

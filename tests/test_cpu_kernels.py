@@ -476,3 +476,25 @@ def test_qk_norm_rope_has_the_bits_of_norm_then_torch_rotary(kern, dtype, D, P):
     y = kern.qk_norm_rope(q, w, 1e-6, cos, sin)
     assert y.is_contiguous() and y.shape == (T, H, D)
     assert torch.equal(y, apply_rotary(kern.rms_norm(q, w, 1e-6), cos, sin))
+
+
+# ---- greedy sampling's argmax --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("V", [1, 7, 16, 17, 100, 4096])
+def test_argmax_rows_is_torch_argmax(kern, V):
+    """The same index as torch.argmax(dim=-1): first of tied maxima, first NaN, all -inf, +inf, any row stride."""
+    g = gen(11)
+    x = torch.randn(12, V, generator=g)
+    x[1] = 3.0  # all tied: the first
+    x[2] = -float("inf")
+    if V > 3:
+        x[3, [V // 2, V - 1]] = x[3].max() + 1  # a tie between two maxima
+        x[4, [V - 2, 1]] = float("nan")  # NaN counts as the largest: the first NaN
+        x[5, V - 1] = float("inf")
+        x[6, :] = torch.tensor(-0.0)
+        x[6, V - 1] = 0.0  # -0.0 == 0.0: the first
+    x[7, -1] = float("nan")
+    wide = torch.randn(12, V + 5, generator=g)
+    wide[:, :V] = x
+    for rows in (x, wide[:, :V]):  # contiguous and row-strided
+        assert torch.equal(kern.argmax(rows), torch.argmax(rows, dim=-1))

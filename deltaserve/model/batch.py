@@ -5,7 +5,7 @@ Built by the model runner from a StepPlan; consumed by the model's forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -30,6 +30,36 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     spans: list[Span]  # in flat order; prefill spans first, then decode spans
+    # [B, max pages] int64: the decode spans' page tables in order, padded with page 0 (never read: a span's
+    # length bounds it); each decode span's page_ids is a view of its row. None: made from the spans when needed
+    decode_table: torch.Tensor | None = None
+
+    @classmethod
+    def build(cls, seqs: list[tuple[Sequence[int], int, int, Sequence[int], bool, tuple]],
+              device: torch.device | str = "cpu") -> "ForwardBatch":
+        """seqs: (token ids, first position, slot, page ids, is_decode, saves) per span, prefill spans first. The
+        decode spans' page tables become one tensor (decode_table), not one each."""
+        ids, pos, spans, start = [], [], [], 0
+        dec = [s for s in seqs if s[4]]
+        table = None
+        if dec:
+            width = max(len(s[3]) for s in dec)
+            table = torch.tensor([list(s[3]) + [0] * (width - len(s[3])) for s in dec], dtype=torch.long, device=device)
+        d = 0
+        for toks, first, slot, pages, is_decode, saves in seqs:
+            n = len(toks)
+            ids.extend(toks)
+            pos.extend(range(first, first + n))
+            if is_decode:
+                page_ids = table[d, :len(pages)]
+                d += 1
+            else:
+                page_ids = torch.tensor(pages, dtype=torch.long, device=device)
+            spans.append(Span(start=start, length=n, pos=first, slot=slot, page_ids=page_ids, is_decode=is_decode,
+                              saves=saves))
+            start += n
+        return cls(input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+                   positions=torch.tensor(pos, dtype=torch.long, device=device), spans=spans, decode_table=table)
 
     @property
     def decode_spans(self) -> list[Span]:

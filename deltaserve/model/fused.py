@@ -117,10 +117,15 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
                              f"needs {s.pos + 1}")
     slots = torch.tensor([s.slot for s in spans], dtype=torch.long)
     lengths = torch.tensor([s.pos + 1 for s in spans], dtype=torch.long)
-    if len(spans) == 1:
-        table = spans[0].page_ids.view(1, -1)
-    else:  # [B, max pages], padded with page 0 (never read: lengths bound every row)
-        table = torch.nn.utils.rnn.pad_sequence([s.page_ids for s in spans], batch_first=True)
     cos, sin = model.rotary(batch.positions, max(s.pos for s in spans) + 1)
-    return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin,
-                       table.to(torch.long), lengths)
+    return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin, decode_table(batch),
+                       lengths)
+
+
+def decode_table(batch) -> torch.Tensor:
+    """[B, max pages] int64: the decode spans' page tables, padded with page 0 (never read: lengths bound every
+    row); the one ForwardBatch.build made, else made here."""
+    if batch.decode_table is not None:
+        return batch.decode_table
+    return torch.nn.utils.rnn.pad_sequence([s.page_ids.to(torch.long) for s in batch.spans if s.is_decode],
+                                           batch_first=True)

@@ -100,7 +100,7 @@ class HybridModel(nn.Module):
         cos, sin = self.rotary(batch.positions.to(dev), max((s.pos + s.length for s in batch.spans), default=0))
         bs = caches.block_size
         pages, rows = [], []
-        dec_rows, dec_slots, dec_tables, dec_pos = [], [], [], []
+        dec_rows, dec_slots, dec_pos = [], [], []
         for s in batch.spans:
             if s.is_decode and s.length != 1:
                 raise ValueError(f"a decode span has one token, not {s.length}")
@@ -113,7 +113,6 @@ class HybridModel(nn.Module):
             if s.is_decode:  # its K/V row: one gather for all decode spans, through their page table below
                 dec_rows.append(s.start)
                 dec_slots.append(s.slot)
-                dec_tables.append(s.page_ids)
                 dec_pos.append(s.pos)
                 continue
             if dec_rows:
@@ -126,10 +125,8 @@ class HybridModel(nn.Module):
         kernels = self.decode_kernels or self.select_decode_kernels()
         ops = ops or self.ops
         table = lengths = None
-        if dec_tables:
-            # [B, max pages] int64, padded with page 0 (never read: lengths bound every row)
-            table = torch.nn.utils.rnn.pad_sequence([t.to(device=dev, dtype=torch.long) for t in dec_tables],
-                                                    batch_first=True)
+        if dec_rows:
+            table = fused.decode_table(batch).to(dev)  # [B, max pages]
             dpos = as_index(dec_pos)
             pages.append(table[torch.arange(len(dec_pos), device=dev), dpos // bs])
             rows.append(dpos % bs)

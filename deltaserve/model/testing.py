@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import Caches, ForwardBatch, Span
+from .batch import Caches, ForwardBatch
 from .qwen3_5 import HybridModel
 
 
@@ -36,18 +36,9 @@ def step(model: HybridModel, caches: Caches, work: list[tuple[Sequence, list[int
     """One forward. work: (sequence, token ids, is_decode) in any order; prefill spans are put first, as the
     runner does. Returns, per work item in the given order, the logits of its tokens [n, vocab] float32."""
     order = sorted(range(len(work)), key=lambda i: work[i][2])
-    ids, pos, spans, start = [], [], [], 0
-    dev = model.device
-    for i in order:
-        seq, toks, is_decode = work[i]
-        n = len(toks)
-        ids.extend(toks)
-        pos.extend(range(seq.pos, seq.pos + n))
-        spans.append(Span(start=start, length=n, pos=seq.pos, slot=seq.slot,
-                          page_ids=torch.tensor(seq.pages, dtype=torch.long, device=dev), is_decode=is_decode))
-        start += n
-    batch = ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
-                         positions=torch.tensor(pos, dtype=torch.long, device=dev), spans=spans)
+    batch = ForwardBatch.build([(work[i][1], work[i][0].pos, work[i][0].slot, work[i][0].pages, work[i][2], ())
+                                for i in order], model.device)
+    spans = batch.spans
     with torch.inference_mode():
         logits = model.compute_logits(model.forward(batch, caches))  # one head GEMM for the whole step
         out: list[torch.Tensor | None] = [None] * len(work)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.batch import ForwardBatch, Span
+from ..model.batch import ForwardBatch
 from ..scheduler.plan import SeqWork, StateCopy, StepPlan
 from .cache import CacheStore
 
@@ -52,17 +52,8 @@ class ModelRunner:
         inside: dict[int, list] = {}
         for c in saves:
             inside.setdefault(c.slot, []).append((c.pos, c.location))
-        ids, pos, spans, start = [], [], [], 0
-        for w in work:
-            n = len(w.token_ids)
-            ids.extend(w.token_ids)
-            pos.extend(range(w.start_pos, w.start_pos + n))
-            spans.append(Span(start=start, length=n, pos=w.start_pos, slot=w.slot,
-                              page_ids=torch.tensor(w.page_ids, dtype=torch.long, device=self.device),
-                              is_decode=w.is_decode, saves=tuple(sorted(inside.get(w.slot, ())))))
-            start += n
-        return ForwardBatch(input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-                            positions=torch.tensor(pos, dtype=torch.long, device=self.device), spans=spans)
+        return ForwardBatch.build([(w.token_ids, w.start_pos, w.slot, w.page_ids, w.is_decode,
+                                    tuple(sorted(inside.get(w.slot, ())))) for w in work], self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:

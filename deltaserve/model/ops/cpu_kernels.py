@@ -82,7 +82,7 @@ ISA_WHAT = {"amx": "AMX tiles for the bf16 linear at every row count, AVX-512 de
             "generic": "plain C++ loops, no compiled linear"}
 _SOURCES = [Path(__file__).with_name("csrc") / f
             for f in ("decode_kernels.cpp", "linear_bf16.cpp", "linear_bf16_amx.cpp", "norm.cpp", "pointwise.cpp",
-                      "decode_layers.cpp")]
+                      "decode_layers.cpp", "argmax.cpp")]
 _lock = threading.Lock()
 _exts: dict[str, object] = {}  # isa -> the loaded module, or the exception that stopped its build
 _build_seconds: dict[str, float] = {}
@@ -328,6 +328,14 @@ class DecodeKernels:
         if self._rows(o) and self._rows(gate) and o.dtype == gate.dtype:
             return self.ext.gate_output(o, gate)
         return pointwise.gate_output(o, gate)
+
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(rows, dim=-1) for logits rows [N, V] (greedy sampling), compiled where it can run: the
+        same answer, ties and NaN included (csrc/argmax.cpp)."""
+        if self.ext is not None and rows.dtype == torch.float32 and rows.device.type == "cpu" and rows.dim() == 2 \
+                and rows.shape[1] > 0 and rows.stride(1) == 1:
+            return self.ext.argmax_rows(rows)
+        return torch.argmax(rows, dim=-1)
 
     def _rows(self, x: torch.Tensor) -> bool:
         """x goes to the compiled activations: loaded kernels, a CPU fp32 / bf16 matrix, unit last stride."""

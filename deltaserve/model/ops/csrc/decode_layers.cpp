@@ -13,7 +13,6 @@
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/index_select.h>
 
 #include <cstring>
 #include <vector>
@@ -134,7 +133,10 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
   const int64_t V = embed_.size(0);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < B; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " is outside the vocabulary");
-  auto x = at::index_select(embed_, 0, ids);  // F.embedding: a row copy, [B, H]
+  const int64_t H = embed_.size(1);
+  auto x = at::empty({B, H}, embed_.options());  // F.embedding: a row copy, [B, H]
+  for (int64_t i = 0; i < B; ++i)
+    std::memcpy(x.data_ptr<at::BFloat16>() + i * H, embed_.data_ptr<at::BFloat16>() + ip[i] * H, H * sizeof(at::BFloat16));
   const auto rows = at::arange(B, ids.options());
   int64_t gi = 0, ai = 0;
   for (const Layer& l : layers_) {

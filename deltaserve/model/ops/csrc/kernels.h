@@ -41,6 +41,9 @@ at::Tensor silu_mul(const at::Tensor& gu);
 at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
 void silu_into(const at::Tensor& acc, at::Tensor& out);
 
+// argmax.cpp
+at::Tensor argmax_rows(const at::Tensor& x);
+
 // decode_layers.cpp: a decode-only step of the whole model (model/fused.py builds one per model)
 class DecodeModel {
  public:
