@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .batch import long_tensor
 from .ops.cpu_kernels import tap_major
 from .ops.linear import PackedWeight
 
@@ -115,8 +116,8 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
         if s.page_ids.numel() * bs <= s.pos:
             raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
                              f"needs {s.pos + 1}")
-    slots = torch.tensor([s.slot for s in spans], dtype=torch.long)
-    lengths = torch.tensor([s.pos + 1 for s in spans], dtype=torch.long)
+    slots = long_tensor([s.slot for s in spans])
+    lengths = long_tensor([s.pos + 1 for s in spans])
     cos, sin = model.rotary(batch.positions, max(s.pos for s in spans) + 1)
     return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin, decode_table(batch),
                        lengths)
