@@ -93,4 +93,35 @@ inline void exp_map(int64_t n, Arg arg, Put put) {
   }
 }
 
+#if defined(__AVX512F__)
+// 16 lanes of an activation at once, for the AVX-512 builds' kernels: loads widen bf16 (or take fp32), stores
+// round to bf16 as st<c10::BFloat16> does (to nearest even, NaN -> 0x7FC0) or store fp32, each under a lane
+// mask (the last block of a row: masked-off lanes load 0, as exp_map's zero padding, and are not stored). The
+// arithmetic between them is the scalar kernels' IEEE ops, so the bits are theirs.
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1u); }
+inline __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 ld16(const c10::BFloat16* p, __mmask16 m) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+inline __m512i bf16_bits16(__m512 v) {  // in the low 16 bits of each lane
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+inline __m512 neg16(__m512 v) { return _mm512_xor_ps(v, _mm512_set1_ps(-0.f)); }  // -v, as the scalar minus
+inline void st16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void st16(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+// ld(st<T>(v)): v rounded to T's precision, as fp32
+inline __m512 round16(__m512 v, float*) { return v; }
+inline __m512 round16(__m512 v, c10::BFloat16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+template <typename T>
+inline __m512 round16(__m512 v) { return round16(v, static_cast<T*>(nullptr)); }
+#endif
+
 }  // namespace ds
