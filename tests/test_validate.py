@@ -91,9 +91,16 @@ def _trace(rate: float, think: float, seed: int, sessions: int = 4):
     return agent_trace(spec)
 
 
+def _light():
+    """Idle gaps between sparse arrivals, after a burst: the first second's arrivals within 50 ms, so that they
+    overlap (mixed steps, arrivals inside a step) however fast the engine runs (a tiny decode step is ~1 ms)."""
+    return [replace(r, arrival_time=r.arrival_time * 0.05) if r.arrival_time < 1.5 else r
+            for r in _trace(rate=1.0, think=1.0, seed=3, sessions=6)]
+
+
 SCENARIOS = {  # name: (trace, engine flags); light: idle gaps and arrivals inside steps; overloaded: everything at
     # once into a 23-page pool that must preempt
-    "light": (lambda: _trace(rate=1.0, think=1.0, seed=3, sessions=6),
+    "light": (_light,
               {"max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_cache_memory": 64 * MiB}),
     "overloaded": (lambda: [replace(r, arrival_time=r.arrival_time * 0.01) for r in _trace(20.0, 0.3, seed=4)],
                    {"max_num_seqs": 4, "max_num_batched_tokens": 256, "kv_cache_memory": 9 * MiB // 2}),
