@@ -93,7 +93,8 @@ def decode_program(model):
                     program.add_gdn(w, dims, eps)
                 else:
                     program.add_attention(w, dims, eps, scale)
-            sources = tuple(t for l in model.layers if l.is_gdn for t in (l.linear_attn.conv_weight, l.linear_attn.A_log))
+            sources = tuple(t for layer in model.layers if layer.is_gdn
+                            for t in (layer.linear_attn.conv_weight, layer.linear_attn.A_log))
     model._decode_program = (base, sources, _versions(sources), program)
     return program
 

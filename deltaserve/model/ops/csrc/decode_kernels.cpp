@@ -616,7 +616,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gdn_gates", &gdn_gates, "(g, beta) = (neg_decay * softplus(a + dt_bias), sigmoid(b)) for b, a [T,H]");
   m.def("silu_mul", &silu_mul, "silu(gu[:, :I]) * gu[:, I:] for gu [T, 2I]");
   m.def("gate_output", &gate_output, "o * sigmoid(gate) for o, gate [T, N]");
-  py::class_<DecodeModel>(m, "DecodeModel", py::module_local(), "a model's decode-only step in one call (decode_layers.cpp)")
+  py::class_<DecodeModel>(m, "DecodeModel", py::module_local(),
+                          "a model's decode-only step in one call (decode_layers.cpp)")
       .def(py::init<at::Tensor, at::Tensor, double, bool>(), py::arg("embed"), py::arg("norm"), py::arg("eps"),
            py::arg("amx"))
       .def("add_gdn", &DecodeModel::add_gdn, py::arg("weights"), py::arg("dims"), py::arg("eps"))

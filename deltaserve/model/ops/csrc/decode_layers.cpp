@@ -66,7 +66,8 @@ void kv_write(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, co
     TORCH_CHECK(page >= 0 && page < P, "decode row ", i, ": page ", page, " is outside the KV pool");
     at::BFloat16* dst = kvp + (page * 2 * bs + p % bs) * row;
     std::memcpy(dst, kp + i * row, row * sizeof(at::BFloat16));
-    for (int64_t j = 0; j < hkv; ++j) std::memcpy(dst + bs * row + j * d, vp + i * vs0 + j * vs1, d * sizeof(at::BFloat16));
+    for (int64_t j = 0; j < hkv; ++j)
+      std::memcpy(dst + bs * row + j * d, vp + i * vs0 + j * vs1, d * sizeof(at::BFloat16));
   }
 }
 
@@ -132,11 +133,13 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
   for (const at::Tensor& t : kv) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "KV pools must be bf16");
   const int64_t V = embed_.size(0);
   const int64_t* ip = ids.data_ptr<int64_t>();
-  for (int64_t i = 0; i < B; ++i) TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " is outside the vocabulary");
+  for (int64_t i = 0; i < B; ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " is outside the vocabulary");
   const int64_t H = embed_.size(1);
   auto x = at::empty({B, H}, embed_.options());  // F.embedding: a row copy, [B, H]
-  for (int64_t i = 0; i < B; ++i)
-    std::memcpy(x.data_ptr<at::BFloat16>() + i * H, embed_.data_ptr<at::BFloat16>() + ip[i] * H, H * sizeof(at::BFloat16));
+  const auto* ep = embed_.data_ptr<at::BFloat16>();
+  auto* xp = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < B; ++i) std::memcpy(xp + i * H, ep + ip[i] * H, H * sizeof(at::BFloat16));
   const auto rows = at::arange(B, ids.options());
   int64_t gi = 0, ai = 0;
   for (const Layer& l : layers_) {

@@ -69,13 +69,11 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& y) {
       const T* up = gate + I;
       T* out = yp + r * I;
 #if defined(__AVX512F__)
-      for (int64_t i = 0; i < I; i += ds::kExpBlock) {
-        const __mmask16 m = ds::lanes(I - i);
+      ds::blocks16(I, [&](int64_t i, __mmask16 m) {
         const __m512 g = ds::ld16(gate + i, m);
-        const __m512 e = ds::exp_ps(ds::neg16(g));
-        const __m512 silu = ds::round16<T>(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+        const __m512 silu = ds::round16<T>(_mm512_div_ps(g, ds::one_plus_exp_neg(g)));
         ds::st16(out + i, _mm512_mul_ps(silu, ds::ld16(up + i, m)), m);
-      }
+      });
 #else
       exp_map(I, [&](int64_t i) { return -ld(gate[i]); }, [&](int64_t i, float e) {
         const float silu = ld(st<T>(ld(gate[i]) / (1.f + e)));
@@ -98,12 +96,10 @@ void gate_output_impl(const at::Tensor& o, const at::Tensor& gate, at::Tensor& y
       const T* x = op + r * so;
       T* out = yp + r * N;
 #if defined(__AVX512F__)
-      for (int64_t i = 0; i < N; i += ds::kExpBlock) {
-        const __mmask16 m = ds::lanes(N - i);
-        const __m512 e = ds::exp_ps(ds::neg16(ds::ld16(g + i, m)));
-        const __m512 sig = ds::round16<T>(_mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      ds::blocks16(N, [&](int64_t i, __mmask16 m) {
+        const __m512 sig = ds::round16<T>(_mm512_div_ps(_mm512_set1_ps(1.f), ds::one_plus_exp_neg(ds::ld16(g + i, m))));
         ds::st16(out + i, _mm512_mul_ps(ds::ld16(x + i, m), sig), m);
-      }
+      });
 #else
       exp_map(N, [&](int64_t i) { return -ld(g[i]); }, [&](int64_t i, float e) {
         out[i] = st<T>(ld(x[i]) * ld(st<T>(1.f / (1.f + e))));
@@ -123,12 +119,10 @@ void silu_into_impl(const at::Tensor& acc, at::Tensor& out) {
       const float* a = ap + r * sa;
       T* o = op + r * so;
 #if defined(__AVX512F__)
-      for (int64_t i = 0; i < C; i += ds::kExpBlock) {
-        const __mmask16 m = ds::lanes(C - i);
+      ds::blocks16(C, [&](int64_t i, __mmask16 m) {
         const __m512 v = ds::ld16(a + i, m);
-        const __m512 e = ds::exp_ps(ds::neg16(v));
-        ds::st16(o + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)), m);
-      }
+        ds::st16(o + i, _mm512_div_ps(v, ds::one_plus_exp_neg(v)), m);
+      });
 #else
       exp_map(C, [&](int64_t i) { return -a[i]; }, [&](int64_t i, float e) { o[i] = st<T>(a[i] / (1.f + e)); });
 #endif
@@ -141,7 +135,8 @@ void silu_into_impl(const at::Tensor& acc, at::Tensor& out) {
 void silu_into(const at::Tensor& acc, at::Tensor& out) {
   check_rows(acc, "silu_into: acc");
   check_rows(out, "silu_into: out");
-  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.sizes() == out.sizes(), "silu_into: acc must be fp32, out its shape");
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.sizes() == out.sizes(),
+              "silu_into: acc must be fp32, out its shape");
   if (out.scalar_type() == at::kFloat)
     silu_into_impl<float>(acc, out);
   else

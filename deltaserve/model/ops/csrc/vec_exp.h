@@ -122,6 +122,12 @@ inline __m512 round16(__m512 v, c10::BFloat16*) {
 }
 template <typename T>
 inline __m512 round16(__m512 v) { return round16(v, static_cast<T*>(nullptr)); }
+inline __m512 one_plus_exp_neg(__m512 v) { return _mm512_add_ps(_mm512_set1_ps(1.f), exp_ps(neg16(v))); }
+// f(i, mask) for each block of 16 of [0, n), the last one masked
+template <class F>
+inline void blocks16(int64_t n, F f) {
+  for (int64_t i = 0; i < n; i += kExpBlock) f(i, lanes(n - i));
+}
 #endif
 
 }  // namespace ds
