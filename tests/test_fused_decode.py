@@ -89,3 +89,22 @@ def test_layers_that_do_not_qualify_take_the_op_table_path(monkeypatch):
     m.select_decode_kernels("torch")
     greedy(m, list(range(100, 120)), 3)
     assert seen and all(s is None for s in seen)  # the torch kernels: no program
+
+
+def test_the_program_follows_weights_changed_in_place(model, monkeypatch):
+    """A_log and the conv weight are held derived (-exp(A_log), tap-major): changed in place, the program is
+    rebuilt and keeps the op-table path's bits."""
+    m = model
+    mixer = m.layers[0].linear_attn
+    keep = mixer.A_log.clone(), mixer.conv_weight.clone()
+    before, _, _ = _run(m, True, monkeypatch)
+    try:
+        mixer.A_log.add_(0.5)
+        mixer.conv_weight.mul_(0.5)
+        fused, _, calls = _run(m, True, monkeypatch)
+        plain, _, _ = _run(m, False, monkeypatch)
+        assert calls == [False] + [True] * 5
+        assert torch.equal(fused, plain) and not torch.equal(fused, before)
+    finally:
+        mixer.A_log.copy_(keep[0])
+        mixer.conv_weight.copy_(keep[1])

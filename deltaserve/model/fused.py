@@ -71,10 +71,10 @@ def _versions(sources: tuple) -> tuple:
 
 
 def decode_program(model):
-    """The model's DecodeModel, or None: it does not qualify. Built on first use, and again when the kernels or
-    the packing changed, or a source of its derived weights (the conv weights it holds tap-major, the A_log
-    it holds as -exp(A_log)) was changed in place."""
-    base = (id(model.decode_kernels), model.linear_kind)
+    """The model's DecodeModel, or None: it does not qualify. Built on first use, and again when the kernels, the
+    packing, or the embedding or final norm tensor changed, or a source of its derived weights (the conv weights
+    it holds tap-major, the A_log it holds as -exp(A_log)) was changed in place."""
+    base = (id(model.decode_kernels), model.linear_kind, id(model.embed_tokens), id(model.norm))
     cached = model.__dict__.get("_decode_program")  # (base, sources, their versions, program)
     if cached is not None and cached[0] == base and cached[2] == _versions(cached[1]):
         return cached[3]

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import ConfigError, ModelConfig
-from . import quant
+from . import fused, quant
 from .ops.fp8 import fuse
 from .qwen3_5 import HybridModel, torch_dtype
 
@@ -279,4 +279,6 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     if prepack is not False and model.prepack_linears():
         log.info("bf16 projections and head packed for %s", f"the compiled linear_bf16 ({model.decode_kernels.isa})"
                  if model.linear_kind == "cpp" else "oneDNN" if model.linear_kind == "onednn" else "F.linear")
+    if fused.decode_program(model) is not None:  # built now, not in the first decode step
+        log.info("decode-only steps: the whole model in one compiled call (model/fused.py)")
     return model
