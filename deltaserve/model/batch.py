@@ -73,6 +73,30 @@ class ForwardBatch:
         return cls(input_ids=long_tensor(ids, device), positions=long_tensor(pos, device), spans=spans,
                    decode_table=table)
 
+    def check(self, block_size: int) -> None:
+        """ValueError unless: prefill spans come first; a decode span is one token, without checkpoints; a prefill
+        span's checkpoints are grid positions inside it; every page table covers its span."""
+        decode_seen = False
+        for s in self.spans:
+            if s.is_decode and s.length != 1:
+                raise ValueError(f"a decode span has one token, not {s.length}")
+            if s.saves and (s.is_decode or any(not s.pos < p < s.pos + s.length or p % 64 for p, _ in s.saves)):
+                raise ValueError(f"span at rows {s.start}..: checkpoints {[p for p, _ in s.saves]} are not grid "
+                                 f"positions inside its prefill chunk {s.pos}..{s.pos + s.length}")
+            if s.page_ids.numel() * block_size < s.pos + s.length:
+                raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * block_size} "
+                                 f"positions, needs {s.pos + s.length}")
+            if decode_seen and not s.is_decode:
+                raise ValueError(f"span at rows {s.start}..: a prefill span after a decode span (prefill spans first)")
+            decode_seen = decode_seen or s.is_decode
+
+    def decode_page_table(self) -> torch.Tensor:
+        """[B, max pages] int64: the decode spans' page tables (decode_table as build made it, else padded here)."""
+        if self.decode_table is not None:
+            return self.decode_table
+        return torch.nn.utils.rnn.pad_sequence([s.page_ids.to(torch.long) for s in self.spans if s.is_decode],
+                                               batch_first=True)
+
     @property
     def decode_spans(self) -> list[Span]:
         return [s for s in self.spans if s.is_decode]

@@ -100,34 +100,20 @@ def decode_program(model):
 
 
 def decode_step(model, batch, caches) -> torch.Tensor | None:
-    """hidden [B, H] (final norm applied) for a step whose every span is a decode span, in one compiled call;
-    None when the step has a prefill span or the model does not qualify (the caller takes the op-table path)."""
+    """hidden [B, H] (final norm applied) for a step whose every span is a decode span, its rows in order, in one
+    compiled call; None when the step is not one or the model does not qualify (the caller takes the op-table
+    path)."""
     spans = batch.spans
     if not spans or not spans[0].is_decode:  # prefill spans come first
         return None
     program = decode_program(model)
     if program is None:
         return None
-    bs = caches.block_size
-    for i, s in enumerate(spans):
-        if not s.is_decode or s.length != 1 or s.start != i:
-            raise ValueError(f"span at rows {s.start}..: a decode step's spans are one token each, in row order")
-        if s.saves:
-            raise ValueError(f"span at rows {s.start}..: checkpoints {[p for p, _ in s.saves]} inside a decode span")
-        if s.page_ids.numel() * bs <= s.pos:
-            raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
-                             f"needs {s.pos + 1}")
+    batch.check(caches.block_size)  # every span a one-token decode span now
+    if any(s.start != i for i, s in enumerate(spans)):
+        return None
     slots = long_tensor([s.slot for s in spans])
     lengths = long_tensor([s.pos + 1 for s in spans])
     cos, sin = model.rotary(batch.positions, max(s.pos for s in spans) + 1)
-    return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin, decode_table(batch),
-                       lengths)
-
-
-def decode_table(batch) -> torch.Tensor:
-    """[B, max pages] int64: the decode spans' page tables, padded with page 0 (never read: lengths bound every
-    row); the one ForwardBatch.build made, else made here."""
-    if batch.decode_table is not None:
-        return batch.decode_table
-    return torch.nn.utils.rnn.pad_sequence([s.page_ids.to(torch.long) for s in batch.spans if s.is_decode],
-                                           batch_first=True)
+    return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin,
+                       batch.decode_page_table(), lengths)

@@ -17,12 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
+from . import fused, quant
 from .batch import Caches, ForwardBatch
-from . import fused
 from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
-from . import quant
 from .ops.fp8 import fp8_kernel
 from .ops.linear import PackedWeight, can_prepack, linear
 from .ops.table import Ops
@@ -101,22 +100,13 @@ class HybridModel(nn.Module):
         bs = caches.block_size
         pages, rows = [], []
         dec_rows, dec_slots, dec_pos = [], [], []
+        batch.check(bs)
         for s in batch.spans:
-            if s.is_decode and s.length != 1:
-                raise ValueError(f"a decode span has one token, not {s.length}")
-            if s.saves and (s.is_decode or any(not s.pos < p < s.pos + s.length or p % 64 for p, _ in s.saves)):
-                raise ValueError(f"span at rows {s.start}..: checkpoints {[p for p, _ in s.saves]} are not grid "
-                                 f"positions inside its prefill chunk {s.pos}..{s.pos + s.length}")
-            if s.page_ids.numel() * bs < s.pos + s.length:
-                raise ValueError(f"span at rows {s.start}..: page table covers {s.page_ids.numel() * bs} positions, "
-                                 f"needs {s.pos + s.length}")
             if s.is_decode:  # its K/V row: one gather for all decode spans, through their page table below
                 dec_rows.append(s.start)
                 dec_slots.append(s.slot)
                 dec_pos.append(s.pos)
                 continue
-            if dec_rows:
-                raise ValueError(f"span at rows {s.start}..: a prefill span after a decode span (prefill spans first)")
             p = torch.arange(s.pos, s.pos + s.length, device=dev)
             pages.append(s.page_ids.to(dev)[p // bs])
             rows.append(p % bs)
@@ -126,7 +116,7 @@ class HybridModel(nn.Module):
         ops = ops or self.ops
         table = lengths = None
         if dec_rows:
-            table = fused.decode_table(batch).to(dev)  # [B, max pages]
+            table = batch.decode_page_table().to(dev)  # [B, max pages]
             dpos = as_index(dec_pos)
             pages.append(table[torch.arange(len(dec_pos), device=dev), dpos // bs])
             rows.append(dpos % bs)

@@ -269,7 +269,7 @@ class DecodeKernels:
         """x [T, C] (the step's rows; rows [B] picks the decode tokens); weight [C, K]; state [S, K-1, C] in
         x's dtype (slots [B] updated in place) -> silu(conv) [B, C] in x's dtype: ops/conv.py
         causal_conv1d_step's fp32 mul / add order, then silu_into, as the compiled prefill (the bits of
-        causal_conv1d_prefill(..., silu=self.silu_into))."""
+        causal_conv1d_prefill(..., silu_into=self.silu_into))."""
         return self.ext.conv1d_step(x, rows, tap_major(weight), state, slots)
 
     def silu_into(self, acc: torch.Tensor, out: torch.Tensor) -> None:

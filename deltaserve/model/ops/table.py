@@ -7,9 +7,9 @@ the profiler refuses a table with an op it has no kernel name for (profile/profi
 op's time can silently land in its caller's.
 
 Each entry has the signature of the function it names (ops/attention.py, conv.py, gdn.py, norm.py, mlp.py,
-pointwise.py, linear.py); the activations and norms are DecodeKernels' methods (compiled for every row where the
-kernels are loaded, else those torch functions); the decode kernels are DecodeKernels' methods (cpu_kernels.py), None where the
-compiled kernels are not loaded (the layers then take the torch path).
+pointwise.py, linear.py); the activations and norms are DecodeKernels' methods (compiled for every row where
+the kernels are loaded, else those torch functions); the decode kernels are DecodeKernels' methods
+(cpu_kernels.py), None where the compiled kernels are not loaded (the layers then take the torch path).
 """
 from __future__ import annotations
 
@@ -53,7 +53,8 @@ class Ops:
     def for_kernels(cls, kernels: DecodeKernels = TORCH) -> "Ops":
         compiled = kernels.compiled
         return cls(linear=linear, rms_norm=kernels.rms_norm, add_rms_norm=kernels.add_rms_norm,
-                   rms_norm_gated=kernels.rms_norm_gated, gdn_gates=kernels.gdn_gates, swiglu=functools.partial(swiglu, act=kernels.silu_mul), moe=moe,
+                   rms_norm_gated=kernels.rms_norm_gated, gdn_gates=kernels.gdn_gates,
+                   swiglu=functools.partial(swiglu, act=kernels.silu_mul), moe=moe,
                    qk_norm_rope=kernels.qk_norm_rope, gate_output=kernels.gate_output,
                    kv_write=kv_write, kv_gather=kv_gather,
                    prefill_attention=prefill_attention, decode_attention=decode_attention,

@@ -69,9 +69,7 @@ template <typename T> inline float round_to(float f) { return to_f(from_f<T>(f))
 constexpr int LANES = 16;
 
 // Calls touching fewer elements than kSerialBelow (kernels.h) run on the calling thread: waking the other threads
-// costs more than the work. At 2^20 a tiny model's batch-8 attention (~600K K/V elements) and GDN step (131K
-// state elements) ran on one thread: 148 and 45 us a layer, 105 and 38 us split over the two cores.
-constexpr int64_t SERIAL_BELOW = kSerialBelow;
+// costs more than the work. (A separate 2^20 kept a tiny model's batch-8 attention and GDN step on one thread.)
 
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -360,7 +358,7 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   // one (sequence, kv head) item reads ~2 L D elements: split items across threads only when there is work
   int64_t total = 0;
   for (int64_t b = 0; b < B; ++b) total += lens[b];
-  const int64_t grain = total * Hkv * D < SERIAL_BELOW ? B * Hkv : 1;
+  const int64_t grain = total * Hkv * D < kSerialBelow ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), scores;
     std::vector<const T*> krows, vrows;
@@ -433,7 +431,7 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   const int64_t qs1 = q.stride(1), ks1 = k.stride(1), vs1 = v.stride(1);
   const float qscale = 1.f / std::sqrt(float(dk));  // python's dk ** -0.5 rounded to fp32
 
-  const int64_t grain = B * H * dv * dk < SERIAL_BELOW ? B * H : 1;
+  const int64_t grain = B * H * dv * dk < kSerialBelow ? B * H : 1;
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> qn(dk), kn(dk);
     for (int64_t item = begin; item < end; ++item) {
@@ -546,7 +544,7 @@ void conv_impl(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt
   const float* w = wt.data_ptr<float>();
   T* sp = reinterpret_cast<T*>(state.data_ptr());
   float* ap = acc.data_ptr<float>();
-  const int64_t grain = B * C * K < SERIAL_BELOW ? B : 1;
+  const int64_t grain = B * C * K < kSerialBelow ? B : 1;
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b) {
       const T* xr = xp + rp[b] * xs0;

@@ -9,10 +9,9 @@
 
 // The linears (linear_bf16.cpp, linear_bf16_amx.cpp, linear_fp8.cpp) split a call of kSerialBelow multiply-adds or
 // more over the threads, a smaller one stays on the calling thread, where waking the others costs more than the
-// work. At 2^16 a tiny model's batch-1 projections (256 x 256 and up) are parallel: its decode step ran 0.91-1.11
-// ms median against 1.16-1.57 ms at 2^19 (2 cores, interleaved runs). On a host whose cores are taken by other
-// processes every parallel region waits for its threads to be scheduled (a tiny decode step took 277 ms instead
-// of ~3 ms): serve with --num-threads 1 there.
+// work. At 2^16 a tiny model's batch-1 projections (256 x 256 and up) are parallel (at 2^19 they were not). On a
+// host whose cores are taken by other processes every parallel region waits for its threads to be scheduled (a
+// tiny decode step took 277 ms instead of ~3 ms, docs/cpu.md): serve with --num-threads 1 there.
 constexpr int64_t kSerialBelow = int64_t(1) << 16;
 
 // linear_bf16.cpp
