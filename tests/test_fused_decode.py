@@ -12,15 +12,21 @@ import deltaserve.model.fused as program
 from tests.test_cpu_kernels import kern_any  # noqa: F401 - the fixture: every instruction set this CPU executes
 
 
-@pytest.fixture(scope="module")
-def model(kern_any):  # noqa: F811
-    """The bf16 tiny model on this set's kernels, its linears packed by this set's build (as the loader does)."""
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def model(request, kern_any):  # noqa: F811
+    """The tiny model on this set's kernels, its linears packed by this set's build (as the loader does): bf16, or
+    the block-FP8 checkpoint (fp8 projections, and the GDN in_proj split into fp8 rows and bf16 b / a rows)."""
     from deltaserve.embedded import ensure_model
     from deltaserve.model.loader import load_model
+    from deltaserve.model.ops.fp8 import Fp8Weight, SplitWeight
 
-    m = load_model(ensure_model("tiny", seed=0), dtype="bfloat16", prepack=False)
+    path = request.getfixturevalue("fp8_tiny") if request.param == "fp8" else ensure_model("tiny", seed=0)
+    m = load_model(path, dtype="bfloat16", prepack=False)
     m.select_decode_kernels("cpp", kern_any.isa)
     assert m.prepack_linears() and m.linear_kind == "cpp"
+    if request.param == "fp8":
+        gdn = next(layer for layer in m.layers if layer.is_gdn)
+        assert isinstance(gdn.mlp.down, Fp8Weight) and isinstance(gdn.linear_attn.in_proj, SplitWeight)
     return m
 
 

@@ -8,9 +8,10 @@ same order on the same tensors as the op-table path (qwen3_5.py, layers.py): the
 (tests/test_fused_decode.py), so a decode row is the same whether its step was fused or shared with prefill rows
 (the batch-invariance and hit == cold gates rest on that).
 
-A model qualifies when every layer does: projections bf16 weights packed for the compiled linear (kind "cpp")
-by one module, a plain GDN or attention mixer (not a tensor-parallel wrapper), a dense MLP, bf16 norms; and the
-caches are bf16 (conv, KV) and fp32 (GDN state), checked by every call. Anything else takes the op-table path.
+A model qualifies when every layer does: every projection part packed for a compiled linear (bf16 weights for
+linear_bf16 by the decode kernels' own build, block-FP8 weights for linear_fp8, one FP8 module for the model), a
+plain GDN or attention mixer (not a tensor-parallel wrapper), a dense MLP, bf16 norms; and the caches are bf16
+(conv, KV) and fp32 (GDN state), checked by every call. Anything else takes the op-table path.
 The profiler's op table (a timed copy) never takes this path, so its timings stay per op.
 """
 from __future__ import annotations
@@ -19,21 +20,27 @@ import torch
 
 from .batch import long_tensor
 from .ops.cpu_kernels import tap_major
+from .ops.fp8 import Fp8Weight, SplitWeight
 from .ops.linear import PackedWeight
 
 
-def _packed(*ws) -> bool:
-    """Packed for the compiled linear, all by one module (the one ops/linear.py calls them with)."""
-    return all(isinstance(w, PackedWeight) and w.kind == "cpp" and w.ext is ws[0].ext for w in ws)
+def _parts(w, ext, fp8_exts: set) -> list | None:
+    """The projection as DecodeModel parts [(packed, fp8 scales or None, N, fp8 path)] in output-row order, or
+    None: a part is not packed for a compiled kernel (bf16 parts by ext, the decode kernels' build, as
+    prepack_linears packs them; fp8 parts by the fp8 kernel, whose module joins fp8_exts)."""
+    if isinstance(w, SplitWeight):
+        parts = [_parts(p, ext, fp8_exts) for p in w.parts]
+        return None if any(p is None for p in parts) else [q for p in parts for q in p]
+    if isinstance(w, PackedWeight) and w.kind == "cpp" and w.ext is ext:
+        return [(w.packed, None, w.shape[0], "")]
+    if isinstance(w, Fp8Weight) and w.packed is not None:
+        fp8_exts.add(w.ext)
+        return [(w.packed, w.scales, w.shape[0], w.path)]
+    return None
 
 
-def _on_amx(w: PackedWeight) -> bool:
-    """Whether ops/linear.py multiplies this weight on AMX tiles (the amx set's linear_bf16 is linear_bf16_amx)."""
-    return w.ext.kernel_isa() == "amx"
-
-
-def _layer(layer) -> tuple | None:
-    """(is_gdn, weights, dims, eps, scale, packed weights) for DecodeModel.add_*, or None: the layer does not
+def _layer(layer, ext, fp8_exts: set) -> tuple | None:
+    """(is_gdn, weights, projections, dims, eps, scale) for DecodeModel.add_*, or None: the layer does not
     qualify."""
     from .layers import AttentionMixer, DenseMLP, GDNMixer
 
@@ -43,27 +50,24 @@ def _layer(layer) -> tuple | None:
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     if layer.is_gdn:
         m = layer.linear_attn
-        if type(m) is not GDNMixer:
+        if type(m) is not GDNMixer or m.dt_bias.dtype != torch.float32 or m.norm_weight.dtype != torch.bfloat16:
             return None
-        packed = (m.in_proj, m.out_proj, mlp.gate_up, mlp.down)
-        if not _packed(*packed) or m.dt_bias.dtype != torch.float32 or m.norm_weight.dtype != torch.bfloat16:
-            return None
-        w = norms + [m.in_proj.packed, tap_major(m.conv_weight), m.dt_bias, m._neg_decay(), m.norm_weight,
-                     m.out_proj.packed]
-        dims = [m.in_proj.shape[0], m.conv_dim, m.value_dim, m.hv, m.hk, m.dk, m.dv, m.out_proj.shape[0]]
+        w = norms + [tap_major(m.conv_weight), m.dt_bias, m._neg_decay(), m.norm_weight]
+        projs = (m.in_proj, m.out_proj)
+        dims = [m.conv_dim, m.value_dim, m.hv, m.hk, m.dk, m.dv]
         scale = 0.0
     else:
         m = layer.self_attn
-        if type(m) is not AttentionMixer:
+        if type(m) is not AttentionMixer or m.q_norm.dtype != torch.bfloat16:
             return None
-        packed = (m.qkv_proj, m.o_proj, mlp.gate_up, mlp.down)
-        if not _packed(*packed) or m.q_norm.dtype != torch.bfloat16:
-            return None
-        w = norms + [m.qkv_proj.packed, m.q_norm, m.k_norm, m.o_proj.packed]
-        dims = [m.qkv_proj.shape[0], m.hq, m.hkv, m.d, m.o_proj.shape[0]]
+        w = norms + [m.q_norm, m.k_norm]
+        projs = (m.qkv_proj, m.o_proj)
+        dims = [m.hq, m.hkv, m.d]
         scale = m.scale
-    return (layer.is_gdn, w + [mlp.gate_up.packed, mlp.down.packed], dims + [mlp.gate_up.shape[0], mlp.down.shape[0]],
-            layer.eps, scale, packed)
+    parts = [_parts(p, ext, fp8_exts) for p in (*projs, mlp.gate_up, mlp.down)]
+    if any(p is None for p in parts):
+        return None
+    return layer.is_gdn, w, parts, dims, layer.eps, scale
 
 
 def _versions(sources: tuple) -> tuple:
@@ -82,17 +86,18 @@ def decode_program(model):
     program, sources = None, ()
     if (kernels is not None and kernels.compiled and model.dtype == torch.bfloat16
             and model.embed_tokens.is_contiguous() and model.norm.dtype == torch.bfloat16):
-        plans = [_layer(layer) for layer in model.layers]
-        amx = {_on_amx(p[5][0]) for p in plans if p is not None}
-        exts = {id(p[5][0].ext) for p in plans if p is not None}
-        if plans and all(p is not None for p in plans) and len(amx) == 1 and len(exts) == 1:
-            ext = plans[0][5][0].ext
-            program = ext.DecodeModel(model.embed_tokens, model.norm, model.config.rms_norm_eps, amx.pop())
-            for is_gdn, w, dims, eps, scale, _ in plans:
+        fp8_exts: set = set()
+        plans = [_layer(layer, kernels.ext, fp8_exts) for layer in model.layers]
+        fp8 = fp8_exts.pop().linear_fp8_capsule() if len(fp8_exts) == 1 else None
+        if plans and all(p is not None for p in plans) and not fp8_exts:  # at most one fp8 module
+            # ops/linear.py multiplies bf16 weights on AMX tiles where the set is amx (its linear_bf16)
+            program = kernels.ext.DecodeModel(model.embed_tokens, model.norm, model.config.rms_norm_eps,
+                                              kernels.ext.kernel_isa() == "amx", fp8)
+            for is_gdn, w, parts, dims, eps, scale in plans:
                 if is_gdn:
-                    program.add_gdn(w, dims, eps)
+                    program.add_gdn(w, parts, dims, eps)
                 else:
-                    program.add_attention(w, dims, eps, scale)
+                    program.add_attention(w, parts, dims, eps, scale)
             sources = tuple(t for layer in model.layers if layer.is_gdn
                             for t in (layer.linear_attn.conv_weight, layer.linear_attn.A_log))
     model._decode_program = (base, sources, _versions(sources), program)

@@ -26,6 +26,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -606,6 +608,21 @@ at::Tensor conv_step(const at::Tensor& x, const at::Tensor& rows, const at::Tens
 }
 }  // namespace ds
 
+namespace {
+// a projection part from Python: (packed, fp8 scales or None, N, fp8 path) (model/fused.py _parts)
+using PartArg = std::tuple<at::Tensor, std::optional<at::Tensor>, int64_t, std::string>;
+
+std::vector<DecodeModel::Proj> projections(const std::vector<std::vector<PartArg>>& args) {
+  std::vector<DecodeModel::Proj> out;
+  for (const auto& parts : args) {
+    DecodeModel::Proj p;
+    for (const auto& [packed, scales, n, path] : parts) p.push_back({packed, scales.value_or(at::Tensor()), n, path});
+    out.push_back(std::move(p));
+  }
+  return out;
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_fused", &rms_norm_fused, "zero-centred RMSNorm, one pass per row (x [R,D] or [R,H,D], w [D], eps)");
   m.def("add_rms_norm_fused", &add_rms_norm_fused, "(x + h, rms_norm(x + h)) for x, h [R, D]");
@@ -616,11 +633,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_output", &gate_output, "o * sigmoid(gate) for o, gate [T, N]");
   py::class_<DecodeModel>(m, "DecodeModel", py::module_local(),
                           "a model's decode-only step in one call (decode_layers.cpp)")
-      .def(py::init<at::Tensor, at::Tensor, double, bool>(), py::arg("embed"), py::arg("norm"), py::arg("eps"),
-           py::arg("amx"))
-      .def("add_gdn", &DecodeModel::add_gdn, py::arg("weights"), py::arg("dims"), py::arg("eps"))
-      .def("add_attention", &DecodeModel::add_attention, py::arg("weights"), py::arg("dims"), py::arg("eps"),
-           py::arg("scale"))
+      .def(py::init([](at::Tensor embed, at::Tensor norm, double eps, bool amx, py::object fp8) {
+             Fp8Linear f = nullptr;
+             if (!fp8.is_none()) {  // the fp8 extension's linear_fp8_capsule()
+               f = reinterpret_cast<Fp8Linear>(PyCapsule_GetPointer(fp8.ptr(), kFp8LinearCapsule));
+               if (f == nullptr) throw py::error_already_set();
+             }
+             return DecodeModel(std::move(embed), std::move(norm), eps, amx, f);
+           }),
+           py::arg("embed"), py::arg("norm"), py::arg("eps"), py::arg("amx"), py::arg("fp8") = py::none())
+      .def("add_gdn",
+           [](DecodeModel& d, std::vector<at::Tensor> w, const std::vector<std::vector<PartArg>>& proj,
+              std::vector<int64_t> dims, double eps) { d.add_gdn(std::move(w), projections(proj), std::move(dims), eps); },
+           py::arg("weights"), py::arg("projections"), py::arg("dims"), py::arg("eps"))
+      .def("add_attention",
+           [](DecodeModel& d, std::vector<at::Tensor> w, const std::vector<std::vector<PartArg>>& proj,
+              std::vector<int64_t> dims, double eps, double scale) {
+             d.add_attention(std::move(w), projections(proj), std::move(dims), eps, scale);
+           },
+           py::arg("weights"), py::arg("projections"), py::arg("dims"), py::arg("eps"), py::arg("scale"))
       .def("run", &DecodeModel::run, py::arg("ids"), py::arg("conv"), py::arg("ssm"), py::arg("kv"), py::arg("slots"),
            py::arg("cos"), py::arg("sin"), py::arg("page_table"), py::arg("lengths"),
            py::call_guard<py::gil_scoped_release>());

@@ -5,14 +5,17 @@
 // the op-table path (qwen3_5.py, layers.py), so the bits are that path's exactly (tests/test_fused_decode.py),
 // and a decode row computed in a mixed step equals the same row computed here.
 //
-// Projections are packed bf16 weights (pack_bf16_weight), multiplied by linear_bf16 or, where amx is set (the amx
-// instruction set), linear_bf16_amx, as ops/linear.py does; x [B, H] is the residual stream.
+// Projections are lists of parts (DecodeModel::Part): packed bf16 weights (pack_bf16_weight), multiplied by
+// linear_bf16 or, where amx is set (the amx instruction set), linear_bf16_amx, as ops/linear.py does; packed fp8
+// weights, multiplied by linear_fp8 of the fp8 extension (ops/fp8.py); several parts are concatenated as
+// SplitWeight.linear does. x [B, H] is the residual stream.
 
 #include "aten_lite.h"
 #include "kernels.h"
 
 #include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
 
 #include <cstring>
 #include <vector>
@@ -20,31 +23,47 @@
 namespace {
 
 using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
+using Proj = DecodeModel::Proj;
+
+// y [B, N] = x @ the projection's weight^T: ops/linear.py linear() on a PackedWeight, an Fp8Weight or a SplitWeight
+struct Mul {
+  Linear bf16;
+  Fp8Linear fp8;
+  at::Tensor part(const DecodeModel::Part& p, const at::Tensor& x) const {
+    return p.scales.defined() ? fp8(x, p.packed, p.scales, p.n, p.path) : bf16(x, p.packed, p.n);
+  }
+  at::Tensor operator()(const Proj& proj, const at::Tensor& x) const {
+    if (proj.size() == 1) return part(proj[0], x);
+    std::vector<at::Tensor> ys;
+    for (const auto& p : proj) ys.push_back(part(p, x));
+    return at::cat(ys, 1);
+  }
+};
 
 // DecoderLayer.forward's tail: (x, h) = add_rms_norm(x, mixed, ln2); x + down(silu(gate(h)) * up(h))
-at::Tensor residual_mlp(Linear linear, const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& ln2, double eps,
-                        const at::Tensor& gate_up, int64_t gu_n, const at::Tensor& down, int64_t down_n) {
+at::Tensor residual_mlp(const Mul& mul, const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& ln2,
+                        double eps, const Proj& gate_up, const Proj& down) {
   auto sy = add_rms_norm_fused(x, mixed, ln2, eps);
-  auto m = linear(silu_mul(linear(sy[1], gate_up, gu_n)), down, down_n);
+  auto m = mul(down, silu_mul(mul(gate_up, sy[1])));
   return at::add(sy[0], m);
 }
 
 // GDNMixer.forward's decode path and the layer around it. rows: 0 .. B-1 (the conv step's rows of proj)
-at::Tensor gdn_layer(Linear linear, const at::Tensor& x, const std::vector<at::Tensor>& w,
+at::Tensor gdn_layer(const Mul& mul, const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<Proj>& pr,
                      const std::vector<int64_t>& dims, double eps, const at::Tensor& conv_cache,
                      const at::Tensor& ssm_cache, const at::Tensor& rows, const at::Tensor& slots) {
-  const int64_t in_n = dims[0], c = dims[1], vd = dims[2], hv = dims[3], hk = dims[4], dk = dims[5], dv = dims[6];
+  const int64_t c = dims[0], vd = dims[1], hv = dims[2], hk = dims[3], dk = dims[4], dv = dims[5];
   const int64_t B = x.size(0), kd = hk * dk;
   auto h = rms_norm_fused(x, w[0], eps);
-  auto proj = linear(h, w[2], in_n);  // [B, conv_dim + value_dim + 2 Hv]
-  auto gb = gdn_gates(proj.narrow(1, c + vd, hv), proj.narrow(1, c + vd + hv, hv), w[4], w[5]);
-  auto xc = ds::conv_step(proj.narrow(1, 0, c), rows, w[3], conv_cache, slots);  // [B, conv_dim]
+  auto proj = mul(pr[0], h);  // [B, conv_dim + value_dim + 2 Hv]
+  auto gb = gdn_gates(proj.narrow(1, c + vd, hv), proj.narrow(1, c + vd + hv, hv), w[3], w[4]);
+  auto xc = ds::conv_step(proj.narrow(1, 0, c), rows, w[2], conv_cache, slots);  // [B, conv_dim]
   auto q = xc.narrow(1, 0, kd).view({B, hk, dk});
   auto k = xc.narrow(1, kd, kd).view({B, hk, dk});
   auto v = xc.narrow(1, 2 * kd, c - 2 * kd).view({B, hv, dv});
   auto o = ds::gdn_step(q, k, v, gb[0], gb[1], ssm_cache, slots);  // [B, Hv, dv]
-  auto core = gated_rms_norm(o.view({B, hv, dv}), proj.narrow(1, c, vd), w[6], eps);
-  return residual_mlp(linear, x, linear(core, w[7], dims[7]), w[1], eps, w[8], dims[8], w[9], dims[9]);
+  auto core = gated_rms_norm(o.view({B, hv, dv}), proj.narrow(1, c, vd), w[5], eps);
+  return residual_mlp(mul, x, mul(pr[1], core), w[1], eps, pr[2], pr[3]);
 }
 
 // kv[page, 0 | 1, row] = k[i] | v[i] for decode row i at position p = lengths[i] - 1: page = table[i, p / bs],
@@ -72,23 +91,23 @@ void kv_write(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, co
 }
 
 // AttentionMixer.forward's decode path and the layer around it
-at::Tensor attention_layer(Linear linear, const at::Tensor& x, const std::vector<at::Tensor>& w,
-                           const std::vector<int64_t>& dims, double eps, double scale, const at::Tensor& kv_cache,
-                           const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& table,
-                           const at::Tensor& lengths) {
-  const int64_t hq = dims[1], hkv = dims[2], d = dims[3], B = x.size(0);
+at::Tensor attention_layer(const Mul& mul, const at::Tensor& x, const std::vector<at::Tensor>& w,
+                           const std::vector<Proj>& pr, const std::vector<int64_t>& dims, double eps, double scale,
+                           const at::Tensor& kv_cache, const at::Tensor& cos, const at::Tensor& sin,
+                           const at::Tensor& table, const at::Tensor& lengths) {
+  const int64_t hq = dims[0], hkv = dims[1], d = dims[2], B = x.size(0);
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == x.scalar_type() &&
                   kv_cache.size(3) == hkv && kv_cache.size(4) == d, "kv_cache must be [P, 2, bs, Hkv, D] in x's dtype");
   auto h = rms_norm_fused(x, w[0], eps);
-  auto proj = linear(h, w[2], dims[0]);  // [B, (2 Hq + 2 Hkv) D]
+  auto proj = mul(pr[0], h);  // [B, (2 Hq + 2 Hkv) D]
   auto qg = proj.narrow(1, 0, 2 * hq * d).view({B, hq, 2 * d});
   auto gate = qg.narrow(2, d, d).reshape({B, hq * d});
-  auto q = qk_norm_rope(qg.narrow(2, 0, d), w[3], eps, cos, sin);
-  auto k = qk_norm_rope(proj.narrow(1, 2 * hq * d, hkv * d).view({B, hkv, d}), w[4], eps, cos, sin);
+  auto q = qk_norm_rope(qg.narrow(2, 0, d), w[2], eps, cos, sin);
+  auto k = qk_norm_rope(proj.narrow(1, 2 * hq * d, hkv * d).view({B, hkv, d}), w[3], eps, cos, sin);
   kv_write(kv_cache, k, proj.narrow(1, (2 * hq + hkv) * d, hkv * d).view({B, hkv, d}), table, lengths);
   auto o = ds::paged_attention(q, kv_cache, table, lengths, scale);  // [B, Hq, D]
   auto out = gate_output(o.view({B, hq * d}), gate);
-  return residual_mlp(linear, x, linear(out, w[5], dims[4]), w[1], eps, w[6], dims[5], w[7], dims[6]);
+  return residual_mlp(mul, x, mul(pr[1], out), w[1], eps, pr[2], pr[3]);
 }
 
 void check_index(const at::Tensor& t, int64_t dim, int64_t rows, const char* what) {
@@ -98,29 +117,39 @@ void check_index(const at::Tensor& t, int64_t dim, int64_t rows, const char* wha
 
 }  // namespace
 
-DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx)
-    : embed_(std::move(embed)), norm_(std::move(norm)), eps_(eps), amx_(amx) {
+DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8)
+    : embed_(std::move(embed)), norm_(std::move(norm)), eps_(eps), amx_(amx), fp8_(fp8) {
   TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous() && embed_.scalar_type() == at::kBFloat16,
               "DecodeModel: the embedding must be contiguous bf16 [V, H]");
 }
 
-void DecodeModel::add_gdn(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps) {
-  TORCH_CHECK(w.size() == 10 && dims.size() == 10, "DecodeModel.add_gdn: 10 weights and 10 dims");
-  layers_.push_back({true, std::move(w), std::move(dims), eps, 0.0});
-  ++n_gdn_;
+void DecodeModel::add(Layer layer, size_t nw, size_t ndims, const char* what) {
+  TORCH_CHECK(layer.w.size() == nw && layer.proj.size() == 4 && layer.dims.size() == ndims, "DecodeModel.", what, ": ",
+              nw, " weights, 4 projections and ", ndims, " dims");
+  for (const Proj& p : layer.proj) {
+    TORCH_CHECK(!p.empty(), "DecodeModel.", what, ": a projection without parts");
+    for (const Part& part : p)
+      TORCH_CHECK(!part.scales.defined() || fp8_ != nullptr, "DecodeModel.", what,
+                  ": an fp8 part in a program built without linear_fp8");
+  }
+  (layer.gdn ? n_gdn_ : n_attn_) += 1;
+  layers_.push_back(std::move(layer));
 }
 
-void DecodeModel::add_attention(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps, double scale) {
-  TORCH_CHECK(w.size() == 8 && dims.size() == 7, "DecodeModel.add_attention: 8 weights and 7 dims");
-  layers_.push_back({false, std::move(w), std::move(dims), eps, scale});
-  ++n_attn_;
+void DecodeModel::add_gdn(std::vector<at::Tensor> w, std::vector<Proj> proj, std::vector<int64_t> dims, double eps) {
+  add({true, std::move(w), std::move(proj), std::move(dims), eps, 0.0}, 6, 6, "add_gdn");
+}
+
+void DecodeModel::add_attention(std::vector<at::Tensor> w, std::vector<Proj> proj, std::vector<int64_t> dims,
+                                double eps, double scale) {
+  add({false, std::move(w), std::move(proj), std::move(dims), eps, scale}, 4, 3, "add_attention");
 }
 
 at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>& conv,
                             const std::vector<at::Tensor>& ssm, const std::vector<at::Tensor>& kv,
                             const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& page_table, const at::Tensor& lengths) const {
-  const Linear linear = amx_ ? &linear_bf16_amx : &linear_bf16;
+  const Mul mul{amx_ ? &linear_bf16_amx : &linear_bf16, fp8_};
   const int64_t B = ids.numel();
   TORCH_CHECK(int64_t(conv.size()) == n_gdn_ && int64_t(ssm.size()) == n_gdn_ && int64_t(kv.size()) == n_attn_,
               "DecodeModel.run: ", n_gdn_, " conv and ssm caches and ", n_attn_, " KV pools");
@@ -144,10 +173,10 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
   int64_t gi = 0, ai = 0;
   for (const Layer& l : layers_) {
     if (l.gdn) {
-      x = gdn_layer(linear, x, l.w, l.dims, l.eps, conv[gi], ssm[gi], rows, slots);
+      x = gdn_layer(mul, x, l.w, l.proj, l.dims, l.eps, conv[gi], ssm[gi], rows, slots);
       ++gi;
     } else {
-      x = attention_layer(linear, x, l.w, l.dims, l.eps, l.scale, kv[ai], cos, sin, page_table, lengths);
+      x = attention_layer(mul, x, l.w, l.proj, l.dims, l.eps, l.scale, kv[ai], cos, sin, page_table, lengths);
       ++ai;
     }
   }

@@ -43,15 +43,32 @@ void silu_into(const at::Tensor& acc, at::Tensor& out);
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// linear_fp8.cpp (its own extension): the decode program calls it through a pointer handed over in a capsule
+// (linear_fp8_capsule), so an fp8 projection runs the very code ops/fp8.py's Fp8Weight.linear runs
+using Fp8Linear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
+                                 const std::string& path);
+constexpr const char* kFp8LinearCapsule = "deltaserve.linear_fp8";
+
 // decode_layers.cpp: a decode-only step of the whole model (model/fused.py builds one per model)
 class DecodeModel {
  public:
-  DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx);
-  // w: ln1, ln2, in_proj, conv_wt [K, C] fp32, dt_bias, neg_decay, norm_w, out_proj, gate_up, down
-  // dims: in_N, conv_dim, value_dim, Hv, Hk, dk, dv, out_N, gate_up_N, down_N
-  void add_gdn(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps);
-  // w: ln1, ln2, qkv_proj, q_norm, k_norm, o_proj, gate_up, down; dims: qkv_N, Hq, Hkv, D, o_N, gate_up_N, down_N
-  void add_attention(std::vector<at::Tensor> w, std::vector<int64_t> dims, double eps, double scale);
+  // One part of a projection's output rows: a bf16 weight packed by pack_bf16_weight (scales undefined), or an
+  // fp8 one packed by pack_fp8_weight with its scales and linear_fp8 path. A projection of several parts (a
+  // SplitWeight: Qwen's FP8 in_proj keeps its b and a rows in bf16) is their products concatenated.
+  struct Part {
+    at::Tensor packed, scales;
+    int64_t n;
+    std::string path;
+  };
+  using Proj = std::vector<Part>;
+  // fp8: linear_fp8, or nullptr for a model without fp8 weights
+  DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8);
+  // w: ln1, ln2, conv_wt [K, C] fp32, dt_bias, neg_decay, norm_w; proj: in_proj, out_proj, gate_up, down;
+  // dims: conv_dim, value_dim, Hv, Hk, dk, dv
+  void add_gdn(std::vector<at::Tensor> w, std::vector<Proj> proj, std::vector<int64_t> dims, double eps);
+  // w: ln1, ln2, q_norm, k_norm; proj: qkv_proj, o_proj, gate_up, down; dims: Hq, Hkv, D
+  void add_attention(std::vector<at::Tensor> w, std::vector<Proj> proj, std::vector<int64_t> dims, double eps,
+                     double scale);
   // ids [B] -> hidden [B, H] after the final norm; conv / ssm: the GDN layers' caches in layer order, kv the
   // attention layers'; slots [B] GDN slots; cos, sin [B, R]; page_table [B, maxp], lengths [B] (pos + 1)
   at::Tensor run(const at::Tensor& ids, const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
@@ -62,12 +79,15 @@ class DecodeModel {
   struct Layer {
     bool gdn;
     std::vector<at::Tensor> w;
+    std::vector<Proj> proj;
     std::vector<int64_t> dims;
     double eps, scale;
   };
+  void add(Layer layer, size_t nw, size_t ndims, const char* what);
   at::Tensor embed_, norm_;
   double eps_;
   bool amx_;
+  Fp8Linear fp8_;
   std::vector<Layer> layers_;
   int64_t n_gdn_ = 0, n_attn_ = 0;
 };

@@ -452,4 +452,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_fp8_weight", &pack_fp8_weight, "pack an e4m3 [N, K] weight and its row scales for linear_fp8");
   m.def("linear_fp8", &linear_fp8, "y = x @ dequant(w)^T, bf16 x, packed fp8 weight", py::arg("x"),
         py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("path") = "");
+  // the decode kernels' whole-model call (decode_layers.cpp) runs fp8 projections through this pointer
+  m.def("linear_fp8_capsule", [] {
+    const Fp8Linear f = &linear_fp8;
+    return py::capsule(reinterpret_cast<void*>(f), kFp8LinearCapsule);
+  }, "linear_fp8 as a C function pointer (a PyCapsule) for DecodeModel");
 }
