@@ -141,8 +141,8 @@ def test_amx_matches_the_rounded_reference(amx, N, K):
 
 @pytest.mark.parametrize("N,K", [(17, 34), (100, 130), (48, 3584), (776, 1024)])
 def test_amx_rows_are_batch_and_thread_invariant(amx, N, K):
-    """A row alone (one row through AMX, 15 zero rows beside it) has the same bits as inside a batch of any size,
-    at any position (a full 16-row tile, the padded last tile, either tile of a 32-row block), beside other
+    """A row alone (a one-row tile) has the same bits as inside a batch of any size, at any position (a tile of
+    fewer than 16 rows, a full 16-row tile, the padded last tile, either tile of a 32-row block), beside other
     rows, on 1 or 2 threads (a thread's share of column blocks changes the block shapes, 1x3 / 1x2 / 2x2)."""
     pw = PackedWeight(rand(N, K, seed=3), amx)
     row = rand(1, K, seed=21)

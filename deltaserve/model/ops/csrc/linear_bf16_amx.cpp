@@ -6,9 +6,10 @@
 //
 // y [M, N] = x [M, K] @ w [N, K]^T with the weight packed by pack_bf16_weight ([ceil(N/16), K/2, 16, 2]):
 // 16 consecutive k-pair vectors of one column block are one B tile (16 rows x 64 bytes, contiguous 1 KB); an A
-// tile is 16 rows x 32 bf16 of x, read in place (row stride K * 2 bytes), except the last M % 16 rows, read
-// from a copy padded with zero rows. So every tile has one shape, 16 rows x 64 bytes, and one tile
-// configuration serves the whole call. A block of C tiles (2 row tiles x 2 column blocks, or 1 row tile x up
+// tile is 16 rows x 32 bf16 of x, read in place (row stride K * 2 bytes), except the last M % 16 rows of a call
+// of more than 16, read from a copy padded with zero rows. A call of fewer than 16 rows (a decode step) has
+// A and C tiles of M rows instead, read in place: a product then costs its rows, not 16 (at 3 to 8 rows about
+// 1.5x faster than 16-row tiles with zero rows). One tile configuration serves the whole call. A block of C tiles (2 row tiles x 2 column blocks, or 1 row tile x up
 // to 5 blocks where 16 rows or fewer are left, as in a decode step) keeps its fp32 sums in tile registers over
 // the K / 32 chunks, is stored to a scratch buffer, gets the K % 32 tail and is rounded. Threads split the
 // column blocks; a panel of them is reused from L2 by every row tile. On this 2-core Xeon (model 207) it runs
@@ -66,13 +67,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// the 8 tile registers, all 16 rows x 64 bytes (tile_pair and tile_row say how each uses them)
-DS_AMX_TARGET void configure_tiles() {
+// the 8 tile registers, 64 bytes a row (tile_pair and tile_row say how each uses them): the B tiles (6, 7) 16
+// rows, the A and C tiles `rows` rows (16, or M where a call has fewer rows: one row tile, read in place)
+DS_AMX_TARGET void configure_tiles(int rows) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof cfg);
   cfg.palette_id = 1;
   for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
+    cfg.rows[t] = t >= 6 ? 16 : rows;
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);  // per thread, and again per call: another library (oneDNN) may have changed it
@@ -201,14 +203,13 @@ DS_AMX_TARGET void columns(const uint16_t* x, const uint16_t* pad, const uint16_
                            int64_t N, int64_t kp_n, int64_t chunks, int64_t t0, int64_t t1) {
   const int64_t rtiles = (M + 15) / 16, K = 2 * kp_n, b_next = kp_n * 2 * kCols;
   const auto* xp = reinterpret_cast<const uint32_t*>(x);
-  // one row (a decode step of one sequence): all 16 rows of its A tiles read that row (row stride 0), so a
-  // chunk's A load is one cache line and nothing is copied; the 15 copies' outputs are dropped
-  auto rows_of = [&](int64_t r) { return r * 16 + 16 <= M || M == 1 ? x + r * 16 * K : pad; };
+  // fewer than 16 rows: one row tile of M rows, read in place (configure_tiles)
+  auto rows_of = [&](int64_t r) { return r * 16 + 16 <= M || M < 16 ? x + r * 16 * K : pad; };
   const int64_t tail_p0 = chunks * (kChunk / 2), tail_pairs = kp_n - tail_p0;
   // a panel of column blocks (a multiple of 10, for the 2x2 and 1x5 blocks) is reused by every row tile from L2
   const int64_t panel = std::max<int64_t>(10, kPanelBytes / (b_next * 2) / 10 * 10);
   alignas(64) float c[32 * kLdc];
-  if (chunks > 0) configure_tiles();
+  if (chunks > 0) configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)));
   for (int64_t b0 = t0; b0 < t1; b0 += panel) {
     const int64_t b1 = std::min(t1, b0 + panel);
     for (int64_t r = 0; r < rtiles; r += 2) {
@@ -218,7 +219,7 @@ DS_AMX_TARGET void columns(const uint16_t* x, const uint16_t* pad, const uint16_
         const int nj = static_cast<int>(std::min<int64_t>(kMaxNJ[mi], b1 - b));
         const uint16_t* wb = wp + b * b_next;
         if (chunks > 0)
-          kBlocks[mi - 1][nj - 1](rows_of(r), rows_of(r + mi - 1), M == 1 ? 0 : K * 2, wb, b_next, chunks, c);
+          kBlocks[mi - 1][nj - 1](rows_of(r), rows_of(r + mi - 1), K * 2, wb, b_next, chunks, c);
         else
           std::memset(c, 0, sizeof c);
         finish(c, rows, nj, xp + r * 16 * kp_n, kp_n, tail_p0, tail_pairs, wb, b_next, yp + r * 16 * N + b * kCols,
@@ -266,7 +267,7 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_
   // rows, so that every tile load has 16 rows (one tile configuration; the zero rows' outputs are dropped)
   at::Tensor pad;
   const uint16_t* padp = nullptr;
-  if (M % 16 != 0 && M > 1 && chunks > 0) {
+  if (M % 16 != 0 && M > 16 && chunks > 0) {
     // filled here rather than by at::zeros, whose fill is a parallel region of its own from 32K elements (a
     // region waits for every thread to be scheduled: see kSerialBelow)
     pad = at::empty({16, K}, x.options());
