@@ -142,17 +142,22 @@ def install(model: torch.nn.Module, weights: dict[str, object]) -> None:
         setattr(mod, attr, w)
 
 
-def pack(module: torch.nn.Module, fp8_ext, bf16_ext) -> int:
-    """Pack the quantized weights among module's PACKABLE attributes for the compiled kernels; returns how many."""
+def pack(module: torch.nn.Module, fp8_ext, bf16_ext, path: str = "") -> int:
+    """Pack the quantized weights among module's PACKABLE attributes for the compiled kernels, to run on linear_fp8's
+    `path` ("" its default); returns how many."""
     n = 0
     for name in getattr(module, "PACKABLE", ()):
         w = getattr(module, name, None)
         for x in (w if isinstance(w, list) else [w]):
             if isinstance(x, Fp8Weight) and x.packed is None:
                 x.pack(fp8_ext)
+                x.path = path
                 n += 1
             elif isinstance(x, SplitWeight):
                 x.pack(fp8_ext, bf16_ext)
+                for p in x.parts:
+                    if isinstance(p, Fp8Weight):
+                        p.path = path
                 n += 1
     return n
 

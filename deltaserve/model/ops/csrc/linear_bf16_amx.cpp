@@ -29,20 +29,14 @@
 #include "kernels.h"
 #include <ATen/Parallel.h>
 
+#include "amx.h"
+
 #include <algorithm>
-#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <string>
 
-#if defined(__AVX512BF16__) && defined(__x86_64__) && defined(__linux__) && (defined(__clang__) || __GNUC__ >= 11)
-#define DS_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define DS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
-
+#if defined(DS_AMX)
 namespace {
 
 constexpr int kCols = 16;           // output columns per packed column block
@@ -51,36 +45,9 @@ constexpr int kTileElems = 16 * kChunk;  // bf16 per A or B tile (1 KB)
 constexpr int kLdc = 80;            // fp32 per scratch row: up to 5 column blocks
 constexpr int64_t kPanelBytes = int64_t(1) << 20;   // a panel's weights stay in L2 across the row tiles
 
-constexpr long kReqXcompPerm = 0x1023;  // arch_prctl ARCH_REQ_XCOMP_PERM
-constexpr long kXtileData = 18;         // XFEATURE_XTILEDATA
-
-// 0 when the kernel lets this process use the tile data registers, else the errno of the request; asked once
-// per process (the permission is the process's, every thread has it)
-int amx_permission_errno() {
-  static const int err = syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0 ? 0 : errno;
-  return err;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// the 8 tile registers, 64 bytes a row (tile_pair and tile_row say how each uses them): the B tiles (6, 7) 16
-// rows, the A and C tiles `rows` rows (16, or M where a call has fewer rows: one row tile, read in place)
-DS_AMX_TARGET void configure_tiles(int rows) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof cfg);
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = t >= 6 ? 16 : rows;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);  // per thread, and again per call: another library (oneDNN) may have changed it
-}
-
-DS_AMX_TARGET void release_tiles() { _tile_release(); }
+using ds_amx::amx_permission_errno;
+using ds_amx::configure_tiles;
+using ds_amx::release_tiles;
 
 // Two row tiles x NJ <= 2 column blocks of C (C tile i * NJ + j; A tiles 4 and 5; B tiles 6 and 7), summed
 // over `chunks` k chunks and stored fp32 to c [32, kLdc]. a0, a1: the first row of each row tile, lda bytes

@@ -35,6 +35,10 @@
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define DS_FP8_AVX512 1
 #include <immintrin.h>
+#include "amx.h"
+#if defined(DS_AMX)
+#define DS_FP8_AMX 1
+#endif
 #endif
 
 namespace {
@@ -272,6 +276,150 @@ Luts make_luts() {
 
 #endif  // DS_FP8_AVX512
 
+#if defined(DS_FP8_AMX)
+// The amx path: each panel of column blocks converted once into bf16 pairs (convert(), exact), then multiplied
+// on AMX tiles (TDPBF16PS) as linear_bf16_amx.cpp does, one 128-k scale block at a time: C tiles summed over the
+// block's 32-k chunks from zero, stored, the K % 32 tail added as vdpbf16ps pairs in ascending order (it lies in
+// the last block), scaled and added to the running fp32 total; one rounding to bf16 at the end. The order
+// depends only on K, never on M, the tile a row falls into or the thread split (column blocks only), so a
+// row's bits are the same alone or in any batch; they are this path's own (TDPBF16PS sums a chunk its own
+// way), within fp32 rounding of the avx512 path's. A call of fewer than 16 rows has A and C tiles of M rows.
+using ds_amx::amx_permission_errno;
+using ds_amx::configure_tiles;
+using ds_amx::release_tiles;
+
+constexpr int kChunk = 32;            // k per tile step: an A tile row is 32 bf16, a B tile 16 k pairs
+constexpr int kCLd = 2 * kCols;       // fp32 per row of the C scratch: two column blocks
+
+// MI row tiles (A tiles 4, 5) x NJ column blocks (B tiles 6, 7) of C (tile i * NJ + j), summed over n chunks
+// from zero; a0, a1: the row tiles' first rows at the first chunk (lda bytes between rows); b: the first block's
+// converted pairs at that chunk (chunk ch at + 16 ch vectors, the next block at + bstride); stored fp32 to
+// c [32][kCLd]
+template <int MI, int NJ>
+DS_AMX_TARGET void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t lda, const __m512bh* b, int64_t bstride,
+                             int64_t n, float* c) {
+  _tile_zero(0);
+  if constexpr (MI * NJ >= 2) _tile_zero(1);
+  if constexpr (MI * NJ >= 3) _tile_zero(2);
+  if constexpr (MI * NJ >= 4) _tile_zero(3);
+  for (int64_t ch = 0; ch < n; ++ch) {
+    const __m512bh* bk = b + ch * 16;
+    _tile_loadd(4, a0 + ch * kChunk, lda);
+    _tile_loadd(6, bk, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NJ == 2) {
+      _tile_loadd(7, bk + bstride, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MI == 2) {  // the tile macros take literal register numbers
+      _tile_loadd(5, a1 + ch * kChunk, lda);
+      if constexpr (NJ == 1) {
+        _tile_dpbf16ps(1, 5, 6);
+      } else {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+  }
+  constexpr int64_t ld = kCLd * 4;
+  _tile_stored(0, c, ld);
+  if constexpr (NJ == 2) _tile_stored(1, c + kCols, ld);
+  if constexpr (MI == 2 && NJ == 1) _tile_stored(1, c + 16 * kCLd, ld);
+  if constexpr (MI == 2 && NJ == 2) {
+    _tile_stored(2, c + 16 * kCLd, ld);
+    _tile_stored(3, c + 16 * kCLd + kCols, ld);
+  }
+}
+
+using AmxBlockFn = void (*)(const uint16_t*, const uint16_t*, int64_t, const __m512bh*, int64_t, int64_t, float*);
+constexpr AmxBlockFn kAmxBlocks[2][2] = {{&amx_block<1, 1>, &amx_block<1, 2>}, {&amx_block<2, 1>, &amx_block<2, 2>}};
+constexpr int64_t kPairsPerBlock = kBlock / 2;
+constexpr int64_t kStreamRows = 8;  // up to this many rows a call converts one scale block at a time
+
+// converts the fp8 codes of column blocks [b0, b1) (packed weight w, wstride bytes a block), groups [g0, g1), into
+// pairs at out (block b at + (b - b0) * ostride vectors, group g at + 2 (g - g0))
+inline void convert_range(const uint8_t* w, int64_t wstride, int64_t b0, int64_t b1, int64_t g0, int64_t g1,
+                          const Luts& luts, __m512bh* out, int64_t ostride) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t g = g0; g < g1; ++g)
+      convert(w + b * wstride + g * 64, luts, out[(b - b0) * ostride + 2 * (g - g0)],
+              out[(b - b0) * ostride + 2 * (g - g0) + 1]);
+}
+
+// column blocks [t0, t1) for every row: one thread's share. pad: the last M % 16 rows of a call of more than 16
+// rows, then zero rows up to 16 (row stride K). A call of kStreamRows or fewer converts each pair of column
+// blocks one scale block at a time (8 KB: it stays in L1 between the conversion and the tile loads); a larger one a
+// panel of column blocks over all of K, which every row tile then reads.
+DS_AMX_TARGET void columns_amx(const at::BFloat16* x, const at::BFloat16* pad, int64_t M, int64_t K, const uint8_t* wp,
+                               int64_t ngroups, const float* sp, int64_t KB, at::BFloat16* y, int64_t N, int64_t t0,
+                               int64_t t1, const Luts& luts) {
+  const int64_t npairs = 2 * ngroups, chunks = K / kChunk, wstride = ngroups * 64, rtiles = (M + 15) / 16;
+  const int64_t tail0 = chunks * (kChunk / 2);  // the first pair past the last whole chunk (in the last block)
+  const bool stream = M <= kStreamRows;
+  const int64_t panel = stream ? 2 : kScratchPanel;
+  static thread_local std::vector<__m512bh> scratch;  // kept between calls, as the avx512 path's
+  const size_t need = static_cast<size_t>(panel * (stream ? kPairsPerBlock : npairs));
+  if (scratch.size() < need) scratch.resize(need);
+  const auto* xb = reinterpret_cast<const uint16_t*>(x);
+  auto rows_of = [&](int64_t r) {
+    return r * 16 + 16 <= M || M < 16 ? xb + r * 16 * K : reinterpret_cast<const uint16_t*>(pad);
+  };
+  alignas(64) float c[32 * kCLd];
+  alignas(64) float tot[32 * kCLd];
+  if (chunks > 0) configure_tiles(static_cast<int>(std::min<int64_t>(M, 16)));
+  for (int64_t p0 = t0; p0 < t1; p0 += panel) {
+    const int64_t p1 = std::min(t1, p0 + panel);
+    if (!stream) convert_range(wp, wstride, p0, p1, 0, ngroups, luts, scratch.data(), npairs);
+    for (int64_t r = 0; r < rtiles; r += 2) {
+      const int mi = static_cast<int>(std::min<int64_t>(2, rtiles - r));
+      const int rows = static_cast<int>(std::min<int64_t>(32, M - r * 16));
+      for (int64_t b = p0; b < p1; b += 2) {
+        const int nj = static_cast<int>(std::min<int64_t>(2, p1 - b));
+        for (int64_t kb = 0; kb < KB; ++kb) {
+          // this block's pairs of column block b (the next at + bstride)
+          const __m512bh* pb = scratch.data() + (b - p0) * npairs + kb * kPairsPerBlock;
+          int64_t bstride = npairs;
+          if (stream) {
+            const int64_t g0 = kb * kGroupsPerBlock;
+            convert_range(wp, wstride, b, b + nj, g0, std::min(ngroups, g0 + kGroupsPerBlock), luts, scratch.data(),
+                          kPairsPerBlock);
+            pb = scratch.data();
+            bstride = kPairsPerBlock;
+          }
+          const int64_t c0 = std::min(chunks, kb * (kBlock / kChunk)), c1 = std::min(chunks, (kb + 1) * (kBlock / kChunk));
+          if (c1 > c0)
+            kAmxBlocks[mi - 1][nj - 1](rows_of(r) + c0 * kChunk, rows_of(r + mi - 1) + c0 * kChunk, K * 2, pb, bstride,
+                                       c1 - c0, c);
+          else
+            std::memset(c, 0, sizeof c);
+          const bool last = kb == KB - 1;
+          for (int i = 0; i < rows; ++i) {
+            const at::BFloat16* xr = x + (r * 16 + i) * K;
+            for (int j = 0; j < nj; ++j) {
+              __m512 acc = _mm512_load_ps(c + i * kCLd + j * kCols);
+              if (last)
+                for (int64_t p = tail0; p < npairs; ++p)
+                  acc = _mm512_dpbf16_ps(acc, bcast(load_pair(xr, p, K)), pb[j * bstride + p - kb * kPairsPerBlock]);
+              const __m512 term = _mm512_mul_ps(acc, _mm512_set1_ps(sp[(b + j) * KB + kb]));
+              float* t = tot + i * kCLd + j * kCols;
+              _mm512_store_ps(t, kb == 0 ? term : _mm512_add_ps(_mm512_load_ps(t), term));
+            }
+          }
+        }
+        for (int i = 0; i < rows; ++i)
+          for (int j = 0; j < nj; ++j) {
+            const int64_t left = N - (b + j) * kCols;
+            const __mmask16 keep = left >= kCols ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+            _mm256_mask_storeu_epi16(y + (r * 16 + i) * N + (b + j) * kCols, keep,
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(tot + i * kCLd + j * kCols)));
+          }
+      }
+    }
+  }
+  if (chunks > 0) release_tiles();
+}
+#endif  // DS_FP8_AMX
+
 void block_scalar(const at::BFloat16* x, int64_t K, const uint8_t* w, int64_t ngroups, const float* s, int64_t KB,
                   at::BFloat16* y, int64_t ncols) {
   // one row, one column block: fp32 products, k ascending inside a block, blocks ascending
@@ -301,7 +449,7 @@ void block_scalar(const at::BFloat16* x, int64_t K, const uint8_t* w, int64_t ng
   for (int c = 0; c < std::min<int64_t>(ncols, kCols); ++c) y[c] = at::BFloat16(tot[c]);
 }
 
-enum class Path { kAvx512, kScalar };
+enum class Path { kAmx, kAvx512, kScalar };
 
 Path parse_path(const std::string& name) {
   if (name.empty()) {
@@ -312,6 +460,13 @@ Path parse_path(const std::string& name) {
 #endif
   }
   if (name == "scalar") return Path::kScalar;
+#if defined(DS_FP8_AMX)
+  if (name == "amx") {
+    TORCH_CHECK(amx_permission_errno() == 0, "linear_fp8: path amx cannot run in this process (no AMX, or the Linux "
+                "kernel refused the tile data permission)");
+    return Path::kAmx;
+  }
+#endif
 #if defined(DS_FP8_AVX512)
   if (name == "avx512") return Path::kAvx512;
 #endif
@@ -322,10 +477,13 @@ Path parse_path(const std::string& name) {
 }  // namespace
 
 std::vector<std::string> fp8_paths() {
-  // best first: the one linear_fp8 runs by default
+  // the one linear_fp8 runs by default ("") first
   std::vector<std::string> p;
 #if defined(DS_FP8_AVX512)
   p.push_back("avx512");
+#endif
+#if defined(DS_FP8_AMX)
+  if (amx_permission_errno() == 0) p.push_back("amx");  // asked for by name (the engine's amx set)
 #endif
   p.push_back("scalar");
   return p;
@@ -397,6 +555,23 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
   const int64_t grain = M * N * K < kSerialBelow ? nblk : 1;
 #if defined(DS_FP8_AVX512)
   const Luts luts = make_luts();
+#endif
+#if defined(DS_FP8_AMX)
+  if (which == Path::kAmx) {
+    // the last M % 16 rows of a call of more than 16 from a copy padded with zero rows: every tile has 16 rows
+    at::Tensor pad;
+    if (M > 16 && M % 16 != 0) {  // filled here: at::zeros' fill is a parallel region of its own (kSerialBelow)
+      pad = torch::empty({16, K}, x.options());
+      auto* pp = pad.data_ptr<at::BFloat16>();
+      std::memcpy(pp, xp + (M / 16) * 16 * K, (M % 16) * K * sizeof(at::BFloat16));
+      std::memset(pp + (M % 16) * K, 0, (16 - M % 16) * K * sizeof(at::BFloat16));
+    }
+    const at::BFloat16* padp = pad.defined() ? pad.data_ptr<at::BFloat16>() : nullptr;
+    at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
+      columns_amx(xp, padp, M, K, wp, ngroups, sp, KB, yp, N, t0, t1, luts);
+    });
+    return y;
+  }
 #endif
   at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t b0 = t0; b0 < t1; b0 += kPanel) {
