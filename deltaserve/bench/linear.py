@@ -33,11 +33,13 @@ def _weights(preset: str):
 
 
 def _fp8_arm(weights, ext) -> list:
-    """The fp8 arm's weights: each projection quantized and packed for linear_fp8, the head compiled bf16."""
-    from ..model.ops.fp8 import Fp8Weight, load_fp8_extension, quantize_fp8
+    """The fp8 arm's weights: each projection quantized and packed for linear_fp8 (on its amx path where ext is
+    the amx set, as the engine runs it), the head compiled bf16."""
+    from ..model.ops.fp8 import Fp8Weight, load_fp8_extension, path_for, quantize_fp8
     from ..model.ops.linear import PackedWeight
 
     fp8_ext = load_fp8_extension()
+    path = path_for(fp8_ext, ext.kernel_isa())
     arm = []
     for name, w in weights:
         if name == "head":
@@ -45,6 +47,7 @@ def _fp8_arm(weights, ext) -> list:
             continue
         fw = Fp8Weight.from_checkpoint(*quantize_fp8(w), name)
         fw.pack(fp8_ext)
+        fw.path = path
         arm.append(fw)
     return arm
 

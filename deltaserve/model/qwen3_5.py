@@ -23,7 +23,7 @@ from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
-from .ops.fp8 import fp8_kernel
+from .ops.fp8 import fp8_kernel, path_for
 from .ops.linear import PackedWeight, can_prepack, linear
 from .ops.table import Ops
 
@@ -185,8 +185,7 @@ class HybridModel(nn.Module):
         if ext is None and not can_prepack(self.dtype, self.device):
             return False  # neither the compiled linear (any instruction set) nor oneDNN's bf16
         fp8_ext = fp8_kernel() if quant.quantized_bytes(self) else None  # block-FP8 weights the loader kept
-        # the amx set multiplies fp8 weights on AMX tiles too (linear_fp8's amx path: prefill ~7x its avx512 path)
-        fp8_path = "amx" if fp8_ext is not None and kernels.isa == "amx" and "amx" in fp8_ext.fp8_paths() else ""
+        fp8_path = path_for(fp8_ext, kernels.isa) if fp8_ext is not None else ""  # amx: AMX tiles for fp8 too
         for module in self.modules():
             names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
             if names:

@@ -158,6 +158,13 @@ def fp8_kernel() -> object | None:
         return None
 
 
+def path_for(fp8_ext, isa: str) -> str:
+    """The linear_fp8 path a model on the decode kernels' instruction set `isa` runs: "amx" (AMX tiles, ~7x the
+    avx512 path at prefill sizes, its own batch-invariant bits) on the amx set where this process may use AMX,
+    else "" (the build's default)."""
+    return "amx" if isa == "amx" and "amx" in fp8_ext.fp8_paths() else ""
+
+
 # ---- weights as the model holds them -----------------------------------------------------------------------
 
 class Fp8Weight:

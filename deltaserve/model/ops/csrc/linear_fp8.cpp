@@ -341,9 +341,13 @@ constexpr int64_t kStreamRows = 8;  // up to this many rows a call converts one 
 inline void convert_range(const uint8_t* w, int64_t wstride, int64_t b0, int64_t b1, int64_t g0, int64_t g1,
                           const Luts& luts, __m512bh* out, int64_t ostride) {
   for (int64_t b = b0; b < b1; ++b)
-    for (int64_t g = g0; g < g1; ++g)
-      convert(w + b * wstride + g * 64, luts, out[(b - b0) * ostride + 2 * (g - g0)],
-              out[(b - b0) * ostride + 2 * (g - g0) + 1]);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = w + b * wstride + g * 64;
+      // the line one scale block ahead (past a block's end: the start of a later block), so that a decode call,
+      // converting one scale block at a time, streams from memory rather than waiting for it
+      _mm_prefetch(reinterpret_cast<const char*>(gp + kGroupsPerBlock * 64), _MM_HINT_T0);
+      convert(gp, luts, out[(b - b0) * ostride + 2 * (g - g0)], out[(b - b0) * ostride + 2 * (g - g0) + 1]);
+    }
 }
 
 // column blocks [t0, t1) for every row: one thread's share. pad: the last M % 16 rows of a call of more than 16
