@@ -27,11 +27,21 @@ def ext():
         pytest.skip(f"fp8 kernel unavailable: {e}")
 
 
-def paths():
-    try:
-        return list(fp8.load_fp8_extension().fp8_paths())
-    except Exception:  # noqa: BLE001
-        return []
+def build_paths() -> list[str]:
+    """"build/path" for every path of every build this CPU executes (avx512 with its amx path where AMX may be
+    used, avx2, generic), so that each compiled path is tested where it can run."""
+    out = []
+    for build in fp8.executable_builds():
+        try:
+            out += [f"{build}/{p}" for p in fp8.load_fp8_extension(build).fp8_paths()]
+        except Exception:  # noqa: BLE001 - a build that does not compile here is not tested here
+            pass
+    return out
+
+
+def ext_path(build_path: str):
+    build, path = build_path.split("/")
+    return fp8.load_fp8_extension(build), path
 
 
 def rand(*shape, seed, scale=1.0):
@@ -51,10 +61,11 @@ SHAPES = [(1, 1), (15, 7), (16, 128), (17, 130), (33, 4), (100, 1030), (200, 256
           (776, 384)]
 
 
-@pytest.mark.parametrize("path", paths() or ["none"])
+@pytest.mark.parametrize("build_path", build_paths() or ["none/none"])
 @pytest.mark.parametrize("N,K", SHAPES)
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 17])
-def test_matches_torch_reference(ext, path, N, K, M):
+@pytest.mark.parametrize("M", [1, 3, 7, 8, 9, 17])
+def test_matches_torch_reference(ext, build_path, N, K, M):
+    ext, path = ext_path(build_path)
     w, ref = packed(ext, N, K, seed=N * 7 + K, path=path)
     assert w.packed.shape == (-(-N // 16), -(-K // 4), 64) and w.scales.shape == (-(-N // 16), -(-K // 128))
     x = rand(M, K, seed=M).to(torch.bfloat16)
@@ -66,14 +77,15 @@ def test_matches_torch_reference(ext, path, N, K, M):
     torch.testing.assert_close(y.float(), exact, atol=2e-3 * K ** 0.5 * 0.05, rtol=8e-3)
 
 
-@pytest.mark.parametrize("path", paths() or ["none"])
-def test_every_code_converts_exactly(ext, path):
+@pytest.mark.parametrize("build_path", build_paths() or ["none/none"])
+def test_every_code_converts_exactly(ext, build_path):
     """Each of the 254 finite codes (subnormals, both zeros, +-448) times a power-of-two scale, picked out by
     one-hot rows: the kernel's products are exact."""
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes
     K = codes.numel()
     q = codes.view(torch.float8_e4m3fn).repeat(16, 1)  # [16, 254]: column k holds code k
     s = torch.full((1, 2), 2.0 ** -3)
+    ext, path = ext_path(build_path)
     w = Fp8Weight.from_checkpoint(q, s)
     w.pack(ext)
     w.path = path
@@ -86,9 +98,24 @@ def test_every_code_converts_exactly(ext, path):
 
 @pytest.mark.parametrize("N,K", [(776, 256), (1000, 1024), (48, 3584)])
 def test_rows_are_batch_and_thread_invariant(ext, N, K):
-    for path in ext.fp8_paths():
-        w, _ = packed(ext, N, K, seed=3, path=path)
+    for build_path in build_paths():
+        e, path = ext_path(build_path)
+        w, _ = packed(e, N, K, seed=3, path=path)
         assert_linear_rows_batch_invariant(linear, rand(41, K, seed=4).to(torch.bfloat16), w)
+
+
+@pytest.mark.parametrize("N,K", [(17, 130), (100, 1030), (48, 3584), (1, 1)])
+def test_avx2_path_has_the_scalar_paths_bits(N, K):
+    """The avx2 build's vector path sums in the scalar path's order (exact products, so fma = multiply then add):
+    its bits are the scalar path's, at every row count."""
+    if "avx2" not in fp8.executable_builds():
+        pytest.skip("this CPU does not execute the avx2 build")
+    ext = fp8.load_fp8_extension("avx2")
+    a, _ = packed(ext, N, K, seed=11, path="avx2")
+    b, _ = packed(ext, N, K, seed=11, path="scalar")
+    for M in (1, 5, 6, 7, 13):
+        x = rand(M, K, seed=M + 40).to(torch.bfloat16)
+        assert torch.equal(linear(x, a), linear(x, b)), M
 
 
 def test_errors(ext):
@@ -97,6 +124,10 @@ def test_errors(ext):
         linear(rand(4, 64, seed=8), w)
     with pytest.raises(RuntimeError, match="inputs"):
         linear(rand(4, 72, seed=8).to(torch.bfloat16), w)
+    nan = torch.zeros(16, 8, dtype=torch.uint8)
+    nan[3, 5] = 0xFF
+    with pytest.raises(RuntimeError, match="a NaN code at row 3, column 5"):
+        ext.pack_fp8_weight(nan, torch.ones(16, 1))
     with pytest.raises(RuntimeError, match="not in this build"):
         ext.linear_fp8(rand(4, 64, seed=8).to(torch.bfloat16), w.packed, w.scales, 32, "sse9")
     q, s = quantize_fp8(rand(32, 64, seed=9))
@@ -322,3 +353,12 @@ def test_planner_counts_fp8_weight_bytes(fp8_dir):
     big = plan("qwen3.5-27b", quantization="fp8", budget_bytes=1 << 34)["weight_bytes"]
     bf16 = plan("qwen3.5-27b", budget_bytes=1 << 34)["weight_bytes"]
     assert 0.5 * bf16 < big < 0.56 * bf16  # the embedding and head stay bf16
+
+
+def test_the_fp8_build_follows_the_decode_kernels_instruction_set():
+    """--cpu-isa avx2 runs the avx2 fp8 build (as an AVX2-only CPU would), amx / avx512bf16 the avx512 one; a set
+    whose build this CPU cannot execute gets the fastest it can."""
+    builds = fp8.executable_builds()
+    for isa, want in fp8.BUILD_FOR_ISA.items():
+        assert fp8.build_for(isa) == (want if want in builds else builds[0])
+    assert fp8.build_for(None) == fp8.build_for("none") == builds[0]

@@ -184,7 +184,8 @@ class HybridModel(nn.Module):
         ext = kernels.ext if kernels.compiled and kernels.ext.bf16_linear_available() else None
         if ext is None and not can_prepack(self.dtype, self.device):
             return False  # neither the compiled linear (any instruction set) nor oneDNN's bf16
-        fp8_ext = fp8_kernel() if quant.quantized_bytes(self) else None  # block-FP8 weights the loader kept
+        # block-FP8 weights the loader kept: the fp8 build of the decode kernels' instruction set
+        fp8_ext = fp8_kernel(kernels.isa) if quant.quantized_bytes(self) else None
         fp8_path = path_for(fp8_ext, kernels.isa) if fp8_ext is not None else ""  # amx: AMX tiles for fp8 too
         for module in self.modules():
             names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)

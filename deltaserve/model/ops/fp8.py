@@ -148,10 +148,24 @@ def load_fp8_extension(build: str | None = None):
         return ext
 
 
-def fp8_kernel() -> object | None:
-    """The compiled module, or None (logged once) where it cannot be built."""
+# the fp8 build for each instruction set of the decode kernels (cpu_kernels.ISAS): `--cpu-isa avx2` runs the avx2
+# code everywhere, so a CPU with more runs what an AVX2-only one would
+BUILD_FOR_ISA = {"amx": "avx512", "avx512bf16": "avx512", "avx512": "avx2", "avx2": "avx2", "generic": "generic"}
+
+
+def build_for(isa: str | None) -> str:
+    """The fp8 build for the decode kernels' instruction set: the set's own level where this CPU executes it,
+    else the fastest build it does."""
+    builds = executable_builds()
+    want = BUILD_FOR_ISA.get(isa or "")
+    return want if want in builds else builds[0]
+
+
+def fp8_kernel(isa: str | None = None) -> object | None:
+    """The compiled module (the build for the decode kernels' set `isa`, build_for), or None (logged once) where it
+    cannot be built."""
     try:
-        return load_fp8_extension()
+        return load_fp8_extension(build_for(isa))
     except Exception as e:  # noqa: BLE001
         log.warning("fp8 linear: no compiled kernel (%s: %s)", type(e).__name__,
                     str(e).strip().splitlines()[-1] if str(e).strip() else "")

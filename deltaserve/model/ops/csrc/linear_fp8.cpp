@@ -32,6 +32,10 @@
 #include <utility>
 #include <vector>
 
+#if !(defined(__AVX512BF16__) && defined(__AVX512VBMI__)) && defined(__AVX2__) && defined(__FMA__)
+#define DS_FP8_AVX2 1  // the AVX2 + FMA build's vector path (avx2), which packs k-major (group_offset)
+#include <immintrin.h>
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define DS_FP8_AVX512 1
 #include <immintrin.h>
@@ -79,8 +83,14 @@ const Tables& tables() {
 
 // byte position inside a 64-byte group of (k pair q in 0..1, word w in 0..31), word w = 2 * column + (k & 1):
 // the AVX-512 path unpacks bytes 0-7 of each 128-bit lane into the first pair's words and bytes 8-15 into the
-// second's, lane L holding words 8L..8L+7
+// second's, lane L holding words 8L..8L+7. The AVX2 build packs k-major instead (its own extension packs and
+// runs its weights): the group's k kk = 2q + (w & 1) holds 16 consecutive bytes, one per column, so its k of a
+// column block are 16 contiguous bytes each.
+#if defined(DS_FP8_AVX2)
+inline int group_offset(int q, int w) { return (2 * q + (w & 1)) * 16 + w / 2; }
+#else
 inline int group_offset(int q, int w) { return (w / 8) * 16 + q * 8 + (w % 8); }
+#endif
 
 inline uint32_t load_pair(const at::BFloat16* row, int64_t p, int64_t K) {
   // bf16 x[2p], x[2p+1] as one 32-bit word; zero past K
@@ -94,6 +104,110 @@ inline uint32_t load_pair(const at::BFloat16* row, int64_t p, int64_t K) {
   std::memcpy(&r, v, 4);
   return r;
 }
+
+#if defined(DS_FP8_AVX2)
+// The avx2 path (AVX2 + FMA, no AVX-512): the scalar path's sum exactly, 8 columns a register. A code's fp32
+// value is built with integer ops: the code sign-extended, shifted so that its exponent and mantissa bits land
+// in the fp32 fields (s eeee mmm -> s, e in the low exponent bits, mmm at the top of the mantissa), masked, then
+// multiplied by 2^120 (the bias difference, 127 - 7): exact for every finite code, subnormals included (they
+// become fp32 denormals first, so the multiply needs DAZ off: each call clears it on its threads and puts it
+// back). Products of a bf16 x and an e4m3 weight are exact in fp32, so an fma is the scalar path's multiply
+// then add, and the k order is the scalar path's: the same bits. x is widened to fp32 once per call.
+constexpr int kRowsAvx2 = 6;  // rows per tile: 12 accumulators + 2 weight vectors + 1 broadcast <= 16 registers
+
+struct NoDaz {  // MXCSR's denormals-are-zero bit off while in scope (the conversion multiplies denormals)
+  unsigned saved = _mm_getcsr();
+  NoDaz() {
+    if (saved & 0x40u) _mm_setcsr(saved & ~0x40u);
+  }
+  ~NoDaz() {
+    if (saved & 0x40u) _mm_setcsr(saved);
+  }
+};
+
+inline __m256 codes8(const uint8_t* c) {
+  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
+  const __m256i bits = _mm256_and_si256(_mm256_slli_epi32(v, 20), _mm256_set1_epi32(static_cast<int>(0x87F00000u)));
+  return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+}
+
+// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rounding), 8 lanes
+inline __m256i to_bf16(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// MT rows of xf (fp32, stride K) x NB column blocks (w: the first block's groups, k's 16 codes at + 16 k; the next
+// block at + wstride). Several blocks at few rows: each accumulator is a chain of fmas in k order, so one row
+// needs several chains in flight (4 cycles an fma) to be bound by the conversion instead.
+template <int MT, int NB>
+void tile_avx2(const float* xf, int64_t K, const uint8_t* w, int64_t wstride, const float* s, int64_t KB,
+               at::BFloat16* y, int64_t ys, int64_t ncols) {
+  __m256 tot[MT][2 * NB];
+  for (int64_t kb = 0; kb < KB; ++kb) {
+    __m256 acc[MT][2 * NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < MT; ++i)
+#pragma GCC unroll 8
+      for (int j = 0; j < 2 * NB; ++j) acc[i][j] = _mm256_setzero_ps();
+    const int64_t k1 = std::min(K, (kb + 1) * kBlock);
+    for (int64_t k = kb * kBlock; k < k1; ++k) {
+      __m256 wv[2 * NB];
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        wv[2 * j] = codes8(w + j * wstride + 16 * k);
+        wv[2 * j + 1] = codes8(w + j * wstride + 16 * k + 8);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m256 xb = _mm256_broadcast_ss(xf + i * K + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < 2 * NB; ++j) acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < 2 * NB; ++j) {
+      const __m256 sc = _mm256_set1_ps(s[(j / 2) * KB + kb]);
+#pragma GCC unroll 8
+      for (int i = 0; i < MT; ++i) {
+        const __m256 term = _mm256_mul_ps(acc[i][j], sc);
+        tot[i][j] = kb == 0 ? term : _mm256_add_ps(tot[i][j], term);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < NB; ++j) {
+      const int64_t left = ncols - int64_t(j) * kCols;
+      if (left <= 0) break;
+      // packus interleaves 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> columns 0-15 after the permute
+      const __m256i words =
+          _mm256_permute4x64_epi64(_mm256_packus_epi32(to_bf16(tot[i][2 * j]), to_bf16(tot[i][2 * j + 1])), 0xD8);
+      at::BFloat16* out = y + i * ys + j * kCols;
+      if (left >= kCols) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), words);
+      } else {
+        alignas(32) uint16_t tmp[kCols];
+        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), words);
+        std::memcpy(out, tmp, left * sizeof(uint16_t));
+      }
+    }
+}
+
+using Avx2Fn = void (*)(const float*, int64_t, const uint8_t*, int64_t, const float*, int64_t, at::BFloat16*, int64_t,
+                        int64_t);
+// [MT - 1][NB - 1]; column blocks per tile for MT rows: kAvx2NB[MT] (MT * 2 NB accumulators + 2 NB weights + 1 <= 16
+// registers, the weights of one row reused as they are consumed)
+constexpr int kAvx2NB[kRowsAvx2 + 1] = {0, 4, 2, 1, 1, 1, 1};
+constexpr Avx2Fn kAvx2Tiles[kRowsAvx2][4] = {
+    {&tile_avx2<1, 1>, &tile_avx2<1, 2>, &tile_avx2<1, 3>, &tile_avx2<1, 4>},
+    {&tile_avx2<2, 1>, &tile_avx2<2, 2>, nullptr, nullptr},
+    {&tile_avx2<3, 1>, nullptr, nullptr, nullptr},
+    {&tile_avx2<4, 1>, nullptr, nullptr, nullptr},
+    {&tile_avx2<5, 1>, nullptr, nullptr, nullptr},
+    {&tile_avx2<6, 1>, nullptr, nullptr, nullptr}};
+#endif  // DS_FP8_AVX2
 
 #if defined(DS_FP8_AVX512)
 
@@ -453,12 +567,14 @@ void block_scalar(const at::BFloat16* x, int64_t K, const uint8_t* w, int64_t ng
   for (int c = 0; c < std::min<int64_t>(ncols, kCols); ++c) y[c] = at::BFloat16(tot[c]);
 }
 
-enum class Path { kAmx, kAvx512, kScalar };
+enum class Path { kAmx, kAvx512, kAvx2, kScalar };
 
 Path parse_path(const std::string& name) {
   if (name.empty()) {
 #if defined(DS_FP8_AVX512)
     return Path::kAvx512;
+#elif defined(DS_FP8_AVX2)
+    return Path::kAvx2;
 #else
     return Path::kScalar;
 #endif
@@ -474,6 +590,9 @@ Path parse_path(const std::string& name) {
 #if defined(DS_FP8_AVX512)
   if (name == "avx512") return Path::kAvx512;
 #endif
+#if defined(DS_FP8_AVX2)
+  if (name == "avx2") return Path::kAvx2;
+#endif
   TORCH_CHECK(false, "linear_fp8: path ", name, " is not in this build (fp8_paths() lists them)");
   return Path::kScalar;
 }
@@ -488,6 +607,9 @@ std::vector<std::string> fp8_paths() {
 #endif
 #if defined(DS_FP8_AMX)
   if (amx_permission_errno() == 0) p.push_back("amx");  // asked for by name (the engine's amx set)
+#endif
+#if defined(DS_FP8_AVX2)
+  p.push_back("avx2");
 #endif
   p.push_back("scalar");
   return p;
@@ -522,6 +644,8 @@ std::vector<torch::Tensor> pack_fp8_weight(const torch::Tensor& w, const torch::
     for (int64_t n = n0; n < n1; ++n) {
       const int c = static_cast<int>(n - n0);
       for (int64_t k = 0; k < K; ++k) {
+        // the loader refuses NaN weights; the avx2 path's conversion has no NaN
+        TORCH_CHECK((src[n * K + k] & 0x7F) != 0x7F, "pack_fp8_weight: a NaN code at row ", n, ", column ", k);
         const int64_t g = k / kGroupK;
         const int kk = static_cast<int>(k % kGroupK);
         dst[(b * ngroups + g) * 64 + group_offset(kk / 2, 2 * c + (kk & 1))] = src[n * K + k];
@@ -573,6 +697,24 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
     const at::BFloat16* padp = pad.defined() ? pad.data_ptr<at::BFloat16>() : nullptr;
     at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
       columns_amx(xp, padp, M, K, wp, ngroups, sp, KB, yp, N, t0, t1, luts);
+    });
+    return y;
+  }
+#endif
+#if defined(DS_FP8_AVX2)
+  if (which == Path::kAvx2) {
+    auto xf = xc.to(at::kFloat);  // [M, K] fp32: each x value widened once, not once per column block
+    const float* xfp = xf.data_ptr<float>();
+    at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
+      const NoDaz keep_denormals;
+      for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx2) {
+        const int mt = static_cast<int>(std::min<int64_t>(kRowsAvx2, M - m0));
+        for (int64_t b = t0; b < t1; b += kAvx2NB[mt]) {
+          const int nb = static_cast<int>(std::min<int64_t>(kAvx2NB[mt], t1 - b));
+          kAvx2Tiles[mt - 1][nb - 1](xfp + m0 * K, K, wp + b * wstride, wstride, sp + b * KB, KB,
+                                     yp + m0 * N + b * kCols, N, N - b * kCols);
+        }
+      }
     });
     return y;
   }
