@@ -3,7 +3,8 @@
 // y [M, N] = x [M, K] @ dequant(w [N, K])^T, bf16 in and out. The weight is a Hugging Face block-FP8 tensor:
 // one fp32 scale per 128 x 128 block. Packed once (pack_fp8_weight) into [ceil(N/16), ceil(K/4), 64] bytes:
 // for each block of 16 output columns and each group of two k pairs, 64 bytes, permuted so that the AVX-512
-// path turns them into two bf16 dot-product operands with two byte lookups and two byte unpacks; plus
+// path turns them into two bf16 dot-product operands with two byte lookups and two byte unpacks (the AVX2
+// build orders them k-major instead, group_offset); plus
 // scales [ceil(N/16), ceil(K/128)], one fp32 per 16 columns and 128 k (the 16 rows of a column block share one
 // scale: pack_fp8_weight checks it).
 //
@@ -13,10 +14,12 @@
 // to nearest even). Neither the row count, the tile a row falls into nor the thread split (columns only)
 // changes that order: a row's result is the same alone or in any batch.
 //
-// Paths, chosen once (the best this build has; fp8_paths() lists them, tests run each against the torch
-// reference): "avx512" (AVX512-BF16 + AVX512-VBMI: vpermi2b looks up the bf16 bytes of 64 fp8 codes at once,
-// vdpbf16ps accumulates; from kScratchFrom rows on, a panel is converted once into a bf16 scratch and every
-// row tile reads it: the same pairs in the same order, so the same bits), "scalar" (portable C++, a 256-entry
+// Paths (fp8_paths() lists this build's, the default first; tests run each against the torch reference):
+// "avx512" (AVX512-BF16 + AVX512-VBMI: vpermi2b looks up the bf16 bytes of 64 fp8 codes at once, vdpbf16ps
+// accumulates; from kScratchFrom rows on, a panel is converted once into a bf16 scratch and every row tile
+// reads it: the same pairs in the same order, so the same bits); "amx" (the same build where AMX may be used,
+// asked for by name: converted pairs on AMX tiles, its own order inside a 32-k chunk, below); "avx2" (the AVX2
+// build: the scalar path's order and bits, 8 columns a register, below); "scalar" (portable C++, a 256-entry
 // table; another summation order inside a block, the same block structure). Decode streams half of bf16's bytes.
 
 #include <torch/extension.h>
