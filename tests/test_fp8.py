@@ -52,8 +52,7 @@ def packed(ext, N, K, seed, path=""):
     q, s = quantize_fp8(rand(N, K, seed=seed, scale=0.05))
     ref = Fp8Weight.from_checkpoint(q, s)
     w = Fp8Weight.from_checkpoint(q, s)
-    w.pack(ext)
-    w.path = path
+    w.pack(ext, path)
     return w, ref
 
 
@@ -87,8 +86,7 @@ def test_every_code_converts_exactly(ext, build_path):
     s = torch.full((1, 2), 2.0 ** -3)
     ext, path = ext_path(build_path)
     w = Fp8Weight.from_checkpoint(q, s)
-    w.pack(ext)
-    w.path = path
+    w.pack(ext, path)
     x = torch.eye(K, dtype=torch.bfloat16)  # row k selects code k
     y = linear(x, w)  # [K, 16]
     want = (codes.view(torch.float8_e4m3fn).float() * 2.0 ** -3).to(torch.bfloat16)
@@ -355,10 +353,12 @@ def test_planner_counts_fp8_weight_bytes(fp8_dir):
     assert 0.5 * bf16 < big < 0.56 * bf16  # the embedding and head stay bf16
 
 
-def test_the_fp8_build_follows_the_decode_kernels_instruction_set():
-    """--cpu-isa avx2 runs the avx2 fp8 build (as an AVX2-only CPU would), amx / avx512bf16 the avx512 one; a set
-    whose build this CPU cannot execute gets the fastest it can."""
-    builds = fp8.executable_builds()
-    for isa, want in fp8.BUILD_FOR_ISA.items():
-        assert fp8.build_for(isa) == (want if want in builds else builds[0])
-    assert fp8.build_for(None) == fp8.build_for("none") == builds[0]
+def test_the_fp8_build_follows_the_decode_kernels_instruction_set(monkeypatch):
+    """--cpu-isa avx2 runs the avx2 fp8 build (as an AVX2-only CPU would), amx / avx512bf16 the avx512 one, avx512
+    without BF16 the avx2 one; a set whose build this CPU cannot execute, or no set, gets the fastest it can."""
+    monkeypatch.setattr(fp8, "executable_builds", lambda: ("avx512", "avx2", "generic"))
+    assert [fp8.build_for(i) for i in ("amx", "avx512bf16", "avx512", "avx2", "generic")] == [
+        "avx512", "avx512", "avx2", "avx2", "generic"]
+    assert fp8.build_for(None) == fp8.build_for("none") == "avx512"
+    monkeypatch.setattr(fp8, "executable_builds", lambda: ("avx2", "generic"))  # an AVX2-only CPU
+    assert [fp8.build_for(i) for i in ("amx", "avx2", None)] == ["avx2", "avx2", "avx2"]

@@ -46,8 +46,7 @@ def _fp8_arm(weights, ext) -> list:
             arm.append(PackedWeight(w, ext))
             continue
         fw = Fp8Weight.from_checkpoint(*quantize_fp8(w), name)
-        fw.pack(fp8_ext)
-        fw.path = path
+        fw.pack(fp8_ext, path)
         arm.append(fw)
     return arm
 

@@ -150,14 +150,10 @@ def pack(module: torch.nn.Module, fp8_ext, bf16_ext, path: str = "") -> int:
         w = getattr(module, name, None)
         for x in (w if isinstance(w, list) else [w]):
             if isinstance(x, Fp8Weight) and x.packed is None:
-                x.pack(fp8_ext)
-                x.path = path
+                x.pack(fp8_ext, path)
                 n += 1
             elif isinstance(x, SplitWeight):
-                x.pack(fp8_ext, bf16_ext)
-                for p in x.parts:
-                    if isinstance(p, Fp8Weight):
-                        p.path = path
+                x.pack(fp8_ext, bf16_ext, path)
                 n += 1
     return n
 

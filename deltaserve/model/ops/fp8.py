@@ -3,7 +3,7 @@
     q, scale_inv = quantize_fp8(w)                 # w [N, K] -> q [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     dequantize_fp8(q, scale_inv, dtype)            # (q * scale) in fp32, rounded once to dtype: transformers' formula
     linear_fp8_reference(x, q, scale_inv)          # the plain-torch product, block by block (the oracle)
-    Fp8Weight(q, row_scale).pack(ext)              # packed once for the compiled kernel (csrc/linear_fp8.cpp)
+    Fp8Weight(q, row_scale).pack(ext, path)        # packed once for the compiled kernel (csrc/linear_fp8.cpp)
     SplitWeight([part, ...])                       # a fused projection whose parts cannot share one packing
 
 The kernel's sum (csrc/linear_fp8.cpp): y[m, n] = sum over k blocks (ascending) of scale[n, kb] * p[m, n, kb],
@@ -173,9 +173,9 @@ def fp8_kernel(isa: str | None = None) -> object | None:
 
 
 def path_for(fp8_ext, isa: str) -> str:
-    """The linear_fp8 path a model on the decode kernels' instruction set `isa` runs: "amx" (AMX tiles, ~7x the
-    avx512 path at prefill sizes, its own batch-invariant bits) on the amx set where this process may use AMX,
-    else "" (the build's default)."""
+    """The linear_fp8 path a model on the decode kernels' instruction set `isa` runs: "amx" (AMX tiles, from a few
+    rows on several times the avx512 path's speed, docs/benchmarks.md; its own batch-invariant bits) on the amx
+    set where this process may use AMX, else "" (the build's default)."""
     return "amx" if isa == "amx" and "amx" in fp8_ext.fp8_paths() else ""
 
 
@@ -208,9 +208,10 @@ class Fp8Weight:
             return self.packed.numel() + self.scales.numel() * 4
         return self.q.numel() + self.row_scale.numel() * 4
 
-    def pack(self, ext) -> None:
+    def pack(self, ext, path: str = "") -> None:
+        """Into ext's layout, to run on its linear_fp8 path `path` ("" the build's default; path_for)."""
         self.packed, self.scales = ext.pack_fp8_weight(self.q.view(torch.uint8), self.row_scale)
-        self.ext, self.q = ext, None  # the codes live on in the packed layout only
+        self.ext, self.q, self.path = ext, None, path  # the codes live on in the packed layout only
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         if self.q is None:
@@ -240,12 +241,13 @@ class SplitWeight:
     def nbytes(self) -> int:
         return sum(weight_nbytes(p) for p in self.parts)
 
-    def pack(self, fp8_ext, bf16_ext) -> None:
+    def pack(self, fp8_ext, bf16_ext, path: str = "") -> None:
+        """fp8 parts for fp8_ext's linear_fp8 `path`, bf16 parts for bf16_ext."""
         from .linear import PackedWeight
 
         for i, p in enumerate(self.parts):
             if isinstance(p, Fp8Weight):
-                p.pack(fp8_ext)
+                p.pack(fp8_ext, path)
             elif isinstance(p, torch.Tensor):
                 self.parts[i] = PackedWeight(p, bf16_ext)
 

@@ -14,6 +14,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "aten_lite.h"
+
 #define DS_AMX_TARGET __attribute__((target("amx-tile,amx-bf16")))
 
 namespace ds_amx {
@@ -49,6 +51,21 @@ DS_AMX_TARGET inline void configure_tiles(int rows) {
 }
 
 DS_AMX_TARGET inline void release_tiles() { _tile_release(); }
+
+// A tiles are read from x [M, K] (contiguous, 2-byte elements) in place, 16 rows at stride K; a call of more than
+// 16 rows ends with a row tile read from this [16, K] copy: the last M % 16 rows, then zero rows (their outputs are
+// dropped), so that every tile has 16 rows. Undefined where no copy is needed. Filled here rather than by
+// at::zeros, whose fill is a parallel region of its own from 32K elements (a region waits for every thread to be
+// scheduled: kSerialBelow).
+inline at::Tensor padded_last_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), r = M % 16, row = K * 2;
+  if (M <= 16 || r == 0) return at::Tensor();
+  auto pad = at::empty({16, K}, x.options());
+  auto* p = static_cast<char*>(pad.data_ptr());
+  std::memcpy(p, static_cast<const char*>(x.data_ptr()) + (M - r) * row, r * row);
+  std::memset(p + r * row, 0, (16 - r) * row);
+  return pad;
+}
 
 }  // namespace ds_amx
 #endif

@@ -48,8 +48,8 @@ inline float bits_f(uint32_t u) {
 }
 
 // the widened paths' x: [M, K] bf16 as pairs -> [M, K / 2, 2] fp32, (odd, even) of each pair, exact; once per call,
-// so that a tile's broadcast is a load rather than two moves through a general register (which left the
-// widened tiles ~40% short of the fma ports at prefill sizes)
+// so that a tile's broadcast is a load rather than two moves through a general register, which on the avx512
+// set took port 5 from the fmas (docs/benchmarks.md, "widened x")
 [[maybe_unused]] void widen_pairs(const uint32_t* x, int64_t n, float* out) {
   for (int64_t i = 0; i < n; ++i) {
     out[2 * i] = bits_f(x[i] & 0xffff0000u);

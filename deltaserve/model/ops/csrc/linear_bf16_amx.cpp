@@ -8,8 +8,9 @@
 // 16 consecutive k-pair vectors of one column block are one B tile (16 rows x 64 bytes, contiguous 1 KB); an A
 // tile is 16 rows x 32 bf16 of x, read in place (row stride K * 2 bytes), except the last M % 16 rows of a call
 // of more than 16, read from a copy padded with zero rows. A call of fewer than 16 rows (a decode step) has
-// A and C tiles of M rows instead, read in place: a product then costs its rows, not 16 (at 3 to 8 rows about
-// 1.5x faster than 16-row tiles with zero rows). One tile configuration serves the whole call. A block of C tiles (2 row tiles x 2 column blocks, or 1 row tile x up
+// A and C tiles of M rows instead, read in place: a product then costs its rows, not 16 (`bench linear`: 1.25x and
+// 1.6x the vdpbf16ps linear at 4 and 8 rows on tiny). One tile configuration serves the whole call. A block of
+// C tiles (2 row tiles x 2 column blocks, or 1 row tile x up
 // to 5 blocks where 16 rows or fewer are left, as in a decode step) keeps its fp32 sums in tile registers over
 // the K / 32 chunks, is stored to a scratch buffer, gets the K % 32 tail and is rounded. Threads split the
 // column blocks; a panel of them is reused from L2 by every row tile. On this 2-core Xeon (model 207) it runs
@@ -165,7 +166,7 @@ void finish(const float* c, int rows, int nj, const uint32_t* x, int64_t kp_n, i
 }
 
 // column blocks [t0, t1) for every row: one thread's share.
-// x: [M, K] bf16; pad: the last M % 16 rows again, then zero rows up to 16 (row stride K as well; none for M = 1)
+// x: [M, K] bf16; pad: ds_amx::padded_last_rows (null up to 16 rows)
 DS_AMX_TARGET void columns(const uint16_t* x, const uint16_t* pad, const uint16_t* wp, at::BFloat16* yp, int64_t M,
                            int64_t N, int64_t kp_n, int64_t chunks, int64_t t0, int64_t t1) {
   const int64_t rtiles = (M + 15) / 16, K = 2 * kp_n, b_next = kp_n * 2 * kCols;
@@ -230,19 +231,8 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   // as linear_bf16: threads split the column blocks, never k, and a small call stays on the calling thread
   const bool serial = M * N * K < kSerialBelow;
-  // A tiles are read from x in place (16 rows at stride K); the last M % 16 rows from a copy padded with zero
-  // rows, so that every tile load has 16 rows (one tile configuration; the zero rows' outputs are dropped)
-  at::Tensor pad;
-  const uint16_t* padp = nullptr;
-  if (M % 16 != 0 && M > 16 && chunks > 0) {
-    // filled here rather than by at::zeros, whose fill is a parallel region of its own from 32K elements (a
-    // region waits for every thread to be scheduled: see kSerialBelow)
-    pad = at::empty({16, K}, x.options());
-    auto* p = reinterpret_cast<uint16_t*>(pad.data_ptr());
-    std::memcpy(p, xp + (M / 16) * 16 * K, (M % 16) * K * 2);
-    std::memset(p + (M % 16) * K, 0, (16 - M % 16) * K * 2);
-    padp = p;
-  }
+  const at::Tensor pad = chunks > 0 ? ds_amx::padded_last_rows(xc) : at::Tensor();
+  const auto* padp = pad.defined() ? reinterpret_cast<const uint16_t*>(pad.data_ptr()) : nullptr;
   at::parallel_for(0, nblk, serial ? nblk : 1,
                    [&](int64_t t0, int64_t t1) { columns(xp, padp, wp, yp, M, N, kp_n, chunks, t0, t1); });
   return y;

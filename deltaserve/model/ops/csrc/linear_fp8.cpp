@@ -228,6 +228,20 @@ inline void convert(const uint8_t* g, const Luts& t, __m512bh& w0, __m512bh& w1)
   w1 = (__m512bh)_mm512_unpackhi_epi8(lo, hi);
 }
 
+// converts the fp8 codes of column blocks [b0, b1) (packed weight w, wstride bytes a block), groups [g0, g1), into
+// pairs at out (block b at + (b - b0) * ostride vectors, group g at + 2 (g - g0))
+inline void convert_range(const uint8_t* w, int64_t wstride, int64_t b0, int64_t b1, int64_t g0, int64_t g1,
+                          const Luts& luts, __m512bh* out, int64_t ostride) {
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* gp = w + b * wstride + g * 64;
+      // the line one scale block ahead (past a block's end: the start of a later block), so that the amx path's
+      // decode call, converting one scale block at a time, streams from memory rather than waiting for it
+      _mm_prefetch(reinterpret_cast<const char*>(gp + kGroupsPerBlock * 64), _MM_HINT_T0);
+      convert(gp, luts, out[(b - b0) * ostride + 2 * (g - g0)], out[(b - b0) * ostride + 2 * (g - g0) + 1]);
+    }
+}
+
 inline __m512bh bcast(uint32_t v) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(v)); }
 
 // both tiles' k-block epilogue: tot += scale[column block, kb] * acc, each term rounded to fp32 (no fma)
@@ -453,22 +467,7 @@ constexpr AmxBlockFn kAmxBlocks[2][2] = {{&amx_block<1, 1>, &amx_block<1, 2>}, {
 constexpr int64_t kPairsPerBlock = kBlock / 2;
 constexpr int64_t kStreamRows = 8;  // up to this many rows a call converts one scale block at a time
 
-// converts the fp8 codes of column blocks [b0, b1) (packed weight w, wstride bytes a block), groups [g0, g1), into
-// pairs at out (block b at + (b - b0) * ostride vectors, group g at + 2 (g - g0))
-inline void convert_range(const uint8_t* w, int64_t wstride, int64_t b0, int64_t b1, int64_t g0, int64_t g1,
-                          const Luts& luts, __m512bh* out, int64_t ostride) {
-  for (int64_t b = b0; b < b1; ++b)
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* gp = w + b * wstride + g * 64;
-      // the line one scale block ahead (past a block's end: the start of a later block), so that a decode call,
-      // converting one scale block at a time, streams from memory rather than waiting for it
-      _mm_prefetch(reinterpret_cast<const char*>(gp + kGroupsPerBlock * 64), _MM_HINT_T0);
-      convert(gp, luts, out[(b - b0) * ostride + 2 * (g - g0)], out[(b - b0) * ostride + 2 * (g - g0) + 1]);
-    }
-}
-
-// column blocks [t0, t1) for every row: one thread's share. pad: the last M % 16 rows of a call of more than 16
-// rows, then zero rows up to 16 (row stride K). A call of kStreamRows or fewer converts each pair of column
+// column blocks [t0, t1) for every row: one thread's share. pad: ds_amx::padded_last_rows (null up to 16 rows). A call of kStreamRows or fewer converts each pair of column
 // blocks one scale block at a time (8 KB: it stays in L1 between the conversion and the tile loads); a larger one a
 // panel of column blocks over all of K, which every row tile then reads.
 DS_AMX_TARGET void columns_amx(const at::BFloat16* x, const at::BFloat16* pad, int64_t M, int64_t K, const uint8_t* wp,
@@ -689,14 +688,7 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
 #endif
 #if defined(DS_FP8_AMX)
   if (which == Path::kAmx) {
-    // the last M % 16 rows of a call of more than 16 from a copy padded with zero rows: every tile has 16 rows
-    at::Tensor pad;
-    if (M > 16 && M % 16 != 0) {  // filled here: at::zeros' fill is a parallel region of its own (kSerialBelow)
-      pad = torch::empty({16, K}, x.options());
-      auto* pp = pad.data_ptr<at::BFloat16>();
-      std::memcpy(pp, xp + (M / 16) * 16 * K, (M % 16) * K * sizeof(at::BFloat16));
-      std::memset(pp + (M % 16) * K, 0, (16 - M % 16) * K * sizeof(at::BFloat16));
-    }
+    const at::Tensor pad = ds_amx::padded_last_rows(xc);
     const at::BFloat16* padp = pad.defined() ? pad.data_ptr<at::BFloat16>() : nullptr;
     at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
       columns_amx(xp, padp, M, K, wp, ngroups, sp, KB, yp, N, t0, t1, luts);
@@ -742,10 +734,7 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
         if (scratch.size() < need) scratch.resize(need);
         for (int64_t c0 = b0; c0 < b1; c0 += kScratchPanel) {
           const int64_t c1 = std::min(b1, c0 + kScratchPanel);
-          for (int64_t b = c0; b < c1; ++b)
-            for (int64_t g = 0; g < ngroups; ++g)
-              convert(wp + b * wstride + g * 64, luts, scratch[(b - c0) * npairs + 2 * g],
-                      scratch[(b - c0) * npairs + 2 * g + 1]);
+          convert_range(wp, wstride, c0, c1, 0, ngroups, luts, scratch.data(), npairs);
           for (int64_t m0 = 0; m0 < M; m0 += 8) {
             const int mt = static_cast<int>(std::min<int64_t>(8, M - m0));
             for (int64_t b = c0; b < c1; b += kScratchNB[mt]) {
