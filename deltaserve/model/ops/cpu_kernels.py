@@ -55,6 +55,7 @@ import torch
 from ...config import CPU_ISA_CHOICES
 from . import pointwise
 from .attention import apply_rotary
+from .attention import prefill_attention as prefill_attention_torch
 from .norm import rms_norm as rms_norm_torch
 from .norm import rms_norm_gated as rms_norm_gated_torch
 
@@ -82,7 +83,7 @@ ISA_WHAT = {"amx": "AMX tiles for the bf16 linear at every row count, AVX-512 de
             "generic": "plain C++ loops, no compiled linear"}
 _SOURCES = [Path(__file__).with_name("csrc") / f
             for f in ("decode_kernels.cpp", "linear_bf16.cpp", "linear_bf16_amx.cpp", "norm.cpp", "pointwise.cpp",
-                      "decode_layers.cpp", "argmax.cpp")]
+                      "decode_layers.cpp", "argmax.cpp", "prefill_attention.cpp")]
 _lock = threading.Lock()
 _exts: dict[str, object] = {}  # isa -> the loaded module, or the exception that stopped its build
 _build_seconds: dict[str, float] = {}
@@ -328,6 +329,23 @@ class DecodeKernels:
         if self._rows(o) and self._rows(gate) and o.dtype == gate.dtype:
             return self.ext.gate_output(o, gate)
         return pointwise.gate_output(o, gate)
+
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+                          scale: float) -> torch.Tensor:
+        """One sequence's prefill chunk (ops/attention.py prefill_attention's arguments and result). Compiled where
+        the build has it (avx512bf16, which amx loads) and the call is bf16 on the CPU with a head dim that is a
+        multiple of 32: flash form on vdpbf16ps (csrc/prefill_attention.cpp), a row's bits independent of the
+        chunk it came in; else the torch path (SDPA per 64-row tile). Which one is fixed per model (its dtype,
+        head dim and kernels), so a cold run and a hit always take the same one."""
+        if self.prefill_attention_compiled and q.dtype == k.dtype == v.dtype == torch.bfloat16 \
+                and q.device.type == "cpu" and q.shape[-1] % 32 == 0:
+            return self.ext.prefill_attention(q, k, v, pos, scale)
+        return prefill_attention_torch(q, k, v, pos, scale)
+
+    @functools.cached_property
+    def prefill_attention_compiled(self) -> bool:
+        """This build has the compiled prefill attention (csrc/prefill_attention.cpp: the avx512bf16 one)."""
+        return self.ext is not None and bool(getattr(self.ext, "prefill_attention_available", lambda: False)())
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """torch.argmax(rows, dim=-1) for logits rows [N, V] (greedy sampling), compiled where it can run: the

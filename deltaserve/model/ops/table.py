@@ -57,7 +57,8 @@ class Ops:
                    swiglu=functools.partial(swiglu, act=kernels.silu_mul), moe=moe,
                    qk_norm_rope=kernels.qk_norm_rope, gate_output=kernels.gate_output,
                    kv_write=kv_write, kv_gather=kv_gather,
-                   prefill_attention=prefill_attention, decode_attention=decode_attention,
+                   prefill_attention=kernels.prefill_attention if compiled else prefill_attention,
+                   decode_attention=decode_attention,
                    causal_conv1d_prefill=(functools.partial(causal_conv1d_prefill, silu_into=kernels.silu_into)
                                           if compiled else causal_conv1d_prefill),
                    chunk_gated_delta_rule=chunk_gated_delta_rule,

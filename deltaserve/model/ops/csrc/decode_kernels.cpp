@@ -668,6 +668,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gated delta rule decode step, state slots updated in place (q, k, v, g, beta, state [S,H,dv,dk], slots [B])");
   m.def("conv1d_step", &conv1d_step,
         "causal conv1d decode step with its silu, states updated in place (x [T,C], rows [B], wt [K,C], state, slots)");
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "prefill_attention in this build (the avx512bf16 one; prefill_attention.cpp)");
+  m.def("prefill_attention", &prefill_attention_bf16,
+        "one sequence's prefill chunk: q [n,Hq,D] at positions pos.. over k, v [>=pos+n,Hkv,D] -> [n,Hq,D] (bf16)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &argmax_rows, "torch.argmax(x, dim=-1) for fp32 x [N, V] (greedy sampling; argmax.cpp)");
   m.def("silu_into", &silu_into, "out = silu(acc) in out's dtype, for acc [T, C] fp32 (the GDN conv's activation)");
 }

@@ -1,0 +1,236 @@
+// Prefill attention of one sequence's chunk on AVX512-BF16 dot products (the avx512bf16 build, which the amx set
+// loads too); ops/attention.py prefill_attention is the torch path with the same contract, attention_reference
+// the plain fp32 reference the tests compare both with.
+//
+// q [n, Hq, D] at absolute positions pos .. pos + n - 1 attends keys 0 .. its own position of k, v [>= pos + n,
+// Hkv, D] (any row and head strides, contiguous last dim); query head h reads kv head h / (Hq / Hkv).
+//
+// Flash form: keys in blocks of 32 anchored at key 0, an online softmax per query row (fp32 running max, a
+// 16-lane running sum, the output row in fp32), scores = (q . k) * scale from vdpbf16ps over the head dim,
+// probabilities rounded to bf16 for the P V products (as torch's CPU flash attention does), the row divided by
+// its sum and rounded to bf16 once at the end.
+//
+// Bits: a query row's arithmetic is a fixed sequence over its own q, the key blocks from 0 up to its own, and
+// nothing else. A block past a row's position (its work item reaches further) is an exact no-op for that row:
+// every probability is 0 (masked after the exp, not left to exp(-inf)), the max does not move, the rescale is
+// exp(0) = 1. So a row's result does not depend on the chunk it came in (any start, not only multiples of a tile),
+// on the other rows of its work item, or on the thread split: the hit == cold gates rest on the first.
+//
+// Layout per call: K and V of each kv head are repacked once into bf16 pairs, K as 16 keys x (d, d + 1) per
+// 64-byte vector (the linear_bf16 weight layout), V as (key j, key j + 1) x 16 dims; work items are 8 query
+// rows (head-minor within a position) of one kv head, dealt out to the threads round-robin so each thread gets
+// short and long rows alike under the causal mask.
+
+#include "aten_lite.h"
+#include "kernels.h"
+#include "vec_exp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int kKeys = 32;  // keys per block: two 16-key column vectors
+constexpr int kRows = 8;   // query rows per work item (16 score and 16 output accumulators)
+
+using u16 = uint16_t;
+
+// K of one kv head [L, D] (row stride rs elements) -> kp [ceil(L / 32) * 2][D / 2][16] words (d, d + 1) of 16 keys;
+// keys from L to the block end are zero (masked, but must not be NaN)
+void pack_keys(const u16* k, int64_t rs, int64_t L, int64_t D, uint32_t* kp, int64_t c0, int64_t c1) {
+  const int64_t D2 = D / 2;
+  for (int64_t c = c0; c < c1; ++c) {  // 16-key columns
+    uint32_t* dst = kp + c * D2 * 16;
+    for (int jj = 0; jj < 16; ++jj) {
+      const int64_t j = c * 16 + jj;
+      if (j < L) {
+        const uint32_t* src = reinterpret_cast<const uint32_t*>(k + j * rs);
+        for (int64_t d2 = 0; d2 < D2; ++d2) dst[d2 * 16 + jj] = src[d2];
+      } else {
+        for (int64_t d2 = 0; d2 < D2; ++d2) dst[d2 * 16 + jj] = 0;
+      }
+    }
+  }
+}
+
+// V of one kv head [L, D] -> vp [ceil(L / 32) * 16][D] words (v[2m][d], v[2m + 1][d]); zero past L
+void pack_values(const u16* v, int64_t rs, int64_t L, int64_t D, uint32_t* vp, int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {  // key pairs
+    const int64_t j = 2 * m;
+    const u16* a = j < L ? v + j * rs : nullptr;
+    const u16* b = j + 1 < L ? v + (j + 1) * rs : nullptr;
+    uint32_t* dst = vp + m * D;
+    for (int64_t d = 0; d < D; ++d)
+      dst[d] = uint32_t(a ? a[d] : 0) | (uint32_t(b ? b[d] : 0) << 16);
+  }
+}
+
+struct Rows {
+  const uint32_t* q[kRows];  // each row's query as D / 2 words
+  u16* out[kRows];
+  int64_t pos[kRows];
+};
+
+// M query rows of one kv head against its packed K / V; ob: M * D floats of scratch
+template <int M>
+void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob) {
+  const int64_t D2 = D / 2;
+  int64_t last = 0;
+  for (int i = 0; i < M; ++i) last = std::max(last, r.pos[i]);
+  const int64_t blocks = last / kKeys + 1;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float mx[M];
+  __m512 lsum[M];
+  alignas(64) uint32_t pw[M][16];  // a block's probabilities of one row as bf16 pairs (key order)
+  float alpha[M];
+  for (int i = 0; i < M; ++i) {
+    mx[i] = ninf;
+    lsum[i] = _mm512_setzero_ps();
+  }
+  std::fill(ob, ob + M * D, 0.f);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t b = 0; b < blocks; ++b) {
+    // scores of the block's 32 keys
+    __m512 s0[M], s1[M];
+    for (int i = 0; i < M; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
+    const uint32_t* k0 = kp + (2 * b) * D2 * 16;
+    const uint32_t* k1 = k0 + D2 * 16;
+    for (int64_t d2 = 0; d2 < D2; ++d2) {
+      const __m512bh ka = (__m512bh)_mm512_loadu_si512(k0 + d2 * 16);
+      const __m512bh kb = (__m512bh)_mm512_loadu_si512(k1 + d2 * 16);
+      for (int i = 0; i < M; ++i) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(r.q[i][d2]));
+        s0[i] = _mm512_dpbf16_ps(s0[i], qb, ka);
+        s1[i] = _mm512_dpbf16_ps(s1[i], qb, kb);
+      }
+    }
+    // online softmax: mask, max, exp (masked lanes 0), running sum, P as bf16 pairs
+    const __m512i j0 = _mm512_add_epi32(lane, _mm512_set1_epi32(int(b * kKeys)));
+    const __m512i j1 = _mm512_add_epi32(j0, _mm512_set1_epi32(16));
+    for (int i = 0; i < M; ++i) {
+      const __m512i p = _mm512_set1_epi32(int(r.pos[i]));
+      const __mmask16 v0 = _mm512_cmple_epi32_mask(j0, p), v1 = _mm512_cmple_epi32_mask(j1, p);
+      const __m512 x0 = _mm512_mask_mul_ps(_mm512_set1_ps(ninf), v0, s0[i], _mm512_set1_ps(scale));
+      const __m512 x1 = _mm512_mask_mul_ps(_mm512_set1_ps(ninf), v1, s1[i], _mm512_set1_ps(scale));
+      const float m = std::max(mx[i], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
+      const __m512 mv = _mm512_set1_ps(m);
+      alpha[i] = _mm512_cvtss_f32(ds::exp_ps(_mm512_set1_ps(mx[i] - m)));  // 1 exactly where m did not move
+      const __m512 p0 = _mm512_maskz_mov_ps(v0, ds::exp_ps(_mm512_sub_ps(x0, mv)));
+      const __m512 p1 = _mm512_maskz_mov_ps(v1, ds::exp_ps(_mm512_sub_ps(x1, mv)));
+      lsum[i] = _mm512_add_ps(_mm512_mul_ps(lsum[i], _mm512_set1_ps(alpha[i])), _mm512_add_ps(p0, p1));
+      _mm512_store_si512(pw[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      mx[i] = m;
+    }
+    // O = alpha O + P V, 32 dims at a time
+    const uint32_t* vb = vp + b * 16 * D;
+    for (int64_t c = 0; c < D; c += 32) {
+      __m512 o0[M], o1[M];
+      for (int i = 0; i < M; ++i) {
+        const __m512 a = _mm512_set1_ps(alpha[i]);
+        o0[i] = _mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c), a);
+        o1[i] = _mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c + 16), a);
+      }
+      for (int m = 0; m < 16; ++m) {
+        const __m512bh va = (__m512bh)_mm512_loadu_si512(vb + m * D + c);
+        const __m512bh vc = (__m512bh)_mm512_loadu_si512(vb + m * D + c + 16);
+        for (int i = 0; i < M; ++i) {
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pw[i][m]));
+          o0[i] = _mm512_dpbf16_ps(o0[i], pb, va);
+          o1[i] = _mm512_dpbf16_ps(o1[i], pb, vc);
+        }
+      }
+      for (int i = 0; i < M; ++i) {
+        _mm512_storeu_ps(ob + i * D + c, o0[i]);
+        _mm512_storeu_ps(ob + i * D + c + 16, o1[i]);
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[i]));
+    for (int64_t c = 0; c < D; c += 16) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c), inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c), (__m256i)o);
+    }
+  }
+}
+
+using AttendFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*);
+constexpr AttendFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>,
+                                         attend<5>, attend<6>, attend<7>, attend<8>};
+
+}  // namespace
+
+bool prefill_attention_available() { return true; }
+
+at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t pos,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: q, k, v must be [rows, heads, dim]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
+                  v.scalar_type() == at::kBFloat16, "prefill_attention: bfloat16 q, k, v only");
+  const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), end = pos + n;
+  TORCH_CHECK(D % 32 == 0, "prefill_attention: head dim must be a multiple of 32, got ", D);
+  TORCH_CHECK(k.size(2) == D && v.size(2) == D && v.size(1) == Hkv && Hkv > 0 && Hq % Hkv == 0,
+              "prefill_attention: k, v must be [L, Hkv, D] with Hkv dividing Hq");
+  TORCH_CHECK(pos >= 0 && k.size(0) >= end && v.size(0) >= end, "prefill_attention: k, v hold fewer than pos + n rows");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_attention: the last dim must be contiguous");
+  auto out = at::empty({n, Hq, D}, q.options());
+  if (n == 0) return out;
+  const int64_t G = Hq / Hkv, D2 = D / 2;
+  const int64_t cols = (end + kKeys - 1) / kKeys * 2;  // 16-key columns of the packed K, per kv head
+  auto kp = at::empty({Hkv, cols * D2 * 16}, at::TensorOptions().dtype(at::kInt));
+  auto vp = at::empty({Hkv, cols * 8 * D}, at::TensorOptions().dtype(at::kInt));
+  const u16* qd = reinterpret_cast<const u16*>(q.data_ptr<at::BFloat16>());
+  const u16* kd = reinterpret_cast<const u16*>(k.data_ptr<at::BFloat16>());
+  const u16* vd = reinterpret_cast<const u16*>(v.data_ptr<at::BFloat16>());
+  u16* od = reinterpret_cast<u16*>(out.data_ptr<at::BFloat16>());
+  uint32_t* kpd = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
+  uint32_t* vpd = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
+  const int64_t work = n * Hq * end * D;  // multiply-adds of QK^T, about
+  const int64_t grain = work < kSerialBelow ? Hkv * cols : 1;
+  at::parallel_for(0, Hkv * cols, grain, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; ++t) {
+      const int64_t h = t / cols, c = t % cols;
+      pack_keys(kd + h * k.stride(1), k.stride(0), end, D, kpd + h * cols * D2 * 16, c, c + 1);
+      pack_values(vd + h * v.stride(1), v.stride(0), end, D, vpd + h * cols * 8 * D, c * 8, c * 8 + 8);
+    }
+  });
+  const int64_t per_head = (n * G + kRows - 1) / kRows;  // work items of one kv head
+  const int64_t items = Hkv * per_head;
+  const int64_t threads = work < kSerialBelow ? 1 : std::min<int64_t>(at::get_num_threads(), items);
+  const float sc = float(scale);
+  at::parallel_for(0, threads, 1, [&](int64_t a, int64_t e) {
+    std::vector<float> ob(size_t(kRows * D));
+    for (int64_t t = a; t < e; ++t) {
+      for (int64_t it = t; it < items; it += threads) {  // round-robin: early and late rows on every thread
+        const int64_t h = it / per_head, r0 = (it % per_head) * kRows;
+        const int M = int(std::min<int64_t>(kRows, n * G - r0));
+        Rows rows;
+        for (int i = 0; i < M; ++i) {
+          const int64_t row = r0 + i, p = row / G, head = h * G + row % G;
+          rows.q[i] = reinterpret_cast<const uint32_t*>(qd + p * q.stride(0) + head * q.stride(1));
+          rows.out[i] = od + (p * Hq + head) * D;
+          rows.pos[i] = pos + p;
+        }
+        kAttend[M](rows, kpd + h * cols * D2 * 16, vpd + h * cols * 8 * D, D, sc, ob.data());
+      }
+    }
+  });
+  return out;
+}
+
+#else
+
+bool prefill_attention_available() { return false; }
+
+at::Tensor prefill_attention_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double) {
+  TORCH_CHECK(false, "prefill_attention: this build has no AVX512-BF16 (ops/attention.py prefill_attention is the path)");
+}
+
+#endif
