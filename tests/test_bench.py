@@ -104,6 +104,11 @@ def test_agent_in_process_and_transformers(tmp_path):
         assert float(rows[arm][10]) > 0, rows[arm]  # and the in-context ideal (two salted cold prefills)
     assert rows["off"][6] == "0" and rows["transformers"][6] == "0" and rows["transformers"][7] == "n/a"
     assert "Bars (issue 7)" in text and "in-page vs transformers" in text
+    # each in-process arm's steps by kind: 2 sessions x 3 output tokens decode in steps of their own or beside the
+    # other session's prefill
+    notes = {line.split(":")[0].lstrip("- "): line for line in text.splitlines() if "replay steps:" in line}
+    assert set(notes) == {"off", "in-page", "runs", "per-block"}, text
+    assert all(" prefill (mean " in n or " decode + prefill (mean " in n for n in notes.values()), notes
     lines = (tmp_path / "agent.csv").read_text().splitlines()
     assert lines[0].startswith("arm,session,turn,prompt_tokens,cached_tokens,ttft_s")
     per_arm = {}
@@ -184,3 +189,21 @@ def test_bench_linear_tiny():
     res = bl.run("tiny", [2], repeats=1, isa=sets)
     assert set(res[0]["arms"]) == {"onednn", *sets} and all(v > 0 for v in res[0]["arms"].values())
     assert all(f"| compiled {i} |" in bl.render("tiny", res).splitlines()[2] for i in sets)
+
+
+def test_bench_attention_tiny(capsys):
+    pytest.importorskip("torch")
+    from deltaserve.bench import attention as ba
+    from deltaserve.model.ops import cpu_kernels
+
+    why = cpu_kernels.cannot_execute("avx512bf16")
+    if why:
+        pytest.skip(why)
+    assert ba.main(["--preset", "tiny", "--shapes", "40@0,33@100", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "4 query heads, 2 kv heads, head dim 128" in lines[0]
+    rows = [line.split("|")[1:-1] for line in lines[4:]]
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(40, 0), (33, 100)]
+    assert all(float(r[4].strip().rstrip("x")) > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        ba.main(["--shapes", "40"])  # not QUERIES@CONTEXT: argparse's error

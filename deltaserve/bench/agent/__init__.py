@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                                for k, p in enumerate(prompts_of(shared, turns))}
                     measure_ideal_in_context(driver, res, prompts, a.ideal_context_samples)
             all_results.extend(res)
+            if isinstance(driver, EngineDriver) and driver.step_note():
+                notes.append(driver.step_note())
             summaries.append(summarize(driver.name, driver.engine_name, res, wall, driver.info))
             s = summaries[-1]
             _progress(f"{driver.name}: wall {s['wall_s']:.1f}s, later TTFT {s['later_ttft_mean_s']:.3f}s, "

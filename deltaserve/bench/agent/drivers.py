@@ -71,8 +71,12 @@ class EngineDriver:
         for s in range(len(sessions)):
             if sessions[s]:
                 submit(s)
+        kinds: dict[str, list] = {}  # step kind -> [steps, seconds]
         while live:
-            for out in eng.step():
+            ts = time.perf_counter()
+            outs = eng.step()
+            self._count_step(kinds, eng.last_plan, time.perf_counter() - ts)
+            for out in outs:
                 st = live.get(out.request_id)
                 if st is None:
                     continue
@@ -92,7 +96,25 @@ class EngineDriver:
                         submit(s)
         wall = time.perf_counter() - t0
         self.info["preemptions"] = eng.stats().preemptions
+        self.info["steps"] = kinds
         return results, wall
+
+    @staticmethod
+    def _count_step(kinds: dict[str, list], plan, seconds: float) -> None:
+        """Steps by what they carried: decode rows only, prefill tokens only, or both (a session's decode sharing
+        a step with another's prefill: the per-stream decode rate reads those steps too)."""
+        dec = any(w.is_decode for w in plan.work)
+        pre = any(not w.is_decode for w in plan.work)
+        kind = "decode + prefill" if dec and pre else "decode" if dec else "prefill" if pre else "empty"
+        k = kinds.setdefault(kind, [0, 0.0])
+        k[0] += 1
+        k[1] += seconds
+
+    def step_note(self) -> str:
+        """The replay's steps by kind, for the report's notes."""
+        kinds = self.info.get("steps") or {}
+        parts = [f"{n} {kind} (mean {1e3 * sec / n:.1f} ms)" for kind, (n, sec) in sorted(kinds.items()) if n]
+        return f"{self.name}: replay steps: " + ", ".join(parts) if parts else ""
 
     def close(self) -> None:
         self.eng = None

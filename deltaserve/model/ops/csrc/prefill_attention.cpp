@@ -1,14 +1,16 @@
-// Prefill attention of one sequence's chunk on AVX512-BF16 dot products (the avx512bf16 build, which the amx set
-// loads too); ops/attention.py prefill_attention is the torch path with the same contract, attention_reference
-// the plain fp32 reference the tests compare both with.
+// Prefill attention of one sequence's chunk on the AVX-512 builds: AVX512-BF16 dot products on the avx512bf16
+// build (which the amx set loads too), bf16 widened to fp32 in registers and fp32 fmas on the avx512 build;
+// ops/attention.py prefill_attention is the torch path with the same contract (the avx2 and generic builds take
+// it), attention_reference the plain fp32 reference the tests compare both with.
 //
 // q [n, Hq, D] at absolute positions pos .. pos + n - 1 attends keys 0 .. its own position of k, v [>= pos + n,
 // Hkv, D] (any row and head strides, contiguous last dim); query head h reads kv head h / (Hq / Hkv).
 //
 // Flash form: keys in blocks of 32 anchored at key 0, an online softmax per query row (fp32 running max, a
-// 16-lane running sum, the output row in fp32), scores = (q . k) * scale from vdpbf16ps over the head dim,
-// probabilities rounded to bf16 for the P V products (as torch's CPU flash attention does), the row divided by
-// its sum and rounded to bf16 once at the end.
+// 16-lane running sum, the output row in fp32), scores = (q . k) * scale summed over the head dim in pairs
+// (vdpbf16ps, or two fmas per pair of widened values), probabilities rounded to bf16 for vdpbf16ps's P V products
+// (as torch's CPU flash attention rounds them; the widened build keeps them fp32), the row divided by its sum and
+// rounded to bf16 once at the end. Each build has its own bits; one model runs one build.
 //
 // Bits: a query row's arithmetic is a fixed sequence over its own q, the key blocks from 0 up to its own, and
 // nothing else. A block past a row's position (its work item reaches further) is an exact no-op for that row:
@@ -32,7 +34,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
 namespace {
@@ -79,8 +81,18 @@ struct Rows {
 };
 
 // M query rows of one kv head against its packed K / V; ob: M * D floats of scratch
+// the fp32 value of a bf16 pair word's first (even) and second (odd) element, 16 words at a time
+inline __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+inline __m512 odd_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u)))); }
+
+#if defined(__AVX512BF16__)
+constexpr bool kDot = true;  // vdpbf16ps
+#else
+constexpr bool kDot = false;  // widened pairs, two fmas
+#endif
+
 template <int M>
-void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob) {
+void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob, float* qf) {
   const int64_t D2 = D / 2;
   int64_t last = 0;
   for (int i = 0; i < M; ++i) last = std::max(last, r.pos[i]);
@@ -88,7 +100,16 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx[M];
   __m512 lsum[M];
-  alignas(64) uint32_t pw[M][16];  // a block's probabilities of one row as bf16 pairs (key order)
+  alignas(64) uint32_t pw[M][16];  // a block's probabilities of one row as bf16 pairs (key order; kDot)
+  alignas(64) float pf[M][kKeys];  // the same in fp32 (the widened build)
+  if constexpr (!kDot)  // q widened once: qf[i * D + d]
+    for (int i = 0; i < M; ++i)
+      for (int64_t d2 = 0; d2 < D2; ++d2) {
+        const uint32_t w = r.q[i][d2];
+        const uint32_t e = w << 16, o = w & 0xffff0000u;
+        std::memcpy(qf + i * D + 2 * d2, &e, 4);
+        std::memcpy(qf + i * D + 2 * d2 + 1, &o, 4);
+      }
   float alpha[M];
   for (int i = 0; i < M; ++i) {
     mx[i] = ninf;
@@ -103,12 +124,22 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
     const uint32_t* k0 = kp + (2 * b) * D2 * 16;
     const uint32_t* k1 = k0 + D2 * 16;
     for (int64_t d2 = 0; d2 < D2; ++d2) {
-      const __m512bh ka = (__m512bh)_mm512_loadu_si512(k0 + d2 * 16);
-      const __m512bh kb = (__m512bh)_mm512_loadu_si512(k1 + d2 * 16);
-      for (int i = 0; i < M; ++i) {
-        const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(r.q[i][d2]));
-        s0[i] = _mm512_dpbf16_ps(s0[i], qb, ka);
-        s1[i] = _mm512_dpbf16_ps(s1[i], qb, kb);
+      const __m512i ka = _mm512_loadu_si512(k0 + d2 * 16), kb = _mm512_loadu_si512(k1 + d2 * 16);
+      if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+        for (int i = 0; i < M; ++i) {
+          const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(r.q[i][d2]));
+          s0[i] = _mm512_dpbf16_ps(s0[i], qb, (__m512bh)ka);
+          s1[i] = _mm512_dpbf16_ps(s1[i], qb, (__m512bh)kb);
+        }
+#endif
+      } else {  // odd element, then even, as vdpbf16ps adds a pair
+        const __m512 ae = even_f32(ka), ao = odd_f32(ka), be = even_f32(kb), bo = odd_f32(kb);
+        for (int i = 0; i < M; ++i) {
+          const __m512 qe = _mm512_set1_ps(qf[i * D + 2 * d2]), qo = _mm512_set1_ps(qf[i * D + 2 * d2 + 1]);
+          s0[i] = _mm512_fmadd_ps(qe, ae, _mm512_fmadd_ps(qo, ao, s0[i]));
+          s1[i] = _mm512_fmadd_ps(qe, be, _mm512_fmadd_ps(qo, bo, s1[i]));
+        }
       }
     }
     // online softmax: mask, max, exp (masked lanes 0), running sum, P as bf16 pairs
@@ -125,7 +156,14 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
       const __m512 p0 = _mm512_maskz_mov_ps(v0, ds::exp_ps(_mm512_sub_ps(x0, mv)));
       const __m512 p1 = _mm512_maskz_mov_ps(v1, ds::exp_ps(_mm512_sub_ps(x1, mv)));
       lsum[i] = _mm512_add_ps(_mm512_mul_ps(lsum[i], _mm512_set1_ps(alpha[i])), _mm512_add_ps(p0, p1));
-      _mm512_store_si512(pw[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+        _mm512_store_si512(pw[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+#endif
+      } else {
+        _mm512_store_ps(pf[i], p0);
+        _mm512_store_ps(pf[i] + 16, p1);
+      }
       mx[i] = m;
     }
     // O = alpha O + P V, 32 dims at a time
@@ -137,13 +175,23 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
         o0[i] = _mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c), a);
         o1[i] = _mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c + 16), a);
       }
-      for (int m = 0; m < 16; ++m) {
-        const __m512bh va = (__m512bh)_mm512_loadu_si512(vb + m * D + c);
-        const __m512bh vc = (__m512bh)_mm512_loadu_si512(vb + m * D + c + 16);
-        for (int i = 0; i < M; ++i) {
-          const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pw[i][m]));
-          o0[i] = _mm512_dpbf16_ps(o0[i], pb, va);
-          o1[i] = _mm512_dpbf16_ps(o1[i], pb, vc);
+      for (int m = 0; m < 16; ++m) {  // key pair (2m, 2m + 1) of the block
+        const __m512i va = _mm512_loadu_si512(vb + m * D + c), vc = _mm512_loadu_si512(vb + m * D + c + 16);
+        if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+          for (int i = 0; i < M; ++i) {
+            const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pw[i][m]));
+            o0[i] = _mm512_dpbf16_ps(o0[i], pb, (__m512bh)va);
+            o1[i] = _mm512_dpbf16_ps(o1[i], pb, (__m512bh)vc);
+          }
+#endif
+        } else {
+          const __m512 ae = even_f32(va), ao = odd_f32(va), ce = even_f32(vc), co = odd_f32(vc);
+          for (int i = 0; i < M; ++i) {
+            const __m512 pe = _mm512_set1_ps(pf[i][2 * m]), po = _mm512_set1_ps(pf[i][2 * m + 1]);
+            o0[i] = _mm512_fmadd_ps(pe, ae, _mm512_fmadd_ps(po, ao, o0[i]));
+            o1[i] = _mm512_fmadd_ps(pe, ce, _mm512_fmadd_ps(po, co, o1[i]));
+          }
         }
       }
       for (int i = 0; i < M; ++i) {
@@ -155,13 +203,21 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
   for (int i = 0; i < M; ++i) {
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[i]));
     for (int64_t c = 0; c < D; c += 16) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c), inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c), (__m256i)o);
+      const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c), inv);
+      if constexpr (kDot) {
+#if defined(__AVX512BF16__)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c), (__m256i)_mm512_cvtneps_pbh(o));
+#endif
+      } else {
+        alignas(64) float f[16];
+        _mm512_store_ps(f, o);
+        for (int l = 0; l < 16; ++l) r.out[i][c + l] = static_cast<c10::BFloat16>(f[l]).x;  // nearest even
+      }
     }
   }
 }
 
-using AttendFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*);
+using AttendFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*, float*);
 constexpr AttendFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>,
                                          attend<5>, attend<6>, attend<7>, attend<8>};
 
@@ -206,7 +262,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t threads = work < kSerialBelow ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   const float sc = float(scale);
   at::parallel_for(0, threads, 1, [&](int64_t a, int64_t e) {
-    std::vector<float> ob(size_t(kRows * D));
+    std::vector<float> ob(size_t(kRows * D)), qf(size_t(kRows * D));
     for (int64_t t = a; t < e; ++t) {
       for (int64_t it = t; it < items; it += threads) {  // round-robin: early and late rows on every thread
         const int64_t h = it / per_head, r0 = (it % per_head) * kRows;
@@ -218,7 +274,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
           rows.out[i] = od + (p * Hq + head) * D;
           rows.pos[i] = pos + p;
         }
-        kAttend[M](rows, kpd + h * cols * D2 * 16, vpd + h * cols * 8 * D, D, sc, ob.data());
+        kAttend[M](rows, kpd + h * cols * D2 * 16, vpd + h * cols * 8 * D, D, sc, ob.data(), qf.data());
       }
     }
   });
@@ -230,7 +286,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
 bool prefill_attention_available() { return false; }
 
 at::Tensor prefill_attention_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double) {
-  TORCH_CHECK(false, "prefill_attention: this build has no AVX512-BF16 (ops/attention.py prefill_attention is the path)");
+  TORCH_CHECK(false, "prefill_attention: this build has no AVX-512 (ops/attention.py prefill_attention is the path)");
 }
 
 #endif
