@@ -1,5 +1,5 @@
 """The compiled prefill attention (ops/csrc/prefill_attention.cpp: the avx512bf16 build's vdpbf16ps, the avx512
-build's widened fmas) against the plain fp32 reference (ops/attention.py attention_reference) on awkward shapes,
+and avx2 builds' widened fmas) against the plain fp32 reference (ops/attention.py attention_reference) on awkward shapes,
 the torch path beside it; a row's bits independent of the chunk it came in, of the other rows and of the thread
 count (bit for bit); the op table's choice between the two paths."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from deltaserve.model.ops import cpu_kernels
 from deltaserve.model.ops.attention import attention_reference, prefill_attention
 
 
-COMPILED = ("avx512bf16", "avx512")  # the builds that hold it (the amx set loads avx512bf16's)
+COMPILED = ("avx512bf16", "avx512", "avx2")  # the builds that hold it (the amx set loads avx512bf16's)
 
 
 @pytest.fixture(scope="module", params=COMPILED)
@@ -101,8 +101,8 @@ def test_refuses_what_it_cannot_do(ext):
 
 @pytest.mark.parametrize("isa", cpu_kernels.ISAS)
 def test_op_table_takes_the_compiled_path_where_the_build_has_it(isa):
-    """Each set's op table: the compiled kernel on the AVX-512 builds (and amx, which loads avx512bf16's) for bf16
-    with a head dim that is a multiple of 32; the torch path (its exact bits) everywhere else."""
+    """Each set's op table: the compiled kernel on every x86 build (amx loads avx512bf16's) for bf16 with a head
+    dim that is a multiple of 32; the torch path (its exact bits) everywhere else."""
     why = cpu_kernels.cannot_execute(isa)
     if why:
         pytest.skip(why)

@@ -10,6 +10,9 @@ Bit-exactness:
   multiples of TILE).
 - decode_attention handles one sequence with a plain GQA matmul-softmax-matmul: a request's result does
   not depend on which other sequences share the step.
+- The compiled kernels' prefill attention (csrc/prefill_attention.cpp, every x86 build; the op table takes it
+  through DecodeKernels.prefill_attention) has this function's contract, and a row's bits depend on no chunk
+  start at all; this function is its torch path and the generic build's.
 """
 from __future__ import annotations
 

@@ -333,10 +333,9 @@ class DecodeKernels:
     def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
                           scale: float) -> torch.Tensor:
         """One sequence's prefill chunk (ops/attention.py prefill_attention's arguments and result). Compiled where
-        the build has it (avx512bf16, which amx loads: vdpbf16ps; avx512: widened fp32 fmas) and the call is bf16
-        on the CPU with a head dim that is a multiple of 32: flash form (csrc/prefill_attention.cpp), a row's bits
-        independent of the chunk it came in; else the torch path (SDPA per 64-row tile: the avx2 and generic
-        builds). Which one is fixed per model (its dtype, head dim and kernels), so a cold run and a hit always
+        the build has it (avx512bf16, which amx loads: vdpbf16ps; avx512 and avx2: widened fp32 fmas) and the call
+        is bf16 on the CPU with a head dim that is a multiple of 32: flash form (csrc/prefill_attention.cpp), a row's
+        bits independent of the chunk it came in; else the torch path (SDPA per 64-row tile: the generic build). Which one is fixed per model (its dtype, head dim and kernels), so a cold run and a hit always
         take the same one."""
         if self.prefill_attention_compiled and q.dtype == k.dtype == v.dtype == torch.bfloat16 \
                 and q.device.type == "cpu" and q.shape[-1] % 32 == 0:
@@ -345,7 +344,7 @@ class DecodeKernels:
 
     @functools.cached_property
     def prefill_attention_compiled(self) -> bool:
-        """This build has the compiled prefill attention (csrc/prefill_attention.cpp: the AVX-512 builds)."""
+        """This build has the compiled prefill attention (csrc/prefill_attention.cpp: every x86 build)."""
         return self.ext is not None and bool(getattr(self.ext, "prefill_attention_available", lambda: False)())
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:

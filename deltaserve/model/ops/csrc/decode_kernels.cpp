@@ -669,7 +669,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("conv1d_step", &conv1d_step,
         "causal conv1d decode step with its silu, states updated in place (x [T,C], rows [B], wt [K,C], state, slots)");
   m.def("prefill_attention_available", &prefill_attention_available,
-        "prefill_attention in this build (the AVX-512 ones; prefill_attention.cpp)");
+        "prefill_attention in this build (the x86 ones; prefill_attention.cpp)");
   m.def("prefill_attention", &prefill_attention_bf16,
         "one sequence's prefill chunk: q [n,Hq,D] at positions pos.. over k, v [>=pos+n,Hkv,D] -> [n,Hq,D] (bf16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"),

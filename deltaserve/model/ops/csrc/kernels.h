@@ -41,7 +41,7 @@ at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
 void silu_into(const at::Tensor& acc, at::Tensor& out);
 
 // prefill_attention.cpp: one sequence's prefill chunk (ops/attention.py prefill_attention's contract), the
-// AVX-512 builds only (available() says whether this build has it)
+// x86 builds (available() says whether this build has it; the generic one has not)
 bool prefill_attention_available();
 at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t pos,
                                   double scale);

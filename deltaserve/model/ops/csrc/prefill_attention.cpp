@@ -1,12 +1,12 @@
-// Prefill attention of one sequence's chunk on the AVX-512 builds: AVX512-BF16 dot products on the avx512bf16
-// build (which the amx set loads too), bf16 widened to fp32 in registers and fp32 fmas on the avx512 build;
-// ops/attention.py prefill_attention is the torch path with the same contract (the avx2 and generic builds take
-// it), attention_reference the plain fp32 reference the tests compare both with.
+// Prefill attention of one sequence's chunk: AVX512-BF16 dot products on the avx512bf16 build (which the amx set
+// loads too); bf16 widened to fp32 in registers and fp32 fmas on the avx512 build and, on 8 lanes, the avx2 one;
+// ops/attention.py prefill_attention is the torch path with the same contract (the generic build takes it),
+// attention_reference the plain fp32 reference the tests compare both with.
 //
 // q [n, Hq, D] at absolute positions pos .. pos + n - 1 attends keys 0 .. its own position of k, v [>= pos + n,
 // Hkv, D] (any row and head strides, contiguous last dim); query head h reads kv head h / (Hq / Hkv).
 //
-// Flash form: keys in blocks of 32 anchored at key 0, an online softmax per query row (fp32 running max, a
+// Flash form: keys in blocks of 32 (avx2: 16) anchored at key 0, an online softmax per query row (fp32 running max, a
 // 16-lane running sum, the output row in fp32), scores = (q . k) * scale summed over the head dim in pairs
 // (vdpbf16ps, or two fmas per pair of widened values), probabilities rounded to bf16 for vdpbf16ps's P V products
 // (as torch's CPU flash attention rounds them; the widened build keeps them fp32), the row divided by its sum and
@@ -19,9 +19,10 @@
 // on the other rows of its work item, or on the thread split: the hit == cold gates rest on the first.
 //
 // Layout per call: K and V of each kv head are repacked once into bf16 pairs, K as 16 keys x (d, d + 1) per
-// 64-byte vector (the linear_bf16 weight layout), V as (key j, key j + 1) x 16 dims; work items are 8 query
-// rows (head-minor within a position) of one kv head, dealt out to the threads round-robin so each thread gets
-// short and long rows alike under the causal mask.
+// 64-byte vector (the linear_bf16 weight layout), V as (key j, key j + 1) x 16 dims (avx2: both widened to fp32
+// as they are packed, K as 16 keys per dim, V row-major); work items are 8 query rows (avx2: 6; head-minor within
+// a position) of one kv head, dealt out to the threads round-robin so each thread gets short and long rows alike
+// under the causal mask.
 
 #include "aten_lite.h"
 #include "kernels.h"
@@ -34,19 +35,25 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 namespace {
 
+#if defined(__AVX512F__)
 constexpr int kKeys = 32;  // keys per block: two 16-key column vectors
 constexpr int kRows = 8;   // query rows per work item (16 score and 16 output accumulators)
+#else
+constexpr int kKeys = 16;  // AVX2: 8 lanes and 16 registers: 16-key blocks of 6 rows
+constexpr int kRows = 6;
+#endif
+constexpr int kCols = kKeys / 16;  // 16-key columns of packed K per block
 
 using u16 = uint16_t;
 
 // K of one kv head [L, D] (row stride rs elements) -> kp [ceil(L / 32) * 2][D / 2][16] words (d, d + 1) of 16 keys;
 // keys from L to the block end are zero (masked, but must not be NaN)
-void pack_keys(const u16* k, int64_t rs, int64_t L, int64_t D, uint32_t* kp, int64_t c0, int64_t c1) {
+[[maybe_unused]] void pack_keys(const u16* k, int64_t rs, int64_t L, int64_t D, uint32_t* kp, int64_t c0, int64_t c1) {
   const int64_t D2 = D / 2;
   for (int64_t c = c0; c < c1; ++c) {  // 16-key columns
     uint32_t* dst = kp + c * D2 * 16;
@@ -63,7 +70,7 @@ void pack_keys(const u16* k, int64_t rs, int64_t L, int64_t D, uint32_t* kp, int
 }
 
 // V of one kv head [L, D] -> vp [ceil(L / 32) * 16][D] words (v[2m][d], v[2m + 1][d]); zero past L
-void pack_values(const u16* v, int64_t rs, int64_t L, int64_t D, uint32_t* vp, int64_t m0, int64_t m1) {
+[[maybe_unused]] void pack_values(const u16* v, int64_t rs, int64_t L, int64_t D, uint32_t* vp, int64_t m0, int64_t m1) {
   for (int64_t m = m0; m < m1; ++m) {  // key pairs
     const int64_t j = 2 * m;
     const u16* a = j < L ? v + j * rs : nullptr;
@@ -81,6 +88,7 @@ struct Rows {
 };
 
 // M query rows of one kv head against its packed K / V; ob: M * D floats of scratch
+#if defined(__AVX512F__)
 // the fp32 value of a bf16 pair word's first (even) and second (odd) element, 16 words at a time
 inline __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 inline __m512 odd_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u)))); }
@@ -121,7 +129,7 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
     // scores of the block's 32 keys
     __m512 s0[M], s1[M];
     for (int i = 0; i < M; ++i) s0[i] = s1[i] = _mm512_setzero_ps();
-    const uint32_t* k0 = kp + (2 * b) * D2 * 16;
+    const uint32_t* k0 = kp + (kCols * b) * D2 * 16;
     const uint32_t* k1 = k0 + D2 * 16;
     for (int64_t d2 = 0; d2 < D2; ++d2) {
       const __m512i ka = _mm512_loadu_si512(k0 + d2 * 16), kb = _mm512_loadu_si512(k1 + d2 * 16);
@@ -217,9 +225,138 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
   }
 }
 
+#else  // AVX2 + FMA: the widened form on 8 lanes
+
+// K of one kv head -> kf [ceil(L / 16)][D][16] fp32 (16 keys per d; zero past L), V -> vf [ceil(L / 16) * 16][D]
+// fp32: widened once per call, so the inner loops are loads and fmas only
+void pack_keys_f32(const u16* k, int64_t rs, int64_t L, int64_t D, uint32_t* kp, int64_t c0, int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c)
+    for (int jj = 0; jj < 16; ++jj) {
+      const int64_t j = c * 16 + jj;
+      for (int64_t d = 0; d < D; ++d) kp[(c * D + d) * 16 + jj] = j < L ? uint32_t(k[j * rs + d]) << 16 : 0u;
+    }
+}
+void pack_values_f32(const u16* v, int64_t rs, int64_t L, int64_t D, uint32_t* vp, int64_t j0, int64_t j1) {
+  for (int64_t j = j0; j < j1; ++j)
+    for (int64_t d = 0; d < D; ++d) vp[j * D + d] = j < L ? uint32_t(v[j * rs + d]) << 16 : 0u;
+}
+// horizontal max / sum of 8 lanes in a fixed order (halves, then pairs)
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+template <int M>
+void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob, float* qf) {
+  const int64_t D2 = D / 2;
+  int64_t last = 0;
+  for (int i = 0; i < M; ++i) last = std::max(last, r.pos[i]);
+  const int64_t blocks = last / kKeys + 1;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float mx[M], alpha[M];
+  __m256 lsum[M];
+  alignas(32) float pf[M][kKeys];
+  const float* kf = reinterpret_cast<const float*>(kp);  // fp32 here: pack_keys_f32, pack_values_f32
+  const float* vf = reinterpret_cast<const float*>(vp);
+  for (int i = 0; i < M; ++i) {
+    mx[i] = ninf;
+    lsum[i] = _mm256_setzero_ps();
+    for (int64_t d2 = 0; d2 < D2; ++d2) {
+      const uint32_t w = r.q[i][d2], e = w << 16, o = w & 0xffff0000u;
+      std::memcpy(qf + i * D + 2 * d2, &e, 4);
+      std::memcpy(qf + i * D + 2 * d2 + 1, &o, 4);
+    }
+  }
+  std::fill(ob, ob + M * D, 0.f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 s0[M], s1[M];
+    for (int i = 0; i < M; ++i) s0[i] = s1[i] = _mm256_setzero_ps();
+    const float* kc = kf + b * D * 16;
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 ka = _mm256_loadu_ps(kc + d * 16), kb = _mm256_loadu_ps(kc + d * 16 + 8);
+      for (int i = 0; i < M; ++i) {
+        const __m256 qv = _mm256_set1_ps(qf[i * D + d]);
+        s0[i] = _mm256_fmadd_ps(qv, ka, s0[i]);
+        s1[i] = _mm256_fmadd_ps(qv, kb, s1[i]);
+      }
+    }
+    const __m256i j0 = _mm256_add_epi32(lane, _mm256_set1_epi32(int(b * kKeys)));
+    const __m256i j1 = _mm256_add_epi32(j0, _mm256_set1_epi32(8));
+    for (int i = 0; i < M; ++i) {
+      const __m256i p = _mm256_set1_epi32(int(r.pos[i]));
+      const __m256 out0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(j0, p));  // keys past the row's position
+      const __m256 out1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(j1, p));
+      const __m256 x0 = _mm256_blendv_ps(_mm256_mul_ps(s0[i], _mm256_set1_ps(scale)), _mm256_set1_ps(ninf), out0);
+      const __m256 x1 = _mm256_blendv_ps(_mm256_mul_ps(s1[i], _mm256_set1_ps(scale)), _mm256_set1_ps(ninf), out1);
+      const float m = std::max(mx[i], hmax8(_mm256_max_ps(x0, x1)));
+      const __m256 mv = _mm256_set1_ps(m);
+      alpha[i] = _mm256_cvtss_f32(ds::exp_ps(_mm256_set1_ps(mx[i] - m)));  // 1 exactly where m did not move
+      const __m256 p0 = _mm256_andnot_ps(out0, ds::exp_ps(_mm256_sub_ps(x0, mv)));
+      const __m256 p1 = _mm256_andnot_ps(out1, ds::exp_ps(_mm256_sub_ps(x1, mv)));
+      lsum[i] = _mm256_add_ps(_mm256_mul_ps(lsum[i], _mm256_set1_ps(alpha[i])), _mm256_add_ps(p0, p1));
+      _mm256_store_ps(pf[i], p0);
+      _mm256_store_ps(pf[i] + 8, p1);
+      mx[i] = m;
+    }
+    const float* vb = vf + b * kKeys * D;
+    for (int64_t c = 0; c < D; c += 16) {
+      __m256 o0[M], o1[M];
+      for (int i = 0; i < M; ++i) {
+        const __m256 a = _mm256_set1_ps(alpha[i]);
+        o0[i] = _mm256_mul_ps(_mm256_loadu_ps(ob + i * D + c), a);
+        o1[i] = _mm256_mul_ps(_mm256_loadu_ps(ob + i * D + c + 8), a);
+      }
+      for (int j = 0; j < kKeys; ++j) {
+        const __m256 va = _mm256_loadu_ps(vb + j * D + c), vc = _mm256_loadu_ps(vb + j * D + c + 8);
+        for (int i = 0; i < M; ++i) {
+          const __m256 pv = _mm256_set1_ps(pf[i][j]);
+          o0[i] = _mm256_fmadd_ps(pv, va, o0[i]);
+          o1[i] = _mm256_fmadd_ps(pv, vc, o1[i]);
+        }
+      }
+      for (int i = 0; i < M; ++i) {
+        _mm256_storeu_ps(ob + i * D + c, o0[i]);
+        _mm256_storeu_ps(ob + i * D + c + 8, o1[i]);
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i) {
+    const float inv = 1.f / hsum8(lsum[i]);
+    for (int64_t d = 0; d < D; ++d) r.out[i][d] = static_cast<c10::BFloat16>(ob[i * D + d] * inv).x;
+  }
+}
+
+#endif
+
 using AttendFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*, float*);
+#if defined(__AVX512F__)
 constexpr AttendFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>,
                                          attend<5>, attend<6>, attend<7>, attend<8>};
+// per 16-key column: packed K and V words
+constexpr int64_t k_words(int64_t D) { return D / 2 * 16; }
+constexpr int64_t v_words(int64_t D) { return 8 * D; }
+void pack(const u16* k, int64_t ks, const u16* v, int64_t vs, int64_t L, int64_t D, uint32_t* kp, uint32_t* vp,
+          int64_t c) {
+  pack_keys(k, ks, L, D, kp, c, c + 1);
+  pack_values(v, vs, L, D, vp, c * 8, c * 8 + 8);
+}
+#else
+constexpr AttendFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>};
+constexpr int64_t k_words(int64_t D) { return D * 16; }
+constexpr int64_t v_words(int64_t D) { return 16 * D; }
+void pack(const u16* k, int64_t ks, const u16* v, int64_t vs, int64_t L, int64_t D, uint32_t* kp, uint32_t* vp,
+          int64_t c) {
+  pack_keys_f32(k, ks, L, D, kp, c, c + 1);
+  pack_values_f32(v, vs, L, D, vp, c * 16, c * 16 + 16);
+}
+#endif
 
 }  // namespace
 
@@ -239,9 +376,10 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
   auto out = at::empty({n, Hq, D}, q.options());
   if (n == 0) return out;
   const int64_t G = Hq / Hkv, D2 = D / 2;
-  const int64_t cols = (end + kKeys - 1) / kKeys * 2;  // 16-key columns of the packed K, per kv head
-  auto kp = at::empty({Hkv, cols * D2 * 16}, at::TensorOptions().dtype(at::kInt));
-  auto vp = at::empty({Hkv, cols * 8 * D}, at::TensorOptions().dtype(at::kInt));
+  const int64_t cols = (end + kKeys - 1) / kKeys * kCols;  // 16-key columns of the packed K, per kv head
+  const int64_t kw = cols * k_words(D), vw = cols * v_words(D);  // words per kv head
+  auto kp = at::empty({Hkv, kw}, at::TensorOptions().dtype(at::kInt));
+  auto vp = at::empty({Hkv, vw}, at::TensorOptions().dtype(at::kInt));
   const u16* qd = reinterpret_cast<const u16*>(q.data_ptr<at::BFloat16>());
   const u16* kd = reinterpret_cast<const u16*>(k.data_ptr<at::BFloat16>());
   const u16* vd = reinterpret_cast<const u16*>(v.data_ptr<at::BFloat16>());
@@ -253,8 +391,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
   at::parallel_for(0, Hkv * cols, grain, [&](int64_t a, int64_t e) {
     for (int64_t t = a; t < e; ++t) {
       const int64_t h = t / cols, c = t % cols;
-      pack_keys(kd + h * k.stride(1), k.stride(0), end, D, kpd + h * cols * D2 * 16, c, c + 1);
-      pack_values(vd + h * v.stride(1), v.stride(0), end, D, vpd + h * cols * 8 * D, c * 8, c * 8 + 8);
+      pack(kd + h * k.stride(1), k.stride(0), vd + h * v.stride(1), v.stride(0), end, D, kpd + h * kw, vpd + h * vw, c);
     }
   });
   const int64_t per_head = (n * G + kRows - 1) / kRows;  // work items of one kv head
@@ -274,7 +411,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
           rows.out[i] = od + (p * Hq + head) * D;
           rows.pos[i] = pos + p;
         }
-        kAttend[M](rows, kpd + h * cols * D2 * 16, vpd + h * cols * 8 * D, D, sc, ob.data(), qf.data());
+        kAttend[M](rows, kpd + h * kw, vpd + h * vw, D, sc, ob.data(), qf.data());
       }
     }
   });
@@ -286,7 +423,8 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
 bool prefill_attention_available() { return false; }
 
 at::Tensor prefill_attention_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double) {
-  TORCH_CHECK(false, "prefill_attention: this build has no AVX-512 (ops/attention.py prefill_attention is the path)");
+  TORCH_CHECK(false, "prefill_attention: this build has neither AVX-512 nor AVX2 + FMA (ops/attention.py "
+              "prefill_attention is the path)");
 }
 
 #endif
