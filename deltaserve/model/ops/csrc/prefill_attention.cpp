@@ -88,6 +88,23 @@ struct Rows {
 };
 
 // M query rows of one kv head against its packed K / V; ob: M * D floats of scratch
+// key blocks a work item's rows read: up to the block of its last position
+inline int64_t blocks_for(const Rows& r, int M) {
+  int64_t last = 0;
+  for (int i = 0; i < M; ++i) last = std::max(last, r.pos[i]);
+  return last / kKeys + 1;
+}
+
+// the rows' queries widened to fp32 (exact): qf[i * D + d]
+[[maybe_unused]] void widen_queries(const Rows& r, int M, int64_t D, float* qf) {
+  for (int i = 0; i < M; ++i)
+    for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+      const uint32_t w = r.q[i][d2], e = w << 16, o = w & 0xffff0000u;
+      std::memcpy(qf + i * D + 2 * d2, &e, 4);
+      std::memcpy(qf + i * D + 2 * d2 + 1, &o, 4);
+    }
+}
+
 #if defined(__AVX512F__)
 // the fp32 value of a bf16 pair word's first (even) and second (odd) element, 16 words at a time
 inline __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
@@ -101,23 +118,13 @@ constexpr bool kDot = false;  // widened pairs, two fmas
 
 template <int M>
 void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob, float* qf) {
-  const int64_t D2 = D / 2;
-  int64_t last = 0;
-  for (int i = 0; i < M; ++i) last = std::max(last, r.pos[i]);
-  const int64_t blocks = last / kKeys + 1;
+  const int64_t D2 = D / 2, blocks = blocks_for(r, M);
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx[M];
   __m512 lsum[M];
   alignas(64) uint32_t pw[M][16];  // a block's probabilities of one row as bf16 pairs (key order; kDot)
   alignas(64) float pf[M][kKeys];  // the same in fp32 (the widened build)
-  if constexpr (!kDot)  // q widened once: qf[i * D + d]
-    for (int i = 0; i < M; ++i)
-      for (int64_t d2 = 0; d2 < D2; ++d2) {
-        const uint32_t w = r.q[i][d2];
-        const uint32_t e = w << 16, o = w & 0xffff0000u;
-        std::memcpy(qf + i * D + 2 * d2, &e, 4);
-        std::memcpy(qf + i * D + 2 * d2 + 1, &o, 4);
-      }
+  if constexpr (!kDot) widen_queries(r, M, D, qf);
   float alpha[M];
   for (int i = 0; i < M; ++i) {
     mx[i] = ninf;
@@ -254,10 +261,7 @@ inline float hsum8(__m256 v) {
 
 template <int M>
 void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob, float* qf) {
-  const int64_t D2 = D / 2;
-  int64_t last = 0;
-  for (int i = 0; i < M; ++i) last = std::max(last, r.pos[i]);
-  const int64_t blocks = last / kKeys + 1;
+  const int64_t blocks = blocks_for(r, M);
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx[M], alpha[M];
   __m256 lsum[M];
@@ -267,12 +271,8 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
   for (int i = 0; i < M; ++i) {
     mx[i] = ninf;
     lsum[i] = _mm256_setzero_ps();
-    for (int64_t d2 = 0; d2 < D2; ++d2) {
-      const uint32_t w = r.q[i][d2], e = w << 16, o = w & 0xffff0000u;
-      std::memcpy(qf + i * D + 2 * d2, &e, 4);
-      std::memcpy(qf + i * D + 2 * d2 + 1, &o, 4);
-    }
   }
+  widen_queries(r, M, D, qf);
   std::fill(ob, ob + M * D, 0.f);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (int64_t b = 0; b < blocks; ++b) {
