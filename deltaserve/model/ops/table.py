@@ -61,7 +61,8 @@ class Ops:
                    decode_attention=decode_attention,
                    causal_conv1d_prefill=(functools.partial(causal_conv1d_prefill, silu_into=kernels.silu_into)
                                           if compiled else causal_conv1d_prefill),
-                   chunk_gated_delta_rule=chunk_gated_delta_rule,
+                   chunk_gated_delta_rule=(kernels.chunk_gated_delta_rule if compiled
+                                           else chunk_gated_delta_rule),
                    causal_conv1d_step=causal_conv1d_step,
                    recurrent_gated_delta_rule_step=recurrent_gated_delta_rule_step,
                    paged_decode_attention=kernels.attention if compiled else None,

@@ -1,0 +1,82 @@
+"""`deltaserve bench gdn`: one GDN layer's chunked gated delta rule over a prefill chunk through the torch path
+(ops/gdn.py chunk_gated_delta_rule) and through the compiled kernel (ops/csrc/gdn_prefill.cpp) of each instruction
+set in --cpu-isa, side by side in one run.
+
+The preset's GDN geometry (key heads, value heads, head dims), random bf16 q / k / v, decays and betas, an initial
+state, for each token count: the arms alternate call by call and the best of --repeats is kept. Prints ms per call
+for each arm and the torch time over each compiled one.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+from .linear import _isa_list
+
+
+def run(preset: str, tokens: list[int], repeats: int, isas: list[str] | None = None) -> list[dict]:
+    import torch
+
+    from ..config import ModelConfig
+    from ..model.ops.cpu_kernels import resolve_isa, select_decode_kernels
+    from ..model.ops.gdn import chunk_gated_delta_rule
+    from ..presets import load_preset
+
+    isas = [resolve_isa(i) for i in (isas or [None])]
+    kernels = {i: select_decode_kernels("cpu", torch.bfloat16, "cpp", i) for i in isas}
+    missing = [i for i, k in kernels.items() if not k.gdn_prefill_compiled]
+    if missing:
+        raise SystemExit(f"no compiled chunked gated delta rule in the {', '.join(missing)} build (AVX-512 builds only)")
+    cfg = ModelConfig.from_hf(load_preset(preset))
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    gen = torch.Generator().manual_seed(0)
+    arms = {"torch": chunk_gated_delta_rule, **{i: k.chunk_gated_delta_rule for i, k in kernels.items()}}
+    out = []
+    for n in tokens:
+        q = torch.randn(n, hk, dk, generator=gen).to(torch.bfloat16)
+        k = torch.randn(n, hk, dk, generator=gen).to(torch.bfloat16)
+        v = torch.randn(n, hv, dv, generator=gen).to(torch.bfloat16)
+        g = -torch.rand(n, hv, generator=gen) * 0.3
+        beta = torch.rand(n, hv, generator=gen).to(torch.bfloat16)
+        state = torch.randn(hv, dv, dk, generator=gen) * 0.1
+        best = {a: float("inf") for a in arms}
+        for _ in range(repeats + 1):  # the first call of each arm warms up
+            for a, f in arms.items():
+                t = time.perf_counter()
+                f(q, k, v, g, beta, state, start_pos=0)
+                best[a] = min(best[a], time.perf_counter() - t)
+        out.append({"tokens": n, "ms": {a: 1e3 * t for a, t in best.items()}, "isas": isas,
+                    "heads": (hk, hv, dk, dv), "threads": torch.get_num_threads()})
+    return out
+
+
+def render(preset: str, results: list[dict]) -> str:
+    hk, hv, dk, dv = results[0]["heads"]
+    isas = results[0]["isas"]
+    lines = [f"chunked gated delta rule of one {preset} GDN layer ({hk} key heads, {hv} value heads, dims {dk} / {dv}; "
+             f"{results[0]['threads']} torch threads; ms per call)", "",
+             "| tokens | torch |" + "".join(f" compiled {i} |" for i in isas) + "".join(f" torch / {i} |" for i in isas),
+             "|---|---|" + "---|" * (2 * len(isas))]
+    for r in results:
+        ms = r["ms"]
+        lines.append(f"| {r['tokens']} |" + "".join(f" {ms[a]:.2f} |" for a in ["torch", *isas])
+                     + "".join(f" {ms['torch'] / ms[i]:.2f}x |" for i in isas))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="deltaserve bench gdn", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--tokens", default="64,512,2048", help="prefill chunk lengths, comma-separated")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cpu-isa", default=None, type=_isa_list,
+                   help="the compiled arms' instruction sets, comma-separated (avx512bf16,avx512; default: the one "
+                        "the engine picks on this CPU)")
+    a = p.parse_args(argv)
+    tokens = [int(x) for x in a.tokens.split(",") if x.strip()]
+    if not tokens or min(tokens) < 1:
+        p.error(f"--tokens: positive counts, not {a.tokens!r}")
+    print(render(a.preset, run(a.preset, tokens, a.repeats, a.cpu_isa)))
+    return 0

@@ -1,0 +1,273 @@
+// The chunked gated delta rule of one sequence's prefill (ops/gdn.py chunk_gated_delta_rule's contract, with
+// use_qk_l2norm) on the AVX-512 builds; ops/gdn.py is the torch path (the other builds, and shapes this does not
+// take), gated_delta_rule_reference the token loop the tests compare both with.
+//
+// The same algebra as ops/gdn.py _chunk_slice, on the same absolute 64-token grid, per value head and chunk
+// (c = cumulative log decay from the chunk start, D_ij = exp(c_i - c_j) for j <= i, arguments clamped at -87):
+//   A = diag(beta) (K K^T * D) strictly lower;  U = (I + A)^-1 diag(beta) V;  W = (I + A)^-1 diag(beta exp(c)) K
+//   V' = U - W S^T;  O = diag(exp(c)) Q S^T + (Q K^T * D) V';  S^T = exp(c_last) S^T + (diag(exp(c_last - c)) K)^T V'
+// with (I + A)^-1 applied by forward substitution (row i minus A_ij times the finished rows j < i) rather than
+// as an explicit inverse, and every product an fp32 loop of fixed order: the bits are this file's own, the same
+// for every call. Rows outside the call (before a chunk's first token, after the last) are zero (k = v = beta =
+// g = 0), which leaves the state and the real rows untouched.
+//
+// Bits: a chunk's arithmetic depends only on its own rows and the state entering it, so a sequence split at any
+// multiple of 64 (state carried) gives exactly what one call gives, and the state after a chunk (states_at) is
+// exactly what a call stopping there returns: the hit == cold gates rest on it. Heads are independent work items
+// (parallel over heads, each a fixed loop), so the thread count changes nothing.
+
+#include "aten_lite.h"
+#include "kernels.h"
+#include "vec_exp.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int C = 64;  // the chunk
+constexpr float kExpMin = -87.f;  // as ops/gdn.py _EXP_MIN
+
+inline float bf(uint16_t x) {
+  const uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Cm[i][n] (+/-)= sum_k A[i][k] B[k][n], for M % 4 == 0 rows and N % 64 == 0 columns, k ascending; a 4 x 64 tile
+// of accumulators at a time
+template <bool kNeg>
+void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* Cm, int64_t ldc, int M, int K, int N) {
+  for (int n0 = 0; n0 < N; n0 += 64) {
+    for (int i0 = 0; i0 < M; i0 += 4) {
+      __m512 acc[4][4];
+      for (int r = 0; r < 4; ++r)
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_loadu_ps(Cm + (i0 + r) * ldc + n0 + 16 * v);
+      for (int k = 0; k < K; ++k) {
+        __m512 b[4];
+        for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + n0 + 16 * v);
+        for (int r = 0; r < 4; ++r) {
+          const __m512 a = _mm512_set1_ps(A[(i0 + r) * lda + k]);
+          for (int v = 0; v < 4; ++v)
+            acc[r][v] = kNeg ? _mm512_fnmadd_ps(a, b[v], acc[r][v]) : _mm512_fmadd_ps(a, b[v], acc[r][v]);
+        }
+      }
+      for (int r = 0; r < 4; ++r)
+        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(Cm + (i0 + r) * ldc + n0 + 16 * v, acc[r][v]);
+    }
+  }
+}
+
+// X[i] -= sum_{j < i} A[i][j] X[j] for i ascending (X: C rows of N = 16 * NV floats): (I + A)^-1 applied in place
+template <int NV>
+void substitute(const float* A, float* X) {
+  constexpr int N = 16 * NV;
+  for (int i = 1; i < C; ++i) {
+    __m512 x[NV];
+    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(X + i * N + 16 * v);
+    for (int j = 0; j < i; ++j) {
+      const __m512 a = _mm512_set1_ps(A[i * C + j]);
+      for (int v = 0; v < NV; ++v) x[v] = _mm512_fnmadd_ps(a, _mm512_loadu_ps(X + j * N + 16 * v), x[v]);
+    }
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(X + i * N + 16 * v, x[v]);
+  }
+}
+
+void substitute_n(const float* A, float* X, int64_t N) {
+  if (N == 64) substitute<4>(A, X);
+  else if (N == 128) substitute<8>(A, X);
+  else if (N == 192) substitute<12>(A, X);
+  else substitute<16>(A, X);
+}
+
+// sum of x[i]^2 over n (n % 16 == 0), 16 lanes then their fixed-order reduction
+inline float sumsq(const float* x, int64_t n) {
+  __m512 s = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    s = _mm512_fmadd_ps(v, v, s);
+  }
+  return _mm512_reduce_add_ps(s);
+}
+
+struct Args {
+  const uint16_t *q, *k, *v;  // bf16
+  int64_t qs0, qs1, ks0, ks1, vs0, vs1;  // row and head strides
+  const float *g, *beta;  // [L, H] contiguous
+  float* state;  // [H, dv, dk]
+  uint16_t* out;
+  int64_t os0, os1;
+  int64_t L, H, rep, dk, dv, start;
+  const std::vector<int64_t>* at;  // absolute chunk ends whose state is wanted
+  std::vector<float*>* grabs;  // one [H, dv, dk] per entry of at
+};
+
+void head(const Args& a, int64_t h) {
+  const int64_t dk = a.dk, dv = a.dv, hk = h / a.rep;
+  std::vector<float> buf(size_t(C * dk * 5 + C * dv * 3 + 2 * C * C + dk * dv + 3 * C));
+  float* qn = buf.data();        // [C][dk] l2-normalised, times dk^-0.5, then times exp(c)
+  float* kn = qn + C * dk;       // [C][dk] l2-normalised
+  float* kt = kn + C * dk;       // [dk][C] kn transposed
+  float* w = kt + C * dk;        // [C][dk] W
+  float* kdt = w + C * dk;       // [dk][C] (diag(exp(c_last - c)) K)^T
+  float* u = kdt + C * dk;       // [C][dv] U, then V'
+  float* o = u + C * dv;         // [C][dv] O
+  float* vv = o + C * dv;        // [C][dv] V (spare for the substitution of U in place)
+  float* A = vv + C * dv;        // [C][C]
+  float* P = A + C * C;          // [C][C]
+  float* st = P + C * C;         // [dk][dv] S^T
+  float* cum = st + dk * dv;     // [C]
+  float* cexp = cum + C;         // [C]
+  float* bet = cexp + C;         // [C]
+  float* S = a.state + h * dv * dk;
+  for (int64_t x = 0; x < dk; ++x)
+    for (int64_t y = 0; y < dv; ++y) st[x * dv + y] = S[y * dk + x];
+  const float qscale = 1.f / std::sqrt(float(dk));
+  const int64_t first = a.start / C, last = (a.start + a.L - 1) / C;
+  for (int64_t ci = first; ci <= last; ++ci) {
+    // the chunk's rows, zero outside the call
+    float g[C];
+    for (int r = 0; r < C; ++r) {
+      const int64_t t = ci * C + r - a.start;
+      float* qr = qn + r * dk;
+      float* kr = kn + r * dk;
+      float* vr = vv + r * dv;
+      if (t < 0 || t >= a.L) {
+        std::fill(qr, qr + dk, 0.f);
+        std::fill(kr, kr + dk, 0.f);
+        std::fill(vr, vr + dv, 0.f);
+        g[r] = bet[r] = 0.f;
+        continue;
+      }
+      const uint16_t* qs = a.q + t * a.qs0 + hk * a.qs1;
+      const uint16_t* ks = a.k + t * a.ks0 + hk * a.ks1;
+      const uint16_t* vs = a.v + t * a.vs0 + h * a.vs1;
+      for (int64_t d = 0; d < dk; ++d) qr[d] = bf(qs[d]), kr[d] = bf(ks[d]);
+      for (int64_t d = 0; d < dv; ++d) vr[d] = bf(vs[d]);
+      const float fq = qscale / std::sqrt(sumsq(qr, dk) + 1e-6f), fk = 1.f / std::sqrt(sumsq(kr, dk) + 1e-6f);
+      for (int64_t d = 0; d < dk; ++d) qr[d] *= fq, kr[d] *= fk;
+      g[r] = a.g[t * a.H + h];
+      bet[r] = a.beta[t * a.H + h];
+    }
+    float c = 0.f;
+    for (int r = 0; r < C; ++r) cum[r] = c += g[r];
+    for (int r = 0; r < C; ++r) cexp[r] = std::exp(std::max(cum[r], kExpMin));
+    for (int r = 0; r < C; ++r)
+      for (int64_t d = 0; d < dk; ++d) kt[d * C + r] = kn[r * dk + d];
+    // K K^T and Q K^T, then the decay and the causal masks
+    std::fill(A, A + 2 * C * C, 0.f);
+    gemm<false>(kn, dk, kt, C, A, C, C, int(dk), C);
+    gemm<false>(qn, dk, kt, C, P, C, C, int(dk), C);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int i = 0; i < C; ++i) {
+      const __m512 ci_ = _mm512_set1_ps(cum[i]);
+      for (int j0 = 0; j0 < C; j0 += 16) {
+        const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
+        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(ci_, _mm512_loadu_ps(cum + j0)),
+                                                     _mm512_set1_ps(kExpMin)), _mm512_setzero_ps());
+        const __m512 dec = ds::exp_ps(x);
+        const __mmask16 below = _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(i));
+        const __mmask16 upto = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(i));
+        const __m512 ad = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(A + i * C + j0), dec), _mm512_set1_ps(bet[i]));
+        _mm512_storeu_ps(A + i * C + j0, _mm512_maskz_mov_ps(below, ad));
+        _mm512_storeu_ps(P + i * C + j0, _mm512_maskz_mov_ps(upto, _mm512_mul_ps(_mm512_loadu_ps(P + i * C + j0), dec)));
+      }
+    }
+    // U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta exp(c)) K
+    for (int r = 0; r < C; ++r) {
+      for (int64_t d = 0; d < dv; ++d) u[r * dv + d] = bet[r] * vv[r * dv + d];
+      const float f = bet[r] * cexp[r];
+      for (int64_t d = 0; d < dk; ++d) w[r * dk + d] = f * kn[r * dk + d];
+    }
+    substitute_n(A, u, dv);
+    substitute_n(A, w, dk);
+    // V' = U - W S^T;  O = diag(exp(c)) Q S^T + P V'
+    gemm<true>(w, dk, st, dv, u, dv, C, int(dk), int(dv));
+    for (int r = 0; r < C; ++r)
+      for (int64_t d = 0; d < dk; ++d) qn[r * dk + d] *= cexp[r];
+    std::fill(o, o + C * dv, 0.f);
+    gemm<false>(qn, dk, st, dv, o, dv, C, int(dk), int(dv));
+    gemm<false>(P, C, u, dv, o, dv, C, C, int(dv));
+    for (int r = 0; r < C; ++r) {
+      const int64_t t = ci * C + r - a.start;
+      if (t < 0 || t >= a.L) continue;
+      uint16_t* dst = a.out + t * a.os0 + h * a.os1;
+      for (int64_t d = 0; d < dv; ++d) dst[d] = static_cast<c10::BFloat16>(o[r * dv + d]).x;
+    }
+    // S^T = exp(c_last) S^T + K'^T V'
+    for (int r = 0; r < C; ++r) {
+      const float f = std::exp(std::max(cum[C - 1] - cum[r], kExpMin));
+      for (int64_t d = 0; d < dk; ++d) kdt[d * C + r] = f * kn[r * dk + d];
+    }
+    const float cl = cexp[C - 1];
+    for (int64_t x = 0; x < dk * dv; ++x) st[x] *= cl;
+    gemm<false>(kdt, C, u, dv, st, dv, int(dk), C, int(dv));
+    for (size_t s = 0; s < a.at->size(); ++s)
+      if ((*a.at)[s] == (ci + 1) * C) {
+        float* G = (*a.grabs)[s] + h * dv * dk;
+        for (int64_t x = 0; x < dk; ++x)
+          for (int64_t y = 0; y < dv; ++y) G[y * dk + x] = st[x * dv + y];
+      }
+  }
+  for (int64_t x = 0; x < dk; ++x)
+    for (int64_t y = 0; y < dv; ++y) S[y * dk + x] = st[x * dv + y];
+}
+
+}  // namespace
+
+bool gdn_prefill_available() { return true; }
+
+std::vector<at::Tensor> gdn_chunk_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                          const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
+                                          int64_t start_pos, at::Tensor& out, const std::vector<int64_t>& states_at) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.dim() == 3, "gdn_chunk_prefill: q, k, v, out are [L, heads, dim]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16, "gdn_chunk_prefill: bfloat16 q, k, v, out only");
+  const int64_t L = q.size(0), hk = q.size(1), dk = q.size(2), H = v.size(1), dv = v.size(2);
+  TORCH_CHECK(L > 0 && k.size(0) == L && v.size(0) == L && out.size(0) == L && k.size(1) == hk && k.size(2) == dk &&
+                  out.size(1) == H && out.size(2) == dv && H % hk == 0, "gdn_chunk_prefill: shapes do not match");
+  TORCH_CHECK(dk % 64 == 0 && dv % 64 == 0 && dk <= 256 && dv <= 256, "gdn_chunk_prefill: head dims must be 64, 128, 192 or 256");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1 && out.stride(2) == 1,
+              "gdn_chunk_prefill: the last dim must be contiguous");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat && g.is_contiguous() && beta.is_contiguous() &&
+                  g.numel() == L * H && beta.numel() == L * H, "gdn_chunk_prefill: g, beta must be contiguous fp32 [L, H]");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.numel() == H * dv * dk,
+              "gdn_chunk_prefill: state must be a contiguous fp32 [H, dv, dk]");
+  std::vector<at::Tensor> grabs;
+  std::vector<float*> gp;
+  for (int64_t p : states_at) {
+    TORCH_CHECK(p % C == 0 && p > start_pos && p <= start_pos + L, "gdn_chunk_prefill: states_at ", p,
+                " is not a chunk boundary inside the call");
+    grabs.push_back(at::empty({H, dv, dk}, state.options()));
+    gp.push_back(grabs.back().data_ptr<float>());
+  }
+  Args a{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
+         reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+         reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()),
+         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+         g.data_ptr<float>(), beta.data_ptr<float>(), state.data_ptr<float>(),
+         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), out.stride(0), out.stride(1),
+         L, H, H / hk, dk, dv, start_pos, &states_at, &gp};
+  at::parallel_for(0, H, 1, [&](int64_t b, int64_t e) {
+    for (int64_t h = b; h < e; ++h) head(a, h);
+  });
+  return grabs;
+}
+
+#else
+
+bool gdn_prefill_available() { return false; }
+
+std::vector<at::Tensor> gdn_chunk_prefill(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const at::Tensor&, at::Tensor&, int64_t, at::Tensor&, const std::vector<int64_t>&) {
+  TORCH_CHECK(false, "gdn_chunk_prefill: this build has no AVX-512 (ops/gdn.py chunk_gated_delta_rule is the path)");
+}
+
+#endif
