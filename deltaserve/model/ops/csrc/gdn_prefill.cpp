@@ -156,6 +156,18 @@ void head(const Args& a, int64_t h) {
       g[r] = a.g[t * a.H + h];
       bet[r] = a.beta[t * a.H + h];
     }
+    // the next chunk's rows into L2 while this one computes: they are strided (a row of the conv output per token)
+    // and, without it, their loads were the largest stall here
+    for (int r = 0; r < C; ++r) {
+      const int64_t t = (ci + 1) * C + r - a.start;
+      if (t >= a.L) break;
+      for (int64_t d = 0; d < dk; d += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(a.q + t * a.qs0 + hk * a.qs1 + d), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(a.k + t * a.ks0 + hk * a.ks1 + d), _MM_HINT_T1);
+      }
+      for (int64_t d = 0; d < dv; d += 32)
+        _mm_prefetch(reinterpret_cast<const char*>(a.v + t * a.vs0 + h * a.vs1 + d), _MM_HINT_T1);
+    }
     float c = 0.f;
     for (int r = 0; r < C; ++r) cum[r] = c += g[r];
     for (int r = 0; r < C; ++r) cexp[r] = std::exp(std::max(cum[r], kExpMin));
