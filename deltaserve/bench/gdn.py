@@ -26,7 +26,7 @@ def run(preset: str, tokens: list[int], repeats: int, isas: list[str] | None = N
     kernels = {i: select_decode_kernels("cpu", torch.bfloat16, "cpp", i) for i in isas}
     missing = [i for i, k in kernels.items() if not k.gdn_prefill_compiled]
     if missing:
-        raise SystemExit(f"no compiled chunked gated delta rule in the {', '.join(missing)} build (AVX-512 builds only)")
+        raise SystemExit(f"no compiled chunked gated delta rule in the {', '.join(missing)} build (the generic one has none)")
     cfg = ModelConfig.from_hf(load_preset(preset))
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim

@@ -353,7 +353,7 @@ class DecodeKernels:
                                use_qk_l2norm: bool = True, out: torch.Tensor | None = None,
                                states_at: tuple[int, ...] = (), states: list | None = None):
         """One sequence's chunked gated delta rule (ops/gdn.py chunk_gated_delta_rule's arguments and results).
-        Compiled where the build has it (the AVX-512 builds; csrc/gdn_prefill.cpp: the same algebra on the same
+        Compiled where the build has it (every x86 build; csrc/gdn_prefill.cpp: the same algebra on the same
         absolute 64-token grid, fp32 loops of its own fixed order) for bf16 q, k, v (and out) on the CPU with
         use_qk_l2norm and head dims of 64, 128, 192 or 256; else the torch path. Which one is fixed per model."""
         L, H, dv = v.shape
@@ -383,7 +383,7 @@ class DecodeKernels:
 
     @functools.cached_property
     def gdn_prefill_compiled(self) -> bool:
-        """This build has the compiled chunked gated delta rule (csrc/gdn_prefill.cpp: the AVX-512 builds)."""
+        """This build has the compiled chunked gated delta rule (csrc/gdn_prefill.cpp: every x86 build)."""
         return self.ext is not None and bool(getattr(self.ext, "gdn_prefill_available", lambda: False)())
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:

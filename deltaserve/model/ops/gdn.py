@@ -15,7 +15,7 @@ Bit-exactness: the chunked form cuts the sequence on a 64-token grid anchored at
 tokens. Splitting a sequence at any multiple of 64 and carrying the state therefore gives bit-identical
 outputs and states to processing it whole. Long inputs run in slices anchored at multiples of SLICE.
 
-The compiled kernels' chunked rule (csrc/gdn_prefill.cpp, the AVX-512 builds; the op table takes it through
+The compiled kernels' chunked rule (csrc/gdn_prefill.cpp, every x86 build; the op table takes it through
 DecodeKernels.chunk_gated_delta_rule) has chunk_gated_delta_rule's contract and the same grid property, with
 bits of its own; this module is its torch path.
 """

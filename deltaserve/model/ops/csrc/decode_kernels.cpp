@@ -674,7 +674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one sequence's prefill chunk: q [n,Hq,D] at positions pos.. over k, v [>=pos+n,Hkv,D] -> [n,Hq,D] (bf16)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos"), py::arg("scale"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("gdn_prefill_available", &gdn_prefill_available, "gdn_chunk_prefill in this build (the AVX-512 ones)");
+  m.def("gdn_prefill_available", &gdn_prefill_available, "gdn_chunk_prefill in this build (the x86 ones)");
   m.def("gdn_chunk_prefill", &gdn_chunk_prefill,
         "chunked gated delta rule of one sequence (q, k [L,Hk,dk], v [L,H,dv] bf16, g, beta [L,H] fp32, state [H,dv,dk] "
         "fp32 in place, start_pos, out [L,H,dv] bf16, states_at) -> the states at states_at",

@@ -1,6 +1,6 @@
 // The chunked gated delta rule of one sequence's prefill (ops/gdn.py chunk_gated_delta_rule's contract, with
-// use_qk_l2norm) on the AVX-512 builds; ops/gdn.py is the torch path (the other builds, and shapes this does not
-// take), gated_delta_rule_reference the token loop the tests compare both with.
+// use_qk_l2norm) on the x86 builds (16 lanes of AVX-512, 8 of AVX2); ops/gdn.py is the torch path (the generic
+// build, and shapes this does not take), gated_delta_rule_reference the token loop the tests compare both with.
 //
 // The same algebra as ops/gdn.py _chunk_slice, on the same absolute 64-token grid, per value head and chunk
 // (c = cumulative log decay from the chunk start, D_ij = exp(c_i - c_j) for j <= i, arguments clamped at -87):
@@ -26,13 +26,52 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 namespace {
 
 constexpr int C = 64;  // the chunk
 constexpr float kExpMin = -87.f;  // as ops/gdn.py _EXP_MIN
+
+// the vector of the build: 16 lanes of AVX-512 or 8 of AVX2, and the few operations this file needs
+#if defined(__AVX512F__)
+using V = __m512;
+constexpr int W = 16;
+inline V ld(const float* p) { return _mm512_loadu_ps(p); }
+inline void put(float* p, V v) { _mm512_storeu_ps(p, v); }
+inline V set1(float x) { return _mm512_set1_ps(x); }
+inline V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V fnma(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+inline float hsum(V v) { return _mm512_reduce_add_ps(v); }
+inline V vmin(V a, V b) { return _mm512_min_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V lanes() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+// v where lane index l < bound (strict) or l <= bound, else 0
+inline V keep_below(V v, V l, V bound) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(l, bound, _CMP_LT_OQ), v); }
+inline V keep_upto(V v, V l, V bound) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(l, bound, _CMP_LE_OQ), v); }
+constexpr int kTileV = 4;  // gemm tiles of 4 rows x 64 columns
+#else
+using V = __m256;
+constexpr int W = 8;
+inline V ld(const float* p) { return _mm256_loadu_ps(p); }
+inline void put(float* p, V v) { _mm256_storeu_ps(p, v); }
+inline V set1(float x) { return _mm256_set1_ps(x); }
+inline V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V fnma(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+inline float hsum(V v) {  // halves, then pairs: a fixed order
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline V lanes() { return _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7); }
+inline V vmin(V a, V b) { return _mm256_min_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline V keep_below(V v, V l, V bound) { return _mm256_and_ps(_mm256_cmp_ps(l, bound, _CMP_LT_OQ), v); }
+inline V keep_upto(V v, V l, V bound) { return _mm256_and_ps(_mm256_cmp_ps(l, bound, _CMP_LE_OQ), v); }
+constexpr int kTileV = 2;  // 16 registers: tiles of 4 rows x 16 columns
+#endif
+constexpr int kTileN = kTileV * W;
 
 inline float bf(uint16_t x) {
   const uint32_t u = uint32_t(x) << 16;
@@ -41,60 +80,54 @@ inline float bf(uint16_t x) {
   return f;
 }
 
-// Cm[i][n] (+/-)= sum_k A[i][k] B[k][n], for M % 4 == 0 rows and N % 64 == 0 columns, k ascending; a 4 x 64 tile
-// of accumulators at a time
+// Cm[i][n] (+/-)= sum_k A[i][k] B[k][n], for M % 4 == 0 rows and N % 64 == 0 columns, k ascending; a tile of 4 rows
+// x kTileN columns of accumulators at a time
 template <bool kNeg>
 void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* Cm, int64_t ldc, int M, int K, int N) {
-  for (int n0 = 0; n0 < N; n0 += 64) {
+  for (int n0 = 0; n0 < N; n0 += kTileN) {
     for (int i0 = 0; i0 < M; i0 += 4) {
-      __m512 acc[4][4];
+      V acc[4][kTileV];
       for (int r = 0; r < 4; ++r)
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_loadu_ps(Cm + (i0 + r) * ldc + n0 + 16 * v);
+        for (int v = 0; v < kTileV; ++v) acc[r][v] = ld(Cm + (i0 + r) * ldc + n0 + W * v);
       for (int k = 0; k < K; ++k) {
-        __m512 b[4];
-        for (int v = 0; v < 4; ++v) b[v] = _mm512_loadu_ps(B + k * ldb + n0 + 16 * v);
+        V b[kTileV];
+        for (int v = 0; v < kTileV; ++v) b[v] = ld(B + k * ldb + n0 + W * v);
         for (int r = 0; r < 4; ++r) {
-          const __m512 a = _mm512_set1_ps(A[(i0 + r) * lda + k]);
-          for (int v = 0; v < 4; ++v)
-            acc[r][v] = kNeg ? _mm512_fnmadd_ps(a, b[v], acc[r][v]) : _mm512_fmadd_ps(a, b[v], acc[r][v]);
+          const V a = set1(A[(i0 + r) * lda + k]);
+          for (int v = 0; v < kTileV; ++v) acc[r][v] = kNeg ? fnma(a, b[v], acc[r][v]) : fma(a, b[v], acc[r][v]);
         }
       }
       for (int r = 0; r < 4; ++r)
-        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(Cm + (i0 + r) * ldc + n0 + 16 * v, acc[r][v]);
+        for (int v = 0; v < kTileV; ++v) put(Cm + (i0 + r) * ldc + n0 + W * v, acc[r][v]);
     }
   }
 }
 
-// X[i] -= sum_{j < i} A[i][j] X[j] for i ascending (X: C rows of N = 16 * NV floats): (I + A)^-1 applied in place
-template <int NV>
-void substitute(const float* A, float* X) {
-  constexpr int N = 16 * NV;
-  for (int i = 1; i < C; ++i) {
-    __m512 x[NV];
-    for (int v = 0; v < NV; ++v) x[v] = _mm512_loadu_ps(X + i * N + 16 * v);
-    for (int j = 0; j < i; ++j) {
-      const __m512 a = _mm512_set1_ps(A[i * C + j]);
-      for (int v = 0; v < NV; ++v) x[v] = _mm512_fnmadd_ps(a, _mm512_loadu_ps(X + j * N + 16 * v), x[v]);
+// X[i] -= sum_{j < i} A[i][j] X[j] for i ascending (X: C rows of N floats, N % 64 == 0): (I + A)^-1 applied in
+// place, 64 columns at a time (columns are independent: each element's sequence is the same whatever the blocking)
+void substitute(const float* A, float* X, int64_t N) {
+  constexpr int NV = 64 / W;
+  for (int64_t c0 = 0; c0 < N; c0 += 64) {
+    for (int i = 1; i < C; ++i) {
+      V x[NV];
+      for (int v = 0; v < NV; ++v) x[v] = ld(X + i * N + c0 + W * v);
+      for (int j = 0; j < i; ++j) {
+        const V a = set1(A[i * C + j]);
+        for (int v = 0; v < NV; ++v) x[v] = fnma(a, ld(X + j * N + c0 + W * v), x[v]);
+      }
+      for (int v = 0; v < NV; ++v) put(X + i * N + c0 + W * v, x[v]);
     }
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(X + i * N + 16 * v, x[v]);
   }
 }
 
-void substitute_n(const float* A, float* X, int64_t N) {
-  if (N == 64) substitute<4>(A, X);
-  else if (N == 128) substitute<8>(A, X);
-  else if (N == 192) substitute<12>(A, X);
-  else substitute<16>(A, X);
-}
-
-// sum of x[i]^2 over n (n % 16 == 0), 16 lanes then their fixed-order reduction
+// sum of x[i]^2 over n (n % 16 == 0), W lanes then their fixed-order reduction
 inline float sumsq(const float* x, int64_t n) {
-  __m512 s = _mm512_setzero_ps();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    s = _mm512_fmadd_ps(v, v, s);
+  V s = set1(0.f);
+  for (int64_t i = 0; i < n; i += W) {
+    const V v = ld(x + i);
+    s = fma(v, v, s);
   }
-  return _mm512_reduce_add_ps(s);
+  return hsum(s);
 }
 
 struct Args {
@@ -177,19 +210,14 @@ void head(const Args& a, int64_t h) {
     std::fill(A, A + 2 * C * C, 0.f);
     gemm<false>(kn, dk, kt, C, A, C, C, int(dk), C);
     gemm<false>(qn, dk, kt, C, P, C, C, int(dk), C);
-    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     for (int i = 0; i < C; ++i) {
-      const __m512 ci_ = _mm512_set1_ps(cum[i]);
-      for (int j0 = 0; j0 < C; j0 += 16) {
-        const __m512i j = _mm512_add_epi32(lane, _mm512_set1_epi32(j0));
-        const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(ci_, _mm512_loadu_ps(cum + j0)),
-                                                     _mm512_set1_ps(kExpMin)), _mm512_setzero_ps());
-        const __m512 dec = ds::exp_ps(x);
-        const __mmask16 below = _mm512_cmplt_epi32_mask(j, _mm512_set1_epi32(i));
-        const __mmask16 upto = _mm512_cmple_epi32_mask(j, _mm512_set1_epi32(i));
-        const __m512 ad = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(A + i * C + j0), dec), _mm512_set1_ps(bet[i]));
-        _mm512_storeu_ps(A + i * C + j0, _mm512_maskz_mov_ps(below, ad));
-        _mm512_storeu_ps(P + i * C + j0, _mm512_maskz_mov_ps(upto, _mm512_mul_ps(_mm512_loadu_ps(P + i * C + j0), dec)));
+      const V row = set1(float(i));
+      for (int j0 = 0; j0 < C; j0 += W) {
+        const V j = lanes() + set1(float(j0));
+        // exp(c_i - c_j), the argument clamped to [-87, 0] (above the diagonal it is masked off below)
+        const V dec = ds::exp_ps(vmin(vmax(set1(cum[i]) - ld(cum + j0), set1(kExpMin)), set1(0.f)));
+        put(A + i * C + j0, keep_below(ld(A + i * C + j0) * dec * set1(bet[i]), j, row));
+        put(P + i * C + j0, keep_upto(ld(P + i * C + j0) * dec, j, row));
       }
     }
     // U = (I + A)^-1 diag(beta) V, W = (I + A)^-1 diag(beta exp(c)) K
@@ -198,8 +226,8 @@ void head(const Args& a, int64_t h) {
       const float f = bet[r] * cexp[r];
       for (int64_t d = 0; d < dk; ++d) w[r * dk + d] = f * kn[r * dk + d];
     }
-    substitute_n(A, u, dv);
-    substitute_n(A, w, dk);
+    substitute(A, u, dv);
+    substitute(A, w, dk);
     // V' = U - W S^T;  O = diag(exp(c)) Q S^T + P V'
     gemm<true>(w, dk, st, dv, u, dv, C, int(dk), int(dv));
     for (int r = 0; r < C; ++r)
@@ -279,7 +307,8 @@ bool gdn_prefill_available() { return false; }
 
 std::vector<at::Tensor> gdn_chunk_prefill(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                           const at::Tensor&, at::Tensor&, int64_t, at::Tensor&, const std::vector<int64_t>&) {
-  TORCH_CHECK(false, "gdn_chunk_prefill: this build has no AVX-512 (ops/gdn.py chunk_gated_delta_rule is the path)");
+  TORCH_CHECK(false, "gdn_chunk_prefill: this build has neither AVX-512 nor AVX2 + FMA (ops/gdn.py chunk_gated_delta_rule "
+              "is the path)");
 }
 
 #endif

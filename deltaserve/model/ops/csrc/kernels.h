@@ -47,7 +47,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
                                   double scale);
 
 // gdn_prefill.cpp: one sequence's chunked gated delta rule (ops/gdn.py chunk_gated_delta_rule's contract with
-// use_qk_l2norm), the AVX-512 builds only; state [H, dv, dk] fp32 updated in place, out written, the states after
+// use_qk_l2norm), the x86 builds; state [H, dv, dk] fp32 updated in place, out written, the states after
 // the chunks ending at states_at returned
 bool gdn_prefill_available();
 std::vector<at::Tensor> gdn_chunk_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
