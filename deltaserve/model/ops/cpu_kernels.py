@@ -53,10 +53,9 @@ from pathlib import Path
 import torch
 
 from ...config import CPU_ISA_CHOICES
-from . import pointwise
+from . import gdn, pointwise
 from .attention import apply_rotary
 from .attention import prefill_attention as prefill_attention_torch
-from .gdn import chunk_gated_delta_rule as chunk_gated_delta_rule_torch
 from .norm import rms_norm as rms_norm_torch
 from .norm import rms_norm_gated as rms_norm_gated_torch
 
@@ -336,8 +335,9 @@ class DecodeKernels:
         """One sequence's prefill chunk (ops/attention.py prefill_attention's arguments and result). Compiled where
         the build has it (avx512bf16, which amx loads: vdpbf16ps; avx512 and avx2: widened fp32 fmas) and the call
         is bf16 on the CPU with a head dim that is a multiple of 32: flash form (csrc/prefill_attention.cpp), a row's
-        bits independent of the chunk it came in; else the torch path (SDPA per 64-row tile: the generic build). Which one is fixed per model (its dtype, head dim and kernels), so a cold run and a hit always
-        take the same one."""
+        bits independent of the chunk it came in; else the torch path (SDPA per 64-row tile: the generic build).
+        Which one is fixed per model (its dtype, head dim and kernels), so a cold run and a hit always take the
+        same one."""
         if self.prefill_attention_compiled and q.dtype == k.dtype == v.dtype == torch.bfloat16 \
                 and q.device.type == "cpu" and q.shape[-1] % 32 == 0:
             return self.ext.prefill_attention(q, k, v, pos, scale)
@@ -346,7 +346,7 @@ class DecodeKernels:
     @functools.cached_property
     def prefill_attention_compiled(self) -> bool:
         """This build has the compiled prefill attention (csrc/prefill_attention.cpp: every x86 build)."""
-        return self.ext is not None and bool(getattr(self.ext, "prefill_attention_available", lambda: False)())
+        return self.ext is not None and self.ext.prefill_attention_available()
 
     def chunk_gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, initial_state: torch.Tensor | None = None, start_pos: int = 0,
@@ -361,18 +361,10 @@ class DecodeKernels:
         if not (self.gdn_prefill_compiled and use_qk_l2norm and L > 0 and q.device.type == "cpu"
                 and q.dtype == k.dtype == v.dtype == torch.bfloat16 and dk in (64, 128, 192, 256)
                 and dv in (64, 128, 192, 256) and (out is None or out.dtype == torch.bfloat16)):
-            return chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state, start_pos, use_qk_l2norm, out,
-                                                states_at, states)
-        if H % q.shape[1]:
-            raise ValueError(f"value heads {H} not a multiple of key heads {q.shape[1]}")
-        wanted = sorted(states_at)
-        bad = [p for p in wanted if p % 64 or not start_pos < p <= start_pos + L]
-        if bad:
-            raise ValueError(f"states_at {bad}: not chunk boundaries inside positions {start_pos}..{start_pos + L}")
-        if wanted and states is None:
-            raise ValueError("states_at needs a `states` list to append to")
-        state = (torch.zeros(H, dv, dk, dtype=torch.float32) if initial_state is None
-                 else initial_state.to(torch.float32, copy=True).contiguous())
+            return gdn.chunk_gated_delta_rule(q, k, v, g, beta, initial_state, start_pos, use_qk_l2norm, out,
+                                              states_at, states)
+        wanted = gdn.check_call(q, v, start_pos, states_at, states)
+        state = gdn.start_state(initial_state, H, dv, dk, q.device)
         if out is None:
             out = torch.empty(L, H, dv, dtype=q.dtype)
         found = self.ext.gdn_chunk_prefill(q, k, v, g.float().contiguous(), beta.float().contiguous(), state,
@@ -384,7 +376,7 @@ class DecodeKernels:
     @functools.cached_property
     def gdn_prefill_compiled(self) -> bool:
         """This build has the compiled chunked gated delta rule (csrc/gdn_prefill.cpp: every x86 build)."""
-        return self.ext is not None and bool(getattr(self.ext, "gdn_prefill_available", lambda: False)())
+        return self.ext is not None and self.ext.gdn_prefill_available()
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
         """torch.argmax(rows, dim=-1) for logits rows [N, V] (greedy sampling), compiled where it can run: the

@@ -221,19 +221,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     inside a prefill chunk, identical to the state a call that stopped at p would return.
     """
     L, H, dv = v.shape
-    hk, dk = q.shape[-2:]
-    if H % hk:
-        raise ValueError(f"value heads {H} not a multiple of key heads {hk}")
-    if initial_state is None:
-        state = torch.zeros(H, dv, dk, dtype=torch.float32, device=q.device)
-    else:
-        state = initial_state.to(torch.float32, copy=True)  # updated in place below
+    dk = q.shape[-1]
+    wanted = check_call(q, v, start_pos, states_at, states)
+    state = start_state(initial_state, H, dv, dk, q.device)  # updated in place below
     if out is None:
         out = torch.empty(L, H, dv, dtype=q.dtype, device=q.device)
-    wanted = sorted(states_at)
-    bad = [p for p in wanted if p % CHUNK or not start_pos < p <= start_pos + L]
-    if bad:
-        raise ValueError(f"states_at {bad}: not chunk boundaries inside positions {start_pos}..{start_pos + L}")
     found: list = []
     s = 0
     while s < L:
@@ -244,10 +236,31 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         _chunk_slice(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], state, a % CHUNK, out[s:e], use_qk_l2norm, grab)
         s = e
     if wanted:
-        if states is None:
-            raise ValueError("states_at needs a `states` list to append to")
         states.extend(found)
     return out, state
+
+
+def check_call(q: torch.Tensor, v: torch.Tensor, start_pos: int, states_at: tuple[int, ...],
+               states: list | None) -> list[int]:
+    """chunk_gated_delta_rule's checks (its compiled form's too): grouped heads, and states_at positions that are
+    chunk boundaries inside the call with a list to receive them. Returns states_at sorted."""
+    L, H = v.shape[:2]
+    if H % q.shape[-2]:
+        raise ValueError(f"value heads {H} not a multiple of key heads {q.shape[-2]}")
+    wanted = sorted(states_at)
+    bad = [p for p in wanted if p % CHUNK or not start_pos < p <= start_pos + L]
+    if bad:
+        raise ValueError(f"states_at {bad}: not chunk boundaries inside positions {start_pos}..{start_pos + L}")
+    if wanted and states is None:
+        raise ValueError("states_at needs a `states` list to append to")
+    return wanted
+
+
+def start_state(initial_state: torch.Tensor | None, H: int, dv: int, dk: int, device) -> torch.Tensor:
+    """The state a call starts from and updates: a contiguous fp32 copy of initial_state [H, dv, dk], or zeros."""
+    if initial_state is None:
+        return torch.zeros(H, dv, dk, dtype=torch.float32, device=device)
+    return initial_state.to(torch.float32, copy=True).contiguous()
 
 
 def recurrent_gated_delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

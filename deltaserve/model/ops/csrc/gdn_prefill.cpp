@@ -152,7 +152,7 @@ void head(const Args& a, int64_t h) {
   float* kdt = w + C * dk;       // [dk][C] (diag(exp(c_last - c)) K)^T
   float* u = kdt + C * dk;       // [C][dv] U, then V'
   float* o = u + C * dv;         // [C][dv] O
-  float* vv = o + C * dv;        // [C][dv] V (spare for the substitution of U in place)
+  float* vv = o + C * dv;        // [C][dv] V (U starts as diag(beta) V)
   float* A = vv + C * dv;        // [C][C]
   float* P = A + C * C;          // [C][C]
   float* st = P + C * C;         // [dk][dv] S^T

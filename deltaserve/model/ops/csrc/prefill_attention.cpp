@@ -110,21 +110,19 @@ inline int64_t blocks_for(const Rows& r, int M) {
 inline __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 inline __m512 odd_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u)))); }
 
-#if defined(__AVX512BF16__)
-constexpr bool kDot = true;  // vdpbf16ps
-#else
-constexpr bool kDot = false;  // widened pairs, two fmas
-#endif
-
+// The avx512bf16 build multiplies bf16 pairs on vdpbf16ps; the avx512 build widens them and takes two fmas a pair.
 template <int M>
 void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob, float* qf) {
   const int64_t D2 = D / 2, blocks = blocks_for(r, M);
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx[M];
   __m512 lsum[M];
-  alignas(64) uint32_t pw[M][16];  // a block's probabilities of one row as bf16 pairs (key order; kDot)
-  alignas(64) float pf[M][kKeys];  // the same in fp32 (the widened build)
-  if constexpr (!kDot) widen_queries(r, M, D, qf);
+#if defined(__AVX512BF16__)
+  alignas(64) uint32_t pw[M][16];  // a block's probabilities of one row as bf16 pairs (key order)
+#else
+  alignas(64) float pf[M][kKeys];  // the same in fp32
+  widen_queries(r, M, D, qf);
+#endif
   float alpha[M];
   for (int i = 0; i < M; ++i) {
     mx[i] = ninf;
@@ -140,22 +138,20 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
     const uint32_t* k1 = k0 + D2 * 16;
     for (int64_t d2 = 0; d2 < D2; ++d2) {
       const __m512i ka = _mm512_loadu_si512(k0 + d2 * 16), kb = _mm512_loadu_si512(k1 + d2 * 16);
-      if constexpr (kDot) {
 #if defined(__AVX512BF16__)
-        for (int i = 0; i < M; ++i) {
-          const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(r.q[i][d2]));
-          s0[i] = _mm512_dpbf16_ps(s0[i], qb, (__m512bh)ka);
-          s1[i] = _mm512_dpbf16_ps(s1[i], qb, (__m512bh)kb);
-        }
-#endif
-      } else {  // odd element, then even, as vdpbf16ps adds a pair
-        const __m512 ae = even_f32(ka), ao = odd_f32(ka), be = even_f32(kb), bo = odd_f32(kb);
-        for (int i = 0; i < M; ++i) {
-          const __m512 qe = _mm512_set1_ps(qf[i * D + 2 * d2]), qo = _mm512_set1_ps(qf[i * D + 2 * d2 + 1]);
-          s0[i] = _mm512_fmadd_ps(qe, ae, _mm512_fmadd_ps(qo, ao, s0[i]));
-          s1[i] = _mm512_fmadd_ps(qe, be, _mm512_fmadd_ps(qo, bo, s1[i]));
-        }
+      for (int i = 0; i < M; ++i) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32(int(r.q[i][d2]));
+        s0[i] = _mm512_dpbf16_ps(s0[i], qb, (__m512bh)ka);
+        s1[i] = _mm512_dpbf16_ps(s1[i], qb, (__m512bh)kb);
       }
+#else  // odd element, then even, as vdpbf16ps adds a pair
+      const __m512 ae = even_f32(ka), ao = odd_f32(ka), be = even_f32(kb), bo = odd_f32(kb);
+      for (int i = 0; i < M; ++i) {
+        const __m512 qe = _mm512_set1_ps(qf[i * D + 2 * d2]), qo = _mm512_set1_ps(qf[i * D + 2 * d2 + 1]);
+        s0[i] = _mm512_fmadd_ps(qe, ae, _mm512_fmadd_ps(qo, ao, s0[i]));
+        s1[i] = _mm512_fmadd_ps(qe, be, _mm512_fmadd_ps(qo, bo, s1[i]));
+      }
+#endif
     }
     // online softmax: mask, max, exp (masked lanes 0), running sum, P as bf16 pairs
     const __m512i j0 = _mm512_add_epi32(lane, _mm512_set1_epi32(int(b * kKeys)));
@@ -171,14 +167,12 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
       const __m512 p0 = _mm512_maskz_mov_ps(v0, ds::exp_ps(_mm512_sub_ps(x0, mv)));
       const __m512 p1 = _mm512_maskz_mov_ps(v1, ds::exp_ps(_mm512_sub_ps(x1, mv)));
       lsum[i] = _mm512_add_ps(_mm512_mul_ps(lsum[i], _mm512_set1_ps(alpha[i])), _mm512_add_ps(p0, p1));
-      if constexpr (kDot) {
 #if defined(__AVX512BF16__)
-        _mm512_store_si512(pw[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+      _mm512_store_si512(pw[i], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+#else
+      _mm512_store_ps(pf[i], p0);
+      _mm512_store_ps(pf[i] + 16, p1);
 #endif
-      } else {
-        _mm512_store_ps(pf[i], p0);
-        _mm512_store_ps(pf[i] + 16, p1);
-      }
       mx[i] = m;
     }
     // O = alpha O + P V, 32 dims at a time
@@ -192,22 +186,20 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
       }
       for (int m = 0; m < 16; ++m) {  // key pair (2m, 2m + 1) of the block
         const __m512i va = _mm512_loadu_si512(vb + m * D + c), vc = _mm512_loadu_si512(vb + m * D + c + 16);
-        if constexpr (kDot) {
 #if defined(__AVX512BF16__)
-          for (int i = 0; i < M; ++i) {
-            const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pw[i][m]));
-            o0[i] = _mm512_dpbf16_ps(o0[i], pb, (__m512bh)va);
-            o1[i] = _mm512_dpbf16_ps(o1[i], pb, (__m512bh)vc);
-          }
-#endif
-        } else {
-          const __m512 ae = even_f32(va), ao = odd_f32(va), ce = even_f32(vc), co = odd_f32(vc);
-          for (int i = 0; i < M; ++i) {
-            const __m512 pe = _mm512_set1_ps(pf[i][2 * m]), po = _mm512_set1_ps(pf[i][2 * m + 1]);
-            o0[i] = _mm512_fmadd_ps(pe, ae, _mm512_fmadd_ps(po, ao, o0[i]));
-            o1[i] = _mm512_fmadd_ps(pe, ce, _mm512_fmadd_ps(po, co, o1[i]));
-          }
+        for (int i = 0; i < M; ++i) {
+          const __m512bh pb = (__m512bh)_mm512_set1_epi32(int(pw[i][m]));
+          o0[i] = _mm512_dpbf16_ps(o0[i], pb, (__m512bh)va);
+          o1[i] = _mm512_dpbf16_ps(o1[i], pb, (__m512bh)vc);
         }
+#else
+        const __m512 ae = even_f32(va), ao = odd_f32(va), ce = even_f32(vc), co = odd_f32(vc);
+        for (int i = 0; i < M; ++i) {
+          const __m512 pe = _mm512_set1_ps(pf[i][2 * m]), po = _mm512_set1_ps(pf[i][2 * m + 1]);
+          o0[i] = _mm512_fmadd_ps(pe, ae, _mm512_fmadd_ps(po, ao, o0[i]));
+          o1[i] = _mm512_fmadd_ps(pe, ce, _mm512_fmadd_ps(po, co, o1[i]));
+        }
+#endif
       }
       for (int i = 0; i < M; ++i) {
         _mm512_storeu_ps(ob + i * D + c, o0[i]);
@@ -219,15 +211,13 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
     const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(lsum[i]));
     for (int64_t c = 0; c < D; c += 16) {
       const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(ob + i * D + c), inv);
-      if constexpr (kDot) {
 #if defined(__AVX512BF16__)
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c), (__m256i)_mm512_cvtneps_pbh(o));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(r.out[i] + c), (__m256i)_mm512_cvtneps_pbh(o));
+#else
+      alignas(64) float f[16];
+      _mm512_store_ps(f, o);
+      for (int l = 0; l < 16; ++l) r.out[i][c + l] = static_cast<c10::BFloat16>(f[l]).x;  // nearest even
 #endif
-      } else {
-        alignas(64) float f[16];
-        _mm512_store_ps(f, o);
-        for (int l = 0; l < 16; ++l) r.out[i][c + l] = static_cast<c10::BFloat16>(f[l]).x;  // nearest even
-      }
     }
   }
 }
@@ -375,7 +365,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_attention: the last dim must be contiguous");
   auto out = at::empty({n, Hq, D}, q.options());
   if (n == 0) return out;
-  const int64_t G = Hq / Hkv, D2 = D / 2;
+  const int64_t G = Hq / Hkv;
   const int64_t cols = (end + kKeys - 1) / kKeys * kCols;  // 16-key columns of the packed K, per kv head
   const int64_t kw = cols * k_words(D), vw = cols * v_words(D);  // words per kv head
   auto kp = at::empty({Hkv, kw}, at::TensorOptions().dtype(at::kInt));
