@@ -178,6 +178,26 @@ def test_conv_step_bit_identical_to_the_compiled_prefill(kern, dtype):
     assert torch.equal(state[[0, 2, 4]], keep[[0, 2, 4]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("L,C,K", [(1, 5, 4), (2, 17, 4), (3, 48, 4), (67, 33, 3), (130, 100, 2), (40, 6144, 4)])
+def test_conv_prefill_bit_identical_to_the_torch_form(kern, dtype, L, C, K):
+    """The compiled conv prefill (csrc/conv_prefill.cpp) equals the torch form with the compiled silu bit for bit,
+    on awkward shapes (fewer tokens than taps, channel counts off the vector width, a row-strided view, with and
+    without a state), its new state too; and split anywhere, it gives the whole call's bits."""
+    g = gen(8)
+    wide = torch.randn(L, C + 3, generator=g).to(dtype)
+    x = wide[:, 1:C + 1]  # a column slice: row stride C + 3, as the projections' slices are
+    w = torch.randn(C, K, generator=g).to(dtype)
+    for state in (None, torch.randn(K - 1, C, generator=g).to(dtype)):
+        out, new = kern.conv_prefill(x, w, state)
+        ref, ref_new = causal_conv1d_prefill(x, w, state, silu_into=kern.silu_into)
+        assert out.dtype == dtype and torch.equal(out, ref) and torch.equal(new, ref_new)
+        cut = L // 3
+        a, sa = kern.conv_prefill(x[:cut], w, state)
+        b, sb = kern.conv_prefill(x[cut:], w, sa)
+        assert torch.equal(torch.cat([a, b]), out) and torch.equal(sb, new)
+
+
 @pytest.mark.parametrize("C", [1, 7, 16, 17, 100])
 def test_silu_into_matches_torch_and_is_position_independent(kern, C):
     g = gen(6)

@@ -38,6 +38,9 @@ def run(preset: str, shapes: list[tuple[int, int]], repeats: int, isas: list[str
     from ..model.ops.attention import prefill_attention
     from ..model.ops.cpu_kernels import load_extension, resolve_isa
     from ..presets import load_preset
+    from ..runner.platform import tune_allocator
+
+    tune_allocator()  # as the engine: the torch arm's large temporaries are not mmapped and faulted per call
 
     isas = [resolve_isa(i) for i in (isas or [None])]
     exts = {i: load_extension(i) for i in isas}

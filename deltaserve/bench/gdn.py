@@ -22,6 +22,9 @@ def run(preset: str, tokens: list[int], repeats: int, isas: list[str] | None = N
     from ..model.ops.cpu_kernels import resolve_isa, select_decode_kernels
     from ..model.ops.gdn import chunk_gated_delta_rule
     from ..presets import load_preset
+    from ..runner.platform import tune_allocator
+
+    tune_allocator()  # as the engine: the torch arm's large temporaries are not mmapped and faulted per call
 
     isas = [resolve_isa(i) for i in (isas or [None])]
     kernels = {i: select_decode_kernels("cpu", torch.bfloat16, "cpp", i) for i in isas}

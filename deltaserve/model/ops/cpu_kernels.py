@@ -53,7 +53,7 @@ from pathlib import Path
 import torch
 
 from ...config import CPU_ISA_CHOICES
-from . import gdn, pointwise
+from . import conv, gdn, pointwise
 from .attention import apply_rotary
 from .attention import prefill_attention as prefill_attention_torch
 from .norm import rms_norm as rms_norm_torch
@@ -83,7 +83,8 @@ ISA_WHAT = {"amx": "AMX tiles for the bf16 linear at every row count, AVX-512 de
             "generic": "plain C++ loops, no compiled linear"}
 _SOURCES = [Path(__file__).with_name("csrc") / f
             for f in ("decode_kernels.cpp", "linear_bf16.cpp", "linear_bf16_amx.cpp", "norm.cpp", "pointwise.cpp",
-                      "decode_layers.cpp", "argmax.cpp", "prefill_attention.cpp", "gdn_prefill.cpp")]
+                      "decode_layers.cpp", "argmax.cpp", "prefill_attention.cpp", "gdn_prefill.cpp",
+                      "conv_prefill.cpp")]
 _lock = threading.Lock()
 _exts: dict[str, object] = {}  # isa -> the loaded module, or the exception that stopped its build
 _build_seconds: dict[str, float] = {}
@@ -272,6 +273,21 @@ class DecodeKernels:
         causal_conv1d_step's fp32 mul / add order, then silu_into, as the compiled prefill (the bits of
         causal_conv1d_prefill(..., silu_into=self.silu_into))."""
         return self.ext.conv1d_step(x, rows, tap_major(weight), state, slots)
+
+    def conv_prefill(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's causal conv with its silu (ops/conv.py causal_conv1d_prefill's arguments and results):
+        compiled (csrc/conv_prefill.cpp, every build) for fp32 / bf16 x with a unit last stride and no bias, in
+        one pass per row; else the torch form with the compiled silu. The bits are the same either way, and a
+        token's are the decode step's (conv_step)."""
+        L, C = x.shape
+        K = weight.shape[1]
+        if bias is not None or not self._rows(x) or L == 0:
+            return conv.causal_conv1d_prefill(x, weight, state, bias, silu_into=self.silu_into)
+        state = x.new_zeros(K - 1, C) if state is None else state.to(x.dtype).contiguous()
+        out = self.ext.conv1d_prefill(x, tap_major(weight), state)
+        new_state = x[L - K + 1:].clone() if L >= K - 1 else torch.cat([state[L:], x])  # [K-1, C]: last inputs
+        return out, new_state
 
     def silu_into(self, acc: torch.Tensor, out: torch.Tensor) -> None:
         """out = silu(acc) = acc / (1 + exp(-acc)) in out's dtype, for the conv's fp32 sums acc [T, C] (views with

@@ -59,8 +59,7 @@ class Ops:
                    kv_write=kv_write, kv_gather=kv_gather,
                    prefill_attention=kernels.prefill_attention if compiled else prefill_attention,
                    decode_attention=decode_attention,
-                   causal_conv1d_prefill=(functools.partial(causal_conv1d_prefill, silu_into=kernels.silu_into)
-                                          if compiled else causal_conv1d_prefill),
+                   causal_conv1d_prefill=kernels.conv_prefill if compiled else causal_conv1d_prefill,
                    chunk_gated_delta_rule=(kernels.chunk_gated_delta_rule if compiled
                                            else chunk_gated_delta_rule),
                    causal_conv1d_step=causal_conv1d_step,

@@ -13,8 +13,8 @@
 //   row, then the row update. Same algebra as ops/gdn.py recurrent_gated_delta_rule_step.
 // conv1d_step: the causal conv with its silu for one token per sequence, states updated in place through slot
 //   ids; accumulation in the order and with the roundings of ops/conv.py _conv_acc (one fp32 mul and one add
-//   per tap, never fused), then pointwise.cpp's silu_into, which the compiled prefill also applies (the op
-//   table's causal_conv1d_prefill), so the bits equal the prefill's.
+//   per tap, never fused), then pointwise.cpp's silu_into, whose silu_row the compiled prefill (conv_prefill.cpp)
+//   also applies, so the bits equal the prefill's.
 
 #include "aten_lite.h"
 #include "kernels.h"
@@ -362,13 +362,13 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   for (int64_t b = 0; b < B; ++b) total += lens[b];
   const int64_t grain = total * Hkv * D < kSerialBelow ? B * Hkv : 1;
   at::parallel_for(0, B * Hkv, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores;
+    ds::LineBuffer qf(G * D), scores;  // on 64-byte lines (kernels.h)
     std::vector<const T*> krows, vrows;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t L = lens[b];
       const int64_t* pages = pt + b * maxp;
-      scores.resize(G * L);
+      scores.ensure(G * L);
       krows.resize(L);
       vrows.resize(L);
       for (int64_t t = 0; t < L; ++t) {  // position t: page pages[t / bs], row t % bs, kv head h
@@ -435,7 +435,7 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
 
   const int64_t grain = B * H * dv * dk < kSerialBelow ? B * H : 1;
   at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> qn(dk), kn(dk);
+    ds::LineBuffer qn(dk), kn(dk);  // on 64-byte lines (kernels.h)
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, h = item % H, hk = h / rep;
       const T* qr = qp + b * qs0 + hk * qs1;
@@ -668,6 +668,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "gated delta rule decode step, state slots updated in place (q, k, v, g, beta, state [S,H,dv,dk], slots [B])");
   m.def("conv1d_step", &conv1d_step,
         "causal conv1d decode step with its silu, states updated in place (x [T,C], rows [B], wt [K,C], state, slots)");
+  m.def("conv1d_prefill", &conv1d_prefill,
+        "causal conv1d with its silu over one sequence's prefill chunk (x [L,C], wt [K,C] fp32, state [K-1,C]) -> "
+        "[L,C] (conv_prefill.cpp)", py::arg("x"), py::arg("wt"), py::arg("state"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_available", &prefill_attention_available,
         "prefill_attention in this build (the x86 ones; prefill_attention.cpp)");
   m.def("prefill_attention", &prefill_attention_bf16,

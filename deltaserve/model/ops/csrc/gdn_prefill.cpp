@@ -91,7 +91,12 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* Cm, i
         for (int v = 0; v < kTileV; ++v) acc[r][v] = ld(Cm + (i0 + r) * ldc + n0 + W * v);
       for (int k = 0; k < K; ++k) {
         V b[kTileV];
-        for (int v = 0; v < kTileV; ++v) b[v] = ld(B + k * ldb + n0 + W * v);
+        for (int v = 0; v < kTileV; ++v) {
+          b[v] = ld(B + k * ldb + n0 + W * v);
+          // held in a register: folded into each fma as a memory operand (gcc's choice), b was loaded once per row,
+          // 20 loads for 16 fmas, and the loads, not the fmas, set the pace
+          asm("" : "+v"(b[v]));
+        }
         for (int r = 0; r < 4; ++r) {
           const V a = set1(A[(i0 + r) * lda + k]);
           for (int v = 0; v < kTileV; ++v) acc[r][v] = kNeg ? fnma(a, b[v], acc[r][v]) : fma(a, b[v], acc[r][v]);
@@ -104,18 +109,24 @@ void gemm(const float* A, int64_t lda, const float* B, int64_t ldb, float* Cm, i
 }
 
 // X[i] -= sum_{j < i} A[i][j] X[j] for i ascending (X: C rows of N floats, N % 64 == 0): (I + A)^-1 applied in
-// place, 64 columns at a time (columns are independent: each element's sequence is the same whatever the blocking)
+// place. Blocks of kDiag rows: first the rows before the block, as one gemm (register tiles: the row-by-row form
+// waited on each fma's latency), then the block's own rows one by one. Each element still takes its terms j
+// ascending, one fma each, so the bits are the row-by-row form's.
+constexpr int kDiag = 16;
 void substitute(const float* A, float* X, int64_t N) {
   constexpr int NV = 64 / W;
-  for (int64_t c0 = 0; c0 < N; c0 += 64) {
-    for (int i = 1; i < C; ++i) {
-      V x[NV];
-      for (int v = 0; v < NV; ++v) x[v] = ld(X + i * N + c0 + W * v);
-      for (int j = 0; j < i; ++j) {
-        const V a = set1(A[i * C + j]);
-        for (int v = 0; v < NV; ++v) x[v] = fnma(a, ld(X + j * N + c0 + W * v), x[v]);
+  for (int i0 = 0; i0 < C; i0 += kDiag) {
+    if (i0 > 0) gemm<true>(A + i0 * C, C, X, N, X + i0 * N, N, kDiag, i0, int(N));
+    for (int64_t c0 = 0; c0 < N; c0 += 64) {
+      for (int i = i0 + 1; i < i0 + kDiag; ++i) {
+        V x[NV];
+        for (int v = 0; v < NV; ++v) x[v] = ld(X + i * N + c0 + W * v);
+        for (int j = i0; j < i; ++j) {
+          const V a = set1(A[i * C + j]);
+          for (int v = 0; v < NV; ++v) x[v] = fnma(a, ld(X + j * N + c0 + W * v), x[v]);
+        }
+        for (int v = 0; v < NV; ++v) put(X + i * N + c0 + W * v, x[v]);
       }
-      for (int v = 0; v < NV; ++v) put(X + i * N + c0 + W * v, x[v]);
     }
   }
 }
@@ -144,7 +155,11 @@ struct Args {
 
 void head(const Args& a, int64_t h) {
   const int64_t dk = a.dk, dv = a.dv, hk = h / a.rep;
-  std::vector<float> buf(size_t(C * dk * 5 + C * dv * 3 + 2 * C * C + dk * dv + 3 * C));
+  // on 64-byte lines: every row of these buffers is read as whole vectors, and a vector straddling two lines costs
+  // two loads (malloc aligns to 16 bytes only: the same call ran 24 or 38 ms by where the heap placed it); one per
+  // thread, kept between calls: allocated per head, glibc could hand back fresh pages (page faults) each time
+  static thread_local ds::LineBuffer buf;
+  buf.ensure(size_t(C * dk * 5 + C * dv * 3 + 2 * C * C + dk * dv + 3 * C));
   float* qn = buf.data();        // [C][dk] l2-normalised, times dk^-0.5, then times exp(c)
   float* kn = qn + C * dk;       // [C][dk] l2-normalised
   float* kt = kn + C * dk;       // [dk][C] kn transposed

@@ -4,6 +4,9 @@
 
 #include "aten_lite.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -13,6 +16,33 @@
 // host whose cores are taken by other processes every parallel region waits for its threads to be scheduled (a
 // tiny decode step took 277 ms instead of ~3 ms, docs/cpu.md): serve with --num-threads 1 there.
 constexpr int64_t kSerialBelow = int64_t(1) << 16;
+
+namespace ds {
+// n zeroed floats starting on a 64-byte line, freed at scope end: a kernel's scratch read as whole vectors (a
+// std::vector's storage is only 16-byte aligned, and a vector load across two lines costs two)
+class LineBuffer {
+ public:
+  explicit LineBuffer(size_t n = 0) { ensure(n); }
+  ~LineBuffer() { std::free(p_); }
+  LineBuffer(const LineBuffer&) = delete;
+  LineBuffer& operator=(const LineBuffer&) = delete;
+  float* data() { return p_; }
+  float& operator[](size_t i) { return p_[i]; }
+  // room for at least n floats (the contents are zeroed only where the buffer grew: a fresh buffer's all)
+  void ensure(size_t n) {
+    if (n <= n_ && p_ != nullptr) return;
+    std::free(p_);
+    p_ = static_cast<float*>(std::aligned_alloc(64, (std::max<size_t>(n, 1) * sizeof(float) + 63) / 64 * 64));
+    TORCH_CHECK(p_ != nullptr, "out of memory for a ", n, "-float kernel buffer");
+    std::memset(p_, 0, n * sizeof(float));
+    n_ = n;
+  }
+
+ private:
+  float* p_ = nullptr;
+  size_t n_ = 0;
+};
+}  // namespace ds
 
 // linear_bf16.cpp
 bool bf16_linear_available();
@@ -53,6 +83,10 @@ bool gdn_prefill_available();
 std::vector<at::Tensor> gdn_chunk_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                           const at::Tensor& g, const at::Tensor& beta, at::Tensor& state,
                                           int64_t start_pos, at::Tensor& out, const std::vector<int64_t>& states_at);
+
+// conv_prefill.cpp: one sequence's causal conv with its silu (ops/conv.py causal_conv1d_prefill, no bias), every
+// build: x [L, C], wt [K, C] fp32 (tap-major), state [K-1, C] in x's dtype -> out [L, C]
+at::Tensor conv1d_prefill(const at::Tensor& x, const at::Tensor& wt, const at::Tensor& state);
 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);

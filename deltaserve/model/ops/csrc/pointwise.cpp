@@ -115,18 +115,7 @@ void silu_into_impl(const at::Tensor& acc, at::Tensor& out) {
   const float* ap = acc.data_ptr<float>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, R, kGrainRows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* a = ap + r * sa;
-      T* o = op + r * so;
-#if defined(__AVX512F__)
-      ds::blocks16(C, [&](int64_t i, __mmask16 m) {
-        const __m512 v = ds::ld16(a + i, m);
-        ds::st16(o + i, _mm512_div_ps(v, ds::one_plus_exp_neg(v)), m);
-      });
-#else
-      exp_map(C, [&](int64_t i) { return -a[i]; }, [&](int64_t i, float e) { o[i] = st<T>(a[i] / (1.f + e)); });
-#endif
-    }
+    for (int64_t r = r0; r < r1; ++r) ds::silu_row<T>(ap + r * sa, op + r * so, C);
   });
 }
 

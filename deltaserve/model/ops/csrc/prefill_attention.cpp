@@ -389,7 +389,7 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t threads = work < kSerialBelow ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   const float sc = float(scale);
   at::parallel_for(0, threads, 1, [&](int64_t a, int64_t e) {
-    std::vector<float> ob(size_t(kRows * D)), qf(size_t(kRows * D));
+    ds::LineBuffer ob(size_t(kRows * D)), qf(size_t(kRows * D));  // on 64-byte lines (kernels.h)
     for (int64_t t = a; t < e; ++t) {
       for (int64_t it = t; it < items; it += threads) {  // round-robin: early and late rows on every thread
         const int64_t h = it / per_head, r0 = (it % per_head) * kRows;

@@ -130,4 +130,18 @@ inline void blocks16(int64_t n, F f) {
 }
 #endif
 
+// o[0, n) = a / (1 + exp(-a)) in T, for fp32 sums a: the GDN conv's activation, one code path for every element
+// (pointwise.cpp silu_into and conv_prefill.cpp both call it, so the prefill's bits are the decode step's)
+template <typename T>
+inline void silu_row(const float* a, T* o, int64_t n) {
+#if defined(__AVX512F__)
+  blocks16(n, [&](int64_t i, __mmask16 m) {
+    const __m512 v = ld16(a + i, m);
+    st16(o + i, _mm512_div_ps(v, one_plus_exp_neg(v)), m);
+  });
+#else
+  exp_map(n, [&](int64_t i) { return -a[i]; }, [&](int64_t i, float e) { o[i] = st<T>(a[i] / (1.f + e)); });
+#endif
+}
+
 }  // namespace ds
