@@ -45,6 +45,7 @@ of its probe, measured and predicted, and the replay's schedule (what each step 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import logging
@@ -260,7 +261,8 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     if probe == "interleaved":
         peng = LLMEngine(cfg)
         run_warmup(peng, "-probe-first")  # first calls into every kernel: not the machine's speed
-        twin = _TwinReplay(peng, probe_trace, lambda: timed_step(peng, twin.steps), params)
+        twin = _TwinReplay(peng, probe_trace, None, params)
+        twin.timed_step = functools.partial(timed_step, peng, twin.steps)  # the list it appends to
     # as a served engine does after start-up (vLLM too): freeze what exists now (weights' wrappers, traces,
     # both engines) so that the collector's oldest-generation passes scan only what the replay creates; an
     # unfrozen heap made 10-60 ms pauses inside random steps, which no latency model should predict

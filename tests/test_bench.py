@@ -222,7 +222,11 @@ def test_bench_gdn_tiny(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "2 key heads, 4 value heads, dims 64 / 64" in lines[0]
     assert lines[2].split("|")[3:-1] == [" compiled avx512 ", " torch / avx512 "]
-    rows = [line.split("|")[1:-1] for line in lines[4:]]
+    rows = [line.split("|")[1:-1] for line in lines[4:6]]
+    assert [int(r[0]) for r in rows] == [70, 1] and all(float(r[-1].strip().rstrip("x")) > 0 for r in rows)
+    assert "causal conv with its silu, same layer (512 channels, 4 taps" in lines[7]
+    assert lines[9].split("|")[3:-1] == [" compiled avx512 ", " torch / avx512 "]
+    rows = [line.split("|")[1:-1] for line in lines[11:]]
     assert [int(r[0]) for r in rows] == [70, 1] and all(float(r[-1].strip().rstrip("x")) > 0 for r in rows)
     with pytest.raises(SystemExit):
         bg.main(["--tokens", "0"])

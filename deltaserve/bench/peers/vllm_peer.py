@@ -51,7 +51,8 @@ class VllmPeer:
             bufsize=1, start_new_session=True)
         self._last_log = ""
         self._startup_timeout, self._progress, self._t0 = startup_timeout, progress, time.time()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pumping = threading.Thread(target=self._pump, daemon=True)
+        self._pumping.start()
         self.info: dict = {}
         if start:
             self.wait_ready()
@@ -157,7 +158,10 @@ class VllmPeer:
             except Exception:  # noqa: BLE001, S110 - it is killed below
                 pass
             stop_group(p)
-        if not self._log.closed:
+        pumping = getattr(self, "_pumping", None)
+        if pumping is not None:  # its last lines go to the log before the log closes (EOF once the worker is gone)
+            pumping.join(timeout=10)
+        if not self._log.closed and not (pumping is not None and pumping.is_alive()):
             self._log.close()
 
 
