@@ -62,6 +62,19 @@ inline __m256 exp_ps(__m256 x) {
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// 8 floats stored as fp32, or rounded to bf16 as st<c10::BFloat16> rounds (to nearest even, NaN -> 0x7FC0)
+inline void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void st8(c10::BFloat16* p, __m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                                    _mm256_extracti128_si256(r, 1)));
+}
+#endif
+
 // v[0, 16) = exp(v) in place
 inline void exp_block(float* v) {
 #if defined(__AVX512F__)
@@ -140,7 +153,17 @@ inline void silu_row(const float* a, T* o, int64_t n) {
     st16(o + i, _mm512_div_ps(v, one_plus_exp_neg(v)), m);
   });
 #else
-  exp_map(n, [&](int64_t i) { return -a[i]; }, [&](int64_t i, float e) { o[i] = st<T>(a[i] / (1.f + e)); });
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  // 8 lanes at a time: exp_map's very operations (its exp_block is this exp_ps on each half, the negation a sign
+  // flip, then one add and one divide) without its buffer and scalar divides, so the bits are the same
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(a + i);
+    st8(o + i, _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.f), exp_ps(_mm256_xor_ps(v, _mm256_set1_ps(-0.f))))));
+  }
+#endif
+  exp_map(n - i, [&](int64_t j) { return -a[i + j]; },
+          [&](int64_t j, float e) { o[i + j] = st<T>(a[i + j] / (1.f + e)); });
 #endif
 }
 
