@@ -230,3 +230,18 @@ def test_bench_gdn_tiny(capsys):
     assert [int(r[0]) for r in rows] == [70, 1] and all(float(r[-1].strip().rstrip("x")) > 0 for r in rows)
     with pytest.raises(SystemExit):
         bg.main(["--tokens", "0"])
+
+
+def test_bench_prefill_tiny_op_by_op(capsys):
+    """`bench prefill`: one prefill step's kernels, each op of the table named, their shares adding up to the step."""
+    pytest.importorskip("torch")
+    from deltaserve.bench import prefill as bp
+
+    assert bp.main(["--preset", "tiny", "--tokens", "70", "--repeats", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("one 70-token prefill of tiny (cpu kernels: ") and "tok/s" in lines[0]
+    rows = {r.split("|")[1].strip(): float(r.split("|")[3].strip().rstrip("%")) for r in lines[4:]}
+    assert {"gdn_prefill", "gdn_conv_prefill", "attn_prefill", "mlp", "gdn_in_proj"} <= set(rows)
+    assert sum(rows.values()) == pytest.approx(100.0, abs=0.5)
+    with pytest.raises(SystemExit):
+        bp.main(["--tokens", "0"])

@@ -7,7 +7,8 @@
     fleet        agent sessions sharing a system prompt and tools, re-sending their answers: caching off / on.
     linear       a preset's bf16 projections through oneDNN and through the compiled linear_bf16, side by side.
     attention    one attention layer's prefill attention: the torch path (SDPA tiles) vs the compiled kernel.
-    gdn          one GDN layer's chunked gated delta rule: the torch path vs the compiled kernel.
+    gdn          one GDN layer's chunked gated delta rule and conv: the torch path vs the compiled kernels.
+    prefill      one prefill step of a preset's model, op by op (the profiler's timed op table).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ SUBCOMMANDS = {
     "linear": "deltaserve.bench.linear",
     "attention": "deltaserve.bench.attention",
     "gdn": "deltaserve.bench.gdn",
+    "prefill": "deltaserve.bench.prefill",
 }
 
 
@@ -32,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
               "  fleet       sessions sharing a system prompt + tools, re-sending their answers: caching off / on\n"
               "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side\n"
               "  attention   prefill attention: the torch path (SDPA tiles) vs the compiled kernel, side by side\n"
-              "  gdn         the chunked gated delta rule: the torch path vs the compiled kernel, side by side")
+              "  gdn         the chunked gated delta rule and conv: the torch path vs the compiled kernels\n"
+              "  prefill     one prefill step of a preset's model, op by op")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 
