@@ -26,6 +26,17 @@ def _conv_acc(xs: list[torch.Tensor], wt: torch.Tensor, bias: torch.Tensor | Non
     return silu(acc)
 
 
+def start_state(x: torch.Tensor, K: int, state: torch.Tensor | None) -> torch.Tensor:
+    """The conv state a prefill of x [L, C] starts from: state [K-1, C] in x's dtype, or zeros."""
+    return x.new_zeros(K - 1, x.shape[1]) if state is None else state.to(x.dtype)
+
+
+def last_inputs(state: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The state after a prefill of x [L, C] from state [K-1, C]: the last K-1 inputs of cat(state, x)."""
+    L, n = x.shape[0], state.shape[0]
+    return x[L - n:].clone() if L >= n else torch.cat([state[L:], x])
+
+
 def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,
                           bias: torch.Tensor | None = None, silu_into=None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence. x [L, C]; weight [C, K]; state [K-1, C] or None (zeros). silu_into(acc, out): the activation
@@ -36,7 +47,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Te
     """
     L, C = x.shape
     K = weight.shape[1]
-    state = x.new_zeros(K - 1, C) if state is None else state.to(x.dtype)
+    state = start_state(x, K, state)
     # _conv_acc's arithmetic (fp32 products added tap by tap, then silu = acc / (1 + exp(-acc))), slice by slice
     # in cache-sized fp32 buffers reused across slices, written straight into the output
     wt = weight.float().t().contiguous()  # [K, C]: each tap a contiguous row
@@ -65,8 +76,7 @@ def causal_conv1d_prefill(x: torch.Tensor, weight: torch.Tensor, state: torch.Te
         else:
             torch.neg(acc, out=tmp).exp_().add_(1.0)
             torch.div(acc, tmp, out=out[s:e])
-    new_state = x[L - K + 1:].clone() if L >= K - 1 else torch.cat([state[L:], x])  # [K-1, C]: last inputs
-    return out, new_state
+    return out, last_inputs(state, x)
 
 
 def causal_conv1d_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,

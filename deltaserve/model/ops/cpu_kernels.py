@@ -280,14 +280,10 @@ class DecodeKernels:
         compiled (csrc/conv_prefill.cpp, every build) for fp32 / bf16 x with a unit last stride and no bias, in
         one pass per row; else the torch form with the compiled silu. The bits are the same either way, and a
         token's are the decode step's (conv_step)."""
-        L, C = x.shape
-        K = weight.shape[1]
-        if bias is not None or not self._rows(x) or L == 0:
+        if bias is not None or not self._rows(x) or x.shape[0] == 0:
             return conv.causal_conv1d_prefill(x, weight, state, bias, silu_into=self.silu_into)
-        state = x.new_zeros(K - 1, C) if state is None else state.to(x.dtype).contiguous()
-        out = self.ext.conv1d_prefill(x, tap_major(weight), state)
-        new_state = x[L - K + 1:].clone() if L >= K - 1 else torch.cat([state[L:], x])  # [K-1, C]: last inputs
-        return out, new_state
+        state = conv.start_state(x, weight.shape[1], state).contiguous()
+        return self.ext.conv1d_prefill(x, tap_major(weight), state), conv.last_inputs(state, x)
 
     def silu_into(self, acc: torch.Tensor, out: torch.Tensor) -> None:
         """out = silu(acc) = acc / (1 + exp(-acc)) in out's dtype, for the conv's fp32 sums acc [T, C] (views with

@@ -13,9 +13,7 @@
 
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <cstdint>
-#include <vector>
 
 namespace {
 

@@ -28,7 +28,7 @@ class LineBuffer {
   LineBuffer& operator=(const LineBuffer&) = delete;
   float* data() { return p_; }
   float& operator[](size_t i) { return p_[i]; }
-  // room for at least n floats (the contents are zeroed only where the buffer grew: a fresh buffer's all)
+  // room for at least n floats: the contents are kept when n fits, else the buffer is replaced by a zeroed one
   void ensure(size_t n) {
     if (n <= n_ && p_ != nullptr) return;
     std::free(p_);
