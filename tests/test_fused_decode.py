@@ -30,7 +30,7 @@ def model(request, kern_any):  # noqa: F811
     return m
 
 
-def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None):
+def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None, rows: tuple[int, ...] = (3,) * 5):
     from deltaserve.model.testing import Sequence, make_caches, step
 
     calls = []
@@ -47,17 +47,17 @@ def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None):
     ids = list(range(100, 170))
     out = step(model, caches, [(s, ids[:n], False) for s, n in zip(seqs, (70, 37, 66))])  # 66: a page edge next
     toks = [int(o[-1].argmax()) for o in out]
-    rows = []
     late = Sequence(slot=1, pages=[3, 6])
-    for t in range(5):
-        work = [(s, [tok], True) for s, tok in zip(seqs, toks)]
+    logits = []
+    for t, n in enumerate(rows):  # the first n sequences decode (the others wait, their caches as they were)
+        work = [(s, [tok], True) for s, tok in zip(seqs[:n], toks)]
         if t == with_prefill_at:
             work.append((late, ids[:20], False))
         out = step(model, caches, work)
-        rows.append(torch.stack([o[-1] for o in out[:3]]))
-        toks = [int(o[-1].argmax()) for o in out[:3]]
+        logits.append(torch.cat([o[-1:] for o in out[:n]]))
+        toks[:n] = [int(o[-1].argmax()) for o in out[:n]]
     monkeypatch.setattr(program, "decode_step", real)
-    return torch.stack(rows), caches, calls
+    return torch.cat(logits), caches, calls
 
 
 def test_fused_decode_has_the_op_table_bits(model, monkeypatch):
@@ -65,6 +65,19 @@ def test_fused_decode_has_the_op_table_bits(model, monkeypatch):
     fused, fc, calls = _run(m, True, monkeypatch)
     plain, pc, _ = _run(m, False, monkeypatch)
     assert calls == [False] + [True] * 5  # the prefill step took the op-table path, every decode step the program
+    assert torch.equal(fused, plain)
+    for a, b in zip(fc.kv + fc.conv + fc.ssm, pc.kv + pc.conv + pc.ssm):
+        assert torch.equal(a, b)
+
+
+def test_the_program_keeps_the_bits_as_the_row_count_changes(model, monkeypatch):
+    """The program's buffers are made for the most rows seen and their views once per row count: steps of 1, 3, 2,
+    3 and 1 rows (buffers made for 1, then again for 3; views kept for 3 and made for 2) give the op-table bits."""
+    rows = (1, 3, 2, 3, 1, 2)
+    model.__dict__.pop("_decode_program", None)  # a new program: its first buffers are made for one row
+    fused, fc, calls = _run(model, True, monkeypatch, rows=rows)
+    plain, pc, _ = _run(model, False, monkeypatch, rows=rows)
+    assert calls == [False] + [True] * len(rows)
     assert torch.equal(fused, plain)
     for a, b in zip(fc.kv + fc.conv + fc.ssm, pc.kv + pc.conv + pc.ssm):
         assert torch.equal(a, b)

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -232,84 +233,116 @@ void attend_generic(const float* q, const T* const* krows, const T* const* vrows
 }
 
 #if defined(__AVX512F__)
+// P V for output columns [d, d + 16 NB) of G heads: G x NB accumulators in registers, positions in order (each
+// column's sum the same for any NB)
+template <typename T, int G, int NB>
+inline void pv_avx512(const float* scores, const T* const* vrows, int64_t L, int64_t d, int64_t D, T* out) {
+  __m512 a[G][NB];
+  for (int g = 0; g < G; ++g)
+    for (int j = 0; j < NB; ++j) a[g][j] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    __m512 v[NB];
+    for (int j = 0; j < NB; ++j) v[j] = load16(vrows[t] + d + 16 * j);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(scores[g * L + t]);
+      for (int j = 0; j < NB; ++j) a[g][j] = _mm512_fmadd_ps(p, v[j], a[g][j]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(64) float buf[16 * NB];
+    for (int j = 0; j < NB; ++j) _mm512_store_ps(buf + 16 * j, a[g][j]);
+    for (int i = 0; i < 16 * NB; ++i) out[g * D + d + i] = from_f<T>(buf[i]);
+  }
+}
+
 // AVX-512 path for G query heads per kv head (compile-time), D a multiple of 32. Same roundings and the same
 // per-position order as attend_generic; only the order of the fp32 sums inside one dot product differs.
+// A dot product is a chain of D / 16 dependent fmas and P V a chain of L per column: NT positions' dot products
+// and NB column blocks run side by side so that the chains' latencies overlap (each sum keeps its order).
 template <typename T, int G>
 void attend_avx512(const float* q, const T* const* krows, const T* const* vrows, int64_t L, int64_t D, float sc,
                    float* scores, T* out) {
-  for (int64_t t = 0; t < L; ++t) {
-    const T* k = krows[t];
-    __m512 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  constexpr int NT = G <= 2 ? 4 : G == 4 ? 2 : 1;   // positions per pass: NT x G accumulators
+  constexpr int NB = G <= 2 ? 8 : G == 4 ? 4 : 2;   // 16-column blocks per P V pass: G x NB accumulators
+  auto dots = [&](int64_t t, auto nt) {  // scores of positions t .. t + nt - 1
+    constexpr int N = decltype(nt)::value;
+    __m512 acc[N][G];
+    for (int i = 0; i < N; ++i)
+      for (int g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512 k0 = load16(k + d), k1 = load16(k + d + 16);
-      for (int g = 0; g < G; ++g) {
-        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k0, acc[g]);
-        acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d + 16), k1, acc[g]);
+      for (int i = 0; i < N; ++i) {
+        const __m512 k0 = load16(krows[t + i] + d), k1 = load16(krows[t + i] + d + 16);
+        for (int g = 0; g < G; ++g) {
+          acc[i][g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d), k0, acc[i][g]);
+          acc[i][g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + d + 16), k1, acc[i][g]);
+        }
       }
     }
-    for (int g = 0; g < G; ++g) scores[g * L + t] = round_to<T>(round_to<T>(_mm512_reduce_add_ps(acc[g])) * sc);
-  }
+    for (int i = 0; i < N; ++i)
+      for (int g = 0; g < G; ++g)
+        scores[g * L + t + i] = round_to<T>(round_to<T>(_mm512_reduce_add_ps(acc[i][g])) * sc);
+  };
+  int64_t t = 0;
+  for (; t + NT <= L; t += NT) dots(t, std::integral_constant<int, NT>{});
+  for (; t < L; ++t) dots(t, std::integral_constant<int, 1>{});
   for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * L, L);
-  // P V: 32 output columns at a time, G x 2 accumulators in registers, positions in order
-  for (int64_t d = 0; d < D; d += 32) {
-    __m512 a0[G], a1[G];
-    for (int g = 0; g < G; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      const __m512 v0 = load16(vrows[t] + d), v1 = load16(vrows[t] + d + 16);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * L + t]);
-        a0[g] = _mm512_fmadd_ps(p, v0, a0[g]);
-        a1[g] = _mm512_fmadd_ps(p, v1, a1[g]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float buf[32];
-      _mm512_store_ps(buf, a0[g]);
-      _mm512_store_ps(buf + 16, a1[g]);
-      for (int i = 0; i < 32; ++i) out[g * D + d + i] = from_f<T>(buf[i]);
-    }
-  }
+  int64_t d = 0;
+  for (; d + 16 * NB <= D; d += 16 * NB) pv_avx512<T, G, NB>(scores, vrows, L, d, D, out);
+  for (; d < D; d += 32) pv_avx512<T, G, 2>(scores, vrows, L, d, D, out);
 }
 #elif defined(DS_AVX2)
-// AVX2 path for G query heads per kv head, D a multiple of 16: attend_avx512 on 8 lanes. P V keeps NV x 8
-// output columns per head in registers (NV = 2 up to 4 heads, 1 for 8: 16 ymm registers)
+// P V for output columns [d, d + 8 NV) of G heads, as pv_avx512 on 8 lanes
+template <typename T, int G, int NV>
+inline void pv_avx2(const float* scores, const T* const* vrows, int64_t L, int64_t d, int64_t D, T* out) {
+  __m256 a[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int v = 0; v < NV; ++v) a[g][v] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    __m256 vv[NV];
+    for (int v = 0; v < NV; ++v) vv[v] = load8(vrows[t] + d + 8 * v);
+    for (int g = 0; g < G; ++g) {
+      const __m256 p = _mm256_set1_ps(scores[g * L + t]);
+      for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(p, vv[v], a[g][v]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    alignas(32) float buf[8 * NV];
+    for (int v = 0; v < NV; ++v) _mm256_store_ps(buf + 8 * v, a[g][v]);
+    for (int i = 0; i < 8 * NV; ++i) out[g * D + d + i] = from_f<T>(buf[i]);
+  }
+}
+
+// AVX2 path for G query heads per kv head, D a multiple of 16: attend_avx512 on 8 lanes (16 ymm registers:
+// fewer positions and columns side by side)
 template <typename T, int G>
 void attend_avx2(const float* q, const T* const* krows, const T* const* vrows, int64_t L, int64_t D, float sc,
                  float* scores, T* out) {
-  for (int64_t t = 0; t < L; ++t) {
-    const T* k = krows[t];
-    __m256 acc[G];
-    for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_ps();
+  constexpr int NT = G <= 2 ? 4 / G : 1;         // positions per pass: NT x G accumulators
+  constexpr int NV = G <= 2 ? 4 : G == 4 ? 2 : 1;  // 8-column blocks per P V pass
+  auto dots = [&](int64_t t, auto nt) {
+    constexpr int N = decltype(nt)::value;
+    __m256 acc[N][G];
+    for (int i = 0; i < N; ++i)
+      for (int g = 0; g < G; ++g) acc[i][g] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
-      const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
-      for (int g = 0; g < G; ++g) {
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k0, acc[g]);
-        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d + 8), k1, acc[g]);
+      for (int i = 0; i < N; ++i) {
+        const __m256 k0 = load8(krows[t + i] + d), k1 = load8(krows[t + i] + d + 8);
+        for (int g = 0; g < G; ++g) {
+          acc[i][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), k0, acc[i][g]);
+          acc[i][g] = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d + 8), k1, acc[i][g]);
+        }
       }
     }
-    for (int g = 0; g < G; ++g) scores[g * L + t] = round_to<T>(round_to<T>(hsum8(acc[g])) * sc);
-  }
+    for (int i = 0; i < N; ++i)
+      for (int g = 0; g < G; ++g) scores[g * L + t + i] = round_to<T>(round_to<T>(hsum8(acc[i][g])) * sc);
+  };
+  int64_t t = 0;
+  for (; t + NT <= L; t += NT) dots(t, std::integral_constant<int, NT>{});
+  for (; t < L; ++t) dots(t, std::integral_constant<int, 1>{});
   for (int g = 0; g < G; ++g) softmax_row<T>(scores + g * L, L);
-  constexpr int NV = G <= 4 ? 2 : 1;
-  for (int64_t d = 0; d < D; d += 8 * NV) {
-    __m256 a[G][NV];
-    for (int g = 0; g < G; ++g)
-      for (int v = 0; v < NV; ++v) a[g][v] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < L; ++t) {
-      __m256 vv[NV];
-      for (int v = 0; v < NV; ++v) vv[v] = load8(vrows[t] + d + 8 * v);
-      for (int g = 0; g < G; ++g) {
-        const __m256 p = _mm256_set1_ps(scores[g * L + t]);
-        for (int v = 0; v < NV; ++v) a[g][v] = _mm256_fmadd_ps(p, vv[v], a[g][v]);
-      }
-    }
-    for (int g = 0; g < G; ++g) {
-      alignas(32) float buf[8 * NV];
-      for (int v = 0; v < NV; ++v) _mm256_store_ps(buf + 8 * v, a[g][v]);
-      for (int i = 0; i < 8 * NV; ++i) out[g * D + d + i] = from_f<T>(buf[i]);
-    }
-  }
+  int64_t d = 0;
+  for (; d + 8 * NV <= D; d += 8 * NV) pv_avx2<T, G, NV>(scores, vrows, L, d, D, out);
+  for (; d < D; d += 8) pv_avx2<T, G, 1>(scores, vrows, L, d, D, out);
 }
 #endif
 
@@ -381,9 +414,11 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   });
 }
 
-at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_table,
-                                     at::Tensor lengths, double scale) {
+void attention_into(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
+                    const at::Tensor& lengths, double scale, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be a contiguous [B, Hq, D] in q's dtype");
   TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(1) == 2, "kv must be a contiguous [P, 2, bs, Hkv, D]");
   TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv dtypes differ");
   TORCH_CHECK(kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "head shapes do not match");
@@ -401,7 +436,6 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_t
         TORCH_CHECK(pt[b * maxp + i] >= 0 && pt[b * maxp + i] < P, "page id out of range");
     }
   }
-  auto out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat) {
     attention_impl<float>(q, kv, page_table, lengths, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
@@ -409,6 +443,12 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_t
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
   }
+}
+
+at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_table,
+                                     at::Tensor lengths, double scale) {
+  auto out = at::empty_like(q);
+  attention_into(q, kv, page_table, lengths, scale, out);
   return out;
 }
 
@@ -499,8 +539,8 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   });
 }
 
-at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
-                              at::Tensor state, at::Tensor slots) {
+void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "q, k [B, Hk, dk] and v [B, H, dv] expected");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: last dim must be contiguous");
@@ -519,7 +559,8 @@ at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sl[b] >= 0 && sl[b] < state.size(0), "slot out of range");
   }
-  auto out = at::empty({B, H, dv}, q.options());
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == H && out.size(2) == dv && out.is_contiguous() &&
+              out.scalar_type() == q.scalar_type(), "out must be a contiguous [B, H, dv] in q's dtype");
   if (q.scalar_type() == at::kFloat) {
     gdn_impl<float>(q, k, v, g, beta, state, slots, out);
   } else if (q.scalar_type() == at::kBFloat16) {
@@ -527,6 +568,13 @@ at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
   } else {
     TORCH_CHECK(false, "gdn_decode_step: float32 or bfloat16 only");
   }
+}
+
+at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
+                              at::Tensor state, at::Tensor slots) {
+  TORCH_CHECK(v.dim() == 3, "q, k [B, Hk, dk] and v [B, H, dv] expected");
+  auto out = at::empty(v.sizes(), q.options());
+  gdn_step_into(q, k, v, g, beta, state, slots, out);
   return out;
 }
 
@@ -562,7 +610,9 @@ void conv_impl(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt
   });
 }
 
-at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state, at::Tensor slots) {
+// acc [B, C] fp32 scratch; out [B, C] in x's dtype, both contiguous
+void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
+                    const at::Tensor& slots, at::Tensor& acc, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, C] with a contiguous inner dim");
   TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.scalar_type() == at::kFloat && wt.size(1) == x.size(1) &&
               wt.size(0) >= 2, "wt must be fp32 contiguous [K >= 2, C]");
@@ -577,7 +627,8 @@ at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor 
     for (int64_t b = 0; b < rows.size(0); ++b)
       TORCH_CHECK(rp[b] >= 0 && rp[b] < x.size(0) && sl[b] >= 0 && sl[b] < state.size(0), "row or slot out of range");
   }
-  auto acc = at::empty({rows.size(0), x.size(1)}, x.options().dtype(at::kFloat));
+  TORCH_CHECK(acc.dim() == 2 && acc.size(0) == rows.size(0) && acc.size(1) == x.size(1) && acc.is_contiguous() &&
+              acc.scalar_type() == at::kFloat, "acc must be a contiguous fp32 [B, C]");
   if (x.scalar_type() == at::kFloat) {
     conv_impl<float>(x, rows, wt, state, slots, acc);
   } else if (x.scalar_type() == at::kBFloat16) {
@@ -585,8 +636,14 @@ at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor 
   } else {
     TORCH_CHECK(false, "conv1d_step: float32 or bfloat16 only");
   }
-  auto out = at::empty({rows.size(0), x.size(1)}, x.options());
   silu_into(acc, out);
+}
+
+at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state, at::Tensor slots) {
+  TORCH_CHECK(x.dim() == 2 && rows.dim() == 1, "x must be [T, C] with a contiguous inner dim");
+  auto acc = at::empty({rows.size(0), x.size(1)}, x.options().dtype(at::kFloat));
+  auto out = at::empty({rows.size(0), x.size(1)}, x.options());
+  conv_step_into(x, rows, wt, state, slots, acc, out);
   return out;
 }
 
@@ -594,17 +651,17 @@ at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor 
 
 // the decode kernels by name (kernels.h) for decode_layers.cpp, which calls them directly
 namespace ds {
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-                           const at::Tensor& lengths, double scale) {
-  return paged_decode_attention(q, kv, page_table, lengths, scale);
+void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
+                          const at::Tensor& lengths, double scale, at::Tensor& out) {
+  attention_into(q, kv, page_table, lengths, scale, out);
 }
-at::Tensor gdn_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                    const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots) {
-  return gdn_decode_step(q, k, v, g, beta, state, slots);
+void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
+  ::gdn_step_into(q, k, v, g, beta, state, slots, out);
 }
-at::Tensor conv_step(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
-                     const at::Tensor& slots) {
-  return conv1d_step(x, rows, wt, state, slots);
+void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
+                    const at::Tensor& slots, at::Tensor& acc, at::Tensor& out) {
+  ::conv_step_into(x, rows, wt, state, slots, acc, out);
 }
 }  // namespace ds
 

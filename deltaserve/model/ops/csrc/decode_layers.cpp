@@ -8,62 +8,89 @@
 // Projections are lists of parts (DecodeModel::Part): packed bf16 weights (pack_bf16_weight), multiplied by
 // linear_bf16 or, where amx is set (the amx instruction set), linear_bf16_amx, as ops/linear.py does; packed fp8
 // weights, multiplied by linear_fp8 of the fp8 extension (ops/fp8.py); several parts are concatenated as
-// SplitWeight.linear does. x [B, H] is the residual stream.
+// SplitWeight.linear does: each bf16 part writes its columns of the projection's buffer in place.
+//
+// No tensor is made during a step but the result (and an fp8 or amx part's product, copied into its columns):
+// every intermediate lives in DecodeModel::Work's buffers, made once (and again for more rows than they hold),
+// with their views for each row count made on first use. The
+// residual stream x is updated in place, and each layer's closing residual add is fused with the next layer's
+// input norm (the final norm after the last layer): add_rms_norm's sum is `x + h` rounded as torch rounds it and
+// its norm is rms_norm's, so the bits are those of the add followed by the norm.
 
 #include "aten_lite.h"
 #include "kernels.h"
 
-#include <ATen/ops/add.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/cat.h>
 
 #include <cstring>
+#include <map>
 #include <vector>
 
 namespace {
 
-using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t);
 using Proj = DecodeModel::Proj;
 
-// y [B, N] = x @ the projection's weight^T: ops/linear.py linear() on a PackedWeight, an Fp8Weight or a SplitWeight
+int64_t width(const Proj& p) {
+  int64_t n = 0;
+  for (const auto& part : p) n += part.n;
+  return n;
+}
+
+// src [B, n] -> dst [B, n] (row strides any, last dims contiguous), bf16: a projection part made elsewhere
+void copy_rows(const at::Tensor& src, at::Tensor& dst) {
+  TORCH_CHECK(src.sizes() == dst.sizes() && src.stride(1) == 1 && dst.stride(1) == 1, "copy_rows: shapes differ");
+  const auto* sp = src.data_ptr<at::BFloat16>();
+  auto* dp = dst.data_ptr<at::BFloat16>();
+  for (int64_t r = 0; r < src.size(0); ++r)
+    std::memcpy(dp + r * dst.stride(0), sp + r * src.stride(0), src.size(1) * sizeof(at::BFloat16));
+}
+
+// y's columns = x @ the projection's weight^T: ops/linear.py linear() on a PackedWeight, an Fp8Weight or a
+// SplitWeight (its parts side by side, as torch.cat puts them); outs: one view per part (parts_of)
 struct Mul {
-  Linear bf16;
+  bool amx;
   Fp8Linear fp8;
-  at::Tensor part(const DecodeModel::Part& p, const at::Tensor& x) const {
-    return p.scales.defined() ? fp8(x, p.packed, p.scales, p.n, p.path) : bf16(x, p.packed, p.n);
-  }
-  at::Tensor operator()(const Proj& proj, const at::Tensor& x) const {
-    if (proj.size() == 1) return part(proj[0], x);
-    std::vector<at::Tensor> ys;
-    for (const auto& p : proj) ys.push_back(part(p, x));
-    return at::cat(ys, 1);
+  void operator()(const Proj& proj, const at::Tensor& x, std::vector<at::Tensor>& outs) const {
+    for (size_t i = 0; i < proj.size(); ++i) {
+      const DecodeModel::Part& p = proj[i];
+      if (p.scales.defined())
+        copy_rows(fp8(x, p.packed, p.scales, p.n, p.path), outs[i]);
+      else if (amx)
+        copy_rows(linear_bf16_amx(x, p.packed, p.n), outs[i]);
+      else
+        linear_bf16_into(x, p.packed, p.n, outs[i]);
+    }
   }
 };
 
-// DecoderLayer.forward's tail: (x, h) = add_rms_norm(x, mixed, ln2); x + down(silu(gate(h)) * up(h))
-at::Tensor residual_mlp(const Mul& mul, const at::Tensor& x, const at::Tensor& mixed, const at::Tensor& ln2,
-                        double eps, const Proj& gate_up, const Proj& down) {
-  auto sy = add_rms_norm_fused(x, mixed, ln2, eps);
-  auto m = mul(down, silu_mul(mul(gate_up, sy[1])));
-  return at::add(sy[0], m);
+// each part's columns of y [B, width(proj)]
+std::vector<at::Tensor> parts_of(const at::Tensor& y, const Proj& proj) {
+  if (proj.size() == 1) return {y};
+  std::vector<at::Tensor> out;
+  int64_t at = 0;
+  for (const auto& p : proj) {
+    out.push_back(y.narrow(1, at, p.n));
+    at += p.n;
+  }
+  return out;
 }
 
-// GDNMixer.forward's decode path and the layer around it. rows: 0 .. B-1 (the conv step's rows of proj)
-at::Tensor gdn_layer(const Mul& mul, const at::Tensor& x, const std::vector<at::Tensor>& w, const std::vector<Proj>& pr,
-                     const std::vector<int64_t>& dims, double eps, const at::Tensor& conv_cache,
-                     const at::Tensor& ssm_cache, const at::Tensor& rows, const at::Tensor& slots) {
-  const int64_t c = dims[0], vd = dims[1], hv = dims[2], hk = dims[3], dk = dims[4], dv = dims[5];
-  const int64_t B = x.size(0), kd = hk * dk;
-  auto h = rms_norm_fused(x, w[0], eps);
-  auto proj = mul(pr[0], h);  // [B, conv_dim + value_dim + 2 Hv]
-  auto gb = gdn_gates(proj.narrow(1, c + vd, hv), proj.narrow(1, c + vd + hv, hv), w[3], w[4]);
-  auto xc = ds::conv_step(proj.narrow(1, 0, c), rows, w[2], conv_cache, slots);  // [B, conv_dim]
-  auto q = xc.narrow(1, 0, kd).view({B, hk, dk});
-  auto k = xc.narrow(1, kd, kd).view({B, hk, dk});
-  auto v = xc.narrow(1, 2 * kd, c - 2 * kd).view({B, hv, dv});
-  auto o = ds::gdn_step(q, k, v, gb[0], gb[1], ssm_cache, slots);  // [B, Hv, dv]
-  auto core = gated_rms_norm(o.view({B, hv, dv}), proj.narrow(1, c, vd), w[5], eps);
-  return residual_mlp(mul, x, mul(pr[1], core), w[1], eps, pr[2], pr[3]);
+// the first n elements of a flat buffer as a contiguous tensor of `shape`
+at::Tensor take(const at::Tensor& flat, at::IntArrayRef shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return flat.narrow(0, 0, n).view(shape);
+}
+
+// src [B, H, D] (last dim contiguous, any outer strides) -> dst, contiguous: the attention gate, which lies
+// interleaved with q in the projection
+void copy_heads(const at::Tensor& src, at::Tensor& dst) {
+  const int64_t B = src.size(0), H = src.size(1), D = src.size(2);
+  const auto* sp = src.data_ptr<at::BFloat16>();
+  auto* dp = dst.data_ptr<at::BFloat16>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(dp + (b * H + h) * D, sp + b * src.stride(0) + h * src.stride(1), D * sizeof(at::BFloat16));
 }
 
 // kv[page, 0 | 1, row] = k[i] | v[i] for decode row i at position p = lengths[i] - 1: page = table[i, p / bs],
@@ -90,32 +117,119 @@ void kv_write(const at::Tensor& kv, const at::Tensor& k, const at::Tensor& v, co
   }
 }
 
-// AttentionMixer.forward's decode path and the layer around it
-at::Tensor attention_layer(const Mul& mul, const at::Tensor& x, const std::vector<at::Tensor>& w,
-                           const std::vector<Proj>& pr, const std::vector<int64_t>& dims, double eps, double scale,
-                           const at::Tensor& kv_cache, const at::Tensor& cos, const at::Tensor& sin,
-                           const at::Tensor& table, const at::Tensor& lengths) {
-  const int64_t hq = dims[0], hkv = dims[1], d = dims[2], B = x.size(0);
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous() && kv_cache.scalar_type() == x.scalar_type() &&
-                  kv_cache.size(3) == hkv && kv_cache.size(4) == d, "kv_cache must be [P, 2, bs, Hkv, D] in x's dtype");
-  auto h = rms_norm_fused(x, w[0], eps);
-  auto proj = mul(pr[0], h);  // [B, (2 Hq + 2 Hkv) D]
-  auto qg = proj.narrow(1, 0, 2 * hq * d).view({B, hq, 2 * d});
-  auto gate = qg.narrow(2, d, d).reshape({B, hq * d});
-  auto q = qk_norm_rope(qg.narrow(2, 0, d), w[2], eps, cos, sin);
-  auto k = qk_norm_rope(proj.narrow(1, 2 * hq * d, hkv * d).view({B, hkv, d}), w[3], eps, cos, sin);
-  kv_write(kv_cache, k, proj.narrow(1, (2 * hq + hkv) * d, hkv * d).view({B, hkv, d}), table, lengths);
-  auto o = ds::paged_attention(q, kv_cache, table, lengths, scale);  // [B, Hq, D]
-  auto out = gate_output(o.view({B, hq * d}), gate);
-  return residual_mlp(mul, x, mul(pr[1], out), w[1], eps, pr[2], pr[3]);
-}
-
 void check_index(const at::Tensor& t, int64_t dim, int64_t rows, const char* what) {
   TORCH_CHECK(t.dim() == dim && t.scalar_type() == at::kLong && t.is_contiguous() && t.size(0) == rows, what,
               " must be contiguous int64 with ", rows, " rows");
 }
 
+// one layer's tensors for a step of B rows: views of Work's buffers (and of the projection they come out of)
+struct LayerViews {
+  at::Tensor proj, mixed, gu, act, m;  // projections' outputs and the MLP's activation
+  std::vector<at::Tensor> proj_parts, mixed_parts, gu_parts, m_parts;
+  at::Tensor b, a, g, beta, conv_in, acc, xc, q, k, v, o, z, core;  // a GDN layer's
+  at::Tensor q_in, k_in, v_in, gate_in, qn, kn, gate, o2;             // an attention layer's (o, core shared)
+};
+
 }  // namespace
+
+struct DecodeModel::Work {
+  struct Views {
+    at::Tensor x, h, x3, h3, y, rows;
+    std::vector<LayerViews> layers;
+  };
+  int64_t cap = 0;  // rows the buffers hold
+  // flat buffers, each cap x (the widest row any layer needs)
+  at::Tensor x, h, y, proj, g, beta, acc, xc, o, gate, qn, kn, core, mixed, gu, act, m, rows;
+  std::map<int64_t, Views> views;  // by row count
+};
+
+DecodeModel::Work& DecodeModel::work(int64_t B) const {
+  if (work_ == nullptr || work_->cap < B) {  // new buffers for B rows; every view made again
+    auto w = std::make_shared<Work>();
+    w->cap = B;
+    const int64_t H = embed_.size(1);
+    int64_t proj = 0, hv = 0, c = 0, o = 0, gate = 0, kn = 0, core = 0, gu = 0;
+    for (const Layer& l : layers_) {
+      proj = std::max(proj, width(l.proj[0]));
+      gu = std::max(gu, width(l.proj[2]));
+      if (l.gdn) {
+        hv = std::max(hv, l.dims[2]);
+        c = std::max(c, l.dims[0]);
+        o = std::max(o, l.dims[2] * l.dims[5]);
+        core = std::max(core, l.dims[1]);
+      } else {
+        const int64_t qd = l.dims[0] * l.dims[2];
+        o = std::max(o, qd);
+        gate = std::max(gate, qd);
+        core = std::max(core, qd);
+        kn = std::max(kn, l.dims[1] * l.dims[2]);
+      }
+    }
+    const auto bf = embed_.options(), f32 = bf.dtype(at::kFloat);
+    auto buf = [&](int64_t row, const at::TensorOptions& opt) { return at::empty({B * std::max<int64_t>(row, 1)}, opt); };
+    w->x = buf(H, bf), w->h = buf(H, bf), w->y = buf(H, bf), w->mixed = buf(H, bf), w->m = buf(H, bf);
+    w->proj = buf(proj, bf), w->g = buf(hv, f32), w->beta = buf(hv, bf), w->acc = buf(c, f32), w->xc = buf(c, bf);
+    w->o = buf(o, bf), w->gate = buf(gate, bf), w->qn = buf(gate, bf), w->kn = buf(kn, bf), w->core = buf(core, bf);
+    w->gu = buf(gu, bf), w->act = buf(gu / 2, bf);
+    w->rows = at::arange(B, bf.dtype(at::kLong));
+    work_ = std::move(w);
+  }
+  Work& w = *work_;
+  auto found = w.views.find(B);
+  if (found != w.views.end()) return w;
+  const int64_t H = embed_.size(1);
+  Work::Views v;
+  v.x = take(w.x, {B, H}), v.h = take(w.h, {B, H}), v.y = take(w.y, {B, H});
+  v.x3 = v.x.view({B, 1, H}), v.h3 = v.h.view({B, 1, H});
+  v.rows = w.rows.narrow(0, 0, B);
+  for (const Layer& l : layers_) {
+    LayerViews lv;
+    const int64_t pw = width(l.proj[0]);
+    lv.proj = take(w.proj, {B, pw});
+    lv.mixed = take(w.mixed, {B, H});
+    lv.gu = take(w.gu, {B, width(l.proj[2])});
+    lv.act = take(w.act, {B, width(l.proj[2]) / 2});
+    lv.m = take(w.m, {B, H});
+    TORCH_CHECK(width(l.proj[1]) == H && width(l.proj[3]) == H && width(l.proj[2]) % 2 == 0,
+                "DecodeModel: the output and down projections must give ", H, " columns, gate_up an even number");
+    lv.proj_parts = parts_of(lv.proj, l.proj[0]);
+    lv.mixed_parts = parts_of(lv.mixed, l.proj[1]);
+    lv.gu_parts = parts_of(lv.gu, l.proj[2]);
+    lv.m_parts = parts_of(lv.m, l.proj[3]);
+    if (l.gdn) {
+      const int64_t c = l.dims[0], vd = l.dims[1], hv = l.dims[2], hk = l.dims[3], dk = l.dims[4], dv = l.dims[5];
+      const int64_t kd = hk * dk;
+      TORCH_CHECK(pw == c + vd + 2 * hv && c == 2 * kd + hv * dv,
+                  "DecodeModel.add_gdn: the in_proj gives ", pw, " columns, the dims ask ", c + vd + 2 * hv);
+      lv.b = lv.proj.narrow(1, c + vd, hv), lv.a = lv.proj.narrow(1, c + vd + hv, hv);
+      lv.g = take(w.g, {B, hv}), lv.beta = take(w.beta, {B, hv});
+      lv.conv_in = lv.proj.narrow(1, 0, c);
+      lv.acc = take(w.acc, {B, c}), lv.xc = take(w.xc, {B, c});
+      lv.q = lv.xc.narrow(1, 0, kd).view({B, hk, dk});
+      lv.k = lv.xc.narrow(1, kd, kd).view({B, hk, dk});
+      lv.v = lv.xc.narrow(1, 2 * kd, hv * dv).view({B, hv, dv});
+      lv.o = take(w.o, {B, hv, dv});
+      lv.z = lv.proj.narrow(1, c, vd);
+      lv.core = take(w.core, {B, vd});
+    } else {
+      const int64_t hq = l.dims[0], hkv = l.dims[1], d = l.dims[2];
+      TORCH_CHECK(pw == (2 * hq + 2 * hkv) * d, "DecodeModel.add_attention: the qkv projection gives ", pw,
+                  " columns, the dims ask ", (2 * hq + 2 * hkv) * d);
+      auto qg = lv.proj.narrow(1, 0, 2 * hq * d).view({B, hq, 2 * d});  // per head: its q, then its gate
+      lv.q_in = qg.narrow(2, 0, d), lv.gate_in = qg.narrow(2, d, d);
+      lv.k_in = lv.proj.narrow(1, 2 * hq * d, hkv * d).view({B, hkv, d});
+      lv.v_in = lv.proj.narrow(1, (2 * hq + hkv) * d, hkv * d).view({B, hkv, d});
+      lv.qn = take(w.qn, {B, hq, d}), lv.kn = take(w.kn, {B, hkv, d});
+      lv.gate = take(w.gate, {B, hq * d});
+      lv.o = take(w.o, {B, hq, d});
+      lv.o2 = lv.o.view({B, hq * d});
+      lv.core = take(w.core, {B, hq * d});
+    }
+    v.layers.push_back(std::move(lv));
+  }
+  w.views.emplace(B, std::move(v));
+  return w;
+}
 
 DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8)
     : embed_(std::move(embed)), norm_(std::move(norm)), eps_(eps), amx_(amx), fp8_(fp8) {
@@ -134,6 +248,7 @@ void DecodeModel::add(Layer layer, size_t nw, size_t ndims, const char* what) {
   }
   (layer.gdn ? n_gdn_ : n_attn_) += 1;
   layers_.push_back(std::move(layer));
+  work_.reset();  // the buffers' widths follow the layers
 }
 
 void DecodeModel::add_gdn(std::vector<at::Tensor> w, std::vector<Proj> proj, std::vector<int64_t> dims, double eps) {
@@ -149,8 +264,9 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
                             const std::vector<at::Tensor>& ssm, const std::vector<at::Tensor>& kv,
                             const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& page_table, const at::Tensor& lengths) const {
-  const Mul mul{amx_ ? &linear_bf16_amx : &linear_bf16, fp8_};
+  const Mul mul{amx_, fp8_};
   const int64_t B = ids.numel();
+  TORCH_CHECK(!layers_.empty(), "DecodeModel.run: a program without layers");
   TORCH_CHECK(int64_t(conv.size()) == n_gdn_ && int64_t(ssm.size()) == n_gdn_ && int64_t(kv.size()) == n_attn_,
               "DecodeModel.run: ", n_gdn_, " conv and ssm caches and ", n_attn_, " KV pools");
   check_index(ids, 1, B, "ids");
@@ -160,25 +276,51 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
   for (const at::Tensor& t : conv) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "conv caches must be bf16");
   for (const at::Tensor& t : ssm) TORCH_CHECK(t.scalar_type() == at::kFloat, "GDN state caches must be fp32");
   for (const at::Tensor& t : kv) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "KV pools must be bf16");
-  const int64_t V = embed_.size(0);
+  const int64_t V = embed_.size(0), H = embed_.size(1);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < B; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " is outside the vocabulary");
-  const int64_t H = embed_.size(1);
-  auto x = at::empty({B, H}, embed_.options());  // F.embedding: a row copy, [B, H]
-  const auto* ep = embed_.data_ptr<at::BFloat16>();
-  auto* xp = x.data_ptr<at::BFloat16>();
+  auto out = at::empty({B, H}, embed_.options());  // the result: hidden [B, H] after the final norm
+  if (B == 0) return out;
+  auto& v = work(B).views.at(B);
+  const auto* ep = embed_.data_ptr<at::BFloat16>();  // F.embedding: a row copy
+  auto* xp = v.x.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < B; ++i) std::memcpy(xp + i * H, ep + ip[i] * H, H * sizeof(at::BFloat16));
-  const auto rows = at::arange(B, ids.options());
+  rms_norm_into(v.x3, layers_[0].w[0], layers_[0].eps, v.h3);
   int64_t gi = 0, ai = 0;
-  for (const Layer& l : layers_) {
-    if (l.gdn) {
-      x = gdn_layer(mul, x, l.w, l.proj, l.dims, l.eps, conv[gi], ssm[gi], rows, slots);
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& l = layers_[li];
+    LayerViews& lv = v.layers[li];
+    mul(l.proj[0], v.h, lv.proj_parts);
+    if (l.gdn) {  // GDNMixer.forward's decode path
+      at::Tensor state = ssm[gi], conv_state = conv[gi];  // updated in place
+      gdn_gates_into(lv.b, lv.a, l.w[3], l.w[4], lv.g, lv.beta);
+      ds::conv_step_into(lv.conv_in, v.rows, l.w[2], conv_state, slots, lv.acc, lv.xc);
+      ds::gdn_step_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, slots, lv.o);
+      gated_rms_norm_into(lv.o, lv.z, l.w[5], l.eps, lv.core);
       ++gi;
-    } else {
-      x = attention_layer(mul, x, l.w, l.proj, l.dims, l.eps, l.scale, kv[ai], cos, sin, page_table, lengths);
+    } else {  // AttentionMixer.forward's decode path
+      const at::Tensor& pool = kv[ai];
+      TORCH_CHECK(pool.dim() == 5 && pool.is_contiguous() && pool.size(3) == l.dims[1] && pool.size(4) == l.dims[2],
+                  "kv_cache must be [P, 2, bs, Hkv, D] in x's dtype");
+      qk_norm_rope_into(lv.q_in, l.w[2], l.eps, cos, sin, lv.qn);
+      qk_norm_rope_into(lv.k_in, l.w[3], l.eps, cos, sin, lv.kn);
+      kv_write(pool, lv.kn, lv.v_in, page_table, lengths);
+      ds::paged_attention_into(lv.qn, pool, page_table, lengths, l.scale, lv.o);
+      copy_heads(lv.gate_in, lv.gate);
+      gate_output_into(lv.o2, lv.gate, lv.core);
       ++ai;
     }
+    mul(l.proj[1], lv.core, lv.mixed_parts);
+    // DecoderLayer.forward's tail: (x, h) = add_rms_norm(x, mixed, ln2); x + down(silu(gate(h)) * up(h)), whose
+    // add runs with the next layer's input norm (the final norm after the last layer)
+    add_rms_norm_into(v.x, lv.mixed, l.w[1], l.eps, v.x, v.y);
+    mul(l.proj[2], v.y, lv.gu_parts);
+    silu_mul_into(lv.gu, lv.act);
+    mul(l.proj[3], lv.act, lv.m_parts);
+    const bool last = li + 1 == layers_.size();
+    add_rms_norm_into(v.x, lv.m, last ? norm_ : layers_[li + 1].w[0], last ? eps_ : layers_[li + 1].eps, v.x,
+                      last ? out : v.h);
   }
-  return rms_norm_fused(x, norm_, eps_);
+  return out;
 }

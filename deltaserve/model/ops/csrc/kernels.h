@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -49,25 +50,37 @@ bool bf16_linear_available();
 std::string kernel_isa();
 at::Tensor pack_bf16_weight(const at::Tensor& w);
 at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N);
+void linear_bf16_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Tensor& y);  // y: any row stride
 void check_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N);  // TORCH_CHECKs the shapes
 
 // linear_bf16_amx.cpp
 std::string amx_linear_status();
 at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N);
 
-// norm.cpp
+// norm.cpp, pointwise.cpp: each kernel also as an _into form that writes the caller's tensors (the decode program's
+// buffers) instead of allocating its result
 at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps);
+void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y);  // [R, H, D]
 std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
                                               double eps);
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w, double eps, at::Tensor& s,
+                       at::Tensor& y);  // s may be x
 at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps);
+void gated_rms_norm_into(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, at::Tensor& y);
 at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
                         const at::Tensor& sin);
+void qk_norm_rope_into(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& y);
 
 // pointwise.cpp
 std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias,
                                   const at::Tensor& neg_decay);
+void gdn_gates_into(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias, const at::Tensor& neg_decay,
+                    at::Tensor& g, at::Tensor& beta);
 at::Tensor silu_mul(const at::Tensor& gu);
+void silu_mul_into(const at::Tensor& gu, at::Tensor& y);
 at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate);
+void gate_output_into(const at::Tensor& o, const at::Tensor& gate, at::Tensor& y);
 void silu_into(const at::Tensor& acc, at::Tensor& out);
 
 // prefill_attention.cpp: one sequence's prefill chunk (ops/attention.py prefill_attention's contract), the
@@ -131,21 +144,27 @@ class DecodeModel {
     std::vector<int64_t> dims;
     double eps, scale;
   };
+  struct Work;  // a step's buffers and their per-layer views (decode_layers.cpp)
   void add(Layer layer, size_t nw, size_t ndims, const char* what);
+  Work& work(int64_t B) const;
   at::Tensor embed_, norm_;
   double eps_;
   bool amx_;
   Fp8Linear fp8_;
   std::vector<Layer> layers_;
   int64_t n_gdn_ = 0, n_attn_ = 0;
+  // Every intermediate of a step lives in buffers made once and kept (a tiny model's step spent ~40% of its time
+  // making and freeing ~200 small tensors), sized for the most rows seen, with views per row count made on
+  // first use. mutable: run() is const to its callers; one engine thread calls it at a time (the GIL is held).
+  mutable std::shared_ptr<Work> work_;
 };
 
-// decode_kernels.cpp: the decode kernels, by name
+// decode_kernels.cpp: the decode kernels by name, writing the caller's tensors
 namespace ds {
-at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-                           const at::Tensor& lengths, double scale);
-at::Tensor gdn_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                    const at::Tensor& beta, const at::Tensor& state, const at::Tensor& slots);
-at::Tensor conv_step(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, const at::Tensor& state,
-                     const at::Tensor& slots);
+void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
+                          const at::Tensor& lengths, double scale, at::Tensor& out);
+void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out);
+void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
+                    const at::Tensor& slots, at::Tensor& acc, at::Tensor& out);  // acc: fp32 scratch [B, C]
 }  // namespace ds

@@ -40,6 +40,7 @@ namespace {
 constexpr int kCols = 16;        // output columns per packed column block (one 64-byte vector per k pair)
 constexpr int64_t kPanel = 24;   // column blocks per panel: a panel's weights stay in L2 across the row tiles
 constexpr int64_t kAhead = 8;    // k pairs prefetched ahead, per column block
+constexpr int64_t kKeptWide = int64_t(1) << 16;  // floats of widened x kept between calls (256 KB)
 
 inline float bits_f(uint32_t u) {
   float f;
@@ -262,25 +263,34 @@ void check_packed_linear(const at::Tensor& x, const at::Tensor& packed, int64_t 
   TORCH_CHECK((N + 15) / 16 == nblk, "linear_bf16: ", N, " outputs do not fit ", nblk, " column blocks");
 }
 
-at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
-  // x [M, K] bf16 -> [M, N] bf16 with the packed weight of pack_bf16_weight
+void linear_bf16_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, at::Tensor& y) {
+  // y [M, N] = x [M, K] @ the packed weight^T, written into y: bf16 with a contiguous last dim and any row stride
+  // (the decode program writes a projection's parts into their columns of one buffer)
 #if defined(DS_LINEAR)
   check_packed_linear(x, packed, N);
   const int64_t M = x.size(0), K = x.size(1), kp_n = K / 2, nblk = packed.size(0);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.stride(1) == 1 &&
+                  y.scalar_type() == at::kBFloat16, "linear_bf16: out must be bf16 [", M, ", ", N,
+              "] with a contiguous last dim");
+  if (M == 0 || N == 0) return;
   auto xc = x.contiguous();
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
   const auto* xp = reinterpret_cast<const uint32_t*>(xc.data_ptr());
 #if defined(DS_WIDE_X)
-  auto wide = at::empty({M, K}, x.options().dtype(at::kFloat));  // [M, K / 2, 2] fp32 (widen_pairs)
-  widen_pairs(xp, M * kp_n, wide.data_ptr<float>());
-  xp = reinterpret_cast<const uint32_t*>(wide.data_ptr<float>());
+  // [M, K / 2, 2] fp32 (widen_pairs): a decode-sized one kept per thread (a decode step makes ~40 calls), a
+  // prefill-sized one (up to tens of MB) freed with the call
+  thread_local ds::LineBuffer kept;
+  ds::LineBuffer big;
+  ds::LineBuffer& wide = M * K <= kKeptWide ? kept : big;
+  wide.ensure(M * K);
+  widen_pairs(xp, M * kp_n, wide.data());
+  xp = reinterpret_cast<const uint32_t*>(wide.data());
   const int64_t xrow = 2 * kp_n;  // 32-bit words per row of x as the tiles read it
 #else
   const int64_t xrow = kp_n;
 #endif
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  const int64_t ys = y.stride(0);
   // threads split the column blocks, never k: a column's sum order is the same for any thread count; a call of
   // fewer than kSerialBelow multiply-adds stays on the calling thread (kernels.h)
   const int64_t grain = M * N * K < kSerialBelow ? nblk : 1;
@@ -291,15 +301,21 @@ at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N)
         const int mt = static_cast<int>(std::min<int64_t>(kRows, M - m0));
         for (int64_t b = b0; b < b1; b += kNB[mt]) {
           const int nb = static_cast<int>(std::min<int64_t>(kNB[mt], b1 - b));
-          kTiles[mt - 1][nb - 1](xp + m0 * xrow, kp_n, wp + b * kp_n * 2 * kCols, yp + m0 * N + b * kCols, N,
+          kTiles[mt - 1][nb - 1](xp + m0 * xrow, kp_n, wp + b * kp_n * 2 * kCols, yp + m0 * ys + b * kCols, ys,
                                  N - b * kCols);
         }
       }
     }
   });
-  return y;
 #else
   TORCH_CHECK(false, "linear_bf16: built without AVX2 + FMA or AVX-512");
-  return x;
 #endif
+}
+
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& packed, int64_t N) {
+  // x [M, K] bf16 -> [M, N] bf16 with the packed weight of pack_bf16_weight
+  TORCH_CHECK(x.dim() == 2, "linear_bf16: x must be [M, K] bf16");
+  auto y = at::empty({x.size(0), N}, x.options());
+  linear_bf16_into(x, packed, N, y);
+  return y;
 }

@@ -139,53 +139,83 @@ void check(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
+// The _into forms write into the caller's tensors (the decode program's buffers, kept across steps); the others
+// allocate their result and call them.
+
+void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y) {
+  // x [R, H, D] (last dim contiguous, any outer strides, read in place) -> y [R, H, D] contiguous
+  check(x, w);
+  TORCH_CHECK(x.dim() == 3 && y.sizes() == x.sizes() && y.is_contiguous() && y.scalar_type() == x.scalar_type(),
+              "rms_norm: x must be [R, H, D] and out a contiguous tensor of its shape and dtype");
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_impl<float>(x, w, static_cast<float>(eps), y);
+  else
+    rms_norm_impl<at::BFloat16>(x, w, static_cast<float>(eps), y);
+}
+
 at::Tensor rms_norm_fused(const at::Tensor& x, const at::Tensor& w, double eps) {
   // x [..., D] (last dim contiguous; 2-D and 3-D views with any outer strides read in place) -> contiguous
-  check(x, w);
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "rms_norm: x must be [R, D] or [R, H, D]");
   auto x3 = x.dim() == 3 ? x : x.unsqueeze(1);
   auto y = at::empty(x3.sizes(), x.options());
-  if (x.scalar_type() == at::kFloat)
-    rms_norm_impl<float>(x3, w, static_cast<float>(eps), y);
-  else
-    rms_norm_impl<at::BFloat16>(x3, w, static_cast<float>(eps), y);
+  rms_norm_into(x3, w, eps, y);
   return x.dim() == 3 ? y : y.squeeze(1);
+}
+
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w, double eps, at::Tensor& s,
+                       at::Tensor& y) {
+  // s = x + h (rounded to x's dtype), y = rms_norm(s): x, h, s, y [R, D] contiguous; s may be x itself (each
+  // element is read before its sum is written), y is none of the others
+  check(x, w);
+  TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type(),
+              "add_rms_norm: x and h must be [R, D] of one dtype");
+  const at::Tensor* all[] = {&x, &h, &s, &y};
+  for (const at::Tensor* t : all)
+    TORCH_CHECK(t->is_contiguous() && t->sizes() == x.sizes() && t->scalar_type() == x.scalar_type(),
+                "add_rms_norm: x, h and the outputs must be contiguous [R, D] of one dtype");
+  TORCH_CHECK(y.data_ptr() != s.data_ptr() && y.data_ptr() != x.data_ptr() && y.data_ptr() != h.data_ptr(),
+              "add_rms_norm: the normed output must not alias an input or the sum");
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_impl<float>(x, h, w, static_cast<float>(eps), s, y);
+  else
+    add_rms_norm_impl<at::BFloat16>(x, h, w, static_cast<float>(eps), s, y);
 }
 
 std::vector<at::Tensor> add_rms_norm_fused(const at::Tensor& x, const at::Tensor& h, const at::Tensor& w,
                                               double eps) {
-  // s = x + h (rounded to x's dtype), y = rms_norm(s): x, h [R, D]
-  check(x, w);
-  TORCH_CHECK(x.dim() == 2 && h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type(),
-              "add_rms_norm: x and h must be [R, D] of one dtype");
   auto xc = x.contiguous(), hc = h.contiguous();
   auto s = at::empty_like(xc), y = at::empty_like(xc);
-  if (x.scalar_type() == at::kFloat)
-    add_rms_norm_impl<float>(xc, hc, w, static_cast<float>(eps), s, y);
-  else
-    add_rms_norm_impl<at::BFloat16>(xc, hc, w, static_cast<float>(eps), s, y);
+  add_rms_norm_into(xc, hc, w, eps, s, y);
   return {s, y};
 }
 
-at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps) {
+void gated_rms_norm_into(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps, at::Tensor& y) {
   // the GDN output norm (ops/norm.py rms_norm_gated): x [R, H, D] (last dim contiguous), z [R, H * D] (row
-  // stride any), w [D] plain weight -> [R, H * D] = norm(x) * w * silu(z), rounded where transformers rounds
+  // stride any), w [D] plain weight -> y [R, H * D] contiguous = norm(x) * w * silu(z), rounded where
+  // transformers rounds
   check(x, w);
   TORCH_CHECK(x.dim() == 3 && z.dim() == 2 && z.size(0) == x.size(0) && z.size(1) == x.size(1) * x.size(2) &&
                   z.stride(1) == 1 && z.scalar_type() == x.scalar_type(),
               "gated_rms_norm: x [R, H, D] and z [R, H * D] of one dtype");
-  auto y = at::empty({x.size(0), x.size(1) * x.size(2)}, x.options());
+  TORCH_CHECK(y.sizes() == z.sizes() && y.is_contiguous() && y.scalar_type() == x.scalar_type(),
+              "gated_rms_norm: out must be contiguous [R, H * D] in x's dtype");
   if (x.scalar_type() == at::kFloat)
     gated_impl<float>(x, z, w, static_cast<float>(eps), y);
   else
     gated_impl<at::BFloat16>(x, z, w, static_cast<float>(eps), y);
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& x, const at::Tensor& z, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 3, "gated_rms_norm: x [R, H, D] and z [R, H * D] of one dtype");
+  auto y = at::empty({x.size(0), x.size(1) * x.size(2)}, x.options());
+  gated_rms_norm_into(x, z, w, eps, y);
   return y;
 }
 
-at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
-                        const at::Tensor& sin) {
+void qk_norm_rope_into(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
+                       const at::Tensor& sin, at::Tensor& y) {
   // apply_rotary(rms_norm(x, w, eps), cos, sin) for q or k: x [R, H, D] (last dim contiguous), cos and sin
-  // [R, P] in x's dtype, P <= D even -> [R, H, D] contiguous; the norm is rms_norm_fused's bits, the rotary
+  // [R, P] in x's dtype, P <= D even -> y [R, H, D] contiguous; the norm is rms_norm_fused's bits, the rotary
   // torch's (ops/attention.py apply_rotary) exactly
   check(x, w);
   TORCH_CHECK(x.dim() == 3, "qk_norm_rope: x must be [R, H, D]");
@@ -193,10 +223,17 @@ at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, co
                   cos.size(1) % 2 == 0 && cos.is_contiguous() && sin.is_contiguous() &&
                   cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
               "qk_norm_rope: cos and sin must be contiguous [R, P <= D, even] in x's dtype");
-  auto y = at::empty(x.sizes(), x.options());
+  TORCH_CHECK(y.sizes() == x.sizes() && y.is_contiguous() && y.scalar_type() == x.scalar_type(),
+              "qk_norm_rope: out must be contiguous [R, H, D] in x's dtype");
   if (x.scalar_type() == at::kFloat)
     qk_norm_rope_impl<float>(x, w, static_cast<float>(eps), cos, sin, y);
   else
     qk_norm_rope_impl<at::BFloat16>(x, w, static_cast<float>(eps), cos, sin, y);
+}
+
+at::Tensor qk_norm_rope(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& cos,
+                        const at::Tensor& sin) {
+  auto y = at::empty(x.sizes(), x.options());
+  qk_norm_rope_into(x, w, eps, cos, sin, y);
   return y;
 }

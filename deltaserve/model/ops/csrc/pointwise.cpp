@@ -132,8 +132,11 @@ void silu_into(const at::Tensor& acc, at::Tensor& out) {
     silu_into_impl<c10::BFloat16>(acc, out);
 }
 
-std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias,
-                                  const at::Tensor& neg_decay) {
+// The _into forms write into the caller's tensors (the decode program's buffers); the others allocate.
+
+void gdn_gates_into(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias, const at::Tensor& neg_decay,
+                    at::Tensor& g, at::Tensor& beta) {
+  // g [T, H] fp32 and beta [T, H] in b's dtype, both contiguous
   check_rows(b, "gdn_gates: b");
   check_rows(a, "gdn_gates: a");
   TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(), "gdn_gates: a and b must match");
@@ -141,34 +144,58 @@ std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, cons
   for (const at::Tensor* t : {&dt_bias, &neg_decay})
     TORCH_CHECK(t->dim() == 1 && t->size(0) == H && t->scalar_type() == at::kFloat && t->is_contiguous(),
                 "gdn_gates: dt_bias and neg_decay must be fp32 [", H, "]");
-  auto g = at::empty({b.size(0), H}, b.options().dtype(at::kFloat));
-  auto beta = at::empty({b.size(0), H}, b.options());
+  TORCH_CHECK(g.sizes() == b.sizes() && g.is_contiguous() && g.scalar_type() == at::kFloat && beta.sizes() == b.sizes() &&
+                  beta.is_contiguous() && beta.scalar_type() == b.scalar_type(),
+              "gdn_gates: g must be contiguous fp32 [T, H], beta contiguous [T, H] in b's dtype");
   if (b.scalar_type() == at::kFloat)
     gates_impl<float>(b, a, dt_bias.data_ptr<float>(), neg_decay.data_ptr<float>(), g, beta);
   else
     gates_impl<c10::BFloat16>(b, a, dt_bias.data_ptr<float>(), neg_decay.data_ptr<float>(), g, beta);
+}
+
+std::vector<at::Tensor> gdn_gates(const at::Tensor& b, const at::Tensor& a, const at::Tensor& dt_bias,
+                                  const at::Tensor& neg_decay) {
+  check_rows(b, "gdn_gates: b");
+  auto g = at::empty(b.sizes(), b.options().dtype(at::kFloat));
+  auto beta = at::empty(b.sizes(), b.options());
+  gdn_gates_into(b, a, dt_bias, neg_decay, g, beta);
   return {g, beta};
 }
 
-at::Tensor silu_mul(const at::Tensor& gu) {
+void silu_mul_into(const at::Tensor& gu, at::Tensor& y) {
+  // gu [T, 2I] (row stride any) -> y [T, I] contiguous
   check_rows(gu, "silu_mul: gu");
   TORCH_CHECK(gu.size(1) % 2 == 0, "silu_mul: gu must be [T, 2I]");
-  auto y = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == gu.size(0) && 2 * y.size(1) == gu.size(1) && y.is_contiguous() &&
+                  y.scalar_type() == gu.scalar_type(), "silu_mul: out must be contiguous [T, I] in gu's dtype");
   if (gu.scalar_type() == at::kFloat)
     silu_mul_impl<float>(gu, y);
   else
     silu_mul_impl<c10::BFloat16>(gu, y);
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check_rows(gu, "silu_mul: gu");
+  auto y = at::empty({gu.size(0), gu.size(1) / 2}, gu.options());
+  silu_mul_into(gu, y);
   return y;
 }
 
-at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate) {
+void gate_output_into(const at::Tensor& o, const at::Tensor& gate, at::Tensor& y) {
+  // o, gate [T, N] (row strides any) -> y [T, N] contiguous
   check_rows(o, "gate_output: o");
   check_rows(gate, "gate_output: gate");
   TORCH_CHECK(o.sizes() == gate.sizes() && o.scalar_type() == gate.scalar_type(), "gate_output: o and gate must match");
-  auto y = at::empty(o.sizes(), o.options());
+  TORCH_CHECK(y.sizes() == o.sizes() && y.is_contiguous() && y.scalar_type() == o.scalar_type(),
+              "gate_output: out must be contiguous [T, N] in o's dtype");
   if (o.scalar_type() == at::kFloat)
     gate_output_impl<float>(o, gate, y);
   else
     gate_output_impl<c10::BFloat16>(o, gate, y);
+}
+
+at::Tensor gate_output(const at::Tensor& o, const at::Tensor& gate) {
+  auto y = at::empty(o.sizes(), o.options());
+  gate_output_into(o, gate, y);
   return y;
 }
