@@ -270,8 +270,8 @@ class DecodeKernels:
                   slots: torch.Tensor) -> torch.Tensor:
         """x [T, C] (the step's rows; rows [B] picks the decode tokens); weight [C, K]; state [S, K-1, C] in
         x's dtype (slots [B] updated in place) -> silu(conv) [B, C] in x's dtype: ops/conv.py
-        causal_conv1d_step's fp32 mul / add order, then silu_into, as the compiled prefill (the bits of
-        causal_conv1d_prefill(..., silu_into=self.silu_into))."""
+        causal_conv1d_step's fp32 mul / add order, then the compiled silu: one row of the compiled prefill's
+        (csrc ds::conv_rows; the bits of causal_conv1d_prefill(..., silu_into=self.silu_into))."""
         return self.ext.conv1d_step(x, rows, tap_major(weight), state, slots)
 
     def conv_prefill(self, x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None = None,

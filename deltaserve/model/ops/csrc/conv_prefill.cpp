@@ -5,7 +5,8 @@
 // Bits: out[t, c] = silu(acc) with acc = x_0 w_0, then acc = acc + x_j w_j for j = 1 .. K-1 (each product rounded
 // to fp32, then the add: the file is built with -ffp-contract=off), x_j the input K-1-j rows before t in
 // cat(state, x), and silu from vec_exp.h silu_row: the arithmetic of the torch form with the compiled silu and of
-// decode_kernels.cpp conv1d_step, so a token's bits are the same through either, wherever a chunk starts.
+// decode_kernels.cpp conv1d_step, which runs these very rows (ds::conv_rows) for its one token per sequence:
+// a token's bits are the same through either, wherever a chunk starts.
 
 #include "aten_lite.h"
 #include "kernels.h"
@@ -20,7 +21,7 @@ namespace {
 constexpr int64_t kGrainRows = 16;  // rows per work item: a few of them per thread for a prefill chunk
 
 template <typename T>
-void conv_rows(const T* x, int64_t xs, const T* state, const float* w, int64_t K, int64_t C, int64_t t0,
+void rows_of(const T* x, int64_t xs, const T* state, const float* w, int64_t K, int64_t C, int64_t t0,
                int64_t t1, T* out, int64_t os, float* acc) {
   // rows [t0, t1) of out; row i of cat(state, x) is state row K-1+i for i < 0, else x row i
   auto input = [&](int64_t i) { return i < 0 ? state + (K - 1 + i) * C : x + i * xs; };
@@ -46,11 +47,22 @@ void conv_impl(const at::Tensor& x, const at::Tensor& wt, const at::Tensor& stat
   const int64_t grain = L * C * K < kSerialBelow ? L : kGrainRows;
   at::parallel_for(0, L, grain, [&](int64_t t0, int64_t t1) {
     ds::LineBuffer acc(C);
-    conv_rows<T>(xp, x.stride(0), sp, w, K, C, t0, t1, op, out.stride(0), acc.data());
+    rows_of<T>(xp, x.stride(0), sp, w, K, C, t0, t1, op, out.stride(0), acc.data());
   });
 }
 
 }  // namespace
+
+namespace ds {
+void conv_rows(const float* x, int64_t xs, const float* state, const float* w, int64_t K, int64_t C, int64_t t0,
+               int64_t t1, float* out, int64_t os, float* acc) {
+  rows_of<float>(x, xs, state, w, K, C, t0, t1, out, os, acc);
+}
+void conv_rows(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* state, const float* w, int64_t K, int64_t C,
+               int64_t t0, int64_t t1, c10::BFloat16* out, int64_t os, float* acc) {
+  rows_of<c10::BFloat16>(x, xs, state, w, K, C, t0, t1, out, os, acc);
+}
+}  // namespace ds
 
 at::Tensor conv1d_prefill(const at::Tensor& x, const at::Tensor& wt, const at::Tensor& state) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "conv1d_prefill: x must be [L, C] with a contiguous last dim");

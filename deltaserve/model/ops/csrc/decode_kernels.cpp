@@ -12,9 +12,9 @@
 //   slot ids (any order, not necessarily consecutive). One pass over each state row: S k and S q from the old
 //   row, then the row update. Same algebra as ops/gdn.py recurrent_gated_delta_rule_step.
 // conv1d_step: the causal conv with its silu for one token per sequence, states updated in place through slot
-//   ids; accumulation in the order and with the roundings of ops/conv.py _conv_acc (one fp32 mul and one add
-//   per tap, never fused), then pointwise.cpp's silu_into, whose silu_row the compiled prefill (conv_prefill.cpp)
-//   also applies, so the bits equal the prefill's.
+//   ids: one row of the compiled prefill's (conv_prefill.cpp ds::conv_rows: the order and roundings of
+//   ops/conv.py _conv_acc, one fp32 mul and one add per tap, never fused, then vec_exp.h silu_row), so the bits
+//   equal the prefill's.
 
 #include "aten_lite.h"
 #include "kernels.h"
@@ -581,11 +581,11 @@ at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor 
 // ---- causal conv1d, one decode token ----------------------------------------------------------------------
 
 // x [T, C] (rows picked by `rows`, inner dim contiguous); wt [K, C] fp32 contiguous (tap-major weight);
-// state [S, K-1, C] in x's dtype, the last K-1 inputs oldest first, updated in place at `slots`;
-// acc [B, C] fp32: sum_j wt[j] * xpad[j] with xpad = (state rows, x), in tap order, one mul and one add per tap
-template <typename T>
+// state [S, K-1, C] in x's dtype, the last K-1 inputs oldest first, updated in place at `slots`; out [B, C]
+// contiguous: silu(sum_j wt[j] * xpad[j]) with xpad = (state rows, x), ds::conv_rows' one row
+template <typename T>  // float or c10::BFloat16
 void conv_impl(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
-               const at::Tensor& slots, at::Tensor& acc) {
+               const at::Tensor& slots, at::Tensor& out) {
   const int64_t B = rows.size(0), C = wt.size(1), K = wt.size(0);
   const T* xp = reinterpret_cast<const T*>(x.data_ptr());
   const int64_t xs0 = x.stride(0);
@@ -593,26 +593,24 @@ void conv_impl(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt
   const int64_t* sl = slots.data_ptr<int64_t>();
   const float* w = wt.data_ptr<float>();
   T* sp = reinterpret_cast<T*>(state.data_ptr());
-  float* ap = acc.data_ptr<float>();
+  T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t grain = B * C * K < kSerialBelow ? B : 1;
   at::parallel_for(0, B, grain, [&](int64_t begin, int64_t end) {
+    thread_local ds::LineBuffer acc;  // C floats, kept: one call per GDN layer and step
+    acc.ensure(C);
     for (int64_t b = begin; b < end; ++b) {
       const T* xr = xp + rp[b] * xs0;
       T* st = sp + sl[b] * (K - 1) * C;
-      float* o = ap + b * C;
-      for (int64_t c = 0; c < C; ++c) o[c] = to_f(st[c]) * w[c];
-      for (int64_t j = 1; j < K - 1; ++j)
-        for (int64_t c = 0; c < C; ++c) o[c] = o[c] + to_f(st[j * C + c]) * w[j * C + c];
-      for (int64_t c = 0; c < C; ++c) o[c] = o[c] + to_f(xr[c]) * w[(K - 1) * C + c];
+      ds::conv_rows(xr, xs0, st, w, K, C, 0, 1, op + b * C, C, acc.data());
       std::memmove(st, st + C, (K - 2) * C * sizeof(T));  // drop the oldest input, append x
       std::memcpy(st + (K - 2) * C, xr, C * sizeof(T));
     }
   });
 }
 
-// acc [B, C] fp32 scratch; out [B, C] in x's dtype, both contiguous
+// out [B, C] in x's dtype, contiguous
 void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
-                    const at::Tensor& slots, at::Tensor& acc, at::Tensor& out) {
+                    const at::Tensor& slots, at::Tensor& out) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, C] with a contiguous inner dim");
   TORCH_CHECK(wt.dim() == 2 && wt.is_contiguous() && wt.scalar_type() == at::kFloat && wt.size(1) == x.size(1) &&
               wt.size(0) >= 2, "wt must be fp32 contiguous [K >= 2, C]");
@@ -627,23 +625,21 @@ void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tenso
     for (int64_t b = 0; b < rows.size(0); ++b)
       TORCH_CHECK(rp[b] >= 0 && rp[b] < x.size(0) && sl[b] >= 0 && sl[b] < state.size(0), "row or slot out of range");
   }
-  TORCH_CHECK(acc.dim() == 2 && acc.size(0) == rows.size(0) && acc.size(1) == x.size(1) && acc.is_contiguous() &&
-              acc.scalar_type() == at::kFloat, "acc must be a contiguous fp32 [B, C]");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == rows.size(0) && out.size(1) == x.size(1) && out.is_contiguous() &&
+              out.scalar_type() == x.scalar_type(), "out must be a contiguous [B, C] in x's dtype");
   if (x.scalar_type() == at::kFloat) {
-    conv_impl<float>(x, rows, wt, state, slots, acc);
+    conv_impl<float>(x, rows, wt, state, slots, out);
   } else if (x.scalar_type() == at::kBFloat16) {
-    conv_impl<bf16_bits>(x, rows, wt, state, slots, acc);
+    conv_impl<c10::BFloat16>(x, rows, wt, state, slots, out);
   } else {
     TORCH_CHECK(false, "conv1d_step: float32 or bfloat16 only");
   }
-  silu_into(acc, out);
 }
 
 at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state, at::Tensor slots) {
   TORCH_CHECK(x.dim() == 2 && rows.dim() == 1, "x must be [T, C] with a contiguous inner dim");
-  auto acc = at::empty({rows.size(0), x.size(1)}, x.options().dtype(at::kFloat));
   auto out = at::empty({rows.size(0), x.size(1)}, x.options());
-  conv_step_into(x, rows, wt, state, slots, acc, out);
+  conv_step_into(x, rows, wt, state, slots, out);
   return out;
 }
 
@@ -660,8 +656,8 @@ void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   ::gdn_step_into(q, k, v, g, beta, state, slots, out);
 }
 void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
-                    const at::Tensor& slots, at::Tensor& acc, at::Tensor& out) {
-  ::conv_step_into(x, rows, wt, state, slots, acc, out);
+                    const at::Tensor& slots, at::Tensor& out) {
+  ::conv_step_into(x, rows, wt, state, slots, out);
 }
 }  // namespace ds
 

@@ -126,7 +126,7 @@ void check_index(const at::Tensor& t, int64_t dim, int64_t rows, const char* wha
 struct LayerViews {
   at::Tensor proj, mixed, gu, act, m;  // projections' outputs and the MLP's activation
   std::vector<at::Tensor> proj_parts, mixed_parts, gu_parts, m_parts;
-  at::Tensor b, a, g, beta, conv_in, acc, xc, q, k, v, o, z, core;  // a GDN layer's
+  at::Tensor b, a, g, beta, conv_in, xc, q, k, v, o, z, core;  // a GDN layer's
   at::Tensor q_in, k_in, v_in, gate_in, qn, kn, gate, o2;             // an attention layer's (o, core shared)
 };
 
@@ -139,7 +139,7 @@ struct DecodeModel::Work {
   };
   int64_t cap = 0;  // rows the buffers hold
   // flat buffers, each cap x (the widest row any layer needs)
-  at::Tensor x, h, y, proj, g, beta, acc, xc, o, gate, qn, kn, core, mixed, gu, act, m, rows;
+  at::Tensor x, h, y, proj, g, beta, xc, o, gate, qn, kn, core, mixed, gu, act, m, rows;
   std::map<int64_t, Views> views;  // by row count
 };
 
@@ -168,7 +168,7 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
     const auto bf = embed_.options(), f32 = bf.dtype(at::kFloat);
     auto buf = [&](int64_t row, const at::TensorOptions& opt) { return at::empty({B * std::max<int64_t>(row, 1)}, opt); };
     w->x = buf(H, bf), w->h = buf(H, bf), w->y = buf(H, bf), w->mixed = buf(H, bf), w->m = buf(H, bf);
-    w->proj = buf(proj, bf), w->g = buf(hv, f32), w->beta = buf(hv, bf), w->acc = buf(c, f32), w->xc = buf(c, bf);
+    w->proj = buf(proj, bf), w->g = buf(hv, f32), w->beta = buf(hv, bf), w->xc = buf(c, bf);
     w->o = buf(o, bf), w->gate = buf(gate, bf), w->qn = buf(gate, bf), w->kn = buf(kn, bf), w->core = buf(core, bf);
     w->gu = buf(gu, bf), w->act = buf(gu / 2, bf);
     w->rows = at::arange(B, bf.dtype(at::kLong));
@@ -204,7 +204,7 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
       lv.b = lv.proj.narrow(1, c + vd, hv), lv.a = lv.proj.narrow(1, c + vd + hv, hv);
       lv.g = take(w.g, {B, hv}), lv.beta = take(w.beta, {B, hv});
       lv.conv_in = lv.proj.narrow(1, 0, c);
-      lv.acc = take(w.acc, {B, c}), lv.xc = take(w.xc, {B, c});
+      lv.xc = take(w.xc, {B, c});
       lv.q = lv.xc.narrow(1, 0, kd).view({B, hk, dk});
       lv.k = lv.xc.narrow(1, kd, kd).view({B, hk, dk});
       lv.v = lv.xc.narrow(1, 2 * kd, hv * dv).view({B, hv, dv});
@@ -295,7 +295,7 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
     if (l.gdn) {  // GDNMixer.forward's decode path
       at::Tensor state = ssm[gi], conv_state = conv[gi];  // updated in place
       gdn_gates_into(lv.b, lv.a, l.w[3], l.w[4], lv.g, lv.beta);
-      ds::conv_step_into(lv.conv_in, v.rows, l.w[2], conv_state, slots, lv.acc, lv.xc);
+      ds::conv_step_into(lv.conv_in, v.rows, l.w[2], conv_state, slots, lv.xc);
       ds::gdn_step_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, slots, lv.o);
       gated_rms_norm_into(lv.o, lv.z, l.w[5], l.eps, lv.core);
       ++gi;

@@ -100,6 +100,14 @@ std::vector<at::Tensor> gdn_chunk_prefill(const at::Tensor& q, const at::Tensor&
 // conv_prefill.cpp: one sequence's causal conv with its silu (ops/conv.py causal_conv1d_prefill, no bias), every
 // build: x [L, C], wt [K, C] fp32 (tap-major), state [K-1, C] in x's dtype -> out [L, C]
 at::Tensor conv1d_prefill(const at::Tensor& x, const at::Tensor& wt, const at::Tensor& state);
+namespace ds {
+// rows [t0, t1) of that conv and silu over cat(state [K-1, C], x [*, C] with row stride xs) into out (row stride
+// os); acc: C floats of scratch. The decode step (conv1d_step) runs one row of it per sequence.
+void conv_rows(const float* x, int64_t xs, const float* state, const float* w, int64_t K, int64_t C, int64_t t0,
+               int64_t t1, float* out, int64_t os, float* acc);
+void conv_rows(const c10::BFloat16* x, int64_t xs, const c10::BFloat16* state, const float* w, int64_t K, int64_t C,
+               int64_t t0, int64_t t1, c10::BFloat16* out, int64_t os, float* acc);
+}  // namespace ds
 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
@@ -166,5 +174,5 @@ void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::T
 void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                    const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out);
 void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
-                    const at::Tensor& slots, at::Tensor& acc, at::Tensor& out);  // acc: fp32 scratch [B, C]
+                    const at::Tensor& slots, at::Tensor& out);
 }  // namespace ds
