@@ -21,8 +21,8 @@ namespace {
 constexpr int64_t kGrainRows = 16;  // rows per work item: a few of them per thread for a prefill chunk
 
 template <typename T>
-void rows_of(const T* x, int64_t xs, const T* state, const float* w, int64_t K, int64_t C, int64_t t0,
-               int64_t t1, T* out, int64_t os, float* acc) {
+void rows_of(const T* x, int64_t xs, const T* state, const float* w, int64_t K, int64_t C, int64_t t0, int64_t t1,
+             T* out, int64_t os, float* acc) {
   // rows [t0, t1) of out; row i of cat(state, x) is state row K-1+i for i < 0, else x row i
   auto input = [&](int64_t i) { return i < 0 ? state + (K - 1 + i) * C : x + i * xs; };
   for (int64_t t = t0; t < t1; ++t) {

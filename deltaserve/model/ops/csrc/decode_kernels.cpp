@@ -414,41 +414,10 @@ void attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor&
   });
 }
 
-void attention_into(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-                    const at::Tensor& lengths, double scale, at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
-              "out must be a contiguous [B, Hq, D] in q's dtype");
-  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(1) == 2, "kv must be a contiguous [P, 2, bs, Hkv, D]");
-  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv dtypes differ");
-  TORCH_CHECK(kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "head shapes do not match");
-  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) && page_table.is_contiguous() &&
-              page_table.scalar_type() == at::kLong, "page_table must be a contiguous int64 [B, maxp]");
-  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == at::kLong &&
-              lengths.is_contiguous(), "lengths must be int64 [B]");
-  {
-    const int64_t* lens = lengths.data_ptr<int64_t>();
-    const int64_t* pt = page_table.data_ptr<int64_t>();
-    const int64_t bs = kv.size(2), P = kv.size(0), maxp = page_table.size(1);
-    for (int64_t b = 0; b < q.size(0); ++b) {
-      TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= maxp, "sequence length outside its page table");
-      for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
-        TORCH_CHECK(pt[b * maxp + i] >= 0 && pt[b * maxp + i] < P, "page id out of range");
-    }
-  }
-  if (q.scalar_type() == at::kFloat) {
-    attention_impl<float>(q, kv, page_table, lengths, scale, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    attention_impl<bf16_bits>(q, kv, page_table, lengths, scale, out);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
-  }
-}
-
 at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_table,
                                      at::Tensor lengths, double scale) {
   auto out = at::empty_like(q);
-  attention_into(q, kv, page_table, lengths, scale, out);
+  ds::paged_attention_into(q, kv, page_table, lengths, scale, out);
   return out;
 }
 
@@ -539,42 +508,11 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   });
 }
 
-void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
-              "q, k [B, Hk, dk] and v [B, H, dv] expected");
-  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: last dim must be contiguous");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
-              beta.scalar_type() == q.scalar_type(), "q, k, v, beta must share a dtype");
-  TORCH_CHECK(g.scalar_type() == at::kFloat && g.dim() == 2 && g.stride(1) == 1, "g must be fp32 [B, H]");
-  TORCH_CHECK(beta.dim() == 2 && beta.stride(1) == 1, "beta must be [B, H]");
-  const int64_t B = v.size(0), H = v.size(1), dv = v.size(2), dk = q.size(2);
-  TORCH_CHECK(H % q.size(1) == 0, "value heads not a multiple of key heads");
-  TORCH_CHECK(g.size(0) == B && g.size(1) == H && beta.size(0) == B && beta.size(1) == H, "g, beta shapes");
-  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
-              state.size(1) == H && state.size(2) == dv && state.size(3) == dk, "state must be fp32 [S, H, dv, dk]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "slots must be int64 [B]");
-  {
-    const int64_t* sl = slots.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sl[b] >= 0 && sl[b] < state.size(0), "slot out of range");
-  }
-  TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == H && out.size(2) == dv && out.is_contiguous() &&
-              out.scalar_type() == q.scalar_type(), "out must be a contiguous [B, H, dv] in q's dtype");
-  if (q.scalar_type() == at::kFloat) {
-    gdn_impl<float>(q, k, v, g, beta, state, slots, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    gdn_impl<bf16_bits>(q, k, v, g, beta, state, slots, out);
-  } else {
-    TORCH_CHECK(false, "gdn_decode_step: float32 or bfloat16 only");
-  }
-}
-
 at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                               at::Tensor state, at::Tensor slots) {
   TORCH_CHECK(v.dim() == 3, "q, k [B, Hk, dk] and v [B, H, dv] expected");
   auto out = at::empty(v.sizes(), q.options());
-  gdn_step_into(q, k, v, g, beta, state, slots, out);
+  ds::gdn_step_into(q, k, v, g, beta, state, slots, out);
   return out;
 }
 
@@ -608,6 +546,80 @@ void conv_impl(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt
   });
 }
 
+at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state, at::Tensor slots) {
+  TORCH_CHECK(x.dim() == 2 && rows.dim() == 1, "x must be [T, C] with a contiguous inner dim");
+  auto out = at::empty({rows.size(0), x.size(1)}, x.options());
+  ds::conv_step_into(x, rows, wt, state, slots, out);
+  return out;
+}
+
+}  // namespace
+
+// the decode kernels' entry points (kernels.h), writing the caller's tensors: decode_layers.cpp calls them on its
+// buffers, the allocating forms above (the module's bindings) on new ones
+namespace ds {
+void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
+                          const at::Tensor& lengths, double scale, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "out must be a contiguous [B, Hq, D] in q's dtype");
+  TORCH_CHECK(kv.dim() == 5 && kv.is_contiguous() && kv.size(1) == 2, "kv must be a contiguous [P, 2, bs, Hkv, D]");
+  TORCH_CHECK(kv.scalar_type() == q.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "head shapes do not match");
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == q.size(0) && page_table.is_contiguous() &&
+              page_table.scalar_type() == at::kLong, "page_table must be a contiguous int64 [B, maxp]");
+  TORCH_CHECK(lengths.dim() == 1 && lengths.size(0) == q.size(0) && lengths.scalar_type() == at::kLong &&
+              lengths.is_contiguous(), "lengths must be int64 [B]");
+  {
+    const int64_t* lens = lengths.data_ptr<int64_t>();
+    const int64_t* pt = page_table.data_ptr<int64_t>();
+    const int64_t bs = kv.size(2), P = kv.size(0), maxp = page_table.size(1);
+    for (int64_t b = 0; b < q.size(0); ++b) {
+      TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= maxp, "sequence length outside its page table");
+      for (int64_t i = 0; i < (lens[b] + bs - 1) / bs; ++i)
+        TORCH_CHECK(pt[b * maxp + i] >= 0 && pt[b * maxp + i] < P, "page id out of range");
+    }
+  }
+  if (q.scalar_type() == at::kFloat) {
+    attention_impl<float>(q, kv, page_table, lengths, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    attention_impl<bf16_bits>(q, kv, page_table, lengths, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only");
+  }
+}
+
+void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
+              "q, k [B, Hk, dk] and v [B, H, dv] expected");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: last dim must be contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type() &&
+              beta.scalar_type() == q.scalar_type(), "q, k, v, beta must share a dtype");
+  TORCH_CHECK(g.scalar_type() == at::kFloat && g.dim() == 2 && g.stride(1) == 1, "g must be fp32 [B, H]");
+  TORCH_CHECK(beta.dim() == 2 && beta.stride(1) == 1, "beta must be [B, H]");
+  const int64_t B = v.size(0), H = v.size(1), dv = v.size(2), dk = q.size(2);
+  TORCH_CHECK(H % q.size(1) == 0, "value heads not a multiple of key heads");
+  TORCH_CHECK(g.size(0) == B && g.size(1) == H && beta.size(0) == B && beta.size(1) == H, "g, beta shapes");
+  TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
+              state.size(1) == H && state.size(2) == dv && state.size(3) == dk, "state must be fp32 [S, H, dv, dk]");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "slots must be int64 [B]");
+  {
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sl[b] >= 0 && sl[b] < state.size(0), "slot out of range");
+  }
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == H && out.size(2) == dv && out.is_contiguous() &&
+              out.scalar_type() == q.scalar_type(), "out must be a contiguous [B, H, dv] in q's dtype");
+  if (q.scalar_type() == at::kFloat) {
+    gdn_impl<float>(q, k, v, g, beta, state, slots, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    gdn_impl<bf16_bits>(q, k, v, g, beta, state, slots, out);
+  } else {
+    TORCH_CHECK(false, "gdn_decode_step: float32 or bfloat16 only");
+  }
+}
+
 // out [B, C] in x's dtype, contiguous
 void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
                     const at::Tensor& slots, at::Tensor& out) {
@@ -634,30 +646,6 @@ void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tenso
   } else {
     TORCH_CHECK(false, "conv1d_step: float32 or bfloat16 only");
   }
-}
-
-at::Tensor conv1d_step(at::Tensor x, at::Tensor rows, at::Tensor wt, at::Tensor state, at::Tensor slots) {
-  TORCH_CHECK(x.dim() == 2 && rows.dim() == 1, "x must be [T, C] with a contiguous inner dim");
-  auto out = at::empty({rows.size(0), x.size(1)}, x.options());
-  conv_step_into(x, rows, wt, state, slots, out);
-  return out;
-}
-
-}  // namespace
-
-// the decode kernels by name (kernels.h) for decode_layers.cpp, which calls them directly
-namespace ds {
-void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& page_table,
-                          const at::Tensor& lengths, double scale, at::Tensor& out) {
-  attention_into(q, kv, page_table, lengths, scale, out);
-}
-void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
-  ::gdn_step_into(q, k, v, g, beta, state, slots, out);
-}
-void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
-                    const at::Tensor& slots, at::Tensor& out) {
-  ::conv_step_into(x, rows, wt, state, slots, out);
 }
 }  // namespace ds
 

@@ -11,7 +11,7 @@
 // SplitWeight.linear does: each bf16 part writes its columns of the projection's buffer in place.
 //
 // No tensor is made during a step but the result (and an fp8 or amx part's product, copied into its columns):
-// every intermediate lives in DecodeModel::Work's buffers, made once (and again for more rows than they hold),
+// every intermediate lives in DecodeModel::Work's buffers (views: DecodeModel::Views), made once (and again for more rows than they hold),
 // with their views for each row count made on first use. The
 // residual stream x is updated in place, and each layer's closing residual add is fused with the next layer's
 // input norm (the final norm after the last layer): add_rms_norm's sum is `x + h` rounded as torch rounds it and
@@ -127,28 +127,29 @@ struct LayerViews {
   at::Tensor proj, mixed, gu, act, m;  // projections' outputs and the MLP's activation
   std::vector<at::Tensor> proj_parts, mixed_parts, gu_parts, m_parts;
   at::Tensor b, a, g, beta, conv_in, xc, q, k, v, o, z, core;  // a GDN layer's
-  at::Tensor q_in, k_in, v_in, gate_in, qn, kn, gate, o2;             // an attention layer's (o, core shared)
+  at::Tensor q_in, k_in, v_in, gate_in, qn, kn, gate, o2;       // an attention layer's (o, core shared)
 };
 
 }  // namespace
 
+struct DecodeModel::Views {
+  at::Tensor x, h, x3, h3, y, rows;  // the residual stream, its normed form (and both as [B, 1, H]), the MLP's input
+  std::vector<LayerViews> layers;
+};
+
 struct DecodeModel::Work {
-  struct Views {
-    at::Tensor x, h, x3, h3, y, rows;
-    std::vector<LayerViews> layers;
-  };
   int64_t cap = 0;  // rows the buffers hold
   // flat buffers, each cap x (the widest row any layer needs)
   at::Tensor x, h, y, proj, g, beta, xc, o, gate, qn, kn, core, mixed, gu, act, m, rows;
   std::map<int64_t, Views> views;  // by row count
 };
 
-DecodeModel::Work& DecodeModel::work(int64_t B) const {
+DecodeModel::Views& DecodeModel::views(int64_t B) const {
   if (work_ == nullptr || work_->cap < B) {  // new buffers for B rows; every view made again
     auto w = std::make_shared<Work>();
     w->cap = B;
     const int64_t H = embed_.size(1);
-    int64_t proj = 0, hv = 0, c = 0, o = 0, gate = 0, kn = 0, core = 0, gu = 0;
+    int64_t proj = 0, hv = 0, c = 0, o = 0, qd = 0, kn = 0, core = 0, gu = 0;  // the widest row of each buffer
     for (const Layer& l : layers_) {
       proj = std::max(proj, width(l.proj[0]));
       gu = std::max(gu, width(l.proj[2]));
@@ -158,10 +159,7 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
         o = std::max(o, l.dims[2] * l.dims[5]);
         core = std::max(core, l.dims[1]);
       } else {
-        const int64_t qd = l.dims[0] * l.dims[2];
-        o = std::max(o, qd);
-        gate = std::max(gate, qd);
-        core = std::max(core, qd);
+        qd = std::max(qd, l.dims[0] * l.dims[2]);
         kn = std::max(kn, l.dims[1] * l.dims[2]);
       }
     }
@@ -169,16 +167,17 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
     auto buf = [&](int64_t row, const at::TensorOptions& opt) { return at::empty({B * std::max<int64_t>(row, 1)}, opt); };
     w->x = buf(H, bf), w->h = buf(H, bf), w->y = buf(H, bf), w->mixed = buf(H, bf), w->m = buf(H, bf);
     w->proj = buf(proj, bf), w->g = buf(hv, f32), w->beta = buf(hv, bf), w->xc = buf(c, bf);
-    w->o = buf(o, bf), w->gate = buf(gate, bf), w->qn = buf(gate, bf), w->kn = buf(kn, bf), w->core = buf(core, bf);
+    w->o = buf(std::max(o, qd), bf), w->gate = buf(qd, bf), w->qn = buf(qd, bf), w->kn = buf(kn, bf);
+    w->core = buf(std::max(core, qd), bf);
     w->gu = buf(gu, bf), w->act = buf(gu / 2, bf);
     w->rows = at::arange(B, bf.dtype(at::kLong));
     work_ = std::move(w);
   }
   Work& w = *work_;
   auto found = w.views.find(B);
-  if (found != w.views.end()) return w;
+  if (found != w.views.end()) return found->second;
   const int64_t H = embed_.size(1);
-  Work::Views v;
+  Views v;
   v.x = take(w.x, {B, H}), v.h = take(w.h, {B, H}), v.y = take(w.y, {B, H});
   v.x3 = v.x.view({B, 1, H}), v.h3 = v.h.view({B, 1, H});
   v.rows = w.rows.narrow(0, 0, B);
@@ -190,8 +189,6 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
     lv.gu = take(w.gu, {B, width(l.proj[2])});
     lv.act = take(w.act, {B, width(l.proj[2]) / 2});
     lv.m = take(w.m, {B, H});
-    TORCH_CHECK(width(l.proj[1]) == H && width(l.proj[3]) == H && width(l.proj[2]) % 2 == 0,
-                "DecodeModel: the output and down projections must give ", H, " columns, gate_up an even number");
     lv.proj_parts = parts_of(lv.proj, l.proj[0]);
     lv.mixed_parts = parts_of(lv.mixed, l.proj[1]);
     lv.gu_parts = parts_of(lv.gu, l.proj[2]);
@@ -199,8 +196,6 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
     if (l.gdn) {
       const int64_t c = l.dims[0], vd = l.dims[1], hv = l.dims[2], hk = l.dims[3], dk = l.dims[4], dv = l.dims[5];
       const int64_t kd = hk * dk;
-      TORCH_CHECK(pw == c + vd + 2 * hv && c == 2 * kd + hv * dv,
-                  "DecodeModel.add_gdn: the in_proj gives ", pw, " columns, the dims ask ", c + vd + 2 * hv);
       lv.b = lv.proj.narrow(1, c + vd, hv), lv.a = lv.proj.narrow(1, c + vd + hv, hv);
       lv.g = take(w.g, {B, hv}), lv.beta = take(w.beta, {B, hv});
       lv.conv_in = lv.proj.narrow(1, 0, c);
@@ -213,8 +208,6 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
       lv.core = take(w.core, {B, vd});
     } else {
       const int64_t hq = l.dims[0], hkv = l.dims[1], d = l.dims[2];
-      TORCH_CHECK(pw == (2 * hq + 2 * hkv) * d, "DecodeModel.add_attention: the qkv projection gives ", pw,
-                  " columns, the dims ask ", (2 * hq + 2 * hkv) * d);
       auto qg = lv.proj.narrow(1, 0, 2 * hq * d).view({B, hq, 2 * d});  // per head: its q, then its gate
       lv.q_in = qg.narrow(2, 0, d), lv.gate_in = qg.narrow(2, d, d);
       lv.k_in = lv.proj.narrow(1, 2 * hq * d, hkv * d).view({B, hkv, d});
@@ -227,8 +220,7 @@ DecodeModel::Work& DecodeModel::work(int64_t B) const {
     }
     v.layers.push_back(std::move(lv));
   }
-  w.views.emplace(B, std::move(v));
-  return w;
+  return w.views.emplace(B, std::move(v)).first->second;
 }
 
 DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8)
@@ -246,6 +238,15 @@ void DecodeModel::add(Layer layer, size_t nw, size_t ndims, const char* what) {
       TORCH_CHECK(!part.scales.defined() || fp8_ != nullptr, "DecodeModel.", what,
                   ": an fp8 part in a program built without linear_fp8");
   }
+  // the widths the step's buffers and views are cut to
+  const int64_t H = embed_.size(1), pw = width(layer.proj[0]);
+  TORCH_CHECK(width(layer.proj[1]) == H && width(layer.proj[3]) == H && width(layer.proj[2]) % 2 == 0, "DecodeModel.",
+              what, ": the output and down projections must give ", H, " columns, gate_up an even number");
+  const auto& d = layer.dims;
+  const int64_t want = layer.gdn ? d[0] + d[1] + 2 * d[2] : (2 * d[0] + 2 * d[1]) * d[2];
+  TORCH_CHECK(pw == want, "DecodeModel.", what, ": the first projection gives ", pw, " columns, the dims ask ", want);
+  TORCH_CHECK(!layer.gdn || d[0] == 2 * d[3] * d[4] + d[2] * d[5], "DecodeModel.", what, ": conv_dim ", d[0],
+              " is not 2 Hk dk + Hv dv");
   (layer.gdn ? n_gdn_ : n_attn_) += 1;
   layers_.push_back(std::move(layer));
   work_.reset();  // the buffers' widths follow the layers
@@ -282,7 +283,7 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
     TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " is outside the vocabulary");
   auto out = at::empty({B, H}, embed_.options());  // the result: hidden [B, H] after the final norm
   if (B == 0) return out;
-  auto& v = work(B).views.at(B);
+  Views& v = views(B);
   const auto* ep = embed_.data_ptr<at::BFloat16>();  // F.embedding: a row copy
   auto* xp = v.x.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < B; ++i) std::memcpy(xp + i * H, ep + ip[i] * H, H * sizeof(at::BFloat16));

@@ -20,10 +20,13 @@ constexpr int64_t kSerialBelow = int64_t(1) << 16;
 
 namespace ds {
 // n zeroed floats starting on a 64-byte line, freed at scope end: a kernel's scratch read as whole vectors (a
-// std::vector's storage is only 16-byte aligned, and a vector load across two lines costs two)
+// std::vector's storage is only 16-byte aligned, and a vector load across two lines costs two). An empty one
+// (n = 0) allocates nothing until ensure.
 class LineBuffer {
  public:
-  explicit LineBuffer(size_t n = 0) { ensure(n); }
+  explicit LineBuffer(size_t n = 0) {
+    if (n > 0) ensure(n);
+  }
   ~LineBuffer() { std::free(p_); }
   LineBuffer(const LineBuffer&) = delete;
   LineBuffer& operator=(const LineBuffer&) = delete;
@@ -152,9 +155,10 @@ class DecodeModel {
     std::vector<int64_t> dims;
     double eps, scale;
   };
-  struct Work;  // a step's buffers and their per-layer views (decode_layers.cpp)
+  struct Work;   // a step's buffers (decode_layers.cpp)
+  struct Views;  // their views for one row count
   void add(Layer layer, size_t nw, size_t ndims, const char* what);
-  Work& work(int64_t B) const;
+  Views& views(int64_t B) const;  // made on first use (the buffers too, when they hold fewer than B rows)
   at::Tensor embed_, norm_;
   double eps_;
   bool amx_;

@@ -144,7 +144,8 @@ inline void blocks16(int64_t n, F f) {
 #endif
 
 // o[0, n) = a / (1 + exp(-a)) in T, for fp32 sums a: the GDN conv's activation, one code path for every element
-// (pointwise.cpp silu_into and conv_prefill.cpp both call it, so the prefill's bits are the decode step's)
+// (conv_prefill.cpp's rows, which the compiled prefill and decode step both run, and pointwise.cpp silu_into, the
+// torch form's compiled silu: one set of bits for a token through any of them)
 template <typename T>
 inline void silu_row(const float* a, T* o, int64_t n) {
 #if defined(__AVX512F__)
