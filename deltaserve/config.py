@@ -218,6 +218,9 @@ def _optional_int(text: str) -> int | None:
     return None if str(text).lower() in ("none", "auto") else int(text)
 
 
+# --quantize-head: how the LM head's weights are held (HybridModel.prepack_linears)
+QUANTIZE_HEAD_CHOICES = ("none", "fp8")
+
 # --cpu-isa: the compiled CPU kernels' instruction sets (deltaserve/model/ops/cpu_kernels.py builds each)
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
 
@@ -235,6 +238,9 @@ class EngineConfig:
                         metavar="NAME")
     dtype: str = _flag("auto", "weights, activations, KV and conv state (auto = the checkpoint's)",
                        choices=MODEL_DTYPE_CHOICES, replica=True)
+    quantize_head: str = _flag("none", "the LM head: none (as the checkpoint holds it) or fp8 (block-FP8 at load, "
+                               "as a -FP8 checkpoint's linears; a decode step reads half the head's bytes, the logits "
+                               "change by FP8's rounding; CPU, bf16, one rank)", choices=QUANTIZE_HEAD_CHOICES)
     max_model_len: int | None = _flag(None, "longest prompt + completion (default: min(the model's "
                                       "max_position_embeddings, what one request can hold in the pool))",
                                       parse_count, metavar="N", replica=True)
@@ -306,6 +312,11 @@ class EngineConfig:
             raise ConfigError("--max-model-len must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError("--num-threads must be >= 1")
+        if self.quantize_head not in QUANTIZE_HEAD_CHOICES:
+            raise ConfigError(f"--quantize-head must be one of {', '.join(QUANTIZE_HEAD_CHOICES)}, not "
+                              f"{self.quantize_head!r}")
+        if self.quantize_head != "none" and self.tensor_parallel_size > 1:
+            raise ConfigError("--quantize-head fp8 runs on one rank only: drop it or --tensor-parallel-size")
         if self.cpu_isa not in CPU_ISA_CHOICES:
             raise ConfigError(f"--cpu-isa must be one of {', '.join(CPU_ISA_CHOICES)}, not {self.cpu_isa!r}")
         if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:

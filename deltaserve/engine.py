@@ -161,7 +161,7 @@ class LLMEngine:
             self.parallel = TensorParallel.start(config, path, self.dtype, self.device)  # loads shard 0
             self.model = self.parallel.model
         else:
-            self.model = load_model(path, dtype=self.dtype, device=self.device)
+            self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head)
         self.tokenizer = load_tokenizer(path)
         kern = self.model.decode_kernels
         self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers

@@ -26,6 +26,7 @@ SAMPLES = {
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),
     "cpu_isa": ("avx2", "avx2"),
+    "quantize_head": ("fp8", "fp8"),
     "tensor_parallel_size": ("2", 2),
     "nnodes": ("1", 1),
     "node_rank": ("0", 0),

@@ -362,3 +362,59 @@ def test_the_fp8_build_follows_the_decode_kernels_instruction_set(monkeypatch):
     assert fp8.build_for(None) == fp8.build_for("none") == "avx512"
     monkeypatch.setattr(fp8, "executable_builds", lambda: ("avx2", "generic"))  # an AVX2-only CPU
     assert [fp8.build_for(i) for i in ("amx", "avx2", None)] == ["avx2", "avx2", "avx2"]
+
+
+# ---- --quantize-head fp8 ---------------------------------------------------------------------------------------
+
+def test_quantize_head_fp8_logits_and_bits(ext, fp8_dir):
+    """--quantize-head fp8: the head is quantize_fp8 of the bf16 head (the rule of a -FP8 checkpoint's linears), its
+    product is the torch reference's up to fp32 rounding, each row's bits are the same alone and in a batch, and the
+    logits stay within FP8's rounding of the bf16 head's (relative RMS < 0.06, the same argmax nearly everywhere;
+    docs/fp8.md). The tied embedding stays bf16 for the lookups. Both a bf16 and a block-FP8 checkpoint take it."""
+    from deltaserve.embedded import ensure_model
+    from deltaserve.model.loader import load_model
+    from deltaserve.model.ops.fp8 import row_scales
+
+    rel = lambda a, b: ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
+    for d in (ensure_model("tiny"), fp8_dir):
+        plain, m = load_model(d), load_model(d, quantize_head="fp8")
+        head = m.packed_head
+        assert isinstance(head, Fp8Weight) and head.packed is not None and m.embed_tokens.dtype == torch.bfloat16
+        assert head.shape == tuple(m.embed_tokens.shape) and m.linear_kind == plain.linear_kind
+        q, s = quantize_fp8(m.embed_tokens)
+        h = rand(41, m.config.hidden_size, seed=5).bfloat16()
+        y = m.compute_logits(h)
+        ref = linear_fp8_reference(h, q, row_scales(s, q.shape[0])).float()
+        torch.testing.assert_close(y, ref, atol=2e-2, rtol=1e-2)
+        for i in (0, 7, 8, 40):
+            assert torch.equal(m.compute_logits(h[i:i + 1])[0], y[i])
+        ids = torch.randint(10, 4000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+        y8, yb = _logits(m, ids), _logits(plain, ids)
+        assert rel(y8, yb) < 0.06, rel(y8, yb)
+        assert (y8.argmax(-1) == yb.argmax(-1)).float().mean() > 0.9
+
+
+def test_quantize_head_fp8_serves_and_hits_bit_for_bit(ext):
+    """An engine with --quantize-head fp8 generates, and a prefix-cache hit gives the cold run's tokens."""
+    from deltaserve.llm import LLM
+    from deltaserve.sampling_params import SamplingParams
+
+    llm = LLM(quantize_head="fp8", kv_cache_memory=64 << 20)
+    assert isinstance(llm.engine.model.packed_head, Fp8Weight)
+    prompt = {"prompt_token_ids": list(range(20, 300))}
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cold, hit = (llm.generate([prompt], sp, use_tqdm=False)[0] for _ in range(2))
+    assert hit.num_cached_tokens >= 256 and hit.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_quantize_head_refusals():
+    from deltaserve.config import EngineConfig
+    from deltaserve.embedded import ensure_model
+    from deltaserve.model.loader import load_model
+
+    with pytest.raises(ConfigError, match="--quantize-head must be one of none, fp8"):
+        EngineConfig(quantize_head="int4")
+    with pytest.raises(ConfigError, match="one rank only"):
+        EngineConfig(quantize_head="fp8", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="needs bf16 weights on the CPU"):
+        load_model(ensure_model("tiny"), dtype="float32", quantize_head="fp8")

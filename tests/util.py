@@ -38,17 +38,20 @@ def random_tokens(rng: random.Random, n: int, vocab: int = 3000) -> list[int]:
 
 
 def assert_linear_rows_batch_invariant(linear, x, w) -> None:
-    """linear(x, w) [41, N]: each row's bits are the same alone, in a slice of others, and on one thread."""
+    """linear(x, w) [41, N]: each row's bits are the same alone, in a slice of others, on one thread and on three
+    (the threads take pieces of the column blocks as they come free: kernels.h parallel_chunks)."""
     import torch
 
     full = linear(x, w)
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(linear(x, w), full), threads
+            for m in (0, 7, 8, 9, 40):
+                assert torch.equal(linear(x[m:m + 1], w)[0], full[m]), (threads, m)
+    finally:
+        torch.set_num_threads(n)
     for m in (0, 7, 8, 9, 40):
         assert torch.equal(linear(x[m:m + 1], w)[0], full[m])
     assert torch.equal(linear(x[5:22], w), full[5:22])
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = linear(x, w)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(one, full)

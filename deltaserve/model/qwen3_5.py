@@ -23,7 +23,7 @@ from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
-from .ops.fp8 import fp8_kernel, path_for
+from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
 from .ops.linear import PackedWeight, can_prepack, linear
 from .ops.table import Ops
 
@@ -158,7 +158,7 @@ class HybridModel(nn.Module):
         w = self.packed_head if self.packed_head is not None else (self.embed_tokens if self.tied else self.lm_head)
         return linear(hidden, w).float()
 
-    packed_head: PackedWeight | None = None
+    packed_head: PackedWeight | Fp8Weight | None = None  # the head as compute_logits multiplies it
     linear_kind: str | None = None  # "cpp" | "onednn" once prepack_linears packed, else None (F.linear)
     decode_kernels: DecodeKernels | None = None  # chosen once, on first use or by select_decode_kernels()
     ops: Ops | None = None  # the op table over those kernels (ops/table.py)
@@ -172,20 +172,27 @@ class HybridModel(nn.Module):
         self.ops = Ops.for_kernels(self.decode_kernels)
         return self.decode_kernels
 
-    def prepack_linears(self) -> bool:
+    def prepack_linears(self, quantize_head: str = "none") -> bool:
         """Where it helps (bf16 weights on a CPU): pack every projection and the head once, for the compiled
         linear_bf16 where the decode kernels are compiled (any instruction set: batch-invariant, fastest here),
         else into oneDNN's layout (F.linear's bits). The packed weights replace the parameters (they leave
         state_dict; the embedding stays for lookups). Returns whether it packed; call once, after loading,
-        before serving. self.linear_kind says which packing ("cpp", "onednn" or None)."""
+        before serving. self.linear_kind says which packing ("cpp", "onednn" or None).
+        quantize_head "fp8": the head is quantized to block-FP8 (ops/fp8.py quantize_fp8, the rule a -FP8
+        checkpoint's linears were made by) and multiplied by the compiled linear_fp8; a tied embedding stays bf16
+        for the lookups beside it. ConfigError where there is no compiled fp8 kernel."""
         if self.packed_head is not None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return False
         kernels = self.decode_kernels or self.select_decode_kernels()
         ext = kernels.ext if kernels.compiled and kernels.ext.bf16_linear_available() else None
         if ext is None and not can_prepack(self.dtype, self.device):
+            if quantize_head != "none":
+                raise ConfigError(f"--quantize-head {quantize_head}: no compiled linear on this machine")
             return False  # neither the compiled linear (any instruction set) nor oneDNN's bf16
         # block-FP8 weights the loader kept: the fp8 build of the decode kernels' instruction set
-        fp8_ext = fp8_kernel(kernels.isa) if quant.quantized_bytes(self) else None
+        fp8_ext = fp8_kernel(kernels.isa) if quant.quantized_bytes(self) or quantize_head == "fp8" else None
+        if quantize_head == "fp8" and fp8_ext is None:
+            raise ConfigError("--quantize-head fp8: this machine has no compiled fp8 linear (see the warning above)")
         fp8_path = path_for(fp8_ext, kernels.isa) if fp8_ext is not None else ""  # amx: AMX tiles for fp8 too
         for module in self.modules():
             names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
@@ -196,6 +203,16 @@ class HybridModel(nn.Module):
         if fp8_ext is not None:
             log.info("fp8 linear: path %s", fp8_path or fp8_ext.fp8_paths()[0])
         head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
-        self.packed_head = PackedWeight(head, ext)
-        self.linear_kind = self.packed_head.kind
+        if quantize_head != "fp8":
+            self.packed_head = PackedWeight(head, ext)
+            self.linear_kind = self.packed_head.kind
+        else:  # the projections' packing names linear_kind; the head is not packed in bf16 at all
+            self.linear_kind = "cpp" if ext is not None else "onednn"
+            rows = 64 * 128  # 128-row blocks at a time: quantize_fp8's fp32 copies stay small for a large vocab
+            parts = [quantize_fp8(head.detach()[r: r + rows]) for r in range(0, head.shape[0], rows)]
+            self.packed_head = Fp8Weight.from_checkpoint(torch.cat([q for q, _ in parts]),
+                                                         torch.cat([s for _, s in parts]), "lm_head")
+            self.packed_head.pack(fp8_ext, fp8_path)
+            log.info("LM head quantized to block-FP8 (%s MB, was %s MB in bf16)",
+                     f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
         return True

@@ -291,10 +291,10 @@ void linear_bf16_into(const at::Tensor& x, const at::Tensor& packed, int64_t N, 
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t ys = y.stride(0);
-  // threads split the column blocks, never k: a column's sum order is the same for any thread count; a call of
-  // fewer than kSerialBelow multiply-adds stays on the calling thread (kernels.h)
-  const int64_t grain = M * N * K < kSerialBelow ? nblk : 1;
-  at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
+  // threads take pieces of the column blocks, never of k: a column's sum order is the same for any thread count
+  // and split; a call of fewer than kSerialBelow multiply-adds stays on the calling thread (kernels.h)
+  const int64_t chunk = ds::chunk_blocks(nblk, kNB[std::min<int64_t>(M, kRows)], kPanel, M <= kRows);
+  ds::parallel_chunks(nblk, chunk, M * N * K < kSerialBelow, [&](int64_t t0, int64_t t1) {
     for (int64_t b0 = t0; b0 < t1; b0 += kPanel) {
       const int64_t b1 = std::min(t1, b0 + kPanel);
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {

@@ -229,12 +229,12 @@ at::Tensor linear_bf16_amx(const at::Tensor& x, const at::Tensor& packed, int64_
   const auto* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  // as linear_bf16: threads split the column blocks, never k, and a small call stays on the calling thread
+  // as linear_bf16: threads take pieces of the column blocks, never of k, and a small call stays on the calling thread
   const bool serial = M * N * K < kSerialBelow;
   const at::Tensor pad = chunks > 0 ? ds_amx::padded_last_rows(xc) : at::Tensor();
   const auto* padp = pad.defined() ? reinterpret_cast<const uint16_t*>(pad.data_ptr()) : nullptr;
-  at::parallel_for(0, nblk, serial ? nblk : 1,
-                   [&](int64_t t0, int64_t t1) { columns(xp, padp, wp, yp, M, N, kp_n, chunks, t0, t1); });
+  ds::parallel_chunks(nblk, ds::chunk_blocks(nblk, 10, 40, M <= 16), serial,
+                      [&](int64_t t0, int64_t t1) { columns(xp, padp, wp, yp, M, N, kp_n, chunks, t0, t1); });
   return y;
 #else
   TORCH_CHECK(false, "linear_bf16_amx: ", amx_linear_status());

@@ -681,8 +681,10 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
   const float* sp = scales.data_ptr<float>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t wstride = ngroups * 64;
-  // threads split the column blocks, never k; a small call (a small model's decode) stays on the calling thread
-  const int64_t grain = M * N * K < kSerialBelow ? nblk : 1;
+  // threads take pieces of the column blocks (kernels.h parallel_chunks), never of k; a small call (a small
+  // model's decode) stays on the calling thread
+  const bool serial = M * N * K < kSerialBelow;
+  const int64_t chunk = ds::chunk_blocks(nblk, 8, kPanel, M <= 8);
 #if defined(DS_FP8_AVX512)
   const Luts luts = make_luts();
 #endif
@@ -690,7 +692,7 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
   if (which == Path::kAmx) {
     const at::Tensor pad = ds_amx::padded_last_rows(xc);
     const at::BFloat16* padp = pad.defined() ? pad.data_ptr<at::BFloat16>() : nullptr;
-    at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
+    ds::parallel_chunks(nblk, chunk, serial, [&](int64_t t0, int64_t t1) {
       columns_amx(xp, padp, M, K, wp, ngroups, sp, KB, yp, N, t0, t1, luts);
     });
     return y;
@@ -700,7 +702,7 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
   if (which == Path::kAvx2) {
     auto xf = xc.to(at::kFloat);  // [M, K] fp32: each x value widened once, not once per column block
     const float* xfp = xf.data_ptr<float>();
-    at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
+    ds::parallel_chunks(nblk, chunk, serial, [&](int64_t t0, int64_t t1) {
       const NoDaz keep_denormals;
       for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx2) {
         const int mt = static_cast<int>(std::min<int64_t>(kRowsAvx2, M - m0));
@@ -714,7 +716,7 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
     return y;
   }
 #endif
-  at::parallel_for(0, nblk, grain, [&](int64_t t0, int64_t t1) {
+  ds::parallel_chunks(nblk, chunk, serial, [&](int64_t t0, int64_t t1) {
     for (int64_t b0 = t0; b0 < t1; b0 += kPanel) {
       const int64_t b1 = std::min(t1, b0 + kPanel);
       if (which == Path::kScalar) {
