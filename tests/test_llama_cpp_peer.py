@@ -136,6 +136,13 @@ def test_render_llama_cpp_columns_and_fp8_hook():
     assert "llama-server -t 2 -np 8" in text
     text = render(res(True))
     assert "deltaserve-fp8/llama.cpp-q8_0" in text.splitlines()[0] and "| 0.50x | 0.75x |" in text, text
+    assert "- tiny: FP8 decode@1 3.00x our bf16 (meets the 1.7x bar)" in text, text
+    r = res(True)  # the --fp8-head arm: its column, its ratio to q8_0 (both quantize the head), its bar
+    r.best[("tiny", "decode@1", "deltaserve-fp8-head")] = 320.0
+    r.arm_info[("tiny", "deltaserve-fp8-head")] = {}
+    text = render(r)
+    assert "| deltaserve-fp8-head tok/s |" in text.splitlines()[0] and "deltaserve-fp8-head/llama.cpp-q8_0 |" in text
+    assert "| 0.50x | 0.75x | 0.80x |" in text and "FP8 with the head in FP8 decode@1 3.20x our bf16" in text, text
 
 
 def test_cli_rejects_unknown_peers_and_types(capsys):

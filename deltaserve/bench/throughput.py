@@ -512,11 +512,10 @@ def render(res: Results) -> str:
             f8, ds1 = res.best.get((preset, "decode@1", arm)), res.best.get((preset, "decode@1", "deltaserve"))
             if not (f8 and ds1):
                 continue
-            nbytes = res.arm_info[(preset, arm)]["bytes_read"]
-            own = bw / nbytes if bw else None
+            nbytes = res.arm_info.get((preset, arm), {}).get("bytes_read")
+            own = bw / nbytes if bw and nbytes else None
             bars.append(f"- {preset}: {what} decode@1 {f8 / ds1:.2f}x our bf16 ({'meets' if f8 >= 1.7 * ds1 else 'below'} "
-                        f"the 1.7x bar; bytes give {rf['bytes_read'] / nbytes:.2f}x)" if rf else
-                        f"- {preset}: {what} decode@1 {f8 / ds1:.2f}x our bf16")
+                        "the 1.7x bar" + (f"; bytes give {rf['bytes_read'] / nbytes:.2f}x)" if rf and nbytes else ")"))
             if own:
                 bars[-1] += (f", {100 * f8 / own:.0f}% of its roofline at {nbytes / 1e6:,.1f} MB per token "
                              f"({'meets' if f8 >= 0.8 * own else 'below'} the 80% bar)")
