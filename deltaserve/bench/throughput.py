@@ -277,25 +277,18 @@ def run(args) -> Results:
             except Exception as e:  # noqa: BLE001
                 res.unavailable[(preset, name)] = f"{type(e).__name__}: {e}"
                 _progress(f"{preset}: {name} failed to start: {e}")
-        if getattr(args, "fp8", False):  # ours on the same weights as a block-FP8 checkpoint (docs/fp8.md)
-            try:
-                fp8_dir = ensure_model(preset, quantize="fp8")
-                arms.append(DeltaservePeer(fp8_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
-                                           kv_cache_memory=kv, cpu_isa=args.cpu_isas[0], name="deltaserve-fp8"))
-                res.arm_info[(preset, "deltaserve-fp8")] = {
-                    **arms[-1].info, "bytes_read": weight_bytes_per_token(fp8_dir)["bytes_read_stored"]}
-            except Exception as e:  # noqa: BLE001
-                res.unavailable[(preset, "deltaserve-fp8")] = f"{type(e).__name__}: {e}"
-                _progress(f"{preset}: deltaserve-fp8 failed to start: {e}")
-        if getattr(args, "fp8_head", False):  # the FP8 checkpoint with its bf16 head quantized too (--quantize-head)
-            name = "deltaserve-fp8-head"
+        # ours on the same weights as a block-FP8 checkpoint (docs/fp8.md), and that checkpoint with its bf16 head
+        # quantized too (--quantize-head fp8), each against the bytes it streams
+        for flag, name, head, counted in (("fp8", "deltaserve-fp8", "none", "bytes_read_stored"),
+                                          ("fp8_head", "deltaserve-fp8-head", "fp8", "bytes_read_fp8_head")):
+            if not getattr(args, flag, False):
+                continue
             try:
                 fp8_dir = ensure_model(preset, quantize="fp8")
                 arms.append(DeltaservePeer(fp8_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
                                            kv_cache_memory=kv, cpu_isa=args.cpu_isas[0], name=name,
-                                           quantize_head="fp8"))
-                res.arm_info[(preset, name)] = {
-                    **arms[-1].info, "bytes_read": weight_bytes_per_token(fp8_dir)["bytes_read_fp8_head"]}
+                                           quantize_head=head))
+                res.arm_info[(preset, name)] = {**arms[-1].info, "bytes_read": weight_bytes_per_token(fp8_dir)[counted]}
             except Exception as e:  # noqa: BLE001
                 res.unavailable[(preset, name)] = f"{type(e).__name__}: {e}"
                 _progress(f"{preset}: {name} failed to start: {e}")
