@@ -76,6 +76,35 @@ def test_agent_workload_shape():
     assert prompts_of(shared, sessions[0])[1] != ps[1]  # sessions differ after the shared prefix
 
 
+def test_ideal_in_context_takes_the_fastest_runs_and_never_divides_by_noise():
+    from deltaserve.bench.agent.report import measure_ideal_in_context, summarize
+    from deltaserve.bench.agent.workload import TurnResult
+
+    class Scripted:
+        """TTFTs by (prompt length, salt), as a driver's cold runs would return them."""
+
+        def __init__(self, times):
+            self.times, self.salts = times, []
+
+        def ttft(self, prompts, salt=None):
+            self.salts.append(salt)
+            return [self.times[(len(prompts[0]), salt.split("-")[1])].pop(0)]
+
+    def turn(session, k, cached):
+        return TurnResult("a", session, k, 100, cached, ttft_s=0.01, e2e_s=0.02, output_tokens=2)
+
+    prompts = {(0, 1): list(range(100)), (0, 2): list(range(100)), (1, 1): list(range(100))}
+    res = [turn(0, 0, 0), turn(0, 1, 60), turn(0, 2, 80), turn(1, 1, 60)]
+    # turn 2 (sample 1): fastest full 0.10, fastest 80-token prefix 0.07 -> 0.03; turn 1 (sample 0): the fastest
+    # full run is no slower than the fastest prefix run -> unmeasured, not 1e-9
+    drv = Scripted({(100, "0"): [0.12, 0.09, 0.10], (60, "0"): [0.09, 0.095, 0.1],
+                    (100, "1"): [0.2, 0.10, 0.11], (80, "1"): [0.07, 0.08, 0.09]})
+    assert measure_ideal_in_context(drv, res, prompts, samples=3, repeats=3) == (1, 2)  # session 0's two hits
+    assert len(set(drv.salts)) == 12  # every cold run under a salt of its own
+    assert res[1].ideal_ctx_s is None and res[2].ideal_ctx_s == pytest.approx(0.03) and res[3].ideal_ctx_s is None
+    assert summarize("a", "deltaserve", res, 1.0, {})["hit_vs_ideal_ctx"] == pytest.approx(0.01 / 0.03)
+
+
 def _bench_subprocess(args: list[str]) -> str:
     """Run `deltaserve bench ARGS` in a fresh interpreter: OMP_WAIT_POLICY only takes effect before torch
     loads (conftest loads it here), and libgomp's spin-wait makes 2-thread torch 5-10x slower on a busy
@@ -101,7 +130,10 @@ def test_agent_in_process_and_transformers(tmp_path):
         hit_rate, cached = float(rows[arm][5]), int(rows[arm][6].replace(",", ""))
         assert hit_rate > 0.3 and cached > 0, rows[arm]
         assert rows[arm][8] != "n/a" and rows[arm][9] != "n/a", rows[arm]  # the ideal was measured
-        assert float(rows[arm][10]) > 0, rows[arm]  # and the in-context ideal (two salted cold prefills)
+        # the in-context ideal (salted cold prefills) is positive, or n/a with a note saying why (on this tiny
+        # 640-token replay the two prefills differ by a few percent: a fast CPU's noise can exceed that)
+        assert rows[arm][10] == "n/a" and f"{arm}: in-context ideal measured on 0 of" in text \
+            or float(rows[arm][10]) > 0, rows[arm]
     assert rows["off"][6] == "0" and rows["transformers"][6] == "0" and rows["transformers"][7] == "n/a"
     assert "Bars (issue 7)" in text and "in-page vs transformers" in text
     # each in-process arm's steps by kind: 2 sessions x 3 output tokens decode in steps of their own or beside the

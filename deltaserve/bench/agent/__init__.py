@@ -107,7 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the ideal for arms with hits: alone only, or alone and per concurrent wave")
     p.add_argument("--ideal-context-samples", type=int, default=2,
                    help="later hit turns (of the first session) whose in-context ideal is measured: cold TTFT of "
-                        "the prompt minus cold TTFT of its cached prefix (two cold prefills each; 0 = skip)")
+                        "the prompt minus cold TTFT of its cached prefix (0 = skip)")
+    p.add_argument("--ideal-context-repeats", type=int, default=3,
+                   help="cold runs of each of the two prefills per sampled turn; the fastest of each is used")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--omp-wait-policy", default="inherit", choices=["passive", "active", "inherit"],
                    help="OMP_WAIT_POLICY set before torch loads (as `bench throughput` does): inherit on a quiet "
@@ -198,7 +200,12 @@ def main(argv: list[str] | None = None) -> int:
                     _progress(f"{driver.name}: measuring the in-context ideal on {a.ideal_context_samples} turns")
                     prompts = {(s, k): p for s, turns in enumerate(sessions)
                                for k, p in enumerate(prompts_of(shared, turns))}
-                    measure_ideal_in_context(driver, res, prompts, a.ideal_context_samples)
+                    got, tried = measure_ideal_in_context(driver, res, prompts, a.ideal_context_samples,
+                                                   a.ideal_context_repeats)
+                    if got < tried:
+                        notes.append(f"{driver.name}: in-context ideal measured on {got} of "
+                                     f"{tried} sampled turns (cold prompt - cold prefix <= 0 "
+                                     f"on the rest: below the runs' noise)")
             all_results.extend(res)
             if isinstance(driver, EngineDriver) and driver.step_note():
                 notes.append(driver.step_note())

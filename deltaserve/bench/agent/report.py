@@ -32,19 +32,31 @@ def measure_ideal(driver, results: list[TurnResult], seed: int = 1, vocab: int =
 
 
 def measure_ideal_in_context(driver, results: list[TurnResult], prompts: dict[tuple[int, int], list[int]],
-                             samples: int) -> None:
+                             samples: int, repeats: int = 3) -> tuple[int, int]:
     """Fill ideal_ctx_s of up to `samples` later hit turns (the last ones of the first session, where the
     context is longest): cold TTFT of the whole prompt minus cold TTFT of the cached prefix alone, both
     under a fresh cache_salt. That is the marginal cost of prefilling the uncached tokens with the
     attention over their context that any engine must do; `ideal_s` (the same count of tokens with no
-    context) leaves that attention out."""
+    context) leaves that attention out.
+
+    Each of the two is the fastest of `repeats` cold runs, taken in turn: the difference is a few percent of
+    either on short contexts, less than one run's noise on a fast CPU. Where the difference still comes out
+    zero or negative, the turn stays unmeasured (None) rather than dividing by a clamp. Returns (turns
+    measured, turns sampled)."""
     hits = [r for r in results if r.turn > 0 and r.cached_tokens > 0]
     first = min((r.session for r in hits), default=None)
-    for k, r in enumerate(sorted((r for r in hits if r.session == first), key=lambda r: r.turn)[-samples:]):
+    sampled = sorted((r for r in hits if r.session == first), key=lambda r: r.turn)[-samples:]
+    measured = 0
+    for k, r in enumerate(sampled):
         p = prompts[(r.session, r.turn)]
-        full = driver.ttft([p], salt=f"ideal-{k}-full")[0]
-        prefix = driver.ttft([p[:r.cached_tokens]], salt=f"ideal-{k}-prefix")[0]
-        r.ideal_ctx_s = max(full - prefix, 1e-9)
+        full, prefix = [], []
+        for i in range(max(1, repeats)):
+            full.append(driver.ttft([p], salt=f"ideal-{k}-{i}-full")[0])
+            prefix.append(driver.ttft([p[:r.cached_tokens]], salt=f"ideal-{k}-{i}-prefix")[0])
+        d = min(full) - min(prefix)
+        r.ideal_ctx_s = d if d > 0 else None
+        measured += d > 0
+    return measured, len(sampled)
 
 
 def summarize(arm: str, engine: str, results: list[TurnResult], wall: float, info: dict) -> dict:
