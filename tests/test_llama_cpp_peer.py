@@ -216,3 +216,7 @@ def test_llama_cpp_targets_lines():
     assert llama_cpp_targets(r) == [
         "- tiny decode@1: deltaserve / llama.cpp-bf16 0.90x (missed, target >= 1.0x)",
         "- tiny decode@8: deltaserve / llama.cpp-bf16 1.60x (met, target >= 1.5x)"]
+    r.best.update({("tiny", "decode@1", "llama.cpp-q8_0"): 125.0, ("tiny", "decode@1", "deltaserve-fp8-head"): 150.0})
+    assert llama_cpp_targets(r)[2:] == [
+        "- tiny decode@1: deltaserve-fp8 / llama.cpp-q8_0 0.96x (missed, target >= 1.0x)",
+        "- tiny decode@1: deltaserve-fp8-head / llama.cpp-q8_0 1.20x (met, target >= 1.0x)"]

@@ -568,7 +568,8 @@ def render(res: Results) -> str:
 # (our arm, llama.cpp arm, row, at least): issue 17's targets that one throughput run can check
 LLAMA_CPP_TARGETS = (("deltaserve", "llama.cpp-bf16", "decode@1", 1.0), ("deltaserve", "llama.cpp-bf16", "decode@8", 1.5),
                      ("deltaserve", "llama.cpp-bf16", "prefill@2048", 1.0),
-                     ("deltaserve-fp8", "llama.cpp-q8_0", "decode@1", 1.0))
+                     ("deltaserve-fp8", "llama.cpp-q8_0", "decode@1", 1.0),
+                     ("deltaserve-fp8-head", "llama.cpp-q8_0", "decode@1", 1.0))  # q8_0 quantizes its head too
 
 
 def llama_cpp_targets(res: Results) -> list[str]:
