@@ -105,6 +105,12 @@ def test_ideal_in_context_takes_the_fastest_runs_and_never_divides_by_noise():
     assert summarize("a", "deltaserve", res, 1.0, {})["hit_vs_ideal_ctx"] == pytest.approx(0.01 / 0.03)
 
 
+def test_agent_refuses_no_cold_runs(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["agent", "--preset", "tiny", "--ideal-context-repeats", "0"])
+    assert e.value.code == 2 and "--ideal-context-repeats must be at least 1, not 0" in capsys.readouterr().err
+
+
 def _bench_subprocess(args: list[str]) -> str:
     """Run `deltaserve bench ARGS` in a fresh interpreter: OMP_WAIT_POLICY only takes effect before torch
     loads (conftest loads it here), and libgomp's spin-wait makes 2-thread torch 5-10x slower on a busy

@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if set(peers) - {"transformers", "vllm", "llama.cpp"}:
         p.error(f"unknown peer(s) {sorted(set(peers) - {'transformers', 'vllm', 'llama.cpp'})}; "
                 "choose from transformers, vllm, llama.cpp")
+    if a.ideal_context_repeats < 1:
+        p.error(f"--ideal-context-repeats must be at least 1, not {a.ideal_context_repeats}")
     from tqdm import tqdm
 
     shared, sessions = make_sessions(a.sessions, a.target_context, a.output_tokens, seed=a.seed,

@@ -45,18 +45,17 @@ def measure_ideal_in_context(driver, results: list[TurnResult], prompts: dict[tu
     measured, turns sampled)."""
     hits = [r for r in results if r.turn > 0 and r.cached_tokens > 0]
     first = min((r.session for r in hits), default=None)
+    assert repeats >= 1, repeats
     sampled = sorted((r for r in hits if r.session == first), key=lambda r: r.turn)[-samples:]
-    measured = 0
     for k, r in enumerate(sampled):
         p = prompts[(r.session, r.turn)]
         full, prefix = [], []
-        for i in range(max(1, repeats)):
+        for i in range(repeats):
             full.append(driver.ttft([p], salt=f"ideal-{k}-{i}-full")[0])
             prefix.append(driver.ttft([p[:r.cached_tokens]], salt=f"ideal-{k}-{i}-prefix")[0])
         d = min(full) - min(prefix)
         r.ideal_ctx_s = d if d > 0 else None
-        measured += d > 0
-    return measured, len(sampled)
+    return sum(r.ideal_ctx_s is not None for r in sampled), len(sampled)
 
 
 def summarize(arm: str, engine: str, results: list[TurnResult], wall: float, info: dict) -> dict:
