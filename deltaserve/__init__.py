@@ -8,13 +8,13 @@ __all__ = ["LLM", "SamplingParams", "LLMEngine", "EngineConfig", "__version__"]
 def __getattr__(name: str):
     # lazy, so `deltaserve plan` and the pure-Python parts start without importing torch
     if name == "LLM":
-        from .llm import LLM
+        from .engine.llm import LLM
         return LLM
     if name == "SamplingParams":
-        from .sampling_params import SamplingParams
+        from .engine.sampling_params import SamplingParams
         return SamplingParams
     if name == "LLMEngine":
-        from .engine import LLMEngine
+        from .engine.llm_engine import LLMEngine
         return LLMEngine
     if name == "EngineConfig":
         from .config import EngineConfig

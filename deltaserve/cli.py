@@ -20,8 +20,8 @@ def generate_parser() -> argparse.ArgumentParser:
 
 def _generate(argv: list[str]) -> int:
     a = generate_parser().parse_args(argv)
-    from .llm import LLM
-    from .sampling_params import SamplingParams
+    from .engine.llm import LLM
+    from .engine.sampling_params import SamplingParams
 
     llm = LLM(**engine_args(a))
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
@@ -44,8 +44,8 @@ def _make_model(argv: list[str]) -> int:
                    help="fp8: block-FP8 linears (e4m3 codes, one fp32 scale per 128 x 128 block), Qwen's -FP8 format")
     p.add_argument("out")
     a = p.parse_args(argv)
-    from .embedded import make_model
-    from .tokenizer import TokenizerError
+    from .embedded.model import make_model
+    from .text.tokenizer import TokenizerError
 
     try:
         print(make_model(a.preset, a.out, seed=a.seed, quantize=a.quantize))
@@ -62,10 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda r: __import__("deltaserve.server", fromlist=["main"]).main(r),
         "generate": _generate,
         "make-model": _make_model,
-        "plan": lambda r: __import__("deltaserve.planner", fromlist=["main"]).main(r),
+        "plan": lambda r: __import__("deltaserve.tools.planner", fromlist=["main"]).main(r),
         "bench": lambda r: __import__("deltaserve.bench", fromlist=["main"]).main(r),
         "profile": lambda r: __import__("deltaserve.profile", fromlist=["main"]).main(r),
-        "simulate": lambda r: (__import__("deltaserve.validate", fromlist=["main"]).main(r[1:]) if r[:1] == ["validate"]
+        "simulate": lambda r: (__import__("deltaserve.tools.validate", fromlist=["main"]).main(r[1:]) if r[:1] == ["validate"]
                                else __import__("deltaserve.sim", fromlist=["main"]).main(r)),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:

@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from .errors import ConfigError
-from .layouts import LAYOUT_NAMES
+
+# --cache-layout's choices, the default first; memory/layouts.py holds a class for each
+LAYOUT_NAMES = ("runs", "in-page", "per-block")
+MODEL_DTYPES = ("bfloat16", "float16", "float32")  # what the model runs in
+
+
+def resolve_dtype(requested: str, mc: "ModelConfig") -> str:
+    """--dtype auto = the checkpoint's dtype; anything the engine cannot run falls back to bfloat16."""
+    d = mc.dtype if requested == "auto" else requested
+    return d if d in MODEL_DTYPES else "bfloat16"
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
 MULTIMODAL_MODEL_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}

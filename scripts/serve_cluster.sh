@@ -10,5 +10,5 @@
 set -euo pipefail
 N=2
 if [[ $# -gt 0 && $1 != "--" ]]; then N=$1; shift; fi
-exec python -m deltaserve.cluster --replicas "$N" --port "${ROUTER_PORT:-8000}" --base-port "${BASE_PORT:-8100}" \
+exec python -m deltaserve.tools.cluster --replicas "$N" --port "${ROUTER_PORT:-8000}" --base-port "${BASE_PORT:-8100}" \
   --prometheus-port "${ROUTER_METRICS_PORT:-29000}" --log-dir "${LOG_DIR:-.}" "$@"

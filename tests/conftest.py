@@ -26,6 +26,6 @@ def pytest_collection_modifyitems(config, items):
 def fp8_tiny(tmp_path_factory):
     """The tiny preset written as a block-FP8 checkpoint (make-model --quantize fp8): the FP8 variants of the
     cache gates run on it."""
-    from deltaserve.embedded import make_model
+    from deltaserve.embedded.model import make_model
 
     return make_model("tiny", str(tmp_path_factory.mktemp("fp8") / "tiny-fp8"), quantize="fp8")

@@ -104,7 +104,7 @@ class FakeEngine:
     FAIL_STEP = "FAIL_STEP"
 
     def __init__(self, config=None, load_delay: float = 0.0):
-        from deltaserve.tokenizer import load_tokenizer
+        from deltaserve.text.tokenizer import load_tokenizer
 
         time.sleep(load_delay)
         self.tokenizer = load_tokenizer(None)
@@ -116,8 +116,8 @@ class FakeEngine:
         self._gen = 0
 
     def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None):
-        from deltaserve.engine import EngineInputError, check_request
-        from deltaserve.tokenizer import IncrementalDetokenizer
+        from deltaserve.engine.inputs import EngineInputError, check_request
+        from deltaserve.text.tokenizer import IncrementalDetokenizer
 
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         params = check_request(ids, params, self.model_config.vocab_size, self.max_model_len)  # as the engine does
@@ -142,7 +142,7 @@ class FakeEngine:
         return bool(self._live)
 
     def step(self):
-        from deltaserve.outputs import CompletionOutput, Logprob, RequestOutput
+        from deltaserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
         if any(r["fail"] for r in self._live.values()):
             for r in self._live.values():
@@ -198,7 +198,7 @@ class FakeEngine:
         return outs
 
     def stats(self):
-        from deltaserve.engine import EngineStats
+        from deltaserve.engine.llm_engine import EngineStats
 
         n = len(self._live)
         return EngineStats(num_running=n, num_waiting=0, pages_total=100, pages_used=n, slots_total=8, slots_used=n,

@@ -27,7 +27,7 @@ def test_throughput_smoke(tmp_path, capsys):
 
 
 def test_weight_bytes_per_token_counts_tied_head_once():
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
 
     d = ensure_model("tiny")
     w = weight_bytes_per_token(d)

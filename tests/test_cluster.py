@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from deltaserve.cluster import Cluster, metric
+from deltaserve.tools.cluster import Cluster, metric
 from tests.server_support import free_port
 from tests.test_kv_events import BlockRemoved, BlockStored, KVEventBatch, session_messages
 

@@ -276,7 +276,7 @@ def test_engine_picks_amx_here_and_logs_it(caplog):
     import logging
 
     from deltaserve.config import EngineConfig
-    from deltaserve.engine import LLMEngine
+    from deltaserve.engine.llm_engine import LLMEngine
 
     why = cpu_kernels.cannot_execute("amx")
     if why:
@@ -295,7 +295,7 @@ def test_engine_picks_amx_here_and_logs_it(caplog):
 def test_engine_refuses_a_set_the_cpu_lacks(monkeypatch):
     """--cpu-isa avx512bf16 on an AVX2-only CPU: a ConfigError naming what is missing, before any model loads."""
     from deltaserve.config import ConfigError, EngineConfig
-    from deltaserve.engine import LLMEngine
+    from deltaserve.engine.llm_engine import LLMEngine
 
     with pytest.raises(ConfigError, match="--cpu-isa must be one of"):
         EngineConfig(cpu_isa="sse2")
@@ -308,9 +308,9 @@ def test_engine_refuses_a_set_the_cpu_lacks(monkeypatch):
 def test_model_decode_steps_match_torch_path(kern):
     """Prefill two sequences, then decode steps (slots 2 and 0, a prefill chunk sharing a step) through the
     compiled kernels and through torch: logits agree (fp32 model)."""
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
-    from deltaserve.model.testing import Sequence, make_caches, step
+    from model_driver import Sequence, make_caches, step
 
     model = load_model(ensure_model("tiny", seed=0), dtype="float32")
     logits = {}
@@ -338,9 +338,9 @@ def test_bf16_model_rows_are_batch_invariant(kern_any):
     """The bf16 model on this set's kernels and packed linear (what the engine serves): a sequence's logits
     are the same bits decoded alone and beside two others, in another slot and at another row position (the
     cache's hit == cold gates rest on it)."""
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
-    from deltaserve.model.testing import Sequence, make_caches, step
+    from model_driver import Sequence, make_caches, step
 
     model = load_model(ensure_model("tiny", seed=0), dtype="bfloat16", prepack=False)
     model.select_decode_kernels("cpp", kern_any.isa)

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from deltaserve import SamplingParams
-from deltaserve.engine import EngineInputError
+from deltaserve.engine.inputs import EngineInputError
 
 from util import greedy, make_llm, random_tokens, run, signature
 
@@ -54,9 +54,9 @@ def test_preempted_equals_uninterrupted():
 
 def _budget_for_pages(small_pages: int, layout: str = "in-page") -> int:
     from deltaserve.config import ModelConfig
-    from deltaserve.embedded import ensure_model
-    from deltaserve.layouts import layout_for
-    from deltaserve.sizing import geometry, hybrid_block_size, size_pool
+    from deltaserve.embedded.model import ensure_model
+    from deltaserve.memory.layouts import layout_for
+    from deltaserve.memory.sizing import geometry, hybrid_block_size, size_pool
 
     mc = ModelConfig.from_path(ensure_model("tiny"))
     g = geometry(mc, "bfloat16", "bfloat16", "float32")

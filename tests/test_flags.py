@@ -122,7 +122,7 @@ def test_cluster_config_checks_replica_flags_as_the_engine_does():
 
 
 def test_defaults_agree_everywhere():
-    from deltaserve.planner import build_parser as plan_parser
+    from deltaserve.tools.planner import build_parser as plan_parser
     from deltaserve.sim.cluster import ReplicaConfig
 
     assert ENGINE_DEFAULTS["cache_layout"] == "runs"

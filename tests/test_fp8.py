@@ -15,7 +15,8 @@ import torch
 from deltaserve.config import ConfigError
 from deltaserve.model.ops import fp8
 from deltaserve.model.ops.fp8 import Fp8Weight, SplitWeight, fuse, linear_fp8_reference, quantize_fp8
-from deltaserve.model.ops.linear import PackedWeight, linear
+from deltaserve.model.ops.linear import linear
+from deltaserve.model.ops.packed import PackedWeight
 from tests.util import assert_linear_rows_batch_invariant
 
 
@@ -188,7 +189,7 @@ def test_quantize_matches_transformers_dequantize():
 
 @pytest.fixture(scope="module")
 def fp8_dir(tmp_path_factory):
-    from deltaserve.embedded import make_model
+    from deltaserve.embedded.model import make_model
 
     d = str(tmp_path_factory.mktemp("fp8") / "tiny-fp8")
     make_model("tiny", d, quantize="fp8")
@@ -230,7 +231,7 @@ def test_transformers_loads_our_checkpoint_with_our_weights(fp8_dir):
 
 
 def _logits(model, ids):
-    from deltaserve.model.testing import Sequence, make_caches, prefill
+    from model_driver import Sequence, make_caches, prefill
 
     caches = make_caches(model, 1, 4, 128)
     return prefill(model, caches, Sequence(0, list(range(4))), ids)
@@ -337,8 +338,8 @@ def test_quantization_config_in_text_config_is_read():
 def test_planner_counts_fp8_weight_bytes(fp8_dir):
     """The planner's block-FP8 count (config only) matches the writer's checkpoint, whose A_log / dt_bias are
     fp32 where the count takes the model dtype; plan reads a checkpoint's quantization_config by itself."""
-    from deltaserve import sizing as S
-    from deltaserve.planner import checkpoint_weight_bytes, plan, resolve_model
+    from deltaserve.memory import sizing as S
+    from deltaserve.tools.planner import checkpoint_weight_bytes, plan, resolve_model
 
     m = resolve_model("tiny").config
     fp32_extra = 2 * 2 * m.linear_num_value_heads * len(m.gdn_layers)  # A_log + dt_bias at 4 B, not 2
@@ -371,7 +372,7 @@ def test_quantize_head_fp8_logits_and_bits(ext, fp8_dir):
     product is the torch reference's up to fp32 rounding, each row's bits are the same alone and in a batch, and the
     logits stay within FP8's rounding of the bf16 head's (relative RMS < 0.06, the same argmax nearly everywhere;
     docs/fp8.md). The tied embedding stays bf16 for the lookups. Both a bf16 and a block-FP8 checkpoint take it."""
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
     from deltaserve.model.ops.fp8 import row_scales
 
@@ -396,8 +397,8 @@ def test_quantize_head_fp8_logits_and_bits(ext, fp8_dir):
 
 def test_quantize_head_fp8_serves_and_hits_bit_for_bit(ext):
     """An engine with --quantize-head fp8 generates, and a prefix-cache hit gives the cold run's tokens."""
-    from deltaserve.llm import LLM
-    from deltaserve.sampling_params import SamplingParams
+    from deltaserve.engine.llm import LLM
+    from deltaserve.engine.sampling_params import SamplingParams
 
     llm = LLM(quantize_head="fp8", kv_cache_memory=64 << 20)
     assert isinstance(llm.engine.model.packed_head, Fp8Weight)
@@ -409,7 +410,7 @@ def test_quantize_head_fp8_serves_and_hits_bit_for_bit(ext):
 
 def test_quantize_head_refusals():
     from deltaserve.config import EngineConfig
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
 
     with pytest.raises(ConfigError, match="--quantize-head must be one of none, fp8"):

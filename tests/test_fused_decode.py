@@ -16,7 +16,7 @@ from tests.test_cpu_kernels import kern_any  # noqa: F401 - the fixture: every i
 def model(request, kern_any):  # noqa: F811
     """The tiny model on this set's kernels, its linears packed by this set's build (as the loader does): bf16, or
     the block-FP8 checkpoint (fp8 projections, and the GDN in_proj split into fp8 rows and bf16 b / a rows)."""
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
     from deltaserve.model.ops.fp8 import Fp8Weight, SplitWeight
 
@@ -31,7 +31,7 @@ def model(request, kern_any):  # noqa: F811
 
 
 def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None, rows: tuple[int, ...] = (3,) * 5):
-    from deltaserve.model.testing import Sequence, make_caches, step
+    from model_driver import Sequence, make_caches, step
 
     calls = []
     real = program.decode_step
@@ -93,9 +93,9 @@ def test_a_decode_row_is_the_same_in_a_fused_and_a_mixed_step(model, monkeypatch
 
 def test_layers_that_do_not_qualify_take_the_op_table_path(monkeypatch):
     """fp32 weights (F.linear, not the packed kernel) never take the compiled call; the torch kernels neither."""
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
-    from deltaserve.model.testing import greedy
+    from model_driver import greedy
 
     fp32 = load_model(ensure_model("tiny", seed=0), dtype="float32")
     seen = []

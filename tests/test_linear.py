@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.model.ops import cpu_kernels
-from deltaserve.model.ops.linear import PackedWeight, linear
+from deltaserve.model.ops.linear import linear
+from deltaserve.model.ops.packed import PackedWeight
 from tests.util import assert_linear_rows_batch_invariant
 
 

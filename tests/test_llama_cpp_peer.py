@@ -17,7 +17,7 @@ from deltaserve.bench.peers import llama_cpp as lc
 
 @pytest.fixture(scope="module")
 def tiny_dir():
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
 
     return ensure_model("tiny")
 

@@ -20,7 +20,7 @@ from deltaserve.model.loader import (
     unfuse_qkvz,
 )
 from deltaserve.model.make import make_random_model
-from deltaserve.model.testing import Sequence, make_caches, prefill
+from model_driver import Sequence, make_caches, prefill
 
 TEXT = {"vocab_size": 96, "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1,
             "head_dim": 16, "intermediate_size": 48, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,

@@ -15,7 +15,7 @@ MODEL = "deltaserve/tiny"
 
 @pytest.mark.slow
 def test_guidellm_streams_chat_completions(tmp_path):
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
 
     srv = RealServer("--max-num-seqs", "16", "--seed", "0")
     try:

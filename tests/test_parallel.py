@@ -94,14 +94,14 @@ def test_prefix_hit_under_tp2_equals_its_cold_twin_bit_for_bit(tiny_tp2):
 
 
 def test_pool_is_sized_per_rank(tiny_tp2):
-    from deltaserve.sizing import geometry
+    from deltaserve.memory.sizing import geometry
 
     eng = tiny_tp2.engine
     one, two = (geometry(eng.model_config, "bfloat16", "bfloat16", "float32", tp=tp) for tp in (1, 2))
     assert eng.pool.slot_bytes == two.gdn_state_bytes_per_seq == one.gdn_state_bytes_per_seq // 2
     assert eng.pool.page_bytes == eng.block_size * two.kv_bytes_per_token_per_layer
     assert eng.store.nbytes() <= 64 * MiB  # the per-rank budget is this rank's real pool
-    from deltaserve.planner import plan  # the planner's per-rank figures are the engine's pool
+    from deltaserve.tools.planner import plan  # the planner's per-rank figures are the engine's pool
 
     planned = plan(eng.model_path, budget_bytes=64 * MiB, tensor_parallel_size=2, max_num_seqs=6)["pools"]["runs"]
     assert (planned["num_pages"], planned["slot_bytes"], planned["block_size"]) == \
@@ -109,8 +109,8 @@ def test_pool_is_sized_per_rank(tiny_tp2):
 
 
 def _budget_for_pages(pages: int, tp: int = 2, seqs: int = 6) -> int:
-    from deltaserve.embedded import ensure_model
-    from deltaserve.sizing import geometry, size_pool
+    from deltaserve.embedded.model import ensure_model
+    from deltaserve.memory.sizing import geometry, size_pool
 
     g = geometry(ModelConfig.from_path(ensure_model("tiny")), "bfloat16", "bfloat16", "float32", tp=tp)
     p = size_pool(g, 1 << 30, 64, seqs, "runs")
@@ -181,7 +181,7 @@ def test_shutdown_stops_the_workers():
 
 
 def test_head_counts_that_do_not_divide_are_refused_with_the_numbers():
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.parallel.sharding import check_divisible
 
     mc = ModelConfig.from_path(ensure_model("tiny"))
@@ -279,7 +279,7 @@ def test_two_nodes_meet_through_master_addr_and_port(tmp_path):
 
 def test_the_builder_sizes_engine_and_simulated_replicas_per_rank():
     from deltaserve.config import EngineConfig
-    from deltaserve.embedded import ensure_model
+    from deltaserve.embedded.model import ensure_model
     from deltaserve.profile import make_engine
     from deltaserve.scheduler.build import build
 

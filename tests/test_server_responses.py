@@ -147,7 +147,7 @@ def test_reasoning_effort_and_encrypted_content_round_trip(client):
                                 include=["reasoning.encrypted_content"], temperature=0)
     assert r.reasoning.effort == "none" and r.status == "incomplete"
     # a reasoning item handed back (as Codex CLI does) is read: content, or this server's encrypted_content
-    from deltaserve.server.responses_input import encode_reasoning
+    from deltaserve.server.responses.input import encode_reasoning
     item = {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": encode_reasoning("thought")}
     r2 = client.responses.create(model=MODEL, max_output_tokens=2, input=[
         {"role": "user", "content": "q"}, item, {"role": "assistant", "content": "a"},

@@ -1,11 +1,11 @@
-"""The memory arithmetic (deltaserve.sizing) against published figures (vLLM, vllm-gaudi) and the shipped presets. Pure Python."""
+"""The memory arithmetic (deltaserve.memory.sizing) against published figures (vLLM, vllm-gaudi) and the shipped presets. Pure Python."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from deltaserve import sizing as S
+from deltaserve.memory import sizing as S
 from deltaserve.config import ConfigError, ModelConfig
 from deltaserve.presets import ALIASES, load_preset, preset_names, preset_source
 

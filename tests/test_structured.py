@@ -1,4 +1,4 @@
-"""Constrained decoding (deltaserve.structured) on the embedded tokenizer, driven by a random 'model'.
+"""Constrained decoding (deltaserve.text.structured) on the embedded tokenizer, driven by a random 'model'.
 
 A random walk over the allowed tokens stands in for the model: whatever it picks, the text must
 parse and validate. Walks are biased to finish so they end in a bounded number of steps.
@@ -9,13 +9,13 @@ import random
 import jsonschema
 import pytest
 
-from deltaserve.parsers import extract_tool_calls
-from deltaserve.structured import GrammarError, GuideFactory
+from deltaserve.text.parsers import extract_tool_calls
+from deltaserve.text.structured import GrammarError, GuideFactory
 
 
 def _tokenizer():
     try:
-        from deltaserve.tokenizer import load_tokenizer
+        from deltaserve.text.tokenizer import load_tokenizer
     except ImportError:  # the project tokenizer has not landed: a small byte-level BPE of the same kind
         from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
@@ -193,7 +193,7 @@ def test_tool_grammar_bound_errors(factory):
 
 
 def test_thinking_budget_forces_think_end(tok, factory):
-    from deltaserve.structured import ThinkingBudgetGuide
+    from deltaserve.text.structured import ThinkingBudgetGuide
 
     end = tok.token_to_id("</think>")
     inner = factory.guide(factory.json_object_grammar(), wait_for_think_end=True)

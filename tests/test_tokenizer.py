@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from deltaserve.tokenizer import (EMBEDDED_TOKENIZER_DIR, IncrementalDetokenizer, TokenizerError, load_tokenizer,
+from deltaserve.text.tokenizer import (EMBEDDED_TOKENIZER_DIR, IncrementalDetokenizer, TokenizerError, load_tokenizer,
                                   write_tokenizer)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -48,7 +48,8 @@ def make_tp_model(model_type: str, out_dir: str, seed: int = 0, **overrides) -> 
     """Write a checkpoint of model_type to out_dir; returns out_dir."""
     from safetensors.torch import save_file
 
-    from deltaserve.model.make import random_state_dict, write_preset_tokenizer
+    from deltaserve.embedded.model import write_preset_tokenizer
+    from deltaserve.model.make import random_state_dict
 
     config = {"model_type": model_type, **COMMON, **EXTRA[model_type], **overrides}
     sd = random_state_dict(config, seed)

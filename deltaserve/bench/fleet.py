@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from ..config import ENGINE_DEFAULTS, EVICTIONS, add_engine_args, engine_args
-from ..layouts import LAYOUT_NAMES
+from ..config import LAYOUT_NAMES
 from .agent.workload import TurnResult
 
 DEFAULTS = {  # per preset: sessions, turns, output tokens, the cache pool
@@ -59,8 +59,8 @@ def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.
     turn think_time seconds after its answer is complete (the client runs a tool meanwhile; the engine is free to
     do its background work). Returns its summary."""
     from ..config import EngineConfig
-    from ..engine import LLMEngine
-    from ..sampling_params import SamplingParams
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig.from_kwargs(**engine_flags))
     params = SamplingParams(temperature=0.0, max_tokens=wl.output_tokens, ignore_eos=True)

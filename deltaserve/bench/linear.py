@@ -18,7 +18,7 @@ import time
 
 def _weights(preset: str):
     """(name, [out, in] bf16 weight) for every packable projection and the head of the preset's model."""
-    from ..embedded import ensure_model
+    from ..embedded.model import ensure_model
     from ..model.loader import load_model
 
     model = load_model(ensure_model(preset), dtype="bfloat16", prepack=False)
@@ -36,7 +36,7 @@ def _fp8_arm(weights, ext) -> list:
     """The fp8 arm's weights: each projection quantized and packed for linear_fp8 as the engine runs it on ext's
     instruction set (its fp8 build, build_for; the amx path on the amx set), the head compiled bf16."""
     from ..model.ops.fp8 import Fp8Weight, build_for, load_fp8_extension, path_for, quantize_fp8
-    from ..model.ops.linear import PackedWeight
+    from ..model.ops.packed import PackedWeight
 
     fp8_ext = load_fp8_extension(build_for(ext.kernel_isa()))
     path = path_for(fp8_ext, ext.kernel_isa())
@@ -58,7 +58,8 @@ def run(preset: str, rows: list[int], repeats: int, fp8: bool = False,
     import torch
 
     from ..model.ops.cpu_kernels import load_extension, resolve_isa
-    from ..model.ops.linear import PackedWeight, linear
+    from ..model.ops.linear import linear
+    from ..model.ops.packed import PackedWeight
     from ..runner.platform import tune_allocator
 
     tune_allocator()  # as the engine: the head's output at 512 rows (254 MB) is not mmapped and faulted per call

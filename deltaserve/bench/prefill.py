@@ -13,8 +13,8 @@ import types
 
 
 def run(preset: str, tokens: int, repeats: int, cpu_isa: str = "auto", fp8: bool = False) -> dict:
-    from ..embedded import ensure_model
-    from ..llm import LLM
+    from ..embedded.model import ensure_model
+    from ..engine.llm import LLM
     from ..profile.profiler import Profiler
 
     llm = LLM(ensure_model(preset, quantize="fp8" if fp8 else None), dtype="bfloat16", kv_cache_memory=1 << 30,

@@ -54,7 +54,7 @@ class DeltaservePeer:
 
     def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
                  cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none"):
-        from ..llm import LLM
+        from ..engine.llm import LLM
 
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -67,7 +67,7 @@ class DeltaservePeer:
                      "cpu_kernels": self.engine.cpu_kernels, "linear": self.engine.model.linear_kind}
 
     def _params(self, n: int):
-        from ..sampling_params import SamplingParams
+        from ..engine.sampling_params import SamplingParams
 
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
@@ -228,7 +228,7 @@ def _token_range(model_dir: str) -> tuple[int, int]:
 def run(args) -> Results:
     import torch
 
-    from ..embedded import ensure_model
+    from ..embedded.model import ensure_model
     from .peers.vllm_peer import VllmPeer, default_vllm_python
 
     if args.threads:
@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     a.streams = [1, 8, 32] if a.streams is None else a.streams
     a.repeats = a.repeats or 2
     if a.log_dir is None:
-        from ..embedded import home
+        from ..embedded.home import home
 
         a.log_dir = os.path.join(home(), "bench-logs")
     if a.omp_wait_policy != "inherit":

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..errors import ConfigError
-from ..layouts import CacheLayout, layout_for
+from .layouts import CacheLayout, layout_for
 from .eviction import EvictionPolicy, LRUEviction
 from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, CacheRecord
 from .hashing import BlockHash, block_hash

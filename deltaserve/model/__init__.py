@@ -5,11 +5,11 @@
     make_random_model(hf_config, out_dir, seed=0)                     (make.py)
 
 batch.py holds the runner <-> model interface (Span, ForwardBatch, Caches); ops/ the kernels with their
-references; testing.py a minimal single-process driver for tests. Attributes load lazily (torch imports).
+references (tests/model_driver.py drives a model without the runner, for the tests). Attributes load lazily (torch imports).
 """
 from __future__ import annotations
 
-_EXPORTS = {"load_model": "loader", "WeightsError": "loader", "HybridModel": "qwen3_5",
+_EXPORTS = {"load_model": "loader", "WeightsError": "errors", "HybridModel": "qwen3_5",
             "make_random_model": "make"}
 
 

@@ -21,7 +21,7 @@ import torch
 from .batch import long_tensor
 from .ops.cpu_kernels import tap_major
 from .ops.fp8 import Fp8Weight, SplitWeight
-from .ops.linear import PackedWeight
+from .ops.packed import PackedWeight
 
 
 def _parts(w, ext, fp8_exts: set) -> list | None:

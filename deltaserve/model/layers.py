@@ -18,7 +18,7 @@ from torch import nn
 from ..config import ModelConfig
 from .batch import ForwardBatch
 from .ops.cpu_kernels import TORCH, DecodeKernels
-from .ops.linear import PackedWeight
+from .ops.packed import PackedWeight
 from .ops.table import Ops
 
 

@@ -26,16 +26,13 @@ import torch
 
 from ..config import ConfigError, ModelConfig
 from . import fused, quant
+from .errors import WeightsError
 from .ops.fp8 import fuse
 from .qwen3_5 import HybridModel, torch_dtype
 
 log = logging.getLogger("deltaserve.model.loader")
 
 FP32_PARAMS = ("A_log", "dt_bias")  # GDN decay parameters stay float32 whatever the weight dtype
-
-
-class WeightsError(ConfigError):
-    """Weights of a checkpoint directory that do not match its config: the message names the tensor."""
 
 
 # ---- reading ---------------------------------------------------------------------------------------------

@@ -163,14 +163,3 @@ def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: st
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
     save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-
-
-def write_preset_tokenizer(qwen35: bool, out_dir: str) -> list[str]:
-    """A random-weight checkpoint's tokenizer: the real Qwen3.5 one (fetched and converted once, see
-    deltaserve/qwen35_tokenizer.py) or deltaserve's own small one; returns the paths written."""
-    os.makedirs(out_dir, exist_ok=True)
-    if qwen35:
-        from ..qwen35_tokenizer import write_qwen35_tokenizer
-        return write_qwen35_tokenizer(out_dir)
-    from ..tokenizer import write_tokenizer
-    return write_tokenizer(out_dir)

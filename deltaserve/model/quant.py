@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ConfigError
+from .errors import WeightsError
 from .ops.fp8 import BLOCK, FP8, Fp8Weight, SplitWeight, dequantize_weight, fp8_kernel, is_quantized  # noqa: F401
 
 SUPPORTED = ("block-FP8 only: quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128], activation_scheme "
@@ -81,7 +82,6 @@ def fp8_take(key: str, t: torch.Tensor, scale: torch.Tensor | None, spec: Fp8Spe
              path: str) -> torch.Tensor | Fp8Weight:
     """The checkpoint tensor `key` as the loader hands it on: an Fp8Weight for a quantized linear weight, else t.
     scale: the checkpoint's `key`_scale_inv, or None. Raises WeightsError on an inconsistent pair."""
-    from .loader import WeightsError
 
     module = key[:-len(".weight")] if key.endswith(".weight") else key
     if t.dtype != FP8:

@@ -24,7 +24,8 @@ from .layers import DecoderLayer, StepContext, _param, prepack
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
-from .ops.linear import PackedWeight, can_prepack, linear
+from .ops.linear import linear
+from .ops.packed import PackedWeight, can_prepack
 from .ops.table import Ops
 
 log = logging.getLogger("deltaserve")

@@ -33,7 +33,7 @@ import dataclasses
 import torch
 
 from ..config import ConfigError, ModelConfig
-from ..sizing import cdiv
+from ..memory.sizing import cdiv
 
 
 def check_divisible(cfg: ModelConfig, tp: int) -> None:

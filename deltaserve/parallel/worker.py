@@ -139,10 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     import multiprocessing as mp
 
     from ..config import EngineConfig, ModelConfig, add_engine_args, engine_args
-    from ..embedded import ensure_model
+    from ..embedded.model import ensure_model
     from ..runner.platform import select_device
-    from ..scheduler.build import resolve_dtype
-
+    
     ap = argparse.ArgumentParser(prog="python -m deltaserve.parallel.worker",
                                  description="the tensor-parallel ranks of one node other than node 0")
     add_engine_args(ap)

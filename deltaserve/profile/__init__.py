@@ -41,7 +41,7 @@ def make_engine(**flags):
     """The profiling engine: an LLMEngine with these engine flags (EngineConfig names), its pool DEFAULT_KV_BYTES
     for the preset unless kv_cache_memory is given."""
     from ..config import EngineConfig
-    from ..engine import LLMEngine
+    from ..engine.llm_engine import LLMEngine
 
     cfg = EngineConfig.from_kwargs(**flags)
     if cfg.tensor_parallel_size > 1:  # the profiler times one process's forwards; its bundles derive per_tp

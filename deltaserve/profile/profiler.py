@@ -493,8 +493,8 @@ class Profiler:
     # ------------------------------------------------------------------ the head and the sampler, per sampled row
     @torch.inference_mode()
     def profile_rows(self) -> None:
-        from ..sampler import SamplingState
-        from ..sampling_params import SamplingParams
+        from ..engine.sampler import SamplingState
+        from ..engine.sampling_params import SamplingParams
 
         m, H = self.model, self.cfg.hidden_size
         sp = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
@@ -669,7 +669,7 @@ def run_calibration(engine, workload, progress: bool = True) -> list[dict]:
     """Run the workload through engine.step(), capturing each step's plan, wall time and thread CPU time."""
     from tqdm import tqdm
 
-    from ..sampling_params import SamplingParams
+    from ..engine.sampling_params import SamplingParams
     from ..sim.latency import StepShape
 
     rows = []
@@ -809,7 +809,7 @@ def write_bundle(out: str, engine, prof: Profiler | None, meta_extra: dict) -> N
 
 def engine_resolved_per_tp(mc, dtype: str, user_block_size: int, layout: str, tps=(1, 2, 4, 8)) -> dict:
     from ..config import ConfigError
-    from ..sizing import ENGINE_KERNEL_ALIGNMENT, engine_block_size, geometry
+    from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT, engine_block_size, geometry
 
     per = {}
     for tp in tps:

@@ -21,7 +21,7 @@ import torch
 from ..config import ModelConfig
 from ..model.batch import Caches
 from ..scheduler.plan import StateCopy
-from ..sizing import Pool
+from ..memory.sizing import Pool
 
 
 class CacheStore:

@@ -15,21 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ENGINE_DEFAULTS, ConfigError, EngineConfig, ModelConfig
-from ..layouts import layout_for
+from ..config import ENGINE_DEFAULTS, ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from ..memory.layouts import layout_for
 from ..memory.eviction import EVICTION_POLICIES
 from ..memory.manager import MemoryManager
-from ..sizing import ENGINE_KERNEL_ALIGNMENT, Geometry, Pool, engine_block_size, geometry, size_pool
+from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT, Geometry, Pool, engine_block_size, geometry, size_pool
 from .scheduler import Scheduler
-
-MODEL_DTYPES = ("bfloat16", "float16", "float32")
-
-
-def resolve_dtype(requested: str, mc: ModelConfig) -> str:
-    """--dtype auto = the checkpoint's dtype; anything the engine cannot run falls back to bfloat16."""
-    d = mc.dtype if requested == "auto" else requested
-    return d if d in MODEL_DTYPES else "bfloat16"
-
 
 @dataclass(frozen=True)
 class EngineShape:

@@ -52,7 +52,7 @@ from typing import Mapping
 
 from ..config import ConfigError
 from ..memory.manager import CacheStats, CheckpointError, MemoryManager, MemoryUsage, PrefixHit
-from ..sizing import ENGINE_KERNEL_ALIGNMENT as KERNEL_GRID  # the GDN chunked kernel's 64-token grid
+from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT as KERNEL_GRID  # the GDN chunked kernel's 64-token grid
 from .plan import SeqWork, StateCopy, StepPlan
 from .policy import AlignEveryBlock, CheckpointPolicy, GridChunks
 from .request import FINISH_STATUS, Request, RequestStatus

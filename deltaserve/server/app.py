@@ -26,14 +26,14 @@ from starlette.responses import JSONResponse, Response
 
 from .async_engine import AsyncEngine
 from .errors import ANTHROPIC_PREFIX, ApiError, shaped_error_body
-from .messages import MessagesServing
-from .messages_protocol import CountTokensRequest, MessagesRequest
+from .anthropic.routes import MessagesServing
+from .anthropic.protocol import CountTokensRequest, MessagesRequest
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, FieldError, TokenizeRequest
-from .response_store import DEFAULT_MAX_STORED, ResponseStore
-from .responses import ResponsesServing
-from .responses_protocol import ResponsesRequest
-from .serving import OpenAIServing
+from .openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, FieldError, TokenizeRequest
+from .responses.store import DEFAULT_MAX_STORED, ResponseStore
+from .responses.routes import ResponsesServing
+from .responses.protocol import ResponsesRequest
+from .openai.routes import OpenAIServing
 
 log = logging.getLogger("deltaserve.server")
 

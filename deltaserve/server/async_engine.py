@@ -114,7 +114,7 @@ class AsyncEngine:
             if self._factory is not None:
                 engine = self._factory(self.config)
             else:
-                from ..engine import LLMEngine
+                from ..engine.llm_engine import LLMEngine
                 engine = LLMEngine.from_config(self.config)
             if self._on_loaded is not None:
                 self._on_loaded(engine)

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import build_app
 
-    from .response_store import DEFAULT_MAX_STORED
+    from .responses.store import DEFAULT_MAX_STORED
 
     stored = DEFAULT_MAX_STORED if args.max_stored_responses is None else args.max_stored_responses
     if stored < 0:

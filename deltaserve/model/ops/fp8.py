@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .cpu_kernels import cpu_flags  # one reading of /proc/cpuinfo for every compiled kernel
+from .packed import PackedWeight, linear_packed
 
 log = logging.getLogger("deltaserve")
 
@@ -243,8 +244,6 @@ class SplitWeight:
 
     def pack(self, fp8_ext, bf16_ext, path: str = "") -> None:
         """fp8 parts for fp8_ext's linear_fp8 `path`, bf16 parts for bf16_ext."""
-        from .linear import PackedWeight
-
         for i, p in enumerate(self.parts):
             if isinstance(p, Fp8Weight):
                 p.pack(fp8_ext, path)
@@ -255,9 +254,7 @@ class SplitWeight:
         return torch.cat([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p.to(dtype) for p in self.parts])
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        from .linear import linear
-
-        return torch.cat([linear(x, p) for p in self.parts], dim=-1)
+        return torch.cat([p.linear(x) if isinstance(p, Fp8Weight) else linear_packed(x, p) for p in self.parts], dim=-1)
 
 
 def weight_nbytes(w) -> int:

@@ -1,6 +1,6 @@
 """N replicas behind vllm-router's kv_aware policy, on one machine, loopback only (docs/cluster.md).
 
-    python -m deltaserve.cluster --replicas 2 [--port 8000] [--base-port 8100] [--policy kv_aware]
+    python -m deltaserve.tools.cluster --replicas 2 [--port 8000] [--base-port 8100] [--policy kv_aware]
                                  [-- deltaserve serve flags for every replica ...]
     scripts/serve_cluster.sh 2 -- --kv-cache-memory 1G
 
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         k = argv.index("--")
         argv, serve_args = argv[:k], argv[k + 1:]
-    p = argparse.ArgumentParser(prog="python -m deltaserve.cluster", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m deltaserve.tools.cluster", description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--port", type=int, default=8000, help="the router's port")
     p.add_argument("--base-port", type=int, default=8100, help="replica i serves on base-port + i, publishes "

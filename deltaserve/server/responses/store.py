@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .errors import bad_request
+from ..errors import bad_request
 
 DEFAULT_MAX_STORED = 1024
 

@@ -1,4 +1,4 @@
-"""A minimal driver around HybridModel for tests and experiments (the real runner is deltaserve.runner).
+"""A minimal driver around HybridModel for the tests (the real runner is deltaserve.runner).
 
 make_caches() allocates Caches; Sequence tracks one sequence's slot, pages and position; step() runs one
 forward over any mix of prefill chunks and decode tokens; prefill() / greedy() drive a single sequence.
@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .batch import Caches, ForwardBatch
-from .qwen3_5 import HybridModel
+from deltaserve.model.batch import Caches, ForwardBatch
+from deltaserve.model.qwen3_5 import HybridModel
 
 
 def make_caches(model: HybridModel, num_slots: int = 1, num_pages: int = 64, block_size: int = 64) -> Caches:

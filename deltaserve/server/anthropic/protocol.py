@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from .protocol import FieldError, _Strict, object_schema
+from ..openai.protocol import FieldError, _Strict, object_schema
 
 
 class CacheControl(_Strict):

@@ -11,57 +11,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from .config import ConfigError, EngineConfig, ModelConfig
-from .scheduler.build import resolve_dtype
+from ..config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from .inputs import EngineInputError, check_request
 from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 
 log = logging.getLogger("deltaserve")
-
-
-class EngineInputError(ValueError):
-    """A request the engine refuses (empty or too-long prompt, bad sampling values, bad token ids).
-
-    The message says what to fix; `param` names the request field at fault ("prompt", "max_tokens", a
-    sampling field) and `code` the kind of error; the server turns it into an HTTP 400. Other requests are
-    unaffected.
-    """
-
-    def __init__(self, message: str, param: str | None = None, code: str = "invalid_value"):
-        super().__init__(message)
-        self.param, self.code = param, code
-
-
-def check_request(ids: list[int], params, vocab_size: int, max_model_len: int):
-    """The one validation of a request (the engine's add_request; the server relies on it): returns the
-    params to run with (max_tokens filled in when None) or raises EngineInputError naming the field."""
-    if not ids:
-        raise EngineInputError("The prompt is empty; send at least one token.", "prompt", "empty_prompt")
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise EngineInputError(f"Prompt token id {bad} is out of range [0, {vocab_size}) (the vocabulary).", "prompt",
-                               "invalid_token_id")
-    try:
-        params.validate_for(vocab_size)
-    except ValueError as e:
-        first = str(e).split(" ", 1)[0]
-        raise EngineInputError(str(e), first if first.isidentifier() else None) from None
-    if params.n != 1:
-        raise EngineInputError("the engine takes n=1 per request; the server and LLM fan n out into requests", "n")
-    n = len(ids)
-    if n >= max_model_len:
-        raise EngineInputError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has {n} input "
-            f"tokens, which leaves no room for the completion. Please reduce the length of the input.", "prompt",
-            "context_length_exceeded")
-    if params.max_tokens is None:
-        params = params.clone()
-        params.max_tokens = max_model_len - n
-    if n + params.max_tokens > max_model_len:
-        raise EngineInputError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{n + params.max_tokens} tokens ({n} in the prompt, {params.max_tokens} in the completion). Please "
-            f"reduce the length of the prompt or the completion.", "max_tokens", "context_length_exceeded")
-    return params
 
 
 @dataclass
@@ -126,14 +80,14 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         import torch
 
-        from .embedded import ensure_model
-        from .model.loader import load_model
-        from .runner.cache import CacheStore
-        from .runner.platform import default_kv_budget, select_device, tune_allocator
-        from .runner.runner import ModelRunner
+        from ..embedded.model import ensure_model
+        from ..model.loader import load_model
+        from ..runner.cache import CacheStore
+        from ..runner.platform import default_kv_budget, select_device, tune_allocator
+        from ..runner.runner import ModelRunner
         from .sampler import Sampler
-        from .scheduler.build import build
-        from .tokenizer import load_tokenizer
+        from ..scheduler.build import build
+        from ..text.tokenizer import load_tokenizer
 
         self.config = config
         tune_allocator()
@@ -141,7 +95,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = select_device(config.device)
         if self.device.type == "cpu":
-            from .model.ops.cpu_kernels import use_isa
+            from ..model.ops.cpu_kernels import use_isa
             try:
                 use_isa(config.cpu_isa)  # the process's choice, before any model is built (logged with the model)
             except ValueError as e:
@@ -157,7 +111,7 @@ class LLMEngine:
                         "prefer --dtype bfloat16")
         self.parallel = None  # tensor parallelism: rank 0's handle on the other ranks (deltaserve/parallel/)
         if config.tensor_parallel_size > 1 or config.node_rank:
-            from .parallel.launch import TensorParallel
+            from ..parallel.launch import TensorParallel
             self.parallel = TensorParallel.start(config, path, self.dtype, self.device)  # loads shard 0
             self.model = self.parallel.model
         else:
@@ -224,8 +178,8 @@ class LLMEngine:
                     arrival_time: float | None = None) -> None:
         from .sampler import SamplingState
         from .sampling_params import SamplingParams
-        from .scheduler import Request
-        from .tokenizer import IncrementalDetokenizer
+        from ..scheduler import Request
+        from ..text.tokenizer import IncrementalDetokenizer
 
         if request_id in self._live:
             raise EngineInputError(f"request id {request_id!r} is already in use")

@@ -1,6 +1,6 @@
 """`deltaserve plan`: the memory arithmetic of a GDN hybrid as a command and a library function.
 
-Uses deltaserve.sizing, the module the engine sizes its pool with, so plan and engine cannot disagree.
+Uses deltaserve.memory.sizing, the module the engine sizes its pool with, so plan and engine cannot disagree.
 Flags follow vLLM's names. Pure Python, no torch: weight bytes come from safetensors headers (an 8-byte
 length, then a JSON header) or from the parameter count times the weight dtype.
 
@@ -19,10 +19,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from . import sizing as S
-from .config import ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, parse_bytes, parse_count
-from .layouts import REPORT_LAYOUTS
-from .presets import is_preset, load_preset, preset_names, preset_source
+from ..memory import sizing as S
+from ..config import ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, parse_bytes, parse_count
+from ..memory.layouts import REPORT_LAYOUTS
+from ..presets import is_preset, load_preset, preset_names, preset_source
 
 # ---------------------------------------------------------------- model and weights
 

@@ -12,8 +12,11 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
+
+from ..presets import load_preset
+from ..text.tokenizer import write_tokenizer
+from . import qwen35_tokenizer
+from .home import build_dir_once, home
 
 log = logging.getLogger("deltaserve")
 
@@ -21,16 +24,11 @@ DEFAULT_PRESET = "tiny"
 QWEN35_TOKENIZER_PRESETS = frozenset({"qwen3.5-0.8b-shape"})  # presets served with the real Qwen3.5 tokenizer
 
 
-def home() -> str:
-    return os.environ.get("DELTASERVE_HOME", os.path.join(os.path.expanduser("~"), ".cache", "deltaserve"))
-
-
 def make_model(preset: str, out_dir: str, seed: int = 0, quantize: str | None = None) -> str:
     """Write preset `preset` (random weights + its tokenizer) to out_dir. The tokenizer comes first: for the
     Qwen3.5 one a failed fetch stops the build before the weights are written. quantize="fp8": block-FP8
     linears (model/make.py quantize_state_dict)."""
-    from .model.make import make_random_model, write_preset_tokenizer
-    from .presets import load_preset
+    from ..model.make import make_random_model  # torch: only when the model is not made yet
 
     cfg = {k: v for k, v in load_preset(preset).items() if not k.startswith("_")}
     os.makedirs(out_dir, exist_ok=True)
@@ -39,11 +37,18 @@ def make_model(preset: str, out_dir: str, seed: int = 0, quantize: str | None = 
     return out_dir
 
 
+def write_preset_tokenizer(qwen35: bool, out_dir: str) -> list[str]:
+    """A random-weight checkpoint's tokenizer: the real Qwen3.5 one (fetched and converted once, see
+    qwen35_tokenizer.py) or deltaserve's own small one; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    if qwen35:
+        return qwen35_tokenizer.write_qwen35_tokenizer(out_dir)
+    return write_tokenizer(out_dir)
+
+
 def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0, quantize: str | None = None) -> str:
     """The directory of the embedded model for `preset`, made on first use (atomically); quantize="fp8": the
     same weights as a block-FP8 checkpoint (its own directory)."""
-    from .presets import load_preset
-
     tokenizer = _qwen35_key() if preset in QWEN35_TOKENIZER_PRESETS else _assets_digest()
     parts = [load_preset(preset), seed, tokenizer] + ([quantize] if quantize else [])  # bf16 keys stay as they were
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
@@ -54,35 +59,16 @@ def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0, quantize: str | No
     return build_dir_once(path, lambda tmp: make_model(preset, tmp, seed=seed, quantize=quantize))
 
 
-def build_dir_once(path: str, fill) -> str:
-    """Make the cache directory `path` atomically: fill(tmp) writes a fresh sibling directory, which is renamed
-    into place, so a reader sees all of it or nothing; a process that loses a race drops its own copy."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix="." + os.path.basename(path) + "-", dir=os.path.dirname(path))
-    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep other users of a shared $DELTASERVE_HOME out
-    try:
-        fill(tmp)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process made it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
 def _qwen35_key() -> str:
     """Changes when the Qwen3.5 tokenizer's sources or its conversion change."""
-    from . import qwen35_tokenizer as q
-
+    q = qwen35_tokenizer
     return hashlib.sha256(json.dumps([q.RANKS_SHA256, sorted(q.TEMPLATES.items()), q.CONVERTER_VERSION]).encode()
                           ).hexdigest()[:12]
 
 
 def _assets_digest() -> str:
     """Changes when the shipped tokenizer changes, so a stale cached model is never reused."""
-    root = os.path.join(os.path.dirname(__file__), "assets", "tokenizer")
+    root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "tokenizer")
     h = hashlib.sha256()
     if os.path.isdir(root):
         for name in sorted(os.listdir(root)):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from .responses_input import encode_reasoning
+from .input import encode_reasoning
 
 
 def _id(prefix: str) -> str:

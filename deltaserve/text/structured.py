@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-log = logging.getLogger("deltaserve.structured")
+log = logging.getLogger("deltaserve.text.structured")
 
 THINK_END = "</think>"
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

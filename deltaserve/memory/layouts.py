@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import ConfigError
+from ..config import LAYOUT_NAMES
+from ..errors import ConfigError
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -104,7 +105,7 @@ PER_BLOCK_GROUP = PerBlock("per-block-group", "+ one GDN group's state per page 
                            per="group")
 
 ENGINE_LAYOUTS = {lay.name: lay for lay in (RUNS, IN_PAGE, PER_BLOCK)}  # what --cache-layout offers
-LAYOUT_NAMES = tuple(ENGINE_LAYOUTS)  # the default first
+assert tuple(ENGINE_LAYOUTS) == LAYOUT_NAMES, "config's --cache-layout choices and the layouts here must agree"
 REPORT_LAYOUTS = {**{n: ENGINE_LAYOUTS[n] for n in ("in-page", "runs", "per-block")},
                   PER_BLOCK_GROUP.name: PER_BLOCK_GROUP}  # what the planner compares
 PER_BLOCK_STATES = {"model": PER_BLOCK, "group": PER_BLOCK_GROUP}

@@ -14,13 +14,13 @@ import json
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .async_engine import EngineStepError
-from .chat_spec import ChatRun, render_prompt, start_chat
-from .core import AbortingStream, Job, ServingCore, engine_failed
-from .errors import anthropic_error_body
-from .messages_input import messages_spec
-from .messages_output import BlockFolder
-from .messages_protocol import CountTokensRequest, MessagesRequest
+from ..async_engine import EngineStepError
+from ..chat_spec import ChatRun, render_prompt, start_chat
+from ..core import AbortingStream, Job, ServingCore, engine_failed
+from ..errors import anthropic_error_body
+from .input import messages_spec
+from .output import BlockFolder
+from .protocol import CountTokensRequest, MessagesRequest
 
 
 def stop_reason(job: Job, called: bool) -> str:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .chat_spec import ChatSpec
-from .errors import bad_request
-from .messages_protocol import (CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock, ThinkingEnabled,
+from ..chat_spec import ChatSpec
+from ..errors import bad_request
+from .protocol import (CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock, ThinkingEnabled,
                                 ToolResultBlock, ToolUseBlock)
 
 NAMES = {"prompt": "messages", "stop": "stop_sequences"}

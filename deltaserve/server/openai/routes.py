@@ -18,10 +18,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .async_engine import EngineStepError, RequestSink
-from .chat_spec import ChatSpec, grammar_for, guide_for, render_prompt, start_chat
-from .core import AbortingStream, Delta, Job, ServingCore
-from .errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
+from ..async_engine import EngineStepError, RequestSink
+from ..chat_spec import ChatSpec, grammar_for, guide_for, render_prompt, start_chat
+from ..core import AbortingStream, Delta, Job, ServingCore
+from ..errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
                        TokenizeRequest)
 

@@ -56,14 +56,14 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from .config import REPLICA_FLAGS
-from .sim.bundle import load_bundle
-from .sim.cluster import ClusterConfig, ReplicaConfig, Simulation
-from .sim.latency import LatencyModel, SpeedTrace, error_summary, step_errors, step_kind
-from .sim.replayed import (LoggedStep, ReplayedLatency, as_json, compare_records, compare_steps, schedule_facts,
+from ..config import REPLICA_FLAGS
+from ..sim.bundle import load_bundle
+from ..sim.cluster import ClusterConfig, ReplicaConfig, Simulation
+from ..sim.latency import LatencyModel, SpeedTrace, error_summary, step_errors, step_kind
+from ..sim.replayed import (LoggedStep, ReplayedLatency, as_json, compare_records, compare_steps, schedule_facts,
                            step_signature)
-from .sim.report import RequestRecord, mean, percentile, summarize
-from .sim.trace import AgentTraceSpec, TraceRequest, agent_trace
+from ..sim.report import RequestRecord, mean, percentile, summarize
+from ..sim.trace import AgentTraceSpec, TraceRequest, agent_trace
 
 log = logging.getLogger("deltaserve.sim")
 
@@ -136,7 +136,7 @@ def run_sim(bundle, engine_flags: dict, caching: bool, trace: list[TraceRequest]
     if record:
         rep.on_plan = lambda plan, now: sigs.append(step_signature(plan))
     if warmup:  # the real engine's warm-up requests, all at once: they leave the same pages cached
-        from .scheduler import Request
+        from ..scheduler import Request
 
         for w in warmup:
             rep.submit(w, Request(w.request_id, w.prompt_token_ids, max_tokens=w.output_length,
@@ -215,10 +215,10 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
     an idle replica's step. info["step_log"]: per replay step a LoggedStep (the clock when it was planned, when
     the loop next looked for arrivals, step_signature of its plan): what the trace-driven simulation
     (sim/replayed.py) replays and must reproduce; info["warmup_signatures"] the warm-up's steps."""
-    from .config import EngineConfig
-    from .engine import LLMEngine
-    from .sampling_params import SamplingParams
-    from .sim.latency import StepShape
+    from ..config import EngineConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..engine.sampling_params import SamplingParams
+    from ..sim.latency import StepShape
 
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
@@ -649,7 +649,7 @@ def replay_once(a, bundle, sc: Scenario, caching: bool, trace: list[TraceRequest
                 twin: list[TraceRequest], clock: str, tag: str) -> tuple[list[RequestRecord], dict, dict]:
     """One real replay and everything simulated from it: (its records, its JSON result, its per-step errors by
     speed)."""
-    from .sim.report import write_csv
+    from ..sim.report import write_csv
 
     real, info = run_real(sc.preset, sc.engine, caching, trace, warm, a.num_threads, clock=clock, probe=a.probe,
                           probe_share=a.probe_share, probe_trace=twin)
@@ -725,9 +725,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.makedirs(a.out, exist_ok=True)
-    from .profile import make_engine
-    from .profile.profiler import profile as run_profile
-    from .sim.trace import write_trace
+    from ..profile import make_engine
+    from ..profile.profiler import profile as run_profile
+    from ..sim.trace import write_trace
 
     out_json = os.path.join(a.out, "validation.json")
     results: list[dict] = []

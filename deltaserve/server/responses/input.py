@@ -19,8 +19,8 @@ import binascii
 import json
 from typing import Any
 
-from .errors import bad_request
-from .responses_protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
+from ..errors import bad_request
+from .protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
 
 _OPAQUE_PREFIX = "deltaserve-reasoning-v1:"
 

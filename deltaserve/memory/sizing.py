@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .config import DTYPE_BYTES, ConfigError, ModelConfig
+from ..config import DTYPE_BYTES, ConfigError, ModelConfig
 from .layouts import PER_BLOCK_STATES, CacheLayout, layout_for
 
 ENGINE_KERNEL_ALIGNMENT = 64  # deltaserve's GDN chunk: blocks are multiples of it (docs/design.md, the 64-token grid)

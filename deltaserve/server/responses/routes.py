@@ -17,14 +17,14 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from .async_engine import EngineStepError
-from .chat_spec import ChatRun, ChatSpec, start_chat
-from .core import AbortingStream, ServingCore, engine_failed
-from .errors import ApiError
-from .response_store import ResponseStore, StoredResponse
-from .responses_input import call_ids, input_messages, output_message, with_instructions
-from .responses_output import OutputFolder
-from .responses_protocol import FunctionChoice, ResponsesRequest
+from ..async_engine import EngineStepError
+from ..chat_spec import ChatRun, ChatSpec, start_chat
+from ..core import AbortingStream, ServingCore, engine_failed
+from ..errors import ApiError
+from .store import ResponseStore, StoredResponse
+from .input import call_ids, input_messages, output_message, with_instructions
+from .output import OutputFolder
+from .protocol import FunctionChoice, ResponsesRequest
 
 NAMES = {"prompt": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
-from .config import EngineConfig
-from .engine import LLMEngine
+from ..config import EngineConfig
+from .llm_engine import LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

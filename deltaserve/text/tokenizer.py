@@ -11,7 +11,7 @@ The embedded tokenizer is a Qwen-style byte-level BPE (4,096 ids) built by scrip
 its ids: <|endoftext|> 0, <|im_end|> 1, <|im_start|> 2, <think> 3, </think> 4, <tool_call> 5,
 </tool_call> 6, <tool_response> 7, </tool_response> 8. eos = {<|im_end|>, <|endoftext|>}.
 The qwen3.5-0.8b-shape preset gets the real Qwen3.5 tokenizer and chat template instead (built by
-deltaserve/qwen35_tokenizer.py from the published sources); both load through load_tokenizer(dir).
+deltaserve/embedded/qwen35_tokenizer.py from the published sources); both load through load_tokenizer(dir).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
-EMBEDDED_TOKENIZER_DIR = Path(__file__).resolve().parent / "assets" / "tokenizer"
+EMBEDDED_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 EMBEDDED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EMBEDDED_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 

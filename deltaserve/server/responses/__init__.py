@@ -1,0 +1,2 @@
+"""OpenAI's Responses API: the routes (routes.py), input items to chat messages (input.py), the delta stream to
+output items (output.py), the request models (protocol.py) and the stored responses (store.py)."""
