@@ -1,4 +1,4 @@
-"""Smoke test of `deltaserve bench throughput` (issue 2's benchmark, not a timed test): the harness runs
+"""Smoke test of `deltaserve bench throughput` (the throughput benchmark, not a timed test): the harness runs
 the deltaserve arm on the tiny preset with a very small grid and prints its table."""
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_bench_usage():
     assert main([]) == 2 and main(["--help"]) == 0
 
 
-# ---------------------------------------------------------------- bench agent (issue 7)
+# ---------------------------------------------------------------- bench agent
 def _agent_table(text: str) -> dict[str, list[str]]:
     rows = {}
     for line in text.splitlines():
@@ -141,7 +141,7 @@ def test_agent_in_process_and_transformers(tmp_path):
         assert rows[arm][10] == "n/a" and f"{arm}: in-context ideal measured on 0 of" in text \
             or float(rows[arm][10]) > 0, rows[arm]
     assert rows["off"][6] == "0" and rows["transformers"][6] == "0" and rows["transformers"][7] == "n/a"
-    assert "Bars (issue 7)" in text and "in-page vs transformers" in text
+    assert "Bars (agent replay)" in text and "in-page vs transformers" in text
     # each in-process arm's steps by kind: 2 sessions x 3 output tokens decode in steps of their own or beside the
     # other session's prefill
     notes = {line.split(":")[0].lstrip("- "): line for line in text.splitlines() if "replay steps:" in line}

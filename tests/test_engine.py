@@ -1,4 +1,4 @@
-"""Engine foundation gates (issue 2): chunked == unchunked, paged == contiguous, concurrent == solo,
+"""Engine foundation gates: chunked == unchunked, paged == contiguous, concurrent == solo,
 preempted == uninterrupted, bad input refused while other requests carry on."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""llama.cpp as a benchmark peer (issue 17, section 1): the pieces that need no llama.cpp binary
+"""llama.cpp as a benchmark peer: the pieces that need no llama.cpp binary
 (command lines, the converter wrapper's pre-tokenizer choice, timings parsing, the table), and an end-to-end
 run of the real llama-server on the tiny model, which skips unless scripts/setup_llama_cpp.sh has built it."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tensor parallelism gates (issue 18, section 1): two ranks over gloo on this machine.
+"""Tensor parallelism gates: two ranks over gloo on this machine.
 
 - TP=2 logits equal TP=1 within 1e-5 (max abs, fp32) and greedy tokens are equal, for the three model types;
 - a prefix-cache hit under TP=2 equals its cold twin bit for bit (bf16: the batch-invariant path);

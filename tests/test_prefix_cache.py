@@ -1,4 +1,4 @@
-"""Hybrid prefix caching gates (issue 3) on the tiny preset (block 128 in bf16; 64 in the runs layout).
+"""Hybrid prefix caching gates on the tiny preset (block 128 in bf16; 64 in the runs layout).
 
 Every hit is compared with a cold run of the same prompt under a different cache_salt:
 greedy tokens identical and logprobs bit-identical.

