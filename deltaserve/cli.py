@@ -5,7 +5,10 @@ import argparse
 import logging
 import sys
 
-from .config import add_engine_args, engine_args
+from .config import ConfigError, add_engine_args, engine_args
+from .embedded.model import make_model
+from .presets import preset_names
+from .text.tokenizer import TokenizerError
 
 
 def generate_parser() -> argparse.ArgumentParser:
@@ -20,7 +23,7 @@ def generate_parser() -> argparse.ArgumentParser:
 
 def _generate(argv: list[str]) -> int:
     a = generate_parser().parse_args(argv)
-    from .engine.llm import LLM
+    from .engine.llm import LLM  # torch: each command imports only its own layers, so `plan` runs without it
     from .engine.sampling_params import SamplingParams
 
     llm = LLM(**engine_args(a))
@@ -32,8 +35,6 @@ def _generate(argv: list[str]) -> int:
 
 
 def _make_model(argv: list[str]) -> int:
-    from .presets import preset_names
-
     p = argparse.ArgumentParser(prog="deltaserve make-model",
                                 description="write a preset model in Hugging Face format: seeded random weights and the "
                                             "preset's tokenizer (tiny: the embedded one; qwen3.5-0.8b-shape: the "
@@ -44,8 +45,6 @@ def _make_model(argv: list[str]) -> int:
                    help="fp8: block-FP8 linears (e4m3 codes, one fp32 scale per 128 x 128 block), Qwen's -FP8 format")
     p.add_argument("out")
     a = p.parse_args(argv)
-    from .embedded.model import make_model
-    from .text.tokenizer import TokenizerError
 
     try:
         print(make_model(a.preset, a.out, seed=a.seed, quantize=a.quantize))
@@ -78,7 +77,6 @@ def main(argv: list[str] | None = None) -> int:
               "  profile     measure this engine's step costs into a bundle (and `profile coverage`)\n"
               "  simulate    serving simulation on the engine's own scheduler with a profiled latency model")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    from .config import ConfigError
 
     try:
         return int(cmds[argv[0]](argv[1:]) or 0)

@@ -15,6 +15,13 @@ import functools
 import time
 from typing import Callable
 
+import torch
+
+from ..config import ModelConfig
+from ..model.ops.attention import prefill_attention
+from ..model.ops.cpu_kernels import load_extension, resolve_isa
+from ..presets import load_preset
+from ..runner.platform import tune_allocator
 from .linear import _isa_list
 
 
@@ -32,13 +39,7 @@ def alternate(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str,
 
 def run(preset: str, shapes: list[tuple[int, int]], repeats: int, isas: list[str] | None = None) -> list[dict]:
     """isas: the compiled arms' instruction sets (default: the one the engine picks on this CPU)."""
-    import torch
 
-    from ..config import ModelConfig
-    from ..model.ops.attention import prefill_attention
-    from ..model.ops.cpu_kernels import load_extension, resolve_isa
-    from ..presets import load_preset
-    from ..runner.platform import tune_allocator
 
     tune_allocator()  # as the engine: the torch arm's large temporaries are not mmapped and faulted per call
 
@@ -101,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args(argv)
     if a.threads:
-        import torch
         torch.set_num_threads(a.threads)
     print(render(a.preset, run(a.preset, a.shapes, a.repeats, a.cpu_isa)))
     return 0

@@ -24,8 +24,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ..config import ENGINE_DEFAULTS, EVICTIONS, add_engine_args, engine_args
-from ..config import LAYOUT_NAMES
+from ..config import ENGINE_DEFAULTS, EVICTIONS, LAYOUT_NAMES, EngineConfig, add_engine_args, engine_args
+from ..engine.llm_engine import LLMEngine
+from ..engine.sampling_params import SamplingParams
 from .agent.workload import TurnResult
 
 DEFAULTS = {  # per preset: sessions, turns, output tokens, the cache pool
@@ -58,9 +59,6 @@ def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.
     """One arm: a fresh engine, the fleet replayed closed-loop with the staggered start; a session sends its next
     turn think_time seconds after its answer is complete (the client runs a tool meanwhile; the engine is free to
     do its background work). Returns its summary."""
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
-    from ..engine.sampling_params import SamplingParams
 
     eng = LLMEngine(EngineConfig.from_kwargs(**engine_flags))
     params = SamplingParams(temperature=0.0, max_tokens=wl.output_tokens, ignore_eos=True)

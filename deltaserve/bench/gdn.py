@@ -13,20 +13,19 @@ from __future__ import annotations
 import argparse
 import functools
 
+import torch
+
+from ..config import ModelConfig
+from ..model.ops.conv import causal_conv1d_prefill
+from ..model.ops.cpu_kernels import resolve_isa, select_decode_kernels
+from ..model.ops.gdn import chunk_gated_delta_rule
+from ..presets import load_preset
+from ..runner.platform import tune_allocator
 from .attention import alternate
 from .linear import _isa_list
 
 
 def run(preset: str, tokens: list[int], repeats: int, isas: list[str] | None = None) -> list[dict]:
-    import torch
-
-    from ..config import ModelConfig
-    from ..model.ops.cpu_kernels import resolve_isa, select_decode_kernels
-    from ..model.ops.conv import causal_conv1d_prefill
-    from ..model.ops.gdn import chunk_gated_delta_rule
-    from ..presets import load_preset
-    from ..runner.platform import tune_allocator
-
     tune_allocator()  # as the engine: the torch arm's large temporaries are not mmapped and faulted per call
 
     isas = [resolve_isa(i) for i in (isas or [None])]

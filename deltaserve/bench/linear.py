@@ -15,11 +15,19 @@ from __future__ import annotations
 import argparse
 import time
 
+import torch
+
+from ..embedded.model import ensure_model
+from ..model.loader import load_model
+from ..model.ops.cpu_kernels import ISAS, load_extension, resolve_isa
+from ..model.ops.fp8 import Fp8Weight, build_for, load_fp8_extension, path_for, quantize_fp8
+from ..model.ops.linear import linear
+from ..model.ops.packed import PackedWeight
+from ..runner.platform import tune_allocator
+
 
 def _weights(preset: str):
     """(name, [out, in] bf16 weight) for every packable projection and the head of the preset's model."""
-    from ..embedded.model import ensure_model
-    from ..model.loader import load_model
 
     model = load_model(ensure_model(preset), dtype="bfloat16", prepack=False)
     out = []
@@ -35,8 +43,6 @@ def _weights(preset: str):
 def _fp8_arm(weights, ext) -> list:
     """The fp8 arm's weights: each projection quantized and packed for linear_fp8 as the engine runs it on ext's
     instruction set (its fp8 build, build_for; the amx path on the amx set), the head compiled bf16."""
-    from ..model.ops.fp8 import Fp8Weight, build_for, load_fp8_extension, path_for, quantize_fp8
-    from ..model.ops.packed import PackedWeight
 
     fp8_ext = load_fp8_extension(build_for(ext.kernel_isa()))
     path = path_for(fp8_ext, ext.kernel_isa())
@@ -55,12 +61,7 @@ def run(preset: str, rows: list[int], repeats: int, fp8: bool = False,
         isa: str | list[str] | None = None) -> list[dict]:
     """isa: the compiled kernels' instruction set, or several (cpu_kernels.load_extension's; None = this CPU's
     choice); the first is "compiled" in the results, every one is in r["arms"] (ms per pass)."""
-    import torch
 
-    from ..model.ops.cpu_kernels import load_extension, resolve_isa
-    from ..model.ops.linear import linear
-    from ..model.ops.packed import PackedWeight
-    from ..runner.platform import tune_allocator
 
     tune_allocator()  # as the engine: the head's output at 512 rows (254 MB) is not mmapped and faulted per call
     isas = [resolve_isa(i) for i in (isa if isinstance(isa, list) else [isa])]
@@ -117,8 +118,6 @@ def render(preset: str, results: list[dict]) -> str:
 
 
 def _isa_list(s: str) -> list[str]:
-    from ..model.ops.cpu_kernels import ISAS
-
     out = [x.strip() for x in s.split(",") if x.strip()]
     if not out or any(x not in ISAS for x in out) or len(set(out)) < len(out):
         raise argparse.ArgumentTypeError(f"--cpu-isa: distinct names from {', '.join(ISAS)}, not {s!r}")
@@ -139,7 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",") if x]
     if a.threads:
-        import torch
         torch.set_num_threads(a.threads)
     print(render(a.preset, run(a.preset, rows, a.repeats, a.fp8, a.cpu_isa)))
     return 0

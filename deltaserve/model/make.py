@@ -16,9 +16,11 @@ import math
 import os
 
 import torch
+from safetensors.torch import save_file
 
 from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig
 from .layers import is_moe_layer
+from .ops.fp8 import quantize_fp8
 from .qwen3_5 import torch_dtype
 
 STD = 0.02
@@ -125,7 +127,6 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     """Block-FP8 (ops/fp8.py quantize_fp8) of every FP8_LINEARS weight: X.weight becomes float8_e4m3fn codes
     beside X.weight_scale_inv (fp32, one per 128 x 128 block). Returns the tensors and the quantization_config,
     whose modules_to_not_convert names every other linear module (as transformers matches them)."""
-    from .ops.fp8 import quantize_fp8
 
     out: dict[str, torch.Tensor] = {}
     keep: list[str] = ["lm_head"]
@@ -149,7 +150,6 @@ def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: st
     of hf_config's model_type (qwen3_5_text, qwen3_5_moe_text, qwen3_next, or the text part of qwen3_5 /
     qwen3_5_moe under model.language_model.*). quantize="fp8": the same weights in block-FP8 (Qwen's -FP8
     format, quantize_state_dict), with its quantization_config."""
-    from safetensors.torch import save_file
 
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")

@@ -22,8 +22,11 @@ import weakref
 
 import torch
 
+from ..config import ModelConfig
 from ..errors import ConfigError
 from .group import Group, Rendezvous, TensorParallelError, join, open_store
+from .model import describe
+from .sharding import check_divisible
 from .worker import STOP, load_shard, rank_budget, rank_threads, spawned_main
 
 log = logging.getLogger("deltaserve.parallel")
@@ -39,10 +42,6 @@ class TensorParallel:
 
     @classmethod
     def start(cls, cfg, path: str, dtype: str, device: torch.device) -> "TensorParallel":
-        from ..config import ModelConfig
-        from .model import describe
-        from .sharding import check_divisible
-
         mc = ModelConfig.from_path(path)
         check_divisible(mc, cfg.tensor_parallel_size)  # before any process starts
         rdv = Rendezvous.from_config(cfg, device)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 from ..model.layers import _param
 from ..model.qwen3_5 import HybridModel
-from .sharding import rank_config, vocab_rows
+from .sharding import rank_config, shard_state_dict, vocab_rows
 
 
 class RowParallel(nn.Module):
@@ -69,8 +69,6 @@ def build_sharded(full_sd: dict[str, torch.Tensor], full: ModelConfig, dtype, tp
                   device) -> ShardedModel:
     """Rank `rank`'s model from the full model's state dict: slice (sharding.shard_state_dict), check every
     shape against the rank's model, load, move to device. Not yet connected (see ShardedModel.connect)."""
-    from ..config import ConfigError
-    from .sharding import shard_state_dict
 
     with torch.device("meta"):
         model = ShardedModel(full, dtype, tp, rank)

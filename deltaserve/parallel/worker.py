@@ -23,14 +23,26 @@ Run a node other than node 0 of a multi-machine engine with
 """
 from __future__ import annotations
 
+import argparse
 import logging
+import multiprocessing as mp
 import os
+import signal
 import threading
+import time
 import traceback
 
 import torch
 
+from ..config import EngineConfig, ModelConfig, add_engine_args, engine_args, resolve_dtype
+from ..embedded.model import ensure_model
+from ..model.loader import load_model
+from ..model.ops.cpu_kernels import use_isa
+from ..runner.cache import CacheStore
+from ..runner.platform import default_kv_budget, select_device
+from ..runner.runner import ModelRunner
 from .group import Group, Rendezvous, join
+from .model import build_sharded
 
 log = logging.getLogger("deltaserve.parallel")
 
@@ -40,8 +52,6 @@ STOP = None  # the plan that ends a worker
 def load_shard(path: str, dtype: str, device: torch.device, tp: int, rank: int, group: Group):
     """This rank's ShardedModel: the checkpoint loaded whole on the CPU (strict, as load_model checks it),
     sliced (sharding.py), moved to device, connected to the group, its kernels chosen and bf16 weights packed."""
-    from ..model.loader import load_model
-    from .model import build_sharded
 
     # a block-FP8 checkpoint is sharded as its dequantized weights (docs/fp8.md): fp8 weights are not sharded yet
     full = load_model(path, dtype=dtype, device="cpu", prepack=False, dequantize=True)
@@ -61,7 +71,6 @@ def rank_threads(cfg, rdv: Rendezvous) -> int:
 def rank_budget(cfg, device: torch.device, model, rdv: Rendezvous) -> int:
     """This rank's cache budget: --kv-cache-memory (per rank), else --memory-utilization of its device's free
     memory (on a CPU, whose memory the node's ranks share, divided among them)."""
-    from ..runner.platform import default_kv_budget
 
     if cfg.kv_cache_memory:
         return cfg.kv_cache_memory
@@ -72,8 +81,6 @@ def rank_budget(cfg, device: torch.device, model, rdv: Rendezvous) -> int:
 def serve_rank(cfg, path: str, dtype: str, rdv: Rendezvous, rank: int) -> None:
     """A worker rank, start to end: join, load, agree on the budget, receive the Pool, then execute plans until
     rank 0 sends STOP (returns) or goes away (raises)."""
-    from ..runner.cache import CacheStore
-    from ..runner.runner import ModelRunner
 
     device = rdv.device("cuda" if rdv.backend == "nccl" else "cpu", rank)
     if device.type == "cuda":
@@ -113,7 +120,6 @@ def serve_rank(cfg, path: str, dtype: str, rdv: Rendezvous, rank: int) -> None:
 
 def _watch_parent(parent: int) -> None:
     """A spawned worker ends when the engine process that started it is gone (killed before it could say so)."""
-    import time
 
     while True:
         if os.getppid() != parent:
@@ -125,7 +131,6 @@ def spawned_main(cfg, path: str, dtype: str, rdv: Rendezvous, rank: int, parent:
                  log_level: int = logging.WARNING) -> None:
     """The entry of a worker process the engine spawned (multiprocessing, spawn context); log_level: the
     engine's (its own log lines then carry the rank)."""
-    import signal
 
     logging.basicConfig(level=log_level, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the engine's to handle: it stops us
@@ -135,12 +140,7 @@ def spawned_main(cfg, path: str, dtype: str, rdv: Rendezvous, rank: int, parent:
 
 def main(argv: list[str] | None = None) -> int:
     """A node other than 0: every rank of this node as a process, until node 0's engine ends."""
-    import argparse
-    import multiprocessing as mp
 
-    from ..config import EngineConfig, ModelConfig, add_engine_args, engine_args
-    from ..embedded.model import ensure_model
-    from ..runner.platform import select_device
     
     ap = argparse.ArgumentParser(prog="python -m deltaserve.parallel.worker",
                                  description="the tensor-parallel ranks of one node other than node 0")
@@ -150,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("node 0 runs the engine (deltaserve serve / generate with the same flags), not this command")
     logging.basicConfig(level=logging.INFO)
     if getattr(cfg, "cpu_isa", "auto") != "auto":  # node 0's ranks inherit its choice from the engine's process
-        from ..model.ops.cpu_kernels import use_isa
         use_isa(cfg.cpu_isa)
     path = cfg.model or ensure_model(cfg.preset, seed=cfg.seed)
     dtype = resolve_dtype(cfg.dtype, ModelConfig.from_path(path))

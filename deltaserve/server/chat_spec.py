@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..text.parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, prompt_opens_thinking
+from ..text.structured import GrammarError, GuideFactory, ThinkingBudgetGuide
+from ..text.tokenizer import TokenizerError
 from .async_engine import RequestSink
 from .core import Job, ServingCore
 from .errors import bad_request
@@ -82,7 +84,6 @@ class ChatRun:
 
 def render_prompt(tok, spec: ChatSpec) -> str:
     """The conversation through the checkpoint's chat template (400 on what the template refuses)."""
-    from ..text.tokenizer import TokenizerError
 
     kwargs = dict(spec.template_kwargs)
     bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
@@ -108,7 +109,6 @@ def grammar_for(tok, spec: ChatSpec) -> str | None:
     except ImportError:
         raise bad_request("Constrained decoding (a JSON response format, a forced tool call) needs the llguidance "
                           "package, which is not installed on this server.", param, "unsupported") from None
-    from ..text.structured import GrammarError, GuideFactory
 
     try:
         f = GuideFactory.for_tokenizer(tok)
@@ -130,7 +130,6 @@ def grammar_for(tok, spec: ChatSpec) -> str | None:
 def guide_for(tok, grammar: str | None, thinking: bool, budget: int | None):
     """A fresh guide for one sample: the grammar (from </think> on when the prompt opened a think block),
     wrapped in the thinking budget when there is one."""
-    from ..text.structured import GuideFactory, ThinkingBudgetGuide
 
     inner = GuideFactory.for_tokenizer(tok).guide(grammar, thinking) if grammar is not None else None
     if budget is not None and thinking:

@@ -89,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     from .app import build_app
-
     from .responses.store import DEFAULT_MAX_STORED
 
     stored = DEFAULT_MAX_STORED if args.max_stored_responses is None else args.max_stored_responses

@@ -20,6 +20,8 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from ..engine.inputs import EngineInputError
+from ..engine.sampling_params import SamplingParams
 from ..text.parsers import Qwen3CoderToolParser, Qwen3ReasoningParser
 from .async_engine import AsyncEngine, EngineNotReady, EngineStepError, RequestSink
 from .errors import ApiError, bad_request
@@ -154,7 +156,6 @@ class ServingCore:
         """SamplingParams from the request's values (None = default); ranges are checked by SamplingParams, the
         vocabulary and context length by the engine. names: this route's word for a field (max_tokens ->
         max_output_tokens), used in the 400."""
-        from ..engine.sampling_params import SamplingParams
 
         kw = {k: v for k, v in values.items() if v is not None}
         if kw.get("logit_bias") is not None:
@@ -175,7 +176,6 @@ class ServingCore:
         """Hand every job to the engine; the engine's refusal of one (EngineInputError) aborts them all and
         becomes a 400 naming the field in this route's words (names: engine field -> request field; the prompt
         is 'messages' in chat, 'input' in responses)."""
-        from ..engine.inputs import EngineInputError
 
         submitted: list[Job] = []
         try:

@@ -118,7 +118,7 @@ def encode_event(ev: Stored | Removed, block_size: int) -> dict:
 
 
 def encode_batch(events: list[dict], ts: float | None = None, dp_rank: int = 0) -> bytes:
-    import msgpack
+    import msgpack  # the cluster extra: only a server with KV events needs it
 
     return msgpack.packb([time.time() if ts is None else ts, events, dp_rank], use_bin_type=True)
 
@@ -196,7 +196,7 @@ class KVEventPublisher:
         return len(events)
 
     def _serve_replay(self) -> None:
-        import zmq
+        import zmq  # the cluster extra, as above
 
         while self._replay.poll(0):
             frames = self._replay.recv_multipart(zmq.NOBLOCK)

@@ -19,10 +19,11 @@ import time
 from ..config import REPLICA_FLAGS, ConfigError, add_engine_args, engine_args
 from .bundle import Bundle, load_bundle
 from .cluster import ClusterConfig, Replica, ReplicaConfig, Simulation
+from .external_compare import main as external_main
 from .latency import LatencyModel, StepShape
 from .report import RequestRecord, summarize, summary_table, write_csv
 from .router import make_router
-from .trace import AgentTraceSpec, TraceRequest, agent_trace, materialize, read_trace, write_trace
+from .trace import AgentTraceSpec, TraceRequest, agent_trace, materialize, mooncake_like, read_trace, write_trace
 
 __all__ = ["AgentTraceSpec", "Bundle", "ClusterConfig", "LatencyModel", "Replica", "ReplicaConfig", "RequestRecord",
            "Simulation", "StepShape", "TraceRequest", "agent_trace", "load_bundle", "main", "make_router",
@@ -127,7 +128,6 @@ def _gen_trace_main(argv: list[str]) -> int:
         write_trace(a.out, reqs)
         n = len(reqs)
     else:
-        from .trace import mooncake_like
 
         with open(a.out, "w") as f:
             n = 0
@@ -143,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "gen-trace":
         return _gen_trace_main(argv[1:])
     if argv and argv[0] == "external":
-        from .external_compare import main as external_main
 
         return external_main(argv[1:])
     return _simulate_main(argv)

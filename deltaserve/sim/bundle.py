@@ -26,6 +26,8 @@ import json
 import os
 from dataclasses import dataclass, field
 
+import yaml
+
 FORMAT = "deltaserve-profile/1"
 
 TABLES = {
@@ -101,8 +103,6 @@ def write_table(path: str, name: str, rows: list[dict]) -> None:
 
 
 def load_bundle(path: str) -> Bundle:
-    import yaml
-
     meta_path = os.path.join(path, "meta.yaml")
     if not os.path.exists(meta_path):
         raise FileNotFoundError(f"{path} is not a profile bundle (no meta.yaml); make one with `deltaserve profile`")
@@ -121,7 +121,5 @@ def load_bundle(path: str) -> Bundle:
 
 
 def save_meta(path: str, meta: dict) -> None:
-    import yaml
-
     with open(os.path.join(path, "meta.yaml"), "w") as f:
         yaml.safe_dump(meta, f, sort_keys=False, default_flow_style=False)

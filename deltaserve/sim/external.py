@@ -44,6 +44,8 @@ import os
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
+import yaml
+
 from ..errors import ConfigError
 from .latency import Interp1D, StepShape
 
@@ -174,8 +176,6 @@ class ExternalBundle:
     """The tables of one TP degree, read and checked; ExternalLatency prices steps with them."""
 
     def __init__(self, path: str, tp: int = 1):
-        import yaml
-
         meta_path = os.path.join(path, "meta.yaml")
         if not os.path.exists(meta_path):
             raise ConfigError(f"{path}: no meta.yaml (give the directory that holds meta.yaml and tp<N>/, e.g. "

@@ -29,8 +29,17 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, EngineConfig, add_engine_args, engine_args, parse_bytes
 from .external import Comm, ExternalBundle, ExternalLatency
-from .external_replay import (ExternalRequest, ForeignEngine, dense_model_config, dense_weight_bytes, dtype_bytes_of,
-                              kv_all_ranks, read_workload, replay, vllm_kv_bytes)
+from .external_replay import (
+    ExternalRequest,
+    ForeignEngine,
+    dense_model_config,
+    dense_weight_bytes,
+    dtype_bytes_of,
+    kv_all_ranks,
+    read_workload,
+    replay,
+    vllm_kv_bytes,
+)
 from .report import RequestRecord, mean, percentile
 
 METRICS = ("ttft", "tpot", "latency")

@@ -23,9 +23,9 @@ import sys
 from dataclasses import dataclass
 
 from ..config import DTYPE_BYTES, ConfigError, ModelConfig
+from ..memory.sizing import geometry, kernel_alignment_for
 from ..scheduler import Request
 from ..scheduler.build import build_scheduler, resolve_shape
-from ..memory.sizing import geometry, kernel_alignment_for
 from .latency import StepShape
 from .report import RequestRecord
 

@@ -42,7 +42,7 @@ class GrammarError(ValueError):
 
 def _hf_fast_tokenizer(tok: Any):
     """Find the transformers PreTrainedTokenizerFast behind deltaserve's Tokenizer (or take it as is)."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # seconds to import: only when a grammar is first built
 
     if isinstance(tok, PreTrainedTokenizerFast):
         return tok
@@ -64,7 +64,7 @@ class GuideFactory:
     _lock = threading.Lock()
 
     def __init__(self, tokenizer: Any):
-        import llguidance
+        import llguidance  # optional on a server: chat_spec refuses constrained decoding without it
         import llguidance.hf
 
         self._llg = llguidance

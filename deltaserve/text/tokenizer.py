@@ -24,6 +24,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Iterable
 
+from tokenizers import decoders
+
 EMBEDDED_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "tokenizer"
 EMBEDDED_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 EMBEDDED_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -55,7 +57,6 @@ def _byte_decoder() -> dict[str, int]:
 def _is_byte_level(backend) -> bool:
     """True when the backend decodes with the byte-level decoder (GPT-2 / Qwen / Llama-3 style)."""
     try:
-        from tokenizers import decoders
         dec = backend.decoder
         if isinstance(dec, decoders.ByteLevel):
             return True
@@ -236,7 +237,7 @@ def _load_cached(path: str) -> Tokenizer:
 
 
 def _load(path: str) -> Tokenizer:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # seconds to import: `deltaserve plan` and the simulator never load one
     if not os.path.isdir(path):
         raise TokenizerError(f"no tokenizer: {path} is not a directory")
     if not any(os.path.exists(os.path.join(path, f))

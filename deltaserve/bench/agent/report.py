@@ -145,7 +145,7 @@ def bars(summaries: list[dict]) -> list[str]:
 
 def plot(results: list[TurnResult], out_prefix: str, order: list[str] | None = None) -> list[str]:
     """Two PNGs: mean TTFT per turn per arm (the ideal dashed), and every turn's TTFT against its context."""
-    import matplotlib
+    import matplotlib  # the bench / test extra
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

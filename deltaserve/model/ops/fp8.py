@@ -20,6 +20,7 @@ is a SplitWeight: one product per part, concatenated (a column's bits do not dep
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 import time
 from pathlib import Path
@@ -116,7 +117,6 @@ BUILDS = {"avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi"],
 def executable_builds() -> tuple[str, ...]:
     """The builds this CPU executes, fastest first (avx512: the vpermi2b + vdpbf16ps path; avx2 / generic:
     the portable loop, compiled for that level)."""
-    import platform
 
     flags = cpu_flags()
     x86 = platform.machine() in ("x86_64", "AMD64")
@@ -129,7 +129,7 @@ def load_fp8_extension(build: str | None = None):
     build = build or executable_builds()[0]
     with _lock:
         if build not in _exts:
-            from torch.utils import cpp_extension
+            from torch.utils import cpp_extension  # pulls in setuptools: only when a build is first loaded
 
             if build not in executable_builds():
                 raise RuntimeError(f"fp8 build {build!r} needs CPU flags this CPU lacks")

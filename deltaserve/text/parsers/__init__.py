@@ -3,12 +3,7 @@
 Both are written once, as streaming parsers; the non-streaming result is the streaming parser fed the
 whole text at once, so a streamed response always assembles to exactly the non-streamed one.
 """
-from .qwen3_coder import (
-    Qwen3CoderToolParser,
-    ToolCall,
-    convert_param_value,
-    extract_tool_calls,
-)
+from .qwen3_coder import Qwen3CoderToolParser, ToolCall, convert_param_value, extract_tool_calls
 from .qwen3_reasoning import Qwen3ReasoningParser, extract_reasoning, prompt_opens_thinking
 
 __all__ = [
