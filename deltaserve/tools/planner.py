@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..memory import sizing as S
 from ..config import ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, parse_bytes, parse_count
+from ..memory import sizing as S
 from ..memory.layouts import REPORT_LAYOUTS
 from ..presets import is_preset, load_preset, preset_names, preset_source
 
@@ -120,102 +120,207 @@ def weights_per_rank(total: int, m: ModelConfig, tp: int, dtype_bytes: int) -> i
 
 # ---------------------------------------------------------------- the plan
 
-def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = None,
-         device_memory: int | None = None, gpu_memory_utilization: float = 0.9,
-         weight_bytes: int | None = None, num_params: int | None = None, weight_dtype: str | None = None,
-         reserve_bytes: int = 0, tensor_parallel_size: int = 1, block_size: int | None = None,
-         device: str = "deltaserve", kernel_alignment: int | None = None, dtype: str = "auto",
-         kv_cache_dtype: str = "auto", mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto",
-         mamba_cache_mode: str = "align", mamba_block_size: int | None = None,
-         num_speculative_tokens: int = 0, max_model_len: int | None = None, max_num_seqs: int | None = None,
-         layout: str = ENGINE_DEFAULTS["cache_layout"], quantization: str | None = None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PlanInputs:
+    """What a plan is of, beyond the model: `deltaserve plan`'s flags under vLLM's names, per TP rank.
+
+    None leaves a figure to its default: the engine's (block_size, max_num_seqs), the config's
+    (max_model_len = max_position_embeddings; quantization = the config.json's quantization_config) or the
+    device's (kernel_alignment). Weights come from weight_bytes, else the checkpoint's safetensors headers
+    (unless num_params is given), else num_params or the config's parameter count times weight_dtype."""
+
+    # memory: the budget directly, or device memory less the weights and reserves
+    budget_bytes: int | None = None
+    device_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    reserve_bytes: int = 0
+    # weights
+    weight_bytes: int | None = None
+    num_params: int | None = None
+    weight_dtype: str | None = None
+    quantization: str | None = None  # "fp8": the weights as a block-FP8 checkpoint (sizing.fp8_weight_bytes)
+    # geometry and blocks
+    tensor_parallel_size: int = 1
+    block_size: int | None = None
+    device: str = "deltaserve"
+    kernel_alignment: int | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
+    mamba_cache_mode: str = "align"
+    mamba_block_size: int | None = None
+    num_speculative_tokens: int = 0
+    # what the pool must hold, and the layout the warnings refer to
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    layout: str = ENGINE_DEFAULTS["cache_layout"]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> PlanInputs:
+        """The inputs build_parser's flags name (--budget and --reserve under their own dests)."""
+        dest = {"budget_bytes": "budget", "reserve_bytes": "reserve"}
+        return cls(**{f.name: getattr(args, dest.get(f.name, f.name)) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The per-rank cache geometry a plan sizes its pools from: dtypes, the hybrid block and the pages."""
+
+    dtypes: S.CacheDtypes
+    geometry: S.Geometry
+    kernel: int  # the attention kernel's alignment (--kernel-alignment, else --device's)
+    alignment: int  # max(kernel, --block-size), or this engine's 64-token grid
+    block: int  # the hybrid block, in tokens
+    engine_block: int  # the block this engine would use in-page
+    page_bytes: int  # one page of one layer position
+    padding: int  # page bytes a GDN state leaves unused (0 unless both kinds of layer exist)
+    groups: list[tuple[str, tuple[int, ...]]]
+    group_size: int  # layer positions per KV group
+    pages_per_layer: int  # GDN pages one request holds per layer
+    gdn_pages: int  # ... over every GDN layer
+    gdn_blocks: int  # ... as blocks of group_size layers
+
+
+def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInputs | None = None,
+         **options: Any) -> dict[str, Any]:
     """Everything `deltaserve plan` prints, as a JSON-able dict (keys documented in docs/planner.md).
-    quantization: "fp8" counts the weights as a block-FP8 checkpoint (sizing.fp8_weight_bytes) where they are
-    counted from the config; None = the config.json's quantization_config (fp8) if any, else none."""
-    src = model if isinstance(model, ModelSource) else (
-        ModelSource(model, "<ModelConfig>", "config", "", None) if isinstance(model, ModelConfig)
-        else resolve_model(model))
+    options: PlanInputs fields by name, over `inputs` (plan("tiny", budget_bytes=1 << 28))."""
+    src = _model_source(model)
     m = src.config
+    inputs = _with_defaults(dataclasses.replace(inputs or PlanInputs(), **options), m)
+    _check(inputs)
+    shape = _cache_shape(m, inputs)
+    weights, params, quant = _count_weights(src, inputs, shape.dtypes.model)
+    weight_per_rank = weights_per_rank(weights.bytes, m, inputs.tensor_parallel_size, S.dtype_bytes(shape.dtypes.model))
     warnings: list[str] = []
-    tp = int(tensor_parallel_size)
-    block_size = int(block_size if block_size is not None else ENGINE_DEFAULTS.get("block_size", 16))
-    max_num_seqs = int(max_num_seqs if max_num_seqs is not None else ENGINE_DEFAULTS.get("max_num_seqs", 16))
-    max_model_len = int(max_model_len or m.max_position_embeddings)
-    for flag, val in (("--tensor-parallel-size", tp), ("--block-size", block_size),
-                      ("--max-num-seqs", max_num_seqs), ("--max-model-len", max_model_len)):
+    budget, budget_source = _budget(inputs, weight_per_rank, warnings)
+    pools = _layout_pools(shape, budget, inputs)
+    warnings += _sizing_warnings(m, inputs, shape, budget, pools)
+    return {
+        **_shape_report(src, inputs, shape),
+        "weight_bytes": weights.bytes, "weight_bytes_per_rank": weight_per_rank, "weight_source": weights.source,
+        "weight_quantization": quant,
+        "weight_bytes_skipped": weights.skipped_bytes, "num_params": params,
+        "budget_bytes": budget, "budget_source": budget_source,
+        "max_model_len": inputs.max_model_len, "max_num_seqs": inputs.max_num_seqs,
+        "num_slots": inputs.max_num_seqs, "slot_bytes": shape.geometry.gdn_state_bytes_per_seq,
+        "layout": inputs.layout, **pools,
+        "warnings": warnings,
+    }
+
+
+def _model_source(model: str | ModelConfig | ModelSource | None) -> ModelSource:
+    if isinstance(model, ModelSource):
+        return model
+    if isinstance(model, ModelConfig):  # handed over in code: no config.json, no checkpoint
+        return ModelSource(model, "<ModelConfig>", "config", "", None)
+    return resolve_model(model)
+
+
+def _with_defaults(inputs: PlanInputs, m: ModelConfig) -> PlanInputs:
+    """inputs with tensor_parallel_size, block_size, max_num_seqs and max_model_len as ints (None and a
+    max_model_len of 0 take their defaults)."""
+    return dataclasses.replace(
+        inputs, tensor_parallel_size=int(inputs.tensor_parallel_size),
+        block_size=int(inputs.block_size if inputs.block_size is not None else ENGINE_DEFAULTS.get("block_size", 16)),
+        max_num_seqs=int(inputs.max_num_seqs if inputs.max_num_seqs is not None
+                         else ENGINE_DEFAULTS.get("max_num_seqs", 16)),
+        max_model_len=int(inputs.max_model_len or m.max_position_embeddings))
+
+
+def _check(inputs: PlanInputs) -> None:
+    """ConfigError naming the first flag out of range, in the order the flags are checked."""
+    for flag, val in (("--tensor-parallel-size", inputs.tensor_parallel_size), ("--block-size", inputs.block_size),
+                      ("--max-num-seqs", inputs.max_num_seqs), ("--max-model-len", inputs.max_model_len)):
         if val < 1:
             raise ConfigError(f"{flag} must be >= 1, not {val}")
-    if num_speculative_tokens < 0:
+    if inputs.num_speculative_tokens < 0:
         raise ConfigError("--num-speculative-tokens must be >= 0")
-    chosen_layout = REPORT_LAYOUTS.get(layout)
-    if chosen_layout is None:
-        raise ConfigError(f"--layout must be one of {', '.join(REPORT_LAYOUTS)}, not {layout!r}")
-    if not 0 < gpu_memory_utilization <= 1:
+    if inputs.layout not in REPORT_LAYOUTS:
+        raise ConfigError(f"--layout must be one of {', '.join(REPORT_LAYOUTS)}, not {inputs.layout!r}")
+    if not 0 < inputs.gpu_memory_utilization <= 1:
         raise ConfigError("--gpu-memory-utilization must be in (0, 1]")
 
-    # dtypes and per-rank geometry
-    dt = S.resolve_cache_dtypes(m, dtype, kv_cache_dtype, mamba_cache_dtype, mamba_ssm_cache_dtype)
-    g = S.geometry(m, dt.kv, dt.conv, dt.ssm, tp=tp, num_speculative_tokens=num_speculative_tokens)
-    kernel = int(kernel_alignment) if kernel_alignment else S.kernel_alignment_for(device)
-    alignment = S.alignment_for(kernel, block_size)
-    chunk = mamba_block_size or None
-    engine_block = S.engine_block_size(g, block_size, "in-page", mamba_cache_mode)
-    if kernel_alignment is None and kernel == S.ENGINE_KERNEL_ALIGNMENT and mamba_cache_mode != "all":
-        block = engine_block  # this engine: --block-size rounded up to its 64-token grid
-        alignment = S.alignment_for(kernel, S.ENGINE_KERNEL_ALIGNMENT * S.cdiv(block_size, kernel))
-    else:
-        block = S.resolve_block_size(g, kernel, block_size, mamba_cache_mode, chunk)
-    page_bytes = block * g.kv_bytes_per_token_per_layer
-    padding = page_bytes - g.gdn_state_bytes if g.n_gdn_layers and g.n_attn_layers else 0
-    groups = S.kv_groups(m)
-    group_size = max(1, g.n_attn_layers) if g.n_attn_layers else max(1, g.n_gdn_layers)
-    pages_per_layer = S.gdn_pages_per_layer(mamba_cache_mode, num_speculative_tokens, max_model_len, block)
-    gdn_pages = g.n_gdn_layers * pages_per_layer
-    gdn_blocks = S.cdiv(gdn_pages, group_size) if gdn_pages else 0
 
-    # weights and budget
+def _cache_shape(m: ModelConfig, inputs: PlanInputs) -> CacheShape:
+    """Dtypes, per-rank geometry, the hybrid block at the kernel's alignment, and the GDN pages a request holds."""
+    mode, user_block = inputs.mamba_cache_mode, inputs.block_size
+    dt = S.resolve_cache_dtypes(m, inputs.dtype, inputs.kv_cache_dtype, inputs.mamba_cache_dtype,
+                                inputs.mamba_ssm_cache_dtype)
+    g = S.geometry(m, dt.kv, dt.conv, dt.ssm, tp=inputs.tensor_parallel_size,
+                   num_speculative_tokens=inputs.num_speculative_tokens)
+    kernel = int(inputs.kernel_alignment) if inputs.kernel_alignment else S.kernel_alignment_for(inputs.device)
+    alignment = S.alignment_for(kernel, user_block)
+    engine_block = S.engine_block_size(g, user_block, "in-page", mode)
+    if inputs.kernel_alignment is None and kernel == S.ENGINE_KERNEL_ALIGNMENT and mode != "all":
+        block = engine_block  # this engine: --block-size rounded up to its 64-token grid
+        alignment = S.alignment_for(kernel, S.ENGINE_KERNEL_ALIGNMENT * S.cdiv(user_block, kernel))
+    else:
+        block = S.resolve_block_size(g, kernel, user_block, mode, inputs.mamba_block_size or None)
+    page_bytes = block * g.kv_bytes_per_token_per_layer
+    group_size = max(1, g.n_attn_layers) if g.n_attn_layers else max(1, g.n_gdn_layers)
+    pages_per_layer = S.gdn_pages_per_layer(mode, inputs.num_speculative_tokens, inputs.max_model_len, block)
+    gdn_pages = g.n_gdn_layers * pages_per_layer
+    return CacheShape(
+        dtypes=dt, geometry=g, kernel=kernel, alignment=alignment, block=block, engine_block=engine_block,
+        page_bytes=page_bytes, padding=page_bytes - g.gdn_state_bytes if g.n_gdn_layers and g.n_attn_layers else 0,
+        groups=S.kv_groups(m), group_size=group_size, pages_per_layer=pages_per_layer, gdn_pages=gdn_pages,
+        gdn_blocks=S.cdiv(gdn_pages, group_size) if gdn_pages else 0)
+
+
+def _count_weights(src: ModelSource, inputs: PlanInputs, model_dtype: str) -> tuple[WeightBytes, int | None, str | None]:
+    """(the weights, the parameters counted when they were, the quantization they were counted at)."""
+    m, num_params = src.config, inputs.num_params
     weights: WeightBytes | None = None
     params = None
-    if weight_bytes is not None:
-        weights = WeightBytes(int(weight_bytes), "--weight-bytes")
+    if inputs.weight_bytes is not None:
+        weights = WeightBytes(int(inputs.weight_bytes), "--weight-bytes")
     elif src.checkpoint_dir and num_params is None:
-        skip = ("mtp.",) if num_speculative_tokens == 0 else ()
+        skip = ("mtp.",) if inputs.num_speculative_tokens == 0 else ()  # speculation loads the MTP head
         weights = checkpoint_weight_bytes(src.checkpoint_dir, skip)
-    quant = quantization or _config_quantization(src)
+    quant = inputs.quantization or _config_quantization(src)
     if quant not in (None, "fp8"):
         raise ConfigError(f"--quantization must be fp8, not {quant!r}")
     if weights is None and quant == "fp8" and num_params is None:
         params = S.param_count(m)
-        fp8_bytes, q = S.fp8_weight_bytes(m, dt.model)
+        fp8_bytes, q = S.fp8_weight_bytes(m, model_dtype)
         weights = WeightBytes(fp8_bytes, f"block-FP8: {q:,} linear parameters x 1 B + a fp32 scale per 128 x 128 "
-                                         f"block, the other {params - q:,} x {dt.model} (parameters from config.json)")
+                                         f"block, the other {params - q:,} x {model_dtype} (parameters from config.json)")
     if weights is None:
         params = int(num_params) if num_params is not None else S.param_count(m)
-        wdt = S.normalize_dtype(weight_dtype) if weight_dtype else dt.model
+        wdt = S.normalize_dtype(inputs.weight_dtype) if inputs.weight_dtype else model_dtype
         how = "--num-params" if num_params is not None else "parameters counted from config.json"
         weights = WeightBytes(params * S.dtype_bytes(wdt), f"{how} ({params:,}) x {wdt}")
-    weight_per_rank = weights_per_rank(weights.bytes, m, tp, S.dtype_bytes(dt.model))
+    return weights, params, quant
 
-    budget_source = None
-    if budget_bytes is not None:
-        budget, budget_source = int(budget_bytes), "--budget"
-    elif device_memory is not None:
-        usable = int(device_memory * gpu_memory_utilization)
-        budget = usable - weight_per_rank - int(reserve_bytes)
-        budget_source = (f"--device-memory {device_memory:,} x --gpu-memory-utilization {gpu_memory_utilization}"
-                         f" - weights per rank {weight_per_rank:,} - --reserve {int(reserve_bytes):,}")
-        if reserve_bytes == 0:
-            warnings.append("runtime reserves are not modeled: activations, CUDA/HPU graphs, the sampler and "
-                            "non-torch allocations come out of the same memory (pass --reserve to subtract them)")
-        if budget <= 0:
-            warnings.append(f"the weights ({weight_per_rank:,} B per rank) leave no room for the cache at "
-                            f"--gpu-memory-utilization {gpu_memory_utilization}")
-            budget = 0
-    else:
-        budget = None
+
+def _budget(inputs: PlanInputs, weight_per_rank: int, warnings: list[str]) -> tuple[int | None, str | None]:
+    """(the cache budget per rank, where it came from); None when neither --budget nor --device-memory is
+    given. Appends the warnings the budget raises."""
+    if inputs.budget_bytes is not None:
+        return int(inputs.budget_bytes), "--budget"
+    if inputs.device_memory is None:
         warnings.append("no --budget or --device-memory given: pool sizes are not computed")
+        return None, None
+    memory, util, reserve = inputs.device_memory, inputs.gpu_memory_utilization, int(inputs.reserve_bytes)
+    budget = int(memory * util) - weight_per_rank - reserve
+    source = (f"--device-memory {memory:,} x --gpu-memory-utilization {util}"
+              f" - weights per rank {weight_per_rank:,} - --reserve {reserve:,}")
+    if inputs.reserve_bytes == 0:
+        warnings.append("runtime reserves are not modeled: activations, CUDA/HPU graphs, the sampler and "
+                        "non-torch allocations come out of the same memory (pass --reserve to subtract them)")
+    if budget <= 0:
+        warnings.append(f"the weights ({weight_per_rank:,} B per rank) leave no room for the cache at "
+                        f"--gpu-memory-utilization {util}")
+        budget = 0
+    return budget, source
 
-    # pools per layout
+
+def _layout_pools(shape: CacheShape, budget: int | None, inputs: PlanInputs) -> dict[str, Any]:
+    """The plan's pool keys: each report layout's pool at the budget (None per layout without one), and the
+    in-page to per-block ratio."""
+    mode, seq_len = inputs.mamba_cache_mode, inputs.max_model_len
     pools: dict[str, Any] = {}
     pool_tokens: dict[str, int | None] = {}
     pool_blocks: dict[str, int | None] = {}
@@ -224,23 +329,33 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
         if budget is None:
             pool_tokens[name] = pool_blocks[name] = concurrent[name] = None
             continue
-        p = S.size_pool(g, budget, lay.page_tokens(alignment, block), max_num_seqs, lay)
-        pool_tokens[name], pool_blocks[name] = p.pool_tokens, p.num_pages
-        concurrent[name] = S.max_concurrent_seqs(p, max_model_len, mamba_cache_mode)
-        pools[name] = {**dataclasses.asdict(p), "layout": lay.name, "pool_tokens": p.pool_tokens,
-                       "bytes_per_page": p.bytes_per_page, "total_bytes": p.total_bytes,
-                       "pages_per_seq": S.pages_per_seq(p, max_model_len, mamba_cache_mode), "note": lay.note,
-                       "chosen": lay is chosen_layout}
+        pool = S.size_pool(shape.geometry, budget, lay.page_tokens(shape.alignment, shape.block),
+                           inputs.max_num_seqs, lay)
+        pool_tokens[name], pool_blocks[name] = pool.pool_tokens, pool.num_pages
+        concurrent[name] = S.max_concurrent_seqs(pool, seq_len, mode)
+        pools[name] = {**dataclasses.asdict(pool), "layout": lay.name, "pool_tokens": pool.pool_tokens,
+                       "bytes_per_page": pool.bytes_per_page, "total_bytes": pool.total_bytes,
+                       "pages_per_seq": S.pages_per_seq(pool, seq_len, mode), "note": lay.note,
+                       "chosen": lay is REPORT_LAYOUTS[inputs.layout]}
     ratio = None
     if budget is not None and pool_tokens["per-block"]:
         ratio = pool_tokens["in-page"] / pool_tokens["per-block"]
+    return {"pool_tokens": pool_tokens, "pool_blocks": pool_blocks, "max_concurrent_seqs": concurrent,
+            "pool_ratio_in_page_to_per_block": ratio, "pools": pools}
 
-    # warnings
-    if mamba_cache_mode != "none" and g.n_gdn_layers:
+
+def _sizing_warnings(m: ModelConfig, inputs: PlanInputs, shape: CacheShape, budget: int | None,
+                     pools: dict[str, Any]) -> list[str]:
+    """What the figures mean for a deployment: hits, a pool short of the context or the slots, dtypes, TP."""
+    g, dt, block, layout = shape.geometry, shape.dtypes, shape.block, inputs.layout
+    max_model_len, max_num_seqs, mode = inputs.max_model_len, inputs.max_num_seqs, inputs.mamba_cache_mode
+    tp, kernel = inputs.tensor_parallel_size, shape.kernel
+    warnings: list[str] = []
+    if mode != "none" and g.n_gdn_layers:
         warnings.append(f"prompts shorter than {block} tokens never hit: a hit is a whole number of "
-                        f"{block}-token blocks (the runs layout: {alignment}-token pages)")
+                        f"{block}-token blocks (the runs layout: {shape.alignment}-token pages)")
     if budget is not None:
-        chosen = pool_tokens[layout]
+        chosen, concurrent = pools["pool_tokens"][layout], pools["max_concurrent_seqs"][layout]
         short = chosen is not None and chosen < max_model_len
         if short:
             warnings.append(f"the {layout} pool holds {chosen:,} tokens, less than --max-model-len "
@@ -248,57 +363,55 @@ def plan(model: str | ModelConfig | None = None, *, budget_bytes: int | None = N
         if budget < max_num_seqs * g.gdn_state_bytes_per_seq:
             warnings.append(f"the budget does not cover the {max_num_seqs} live GDN slots "
                             f"({max_num_seqs * g.gdn_state_bytes_per_seq:,} B); lower --max-num-seqs")
-        elif not short and concurrent[layout] is not None and concurrent[layout] < max_num_seqs:
-            warnings.append(f"only {concurrent[layout]} of --max-num-seqs {max_num_seqs} sequences of "
+        elif not short and concurrent is not None and concurrent < max_num_seqs:
+            warnings.append(f"only {concurrent} of --max-num-seqs {max_num_seqs} sequences of "
                             f"{max_model_len:,} tokens fit in the {layout} pool at once")
     if g.n_gdn_layers and (dt.ssm != dt.model or dt.conv != dt.model):
         share = 100.0 * g.gdn_ssm_bytes / g.gdn_state_bytes
         warnings.append(f"state dtype differs from weight dtype: GDN recurrent state {dt.ssm} ({dt.ssm_source}), "
                         f"conv state {dt.conv}, weights {dt.model}; the recurrent state is {share:.1f}% of the "
                         f"GDN state, so its dtype sets the state size")
-    if (mamba_ssm_cache_dtype != "auto" and m.mamba_ssm_dtype
-            and S.normalize_dtype(mamba_ssm_cache_dtype) != S.normalize_dtype(m.mamba_ssm_dtype)):
-        warnings.append(f"--mamba-ssm-cache-dtype {mamba_ssm_cache_dtype} overrides the config's mamba_ssm_dtype "
+    ssm_flag = inputs.mamba_ssm_cache_dtype
+    if (ssm_flag != "auto" and m.mamba_ssm_dtype
+            and S.normalize_dtype(ssm_flag) != S.normalize_dtype(m.mamba_ssm_dtype)):
+        warnings.append(f"--mamba-ssm-cache-dtype {ssm_flag} overrides the config's mamba_ssm_dtype "
                         f"{m.mamba_ssm_dtype} (vLLM warns and uses yours); outputs will differ from the reference")
     if tp > m.num_key_value_heads:
         warnings.append(f"--tensor-parallel-size {tp} exceeds the {m.num_key_value_heads} KV heads: each rank "
                         f"holds a replicated KV head")
-    if mamba_cache_mode == "all":
+    if mode == "all":
         warnings.append("mamba_cache_mode all keeps a GDN state per block (pages grow with the context); "
                         "deltaserve's engine implements align")
-    if kernel != S.ENGINE_KERNEL_ALIGNMENT and engine_block != block:
+    if kernel != S.ENGINE_KERNEL_ALIGNMENT and shape.engine_block != block:
         warnings.append(f"these are vLLM's figures at kernel alignment {kernel}; deltaserve's engine aligns to "
-                        f"{S.ENGINE_KERNEL_ALIGNMENT} and uses {engine_block}-token blocks in-page "
+                        f"{S.ENGINE_KERNEL_ALIGNMENT} and uses {shape.engine_block}-token blocks in-page "
                         f"({S.ENGINE_KERNEL_ALIGNMENT}-token pages in its default runs layout)")
+    return warnings
 
+
+def _shape_report(src: ModelSource, inputs: PlanInputs, shape: CacheShape) -> dict[str, Any]:
+    """The plan's keys up to the weights: the model, the dtypes, the block and the GDN pages."""
+    m, dt, g = src.config, shape.dtypes, shape.geometry
     return {
         "model": {
             "name": src.name, "kind": src.kind, "source": src.source, "model_type": m.model_type,
             "num_hidden_layers": m.num_hidden_layers, "gdn_layers": len(m.gdn_layers),
             "attention_layers": len(m.attn_layers), "max_position_embeddings": m.max_position_embeddings,
         },
-        "tensor_parallel_size": tp,
+        "tensor_parallel_size": inputs.tensor_parallel_size,
         "dtypes": {"model": dt.model, "kv_cache": dt.kv, "mamba_cache": dt.conv, "mamba_ssm_cache": dt.ssm,
                    "mamba_ssm_cache_source": dt.ssm_source},
-        "device": device, "kernel_alignment": kernel, "user_block_size": block_size, "alignment": alignment,
-        "mamba_cache_mode": mamba_cache_mode, "num_speculative_tokens": num_speculative_tokens,
-        "block_size": block, "engine_block_size": engine_block,
-        "page_bytes": page_bytes, "page_padding_bytes": padding,
+        "device": inputs.device, "kernel_alignment": shape.kernel, "user_block_size": inputs.block_size,
+        "alignment": shape.alignment,
+        "mamba_cache_mode": inputs.mamba_cache_mode, "num_speculative_tokens": inputs.num_speculative_tokens,
+        "block_size": shape.block, "engine_block_size": shape.engine_block,
+        "page_bytes": shape.page_bytes, "page_padding_bytes": shape.padding,
         "gdn_conv_bytes_per_layer": g.gdn_conv_bytes, "gdn_ssm_bytes_per_layer": g.gdn_ssm_bytes,
         "gdn_state_bytes_per_layer": g.gdn_state_bytes, "gdn_state_bytes_per_seq": g.gdn_state_bytes_per_seq,
         "kv_bytes_per_token_per_layer": g.kv_bytes_per_token_per_layer, "kv_bytes_per_token": g.kv_bytes_per_token,
-        "kv_groups": [{"kind": k, "layers": list(ls)} for k, ls in groups], "group_size": group_size,
-        "gdn_pages_per_layer": pages_per_layer, "gdn_pages_per_request": gdn_pages,
-        "gdn_blocks_per_request": gdn_blocks,
-        "weight_bytes": weights.bytes, "weight_bytes_per_rank": weight_per_rank, "weight_source": weights.source,
-        "weight_quantization": quant,
-        "weight_bytes_skipped": weights.skipped_bytes, "num_params": params,
-        "budget_bytes": budget, "budget_source": budget_source,
-        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs,
-        "num_slots": max_num_seqs, "slot_bytes": g.gdn_state_bytes_per_seq,
-        "layout": layout, "pool_tokens": pool_tokens, "pool_blocks": pool_blocks,
-        "max_concurrent_seqs": concurrent, "pool_ratio_in_page_to_per_block": ratio, "pools": pools,
-        "warnings": warnings,
+        "kv_groups": [{"kind": k, "layers": list(ls)} for k, ls in shape.groups], "group_size": shape.group_size,
+        "gdn_pages_per_layer": shape.pages_per_layer, "gdn_pages_per_request": shape.gdn_pages,
+        "gdn_blocks_per_request": shape.gdn_blocks,
     }
 
 
@@ -430,15 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        r = plan(args.model, budget_bytes=args.budget, device_memory=args.device_memory,
-                 gpu_memory_utilization=args.gpu_memory_utilization, weight_bytes=args.weight_bytes,
-                 num_params=args.num_params, weight_dtype=args.weight_dtype, reserve_bytes=args.reserve,
-                 tensor_parallel_size=args.tensor_parallel_size, block_size=args.block_size, device=args.device,
-                 kernel_alignment=args.kernel_alignment, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                 mamba_cache_dtype=args.mamba_cache_dtype, mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-                 mamba_cache_mode=args.mamba_cache_mode, mamba_block_size=args.mamba_block_size,
-                 num_speculative_tokens=args.num_speculative_tokens, max_model_len=args.max_model_len,
-                 max_num_seqs=args.max_num_seqs, layout=args.layout, quantization=args.quantization)
+        r = plan(args.model, PlanInputs.from_args(args))
     except (ConfigError, OSError, ValueError) as e:
         print(f"deltaserve plan: error: {e}", file=sys.stderr)
         return 2
