@@ -269,7 +269,8 @@ def _cache_shape(m: ModelConfig, inputs: PlanInputs) -> CacheShape:
         gdn_blocks=S.cdiv(gdn_pages, group_size) if gdn_pages else 0)
 
 
-def _count_weights(src: ModelSource, inputs: PlanInputs, model_dtype: str) -> tuple[WeightBytes, int | None, str | None]:
+def _count_weights(src: ModelSource, inputs: PlanInputs,
+                   model_dtype: str) -> tuple[WeightBytes, int | None, str | None]:
     """(the weights, the parameters counted when they were, the quantization they were counted at)."""
     m, num_params = src.config, inputs.num_params
     weights: WeightBytes | None = None
@@ -286,7 +287,8 @@ def _count_weights(src: ModelSource, inputs: PlanInputs, model_dtype: str) -> tu
         params = S.param_count(m)
         fp8_bytes, q = S.fp8_weight_bytes(m, model_dtype)
         weights = WeightBytes(fp8_bytes, f"block-FP8: {q:,} linear parameters x 1 B + a fp32 scale per 128 x 128 "
-                                         f"block, the other {params - q:,} x {model_dtype} (parameters from config.json)")
+                                         f"block, the other {params - q:,} x {model_dtype} "
+                                         "(parameters from config.json)")
     if weights is None:
         params = int(num_params) if num_params is not None else S.param_count(m)
         wdt = S.normalize_dtype(inputs.weight_dtype) if inputs.weight_dtype else model_dtype
