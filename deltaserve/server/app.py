@@ -1,21 +1,21 @@
-"""The FastAPI app: routes, error objects, API-key auth, and the engine's lifecycle.
+"""The FastAPI app: the state its routes share, error objects, API-key auth, and the engine's lifecycle.
 
     app = build_app(EngineConfig(...), api_key=None, served_model_name=None)
 
 Three APIs over one engine: OpenAI's (/v1/completions, /v1/chat/completions, /v1/responses) and
-Anthropic's (/v1/messages). The engine starts loading in a background thread when the app starts (its
-lifespan); until it is ready, /health and the generation routes answer 503. Errors are OpenAI error
-objects {"error": {"message", "type", "param", "code"}}, and Anthropic's {"type": "error", "error":
-{"type", "message"}} on /v1/messages (errors.py): 400 for malformed JSON, unknown or unimplemented
-fields and bad values, 401 without the API key (Authorization: Bearer KEY, or Anthropic's x-api-key on
-/v1/messages), 404 for an unknown model or route, 503 while not ready. A handler's failure never
-reaches the engine thread or another request.
+Anthropic's (/v1/messages), each added by its subpackage's register(app, state) over the one ServerState
+(state.py); /health, /v1/models and /metrics are the app's own. The engine starts loading in a background
+thread when the app starts (its lifespan); until it is ready, /health and the generation routes answer 503.
+Errors are OpenAI error objects {"error": {"message", "type", "param", "code"}}, and Anthropic's
+{"type": "error", "error": {"type", "message"}} on /v1/messages (errors.py): 400 for malformed JSON, unknown
+or unimplemented fields and bad values, 401 without the API key (Authorization: Bearer KEY, or Anthropic's
+x-api-key on /v1/messages), 404 for an unknown model or route, 503 while not ready. A handler's failure
+never reaches the engine thread or another request.
 """
 from __future__ import annotations
 
 import logging
 import secrets
-import time
 from contextlib import asynccontextmanager
 from typing import Any, Callable
 
@@ -24,16 +24,15 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from ..memory.events import RouterView
+from . import anthropic, openai, responses
 from .async_engine import AsyncEngine
 from .errors import ANTHROPIC_PREFIX, ApiError, shaped_error_body
-from .anthropic.routes import MessagesServing
-from .anthropic.protocol import CountTokensRequest, MessagesRequest
+from .kv_events import event_block_size
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, FieldError, TokenizeRequest
-from .responses.store import DEFAULT_MAX_STORED, ResponseStore
-from .responses.routes import ResponsesServing
-from .responses.protocol import ResponsesRequest
-from .openai.routes import OpenAIServing
+from .openai.protocol import FieldError
+from .responses.store import DEFAULT_MAX_STORED
+from .state import ServerState
 
 log = logging.getLogger("deltaserve.server")
 
@@ -130,28 +129,52 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
     max_stored_responses: how many /v1/responses (store: true) are kept for previous_response_id.
     kv_events: a kv_events.KVEventPublisher (its sockets open): the engine's cache changes are published on it
     (closed when the app stops)."""
+    state = _server_state(engine_config, api_key, _served_names(engine_config, served_model_name),
+                          engine_factory, freeze_heap, max_stored_responses, kv_events)
+    app = FastAPI(title="deltaserve", version="0.1.0", lifespan=_lifespan(state.engine, kv_events),
+                  description="OpenAI-compatible server for Gated DeltaNet hybrid models")
+    app.state.engine = state.engine
+    app.state.metrics = state.metrics
+    app.add_middleware(_Guard, api_key=state.api_key)
+    _add_error_handlers(app)
+    for api in (openai, responses, anthropic):
+        api.register(app, state)
+    _add_common_routes(app, state)
+    return app
+
+
+def _served_names(engine_config: Any, served_model_name: str | list[str] | None) -> list[str]:
+    """--served-model-name as a list (one name or several), else the engine's model; never empty."""
     if isinstance(served_model_name, str):
-        names = [served_model_name]
-    elif served_model_name:
-        names = list(served_model_name)
-    else:
-        names = [default_model_name(engine_config)]
+        return [served_model_name]
+    if served_model_name:
+        return list(served_model_name)
+    return [default_model_name(engine_config)]
+
+
+def _server_state(engine_config: Any, api_key: str | None, names: list[str],
+                  engine_factory: Callable[[Any], Any] | None, freeze_heap: bool, max_stored_responses: int,
+                  kv_events: Any) -> ServerState:
+    """The engine (it loads when the app starts), its metrics and what the routes share."""
     on_loaded = None
     if kv_events is not None:
-        from ..memory.events import RouterView
-        from .kv_events import event_block_size
-
-        def on_loaded(eng):
-            view = RouterView(eng.block_size, event_block_size(eng), checkpoints=eng.memory.num_gdn_groups > 0)
-            kv_events.attach(eng.memory.enable_events(), view)
-            metrics.engine_collector.kv_event_block_size = view.event_block_size
+        def on_loaded(eng):  # metrics is bound below, before the engine can load
+            _publish_kv_events(kv_events, eng, metrics)
 
     engine = AsyncEngine(engine_config, engine_factory, freeze_heap=freeze_heap, on_loaded=on_loaded)
     metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.engine if engine.is_ready else None)
-    serving = OpenAIServing(engine, metrics, names)
-    responses = ResponsesServing(engine, metrics, names, ResponseStore(max_stored_responses))
-    messages = MessagesServing(engine, metrics, names)
+    return ServerState(engine_config, engine, metrics, names, api_key, max_stored_responses)
 
+
+def _publish_kv_events(kv_events: Any, eng: Any, metrics: ServerMetrics) -> None:
+    """The loaded engine's cache changes go out on kv_events, in the blocks a router hashes."""
+    view = RouterView(eng.block_size, event_block_size(eng), checkpoints=eng.memory.num_gdn_groups > 0)
+    kv_events.attach(eng.memory.enable_events(), view)
+    metrics.engine_collector.kv_event_block_size = view.event_block_size
+
+
+def _lifespan(engine: AsyncEngine, kv_events: Any):
+    """The engine loads (in its thread) while the app runs, and stops with it; so does the KV event publisher."""
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
@@ -162,15 +185,12 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
             if kv_events is not None:
                 kv_events.close()
 
-    app = FastAPI(title="deltaserve", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible server for Gated DeltaNet hybrid models")
-    app.state.engine = engine
-    app.state.metrics = metrics
-    app.state.serving = serving
-    app.state.responses = responses
-    app.state.messages = messages
-    app.add_middleware(_Guard, api_key=api_key)
+    return lifespan
 
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error as the route's API shapes it (errors.shaped_error_body): ours, pydantic's 400s, starlette's
+    (404 unknown route, 405), and anything unhandled as a 500 that names only the exception's type."""
     def shaped(request: Request, message: str, type_: str, param: str | None, code: str | None) -> dict:
         return shaped_error_body(request.url.path, message, type_, param, code)
 
@@ -196,57 +216,18 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
         return JSONResponse(shaped(request, f"Internal error: {type(exc).__name__}", "internal_error", None,
                                    "internal_error"), status_code=500)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request)
-
-    @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, request: Request):
-        return await responses.create(body, request)
-
-    @app.get("/v1/responses/{response_id}")
-    async def get_response(response_id: str):
-        return responses.retrieve(response_id)
-
-    @app.delete("/v1/responses/{response_id}")
-    async def delete_response(response_id: str):
-        return responses.delete(response_id)
-
-    @app.post("/v1/messages")
-    async def create_message(body: MessagesRequest, request: Request):
-        return await messages.create(body, request)
-
-    @app.post("/v1/messages/count_tokens")
-    async def count_tokens(body: CountTokensRequest):
-        return await messages.count_tokens(body)
-
-    @app.post("/v1/completions/render")
-    async def render_completions(body: CompletionRequest):
-        return await serving.render_completions(body)
-
-    @app.post("/v1/chat/completions/render")
-    async def render_chat(body: ChatCompletionRequest):
-        return await serving.render_chat(body)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        return await serving.tokenize(body)
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        return await serving.detokenize(body)
+def _add_common_routes(app: FastAPI, state: ServerState) -> None:
+    """The routes of no one API: /v1/models, /health (200 ready, 503 while loading or failed) and /metrics."""
+    engine = state.engine
 
     @app.get("/v1/models")
     async def models():
         eng = engine.engine if engine.is_ready else None
         data = []
-        for name in names:
-            d: dict[str, Any] = {"id": name, "object": "model", "created": int(app_started), "owned_by": "deltaserve",
-                                 "root": getattr(engine_config, "model", None) or name, "parent": None}
+        for name in state.model_names:
+            d: dict[str, Any] = {"id": name, "object": "model", "created": int(state.started), "owned_by": "deltaserve",
+                                 "root": getattr(state.engine_config, "model", None) or name, "parent": None}
             if eng is not None:
                 d["max_model_len"] = int(eng.max_model_len)
             data.append(d)
@@ -261,7 +242,4 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
 
     @app.get("/metrics")
     async def prometheus():
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    app_started = time.time()
-    return app
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -18,6 +19,7 @@ from ..async_engine import EngineStepError
 from ..chat_spec import ChatRun, render_prompt, start_chat
 from ..core import AbortingStream, Job, ServingCore, engine_failed
 from ..errors import anthropic_error_body
+from ..state import ServerState
 from .input import messages_spec
 from .output import BlockFolder
 from .protocol import CountTokensRequest, MessagesRequest
@@ -101,3 +103,11 @@ class MessagesServing(ServingCore):
                                "stop_sequence": job.stop_reason if isinstance(job.stop_reason, str) else None},
                      "usage": self._usage(run, final=True)})
         yield event({"type": "message_stop"})
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/messages and /v1/messages/count_tokens over one MessagesServing (app.state.messages)."""
+    messages = app.state.messages = MessagesServing(state.engine, state.metrics, state.model_names)
+    for path, endpoint, name in (("/v1/messages", messages.create, "create_message"),
+                                 ("/v1/messages/count_tokens", messages.count_tokens, "count_tokens")):
+        app.add_api_route(path, endpoint, methods=["POST"], name=name, response_model=None)

@@ -15,6 +15,7 @@ import time
 import uuid
 from typing import Any
 
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -22,6 +23,7 @@ from ..async_engine import EngineStepError, RequestSink
 from ..chat_spec import ChatSpec, grammar_for, guide_for, render_prompt, start_chat
 from ..core import AbortingStream, Delta, Job, ServingCore
 from ..errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
+from ..state import ServerState
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
                        TokenizeRequest)
 
@@ -435,3 +437,17 @@ class OpenAIServing(ServingCore):
         except EngineStepError as e:
             yield f"data: {json.dumps(error_body(f'The engine failed while generating: {e}', 'internal_error'))}\n\n"
             yield "data: [DONE]\n\n"
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """Chat Completions, Completions, their render routes, /tokenize and /detokenize, over one OpenAIServing
+    (app.state.serving). Each route is the serving method itself (FastAPI reads the body model off its
+    signature); the names are the routes' operation ids."""
+    serving = app.state.serving = OpenAIServing(state.engine, state.metrics, state.model_names)
+    for path, endpoint, name in (("/v1/completions", serving.completions, "completions"),
+                                 ("/v1/chat/completions", serving.chat, "chat_completions"),
+                                 ("/v1/completions/render", serving.render_completions, "render_completions"),
+                                 ("/v1/chat/completions/render", serving.render_chat, "render_chat"),
+                                 ("/tokenize", serving.tokenize, "tokenize"),
+                                 ("/detokenize", serving.detokenize, "detokenize")):
+        app.add_api_route(path, endpoint, methods=["POST"], name=name, response_model=None)

@@ -14,6 +14,7 @@ import json
 import time
 from typing import Any
 
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -21,6 +22,7 @@ from ..async_engine import EngineStepError
 from ..chat_spec import ChatRun, ChatSpec, start_chat
 from ..core import AbortingStream, ServingCore, engine_failed
 from ..errors import ApiError
+from ..state import ServerState
 from .store import ResponseStore, StoredResponse
 from .input import call_ids, input_messages, output_message, with_instructions
 from .output import OutputFolder
@@ -78,18 +80,18 @@ class ResponsesServing(ServingCore):
             raise engine_failed(e) from None
         return JSONResponse(self._done(req, run, folder, conversation, created))
 
-    def retrieve(self, rid: str) -> dict:
-        s = self.store.lookup(rid)
+    async def retrieve(self, response_id: str) -> dict:
+        s = self.store.lookup(response_id)
         if s is None:
-            raise ApiError(404, f"No stored response with id '{rid}'.", "invalid_request_error", "response_id",
-                           "response_not_found")
+            raise ApiError(404, f"No stored response with id '{response_id}'.", "invalid_request_error",
+                           "response_id", "response_not_found")
         return s.response
 
-    def delete(self, rid: str) -> dict:
-        if not self.store.delete(rid):
-            raise ApiError(404, f"No stored response with id '{rid}'.", "invalid_request_error", "response_id",
-                           "response_not_found")
-        return {"id": rid, "object": "response", "deleted": True}
+    async def delete(self, response_id: str) -> dict:
+        if not self.store.delete(response_id):
+            raise ApiError(404, f"No stored response with id '{response_id}'.", "invalid_request_error",
+                           "response_id", "response_not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
 
     # ---------------------------------------------------------------- folding
     @staticmethod
@@ -162,3 +164,16 @@ class ResponsesServing(ServingCore):
         final = self._done(req, run, folder, conversation, created)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         yield event({"type": kind, "response": final})
+
+
+def register(app: FastAPI, state: ServerState) -> None:
+    """POST /v1/responses, GET and DELETE /v1/responses/{response_id}, over one ResponsesServing and its store
+    (app.state.responses). retrieve and delete are async so that, like create, they run on the event loop: the
+    store has no lock."""
+    responses = app.state.responses = ResponsesServing(state.engine, state.metrics, state.model_names,
+                                                       ResponseStore(state.max_stored_responses))
+    one = "/v1/responses/{response_id}"
+    for path, method, endpoint, name in (("/v1/responses", "POST", responses.create, "create_response"),
+                                         (one, "GET", responses.retrieve, "get_response"),
+                                         (one, "DELETE", responses.delete, "delete_response")):
+        app.add_api_route(path, endpoint, methods=[method], name=name, response_model=None)

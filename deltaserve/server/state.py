@@ -1,0 +1,27 @@
+"""ServerState: what one app's routes share. build_app makes it; each API subpackage's register(app, state) and
+the common routes read it."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .async_engine import AsyncEngine
+from .metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """One engine and what every API serves it with.
+
+    The engine loads in its own thread once the app starts: until engine.is_ready, routes that need it
+    answer 503 (ServingCore.ready), and the tokenizer is engine.tokenizer once it is. model_names holds at
+    least one name; responses report the first. api_key None: no auth."""
+
+    engine_config: Any  # what the engine is built from (/v1/models reports its model as the root)
+    engine: AsyncEngine
+    metrics: ServerMetrics
+    model_names: list[str]
+    api_key: str | None
+    max_stored_responses: int  # /v1/responses kept for previous_response_id
+    started: float = field(default_factory=time.time)  # /v1/models' created
