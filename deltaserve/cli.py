@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan": lambda r: __import__("deltaserve.tools.planner", fromlist=["main"]).main(r),
         "bench": lambda r: __import__("deltaserve.bench", fromlist=["main"]).main(r),
         "profile": lambda r: __import__("deltaserve.profile", fromlist=["main"]).main(r),
-        "simulate": lambda r: (__import__("deltaserve.tools.validate", fromlist=["main"]).main(r[1:]) if r[:1] == ["validate"]
-                               else __import__("deltaserve.sim", fromlist=["main"]).main(r)),
+        "simulate": lambda r: (__import__("deltaserve.tools.validate.cli", fromlist=["main"]).main(r[1:])
+                               if r[:1] == ["validate"] else __import__("deltaserve.sim", fromlist=["main"]).main(r)),
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:
         print("usage: deltaserve {" + ",".join(cmds) + "} [options]\n"

@@ -11,7 +11,10 @@ torch = pytest.importorskip("torch")
 
 from deltaserve.profile import make_engine  # noqa: E402
 from deltaserve.profile.coverage import coverage, format_coverage  # noqa: E402
-from deltaserve.profile.profiler import Instrument, Profiler, make_grid, profile  # noqa: E402
+from deltaserve.profile.grid import make_grid  # noqa: E402
+from deltaserve.profile.instrument import Instrument  # noqa: E402
+from deltaserve.profile.profiler import Profiler  # noqa: E402
+from deltaserve.profile.run import profile  # noqa: E402
 from deltaserve.sim.bundle import GDN_KERNELS, TABLES, load_bundle  # noqa: E402
 from deltaserve.sim.latency import LatencyModel, StepShape  # noqa: E402
 
@@ -146,7 +149,7 @@ def test_calibration_fits_the_decode_offset_and_the_cold_decode_after_a_prefill(
     and the latency model charges them to decode-only steps (the cold one only right after a prefill)."""
     import random
 
-    from deltaserve.profile.profiler import fit_calibration
+    from deltaserve.profile.fit import fit_calibration
 
     lm = LatencyModel(load_bundle(bundle_dir), wall_per_cpu=1.0)
     lm.compute_scale = lm.compute_scale_decode = 1.0  # price the synthetic steps with the bare tables

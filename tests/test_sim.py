@@ -206,7 +206,7 @@ def test_a_speed_trace_slows_the_steps_it_covers(bundle):
 def test_step_speed_reads_the_step_kinds_apart(bundle):
     """The validation's speed: prefill-carrying and decode-only steps measured apart; a kind the probe never
     ran takes the speed of all steps."""
-    from deltaserve.tools.validate import COLD_STEP_US, step_speed
+    from deltaserve.tools.validate.speed import COLD_STEP_US, step_speed
 
     lm = LatencyModel(bundle, wall_per_cpu=1.0)
     pre, dec = StepShape([(64, 0)], [], 1), StepShape([], [100] * 2, 2)
@@ -229,7 +229,7 @@ def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():
     """The interleaved probe's workload driver, on a stand-in engine: requests are admitted by the twin's own
     clock (which advances by its steps' CPU time and jumps over idle gaps), and the trace repeats under new
     cache salts so that a second round cannot hit the first's pages."""
-    from deltaserve.tools.validate import _TwinReplay
+    from deltaserve.tools.validate.real import _TwinReplay
 
     class Engine:
         def __init__(self):
@@ -260,7 +260,7 @@ def test_twin_replay_runs_its_own_clock_and_starts_over_with_fresh_salts():
 def test_probe_burst_pays_its_share_with_a_step_minimum_up_to_a_cap():
     """A burst runs the CPU time the twin owes, at least five steps while they are short (one cache
     disturbance per burst, not per step), but never five 10-second steps (the replay would stop a minute)."""
-    from deltaserve.tools.validate import _burst
+    from deltaserve.tools.validate.real import _burst
 
     def steps_of(us):
         return lambda: ("shape", us, us)
@@ -299,7 +299,7 @@ def test_simulation_drives_the_real_scheduler(bundle):
 
 def test_requests_arriving_together_start_one_step(bundle):
     """An idle engine admits everything that has arrived before it plans: two requests at one instant share the
-    first step; one a nanosecond later waits for the next (the real replay loop does the same, validate.py)."""
+    first step; one a nanosecond later waits for the next (the real replay loop does the same, validate/real.py)."""
     def first_step(t2: float) -> list[str]:
         sim = Simulation(cluster(bundle, max_num_batched_tokens=1024))
         plans = []
@@ -427,7 +427,7 @@ def test_validation_smoke(tmp_path):
     """One scenario of the gate end to end (quick profile of tiny, two real replays on the CPU clock with the
     interleaved probe, the simulations), and its three parts in the table."""
     pytest.importorskip("torch")
-    from deltaserve.tools.validate import main
+    from deltaserve.tools.validate.cli import main
 
     out = tmp_path / "val"
     assert main(["--out", str(out), "--presets", "tiny", "--quick", "--loads", "light", "--caching", "on",

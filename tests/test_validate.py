@@ -68,7 +68,7 @@ def test_step_errors_by_kind():
 
 
 def test_end_to_end_bound_is_the_bar_or_the_engines_own_spread():
-    from deltaserve.tools.validate import BARS, end_to_end
+    from deltaserve.tools.validate.compare import BARS, end_to_end
 
     def cmp(**errs):
         return {k: {"err_pct": errs.get(k, 0.0)} for k in BARS}
@@ -112,7 +112,9 @@ def replays(tmp_path_factory):
     """Each scenario with caching on and off, replayed once on the real engine (CPU clock, no twin probe) and
     once in the simulator on the replay's own step durations."""
     pytest.importorskip("torch")
-    from deltaserve.tools.validate import _warmup_requests, fidelity, run_real
+    from deltaserve.tools.validate.compare import fidelity
+    from deltaserve.tools.validate.real import run_real
+    from deltaserve.tools.validate.scenarios import _warmup_requests
 
     bundle = load_bundle(synthetic_bundle(str(tmp_path_factory.mktemp("bundle"))))
     warm = _warmup_requests(3, 3000)
@@ -162,7 +164,7 @@ def test_one_step_timed_differently_parts_the_runs(replays):
     """The comparison is not vacuous: end one step before an arrival that the real run saw at its end, and the
     next step differs, there and nowhere earlier."""
     from deltaserve.sim.latency import LatencyModel
-    from deltaserve.tools.validate import run_sim
+    from deltaserve.tools.validate.simulate import run_sim
 
     bundle, runs = replays
     trace, flags, warm, _, info, _ = runs["light", True]
@@ -187,7 +189,7 @@ def test_a_scheduler_without_background_jobs_is_caught(replays):
     """The real engine recomputes finished outputs in background jobs; a simulated replica that does not (as if
     it were built with other flags) takes other steps, and the comparison says where."""
     from deltaserve.sim.latency import LatencyModel
-    from deltaserve.tools.validate import run_sim
+    from deltaserve.tools.validate.simulate import run_sim
 
     bundle, runs = replays
     trace, flags, warm, _, info, _ = runs["light", True]

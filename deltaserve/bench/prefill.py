@@ -2,7 +2,7 @@
 
 The engine is built as `deltaserve serve` builds it (its kernels, its linears, the allocator tuned), and one
 sequence of --tokens tokens (from position 0, into a fresh slot) runs through the model's forward: plain, then on
-the profiler's timed op table (profile/profiler.py Instrument, the one `deltaserve profile` uses), --repeats times.
+the profiler's timed op table (profile/instrument.py Instrument, the one `deltaserve profile` uses), --repeats times.
 Each op's self time is the median over the timed forwards, scaled so that they add up to the median plain forward.
 Prints the step's time and tokens/s, then each kernel's share, largest first: where a prefill spends its time.
 """

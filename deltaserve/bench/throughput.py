@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..config import add_engine_args
+from ..profile.machine import cpu_model
 from .peers import PeerUnavailable
 
 PRESETS = ("tiny", "qwen3.5-0.8b-shape")
@@ -235,8 +236,6 @@ def run(args) -> Results:
         torch.set_num_threads(args.threads)
     res = Results()
     res.info["load_start"] = os.getloadavg()
-    from ..profile.profiler import cpu_model
-
     res.info["cpu"] = f"{cpu_model()}, {os.cpu_count()} CPUs"
     res.info["l3_bytes"] = l3_bytes()
     res.info["torch_threads"] = torch.get_num_threads()

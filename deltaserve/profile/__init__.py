@@ -11,7 +11,9 @@ import argparse
 import logging
 import sys
 
-from ..config import add_engine_args, engine_args
+from ..config import EngineConfig, add_engine_args, engine_args
+from ..errors import ConfigError
+from .coverage import main as coverage_main
 
 log = logging.getLogger("deltaserve.profile")
 
@@ -40,12 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 def make_engine(**flags):
     """The profiling engine: an LLMEngine with these engine flags (EngineConfig names), its pool DEFAULT_KV_BYTES
     for the preset unless kv_cache_memory is given."""
-    from ..config import EngineConfig
-    from ..engine.llm_engine import LLMEngine
+    from ..engine.llm_engine import LLMEngine  # torch: `profile coverage` imports this package without it
 
     cfg = EngineConfig.from_kwargs(**flags)
     if cfg.tensor_parallel_size > 1:  # the profiler times one process's forwards; its bundles derive per_tp
-        from ..errors import ConfigError
         raise ConfigError("deltaserve profile profiles one rank: drop --tensor-parallel-size (the bundle's "
                           "engine_resolved.per_tp gives the block size of each TP degree)")
     if cfg.kv_cache_memory is None:
@@ -57,11 +57,9 @@ def make_engine(**flags):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "coverage":
-        from .coverage import main as coverage_main
-
         return coverage_main(argv[1:])
     a = build_parser().parse_args(argv)
-    from .profiler import profile
+    from .run import profile  # torch: `profile coverage` runs without it
 
     eng = make_engine(**engine_args(a))
     meta = profile(eng, a.out, quick=a.quick, repeats=a.repeats, max_context=a.max_context,

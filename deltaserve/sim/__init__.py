@@ -6,7 +6,7 @@
     deltaserve simulate validate [--presets tiny,qwen3.5-0.8b-shape] --out DIR      (the gate: real vs simulated)
     deltaserve simulate external --bundle DIR --model-config F --trace F --measured F  (a real vLLM run, external.py)
 
-Nothing here imports torch. `deltaserve simulate validate` (deltaserve/tools/validate.py, which runs the real engine and
+Nothing here imports torch. `deltaserve simulate validate` (deltaserve/tools/validate/, which runs the real engine and
 the profiler beside this package) is routed by cli.py. See docs/simulator.md.
 """
 from __future__ import annotations

@@ -1,2 +1,2 @@
 """Commands built on the layers below: the memory planner (planner.py), the real-vs-simulated gate
-(validate.py) and N real replicas behind a router (cluster.py)."""
+(validate/) and N real replicas behind a router (cluster.py)."""

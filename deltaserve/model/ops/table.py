@@ -3,8 +3,8 @@
 The layers call ops only through the step context's table (`ctx.ops.linear(h, w)`), never through module
 globals, so whoever runs a forward can hand it another table: the profiler passes `ops.wrapped(timer)`, a
 copy whose every entry records its own time, and the model is never patched. A new op is a new field here;
-the profiler refuses a table with an op it has no kernel name for (profile/profiler.py, OP_KERNELS), so no
-op's time can silently land in its caller's.
+the profiler refuses a table with an op it has no kernel name for (profile/instrument.py, Instrument._rules),
+so no op's time can silently land in its caller's.
 
 Each entry has the signature of the function it names (ops/attention.py, conv.py, gdn.py, norm.py, mlp.py,
 pointwise.py, linear.py); the activations and norms are DecodeKernels' methods (compiled for every row where
