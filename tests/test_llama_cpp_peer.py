@@ -113,7 +113,7 @@ def test_salt_keeps_llama_cpp_requests_off_its_cache():
 
 
 def test_render_llama_cpp_columns_and_fp8_hook():
-    from deltaserve.bench.throughput import Results, render
+    from deltaserve.bench.throughput_report import Results, render
 
     def res(with_fp8: bool) -> Results:
         r = Results()
@@ -206,7 +206,7 @@ def test_llama_server_end_to_end_tiny(tiny_dir, tmp_path, capsys):
 
 
 def test_llama_cpp_targets_lines():
-    from deltaserve.bench.throughput import Results, llama_cpp_targets
+    from deltaserve.bench.throughput_report import Results, llama_cpp_targets
 
     r = Results()
     r.info["rows"] = {"tiny": ["decode@1", "decode@8"]}

