@@ -94,9 +94,9 @@ def test_every_instruction_set_gives_the_same_bits():
 def test_odd_input_dim_without_onednn_bf16_stays_on_f_linear(ext, monkeypatch):
     """An AVX2-only CPU has no oneDNN bf16: a weight the compiled kernel cannot take (odd input dim) is kept
     as it is and runs through F.linear (its bits), instead of a oneDNN packing that would fall back slowly."""
-    from deltaserve.model.ops import linear as linear_mod
+    from deltaserve.model.ops import packed
 
-    monkeypatch.setattr(linear_mod, "can_prepack", lambda dtype, device: False)
+    monkeypatch.setattr(packed, "can_prepack", lambda dtype, device: False)
     w, x = rand(32, 33, seed=5), rand(4, 33, seed=6)
     pw = PackedWeight(w, ext)
     assert pw.kind == "plain"
