@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return int(cmds[argv[0]](argv[1:]) or 0)
-    except ConfigError as e:  # a bad flag or an unsupported checkpoint: say what to fix, no traceback
+    except ConfigError as e:  # a bad flag or an unsupported model: say what to fix, no traceback
         print(f"deltaserve {argv[0]}: error: {e}", file=sys.stderr)
         return 2
 

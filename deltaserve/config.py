@@ -20,7 +20,7 @@ MODEL_DTYPES = ("bfloat16", "float16", "float32")  # what the model runs in
 
 
 def resolve_dtype(requested: str, mc: "ModelConfig") -> str:
-    """--dtype auto = the checkpoint's dtype; anything the engine cannot run falls back to bfloat16."""
+    """--dtype auto = the model's dtype; anything the engine cannot run falls back to bfloat16."""
     d = mc.dtype if requested == "auto" else requested
     return d if d in MODEL_DTYPES else "bfloat16"
 
@@ -62,7 +62,7 @@ class ModelConfig:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
-    dtype: str = "bfloat16"  # the checkpoint's weight dtype
+    dtype: str = "bfloat16"  # the model's weight dtype
     mamba_ssm_dtype: str | None = None  # the recurrent state dtype the config declares, if any
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -158,7 +158,7 @@ class ModelConfig:
 
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
-        """A checkpoint directory or a config.json file."""
+        """A model directory or a config.json file."""
         f = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(f) as fh:
             return cls.from_hf(json.load(fh))
@@ -241,14 +241,14 @@ class EngineConfig:
     Each field's Flag is its one definition on the command line: `deltaserve generate | serve | profile |
     simulate` (and the benchmarks) build their engine flags with add_engine_args()."""
 
-    model: str | None = _flag(None, "checkpoint directory (config.json + safetensors); default: the embedded model",
+    model: str | None = _flag(None, "model directory (config.json + safetensors); default: the embedded model",
                               metavar="DIR")
     preset: str = _flag("tiny", "embedded model preset when --model is not given (tiny, qwen3.5-0.8b-shape, ...)",
                         metavar="NAME")
-    dtype: str = _flag("auto", "weights, activations, KV and conv state (auto = the checkpoint's)",
+    dtype: str = _flag("auto", "weights, activations, KV and conv state (auto = the model's)",
                        choices=MODEL_DTYPE_CHOICES, replica=True)
-    quantize_head: str = _flag("none", "the LM head: none (as the checkpoint holds it) or fp8 (block-FP8 at load, "
-                               "as a -FP8 checkpoint's linears; a decode step reads half the head's bytes, the logits "
+    quantize_head: str = _flag("none", "the LM head: none (as the model holds it) or fp8 (block-FP8 at load, "
+                               "as a -FP8 model's linears; a decode step reads half the head's bytes, the logits "
                                "change by FP8's rounding; CPU, bf16, one rank)", choices=QUANTIZE_HEAD_CHOICES)
     max_model_len: int | None = _flag(None, "longest prompt + completion (default: min(the model's "
                                       "max_position_embeddings, what one request can hold in the pool))",
@@ -277,6 +277,8 @@ class EngineConfig:
     reprefill_outputs: bool = _flag(True, "recompute finished requests' generated tokens through the prefill path in "
                                     "spare step budget and cache them, so a next turn that contains them hits, bit "
                                     "for bit as a cold run", None, replica=True)
+    reprefill_job_tokens: int = _flag(256, "the most tokens one --reprefill-outputs job computes in a step (at least a "
+                                      "page)", int, metavar="N", replica=True)
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)
@@ -317,6 +319,8 @@ class EngineConfig:
             raise ConfigError(f"--eviction must be one of {', '.join(EVICTIONS)}, not {self.eviction!r}")
         if self.checkpoint_grid < 0:
             raise ConfigError("--checkpoint-grid must be >= 0 (0 = off)")
+        if self.reprefill_job_tokens < 1:
+            raise ConfigError("--reprefill-job-tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError("--max-model-len must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:

@@ -21,6 +21,7 @@ SAMPLES = {
     "cache_layout": ("in-page", "in-page"),
     "checkpoint_grid": ("512", 512),
     "reprefill_outputs": (None, False),  # --no-reprefill-outputs
+    "reprefill_job_tokens": ("512", 512),
     "eviction": ("value", "value"),
     "seed": ("3", 3),
     "num_threads": ("1", 1),

@@ -51,8 +51,8 @@ def rand(*shape, seed, scale=1.0):
 
 def packed(ext, N, K, seed, path=""):
     q, s = quantize_fp8(rand(N, K, seed=seed, scale=0.05))
-    ref = Fp8Weight.from_checkpoint(q, s)
-    w = Fp8Weight.from_checkpoint(q, s)
+    ref = Fp8Weight.from_block_scales(q, s)
+    w = Fp8Weight.from_block_scales(q, s)
     w.pack(ext, path)
     return w, ref
 
@@ -86,7 +86,7 @@ def test_every_code_converts_exactly(ext, build_path):
     q = codes.view(torch.float8_e4m3fn).repeat(16, 1)  # [16, 254]: column k holds code k
     s = torch.full((1, 2), 2.0 ** -3)
     ext, path = ext_path(build_path)
-    w = Fp8Weight.from_checkpoint(q, s)
+    w = Fp8Weight.from_block_scales(q, s)
     w.pack(ext, path)
     x = torch.eye(K, dtype=torch.bfloat16)  # row k selects code k
     y = linear(x, w)  # [K, 16]
@@ -135,7 +135,7 @@ def test_errors(ext):
     with pytest.raises(RuntimeError, match="different scales"):
         ext.pack_fp8_weight(q.view(torch.uint8), row)
     with pytest.raises(ValueError, match="weight_scale_inv has shape"):
-        Fp8Weight.from_checkpoint(q, torch.ones(2, 1))
+        Fp8Weight.from_block_scales(q, torch.ones(2, 1))
 
 
 def test_fuse_and_split(ext):
@@ -143,7 +143,7 @@ def test_fuse_and_split(ext):
     bf16 part makes a SplitWeight; either way each column equals its part's own product, bit for bit."""
     def part(n, k, seed):
         q, s = quantize_fp8(rand(n, k, seed=seed, scale=0.05 * (seed + 1)))
-        return Fp8Weight.from_checkpoint(q, s)
+        return Fp8Weight.from_block_scales(q, s)
 
     K = 200
     a, b, c = part(144, K, 1), part(40, K, 2), part(8, K, 3)  # 144 = 128 + 16: a's second block is partial

@@ -101,7 +101,7 @@ def test_lru_eviction_order_and_invalidation():
     assert m.append_pages("b", 20) == [3, 4, 5, 6, 7]  # the free list before any eviction
     assert lookup(m, T1).num_blocks == 2
     assert m.append_pages("b", 24) == [1]  # evicts the tail block: its entry and checkpoint go with it
-    assert m.stats.evicted_pages == 2 and m.free_page_ids() == (2,)
+    assert m.stats.evictions == 2 and m.free_page_ids() == (2,)
     assert lookup(m, T1).num_blocks == 0  # block 1 gone, block 0 has no checkpoint
     assert m.append_pages("b", 28) == [2]
     assert m.append_pages("b", 32) == [0]
@@ -119,7 +119,7 @@ def test_evicting_a_checkpoint_keeps_the_block():
     assert list(m._evictor) == [1]
     m.admit("b")
     assert m.append_pages("b", 12) == [4, 5, 1]  # evicts the older checkpoint only
-    assert m.num_cached_blocks() == 2 and m.stats.evicted_pages == 1
+    assert m.num_cached_blocks() == 2 and m.stats.evictions == 1
     m.free("a")
     assert lookup(m, T1).num_blocks == 2  # the latest checkpoint was held by "a", so it survived
     assert lookup(m, T1[:8]).num_blocks == 0  # block 0 lost its checkpoint
@@ -400,7 +400,7 @@ def test_value_eviction_under_pressure_keeps_integrity(layout):
         for _ in range(300):
             d.step()
         d.finish()
-        assert d.m.stats.evicted_pages > 0 or seed, "the pressure run evicts"
+        assert d.m.stats.evictions > 0 or seed, "the pressure run evicts"
 
 
 def test_mutant_evicting_a_held_page_is_caught():

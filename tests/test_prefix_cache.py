@@ -79,7 +79,8 @@ def test_shared_system_prompt_hits_at_the_fork_and_equals_cold(layout):
     colds = run(llm, prompts, salt=[f"cold-{i}" for i in range(len(prompts))])
     assert [h.num_cached_tokens for h in hits] == [0, 512, 640, 640]
     assert [signature(h) for h in hits] == [signature(c) for c in colds]
-    assert llm.engine.memory.stats.saved_by_kind["fork"] >= 1 and llm.engine.memory.stats.saved_by_kind["grid"] >= 2
+    kinds = llm.engine.memory.stats.checkpoints_saved_by_kind
+    assert kinds["fork"] >= 1 and kinds["grid"] >= 2
     no_grid = make_llm(cache_layout=layout, max_num_batched_tokens=2048, kv_cache_memory=128 << 20, checkpoint_grid=0)
     hits = [run(no_grid, [p], salt="shared")[0] for p in prompts]
     assert [h.num_cached_tokens for h in hits] == [0, 0, 640, 640]

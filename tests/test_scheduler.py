@@ -53,7 +53,7 @@ def test_align_mode_floors_prefill_chunks_and_saves_on_boundaries():
     assert spans(p4) == [("a", 23, 1, True, True)] and [c.pos for c in p4.saves] == [24]  # a decode completes a block
     assert spans(p5) == [("a", 24, 1, True, True)] and not p5.saves
     assert s.memory.stats.checkpoints_saved == 4
-    assert s.memory.stats.saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0, "generated": 0}
+    assert s.memory.stats.checkpoints_saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0, "generated": 0}
 
 
 def test_caching_off_chunks_are_not_floored():
@@ -63,7 +63,7 @@ def test_caching_off_chunks_are_not_floored():
     assert [spans(p) for p in plans] == [[("a", 0, 10, False, False)], [("a", 10, 10, False, False)],
                                          [("a", 20, 3, False, True)], [("a", 23, 1, True, True)]]
     assert not any(p.saves or p.restores for p in plans)
-    assert s.memory.stats.prefix_query_tokens == 0 and s.memory.num_cached_blocks() == 0
+    assert s.stats.prefix_cache_queries == 0 and s.memory.num_cached_blocks() == 0
 
 
 def test_caching_off_chunks_stay_on_the_kernel_grid_whatever_the_batch():
@@ -160,7 +160,7 @@ def test_preemption_resumes_from_cache(replay_decode):
         assert ("b", 19, 1, True, True) in [x for p in plans for x in spans(p)]
     else:  # through prefill: one chunk, sampling at its end
         assert (w.start_pos, len(w.token_ids), w.is_decode, w.sample) == (16, 4, False, True)
-    assert s.memory.stats.preemptions >= 1 and s.memory.stats.checkpoints_restored >= 1
+    assert s.stats.preemptions >= 1 and s.memory.stats.checkpoints_restored >= 1
     assert s.memory.usage().pages_used == 0 and s.memory.usage().slots_used == 0
 
 
@@ -258,7 +258,7 @@ def test_hit_backs_off_to_a_block_with_a_checkpoint(layout):
     s2.add(d)
     p = step(s2)
     assert spans(p) == [("d", 8, 3, False, True)] and d.num_cached_tokens == 8
-    assert s2.memory.stats.prefix_hit_tokens == 12 and s2.memory.stats.prefix_query_tokens == 8 + 8 + 8 + 11
+    assert s2.stats.prefix_cache_hits == 12 and s2.stats.prefix_cache_queries == 8 + 8 + 8 + 11
 
 
 @pytest.mark.parametrize("layout", ["in-page", "per-block"])
@@ -274,7 +274,8 @@ def test_shared_system_prompt_gets_a_checkpoint_at_the_fork(layout):
     s.add(reqs[1])
     p = step(s)
     assert spans(p) == [("s1", 0, 21, False, True)] and reqs[1].num_cached_tokens == 0
-    assert [(c.pos) for c in p.saves] == [12, 20] and s.memory.stats.saved_by_kind["fork"] == 1
+    kinds = s.memory.stats.checkpoints_saved_by_kind
+    assert [(c.pos) for c in p.saves] == [12, 20] and kinds["fork"] == 1
     run_all(s)
     for r in reqs[2:]:
         s.add(r)
@@ -302,9 +303,9 @@ def test_multi_turn_extension_hits_previous_turn(reprefill):
     s.add(t2)
     step(s)
     assert t2.num_cached_tokens == (20 if reprefill else 12)
-    st = s.memory.stats
-    assert (st.reprefill_jobs, st.reprefill_tokens, st.saved_by_kind["generated"]) == ((1, 20 - 12, 1) if reprefill
-                                                                                        else (0, 0, 0))
+    st, kinds = s.stats, s.memory.stats.checkpoints_saved_by_kind
+    assert (st.reprefill_jobs, st.reprefill_tokens, kinds["generated"]) == ((1, 20 - 12, 1) if reprefill
+                                                                            else (0, 0, 0))
 
 
 def test_prompt_logprobs_skip_the_cache():
@@ -375,11 +376,11 @@ def test_stats_and_usage_for_metrics():
     for rid in ("a", "b"):
         s.add(Request(rid, list(range(1, 9)), max_tokens=1))
         run_all(s)
-    st = s.stats()
-    assert {k: st[k] for k in ("prefix_queries", "prefix_hits", "checkpoints_saved", "checkpoints_restored",
-                               "evictions", "preemptions")} == \
-        {"prefix_queries": 16, "prefix_hits": 4, "checkpoints_saved": 3, "checkpoints_restored": 1, "evictions": 0,
-         "preemptions": 0}
+    st = s.counters()
+    assert {k: st[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "checkpoints_saved",
+                               "checkpoints_restored", "evictions", "preemptions")} == \
+        {"prefix_cache_queries": 16, "prefix_cache_hits": 4, "checkpoints_saved": 3, "checkpoints_restored": 1,
+         "evictions": 0, "preemptions": 0}
     assert st["checkpoints_saved_by_kind"]["step"] == 3 and sum(st["checkpoints_evicted_by_kind"].values()) == 0
     u = s.usage()
     assert u.pages_used == s.memory.num_pages_in_use == 0 and u.pages_cached > 0 and u.kv_usage == 0.0
@@ -452,10 +453,10 @@ def test_recover_and_isolate_after_a_failed_step():
     step(s)  # both prefills; each samples its first token
     failed = s.schedule()  # both decode: this step "fails" (no update)
     assert spans(failed) == [("a", 6, 1, True, True), ("b", 5, 1, True, True)]
-    assert s.recover(failed) == ["a", "b"]
+    assert s.failed_steps.recover(failed) == ["a", "b"]
     s.memory.check_integrity()
     assert s.memory.num_pages_in_use == 0 and [r.request_id for r in s.waiting] == ["a", "b"]
-    s.isolate({w.request_id: w.start_pos + len(w.token_ids) for w in failed.work})
+    s.failed_steps.isolate({w.request_id: w.start_pos + len(w.token_ids) for w in failed.work})
     # a alone: its prompt again (cache off), then its generated token through the decode path (replay)
     assert spans(step(s)) == [("a", 0, 6, False, False)]
     assert spans(step(s)) == [("a", 6, 1, True, True)]  # past the failed step: a leaves isolation

@@ -289,7 +289,7 @@ def test_simulation_drives_the_real_scheduler(bundle):
     assert sum(r.cached_tokens for r in recs) > 0  # the shared system prompt hits (caching on)
     assert all(r.cached_tokens % 128 == 0 for r in recs)
     st = sim.stats()[0]
-    assert st["prefix_hits"] == sum(r.cached_tokens for r in recs) and st["steps"] > 0
+    assert st["prefix_cache_hits"] == sum(r.cached_tokens for r in recs) and st["steps"] > 0
     rep.memory.check_integrity()
     off = Simulation(cluster(bundle, enable_prefix_caching=False, max_num_batched_tokens=256, cache_layout="in-page")).run(
         materialize(small_trace()))

@@ -189,14 +189,14 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
     res = Result()
     cap = sch.max_request_tokens()
     if mutant == "no_slot_handback":  # preemption frees pages but never gives the slot back
-        real_preempt = sch._preempt
+        real_preempt = sch.preempt
 
         def leaky_preempt(victim):
             slot = mem.slot_of(victim.request_id)
             real_preempt(victim)
             mem._free_slots.remove(slot)
             mem._slot_owner[slot] = f"leaked-{victim.request_id}"
-        sch._preempt = leaky_preempt
+        sch.preempt = leaky_preempt
 
     systems = [[rng.randint(1, VOCAB) for _ in range(rng.randint(3, 30))] for _ in range(3)]
     # a session: (salt, turns left, the conversation so far)
@@ -243,7 +243,7 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
 
     empty_steps = 0
     try:
-        while pending_sessions or active or sch.has_background():
+        while pending_sessions or active or sch.jobs.has_work():
             if pending_sessions and (len(active) < 6 or rng.random() < 0.1):
                 start_turn(pending_sessions.pop(0))
             if rng.random() < 0.08:
@@ -316,8 +316,8 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
             res.failures += 1
         res.errors.append(f"{type(e).__name__}: {e}")
     st = sch.memory.stats
-    res.preemptions, res.restores, res.saves, res.hit_tokens = (st.preemptions, st.checkpoints_restored,
-                                                                 st.checkpoints_saved, st.prefix_hit_tokens)
+    res.preemptions, res.restores, res.saves, res.hit_tokens = (sch.stats.preemptions, st.checkpoints_restored,
+                                                                 st.checkpoints_saved, sch.stats.prefix_cache_hits)
     return res
 
 

@@ -132,7 +132,7 @@ def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.
             "hit_rate": sum(r.cached_tokens for r in records) / sum(r.prompt_tokens for r in records),
             "reprefill_tokens": st.reprefill_tokens - job_tokens0, "reprefill_s": bg_s,
             "reprefill_jobs": st.reprefill_jobs, "reprefill_dropped": st.reprefill_dropped,
-            "saved_by_kind": st.checkpoints_saved_by_kind, "pool_tokens": eng.pool.pool_tokens,
+            "checkpoints_saved_by_kind": st.checkpoints_saved_by_kind, "pool_tokens": eng.pool.pool_tokens,
             "evictions": st.evictions, "preemptions": st.preemptions,
             "block_size": eng.block_size}
 
@@ -142,7 +142,7 @@ def format_report(arms: list[dict], head: str) -> str:
            "2..N cached of shared | hit rate | re-prefill tokens | re-prefill share of wall | checkpoints saved | "
            "evicted pages / preemptions |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for a in arms:
-        kinds = ", ".join(f"{k} {v}" for k, v in a["saved_by_kind"].items() if v)
+        kinds = ", ".join(f"{k} {v}" for k, v in a["checkpoints_saved_by_kind"].items() if v)
         out.append(f"| {a['arm']} | {a['wall_s']:.2f} | {a['later_ttft_s']:.3f} | {a['first_ttft_s']:.3f} | "
                    f"{a['others_first_ttft_s']:.3f} | {a['others_shared_cached']:.0%} | {a['hit_rate']:.3f} | "
                    f"{a['reprefill_tokens']:,} | {a['reprefill_s'] / a['wall_s']:.1%} | {kinds or '-'} | "
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a session's client takes between an answer and its next turn (a tool running)")
     p.add_argument("--workload-seed", type=int, default=0)
     add_engine_args(p, ("preset", "model", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                        "checkpoint_grid", "reprefill_outputs", "eviction", "num_threads"))
+                        "checkpoint_grid", "reprefill_outputs", "reprefill_job_tokens", "eviction", "num_threads"))
     return p
 
 

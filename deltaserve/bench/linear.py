@@ -51,7 +51,7 @@ def _fp8_arm(weights, ext) -> list:
         if name == "head":
             arm.append(PackedWeight(w, ext))
             continue
-        fw = Fp8Weight.from_checkpoint(*quantize_fp8(w), name)
+        fw = Fp8Weight.from_block_scales(*quantize_fp8(w), name)
         fw.pack(fp8_ext, path)
         arm.append(fw)
     return arm

@@ -4,7 +4,7 @@ Built locally and deterministically, cached under $DELTASERVE_HOME (default ~/.c
 the preset's content, so every machine gets the same bytes. The tokenizer: deltaserve's own small one
 (deltaserve/assets/tokenizer, no network) for every preset but `qwen3.5-0.8b-shape`, which gets the real
 Qwen3.5 tokenizer and chat template (qwen35_tokenizer.py: fetched from the package index once, converted
-and cached), so the format a real Qwen3.5 checkpoint brings is what that preset serves.
+and cached), so the format a real Qwen3.5 model brings is what that preset serves.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def make_model(preset: str, out_dir: str, seed: int = 0, quantize: str | None = 
 
 
 def write_preset_tokenizer(qwen35: bool, out_dir: str) -> list[str]:
-    """A random-weight checkpoint's tokenizer: the real Qwen3.5 one (fetched and converted once, see
+    """A random-weight model's tokenizer: the real Qwen3.5 one (fetched and converted once, see
     qwen35_tokenizer.py) or deltaserve's own small one; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     if qwen35:
@@ -48,7 +48,7 @@ def write_preset_tokenizer(qwen35: bool, out_dir: str) -> list[str]:
 
 def ensure_model(preset: str = DEFAULT_PRESET, seed: int = 0, quantize: str | None = None) -> str:
     """The directory of the embedded model for `preset`, made on first use (atomically); quantize="fp8": the
-    same weights as a block-FP8 checkpoint (its own directory)."""
+    same weights as a block-FP8 model (its own directory)."""
     tokenizer = _qwen35_key() if preset in QWEN35_TOKENIZER_PRESETS else _assets_digest()
     parts = [load_preset(preset), seed, tokenizer] + ([quantize] if quantize else [])  # bf16 keys stay as they were
     key = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]

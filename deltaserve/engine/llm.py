@@ -17,7 +17,7 @@ def _is_token_ids(x: Any) -> bool:
 
 
 class LLM:
-    """LLM(model=None, **engine_args): model is a checkpoint directory (None = the embedded default).
+    """LLM(model=None, **engine_args): model is a model directory (None = the embedded default).
 
     engine_args are EngineConfig fields (vLLM's names); unknown ones are errors.
     """

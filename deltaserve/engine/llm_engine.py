@@ -20,6 +20,9 @@ log = logging.getLogger("deltaserve")
 
 @dataclass
 class EngineStats:
+    """A snapshot for /metrics. Each counter keeps the one name it has from its owner (the memory manager's
+    MemoryStats, the scheduler's SchedulerStats) to its metric (server/metrics.py)."""
+
     num_running: int
     num_waiting: int
     pages_total: int
@@ -35,7 +38,7 @@ class EngineStats:
     preemptions: int
     prompt_tokens: int  # total prompt tokens computed
     generation_tokens: int  # total tokens generated
-    checkpoints_saved_by_kind: dict[str, int] = field(default_factory=dict)  # step / prompt / fork / grid
+    checkpoints_saved_by_kind: dict[str, int] = field(default_factory=dict)  # by SaveKind value
     checkpoints_evicted_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoints_kept: int = 0  # checkpoints in the cache or held by requests now
     checkpoint_bytes: int = 0  # the memory they take (pool pages, or the per-block layout's side tensor rows)
@@ -217,9 +220,9 @@ class LLMEngine:
         return bool(self._live)
 
     def has_background_work(self) -> bool:
-        """The scheduler's own jobs (finished requests' outputs recomputed by prefill: Scheduler docstring);
+        """The scheduler's own jobs (finished requests' outputs recomputed by prefill: scheduler/jobs.py);
         step() runs them in budget nobody else needs. A server steps them while idle."""
-        return self.scheduler.has_background()
+        return self.scheduler.jobs.has_work()
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -236,13 +239,14 @@ class LLMEngine:
         """A step failed (the model, a kernel, the sampler). Alone in its step, a request is the cause: it is
         aborted with the error as its stop_reason. With others, nothing of the step counts: every request in it
         is preempted (their GDN slots may be half-advanced) and recomputes, alone and one at a time until past
-        the failed step (Scheduler.isolate), so a second failure names its request; the rest lose nothing."""
+        the failed step (scheduler/jobs.py FailedSteps), so a second failure names its request; the rest lose
+        nothing."""
         self.step_failures += 1
         log.error("engine step failed with %d request(s) in it: %s: %s", len(plan.work), type(error).__name__,
                   error, exc_info=error)
         if len(plan.work) != 1:
-            self.scheduler.recover(plan)
-            self.scheduler.isolate({w.request_id: w.start_pos + len(w.token_ids) for w in plan.work})
+            self.scheduler.failed_steps.recover(plan)
+            self.scheduler.failed_steps.isolate({w.request_id: w.start_pos + len(w.token_ids) for w in plan.work})
             return []
         rid = plan.work[0].request_id
         self.scheduler.finish(rid, "abort")
@@ -375,20 +379,13 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats()
         m = self.memory
         kept, ckpt_pages = m.num_checkpoints()
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             pages_total=m.num_pages, pages_used=m.num_pages_in_use, slots_total=m.num_slots,
             slots_used=m.num_slots_in_use, kv_cache_usage=m.num_pages_in_use / max(1, m.num_pages),
-            prefix_cache_queries=s["prefix_queries"], prefix_cache_hits=s["prefix_hits"],
-            checkpoints_saved=s["checkpoints_saved"], checkpoints_restored=s["checkpoints_restored"],
-            evictions=s["evictions"], preemptions=s["preemptions"],
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
-            checkpoints_saved_by_kind=s["checkpoints_saved_by_kind"],
-            checkpoints_evicted_by_kind=s["checkpoints_evicted_by_kind"],
             checkpoints_kept=kept, checkpoint_bytes=ckpt_pages * self.pool.bytes_per_page
             + (0 if self.pool.layout.in_pool else kept * self.pool.per_page_state_bytes),
-            reprefill_tokens=m.stats.reprefill_tokens, reprefill_jobs=m.stats.reprefill_jobs,
-            reprefill_dropped=m.stats.reprefill_dropped, cpu_kernels=self.cpu_kernels)
+            cpu_kernels=self.cpu_kernels, **self.scheduler.counters())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20  # top-N cap for logprobs and prompt_logprobs (OpenAI's top_logprobs cap)
@@ -148,6 +148,3 @@ class SamplingParams:
         c.stop_token_ids = list(self.stop_token_ids)
         c.logit_bias = dict(self.logit_bias) if self.logit_bias else None
         return c
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "structured"}

@@ -60,6 +60,8 @@ from .layouts import CacheLayout, layout_for
 from .eviction import EvictionPolicy, LRUEviction
 from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, CacheRecord
 from .hashing import BlockHash, block_hash
+from .save_kind import SaveKind, zero_by_kind
+from .sizing import Pool
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
 VALUE_WALK = 256  # blocks a checkpoint's value looks back for the previous checkpoint
@@ -80,7 +82,7 @@ class CacheEntry:
     tokens: tuple[int, ...]
     page: int  # the attention page holding this block's K/V
     checkpoint: tuple[int, ...] | None = None  # GDN state after the block's last token, if kept
-    checkpoint_kind: str | None = None  # why it was taken (SAVE_KINDS)
+    checkpoint_kind: SaveKind | None = None  # why it was taken
     hits: int = 0  # prefix hits that ended at this block (restored its checkpoint)
 
     def matches(self, parent: BlockHash, tokens: Sequence[int]) -> bool:
@@ -103,29 +105,17 @@ class PrefixHit:
         return self.num_blocks * self.block_size
 
 
-# why a checkpoint was taken (scheduler/policy.py); "generated": a finished request's outputs recomputed by prefill
-SAVE_KINDS = ("step", "prompt", "fork", "grid", "generated")
-
-
 @dataclass
-class CacheStats:
-    """Monotonic counters (the server exports them as metrics)."""
+class MemoryStats:
+    """The memory manager's monotonic counters, each under the name of its EngineStats field and metric (the
+    scheduler keeps its own, scheduler/stats.py)."""
 
-    prefix_query_tokens: int = 0  # tokens of sequences looked up in the cache (each admission)
-    prefix_hit_tokens: int = 0  # of those, tokens served by the cache
     checkpoints_saved: int = 0  # saves that ran (counted when their step is committed)
-    saved_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SAVE_KINDS, 0))
-    evicted_by_kind: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SAVE_KINDS, 0))  # checkpoints
     checkpoints_restored: int = 0  # restores planned
-    evicted_pages: int = 0  # cached pages whose content was dropped (including sibling checkpoint pages)
-    preemptions: int = 0
-    reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (Scheduler: background jobs)
-    reprefill_jobs: int = 0  # such jobs finished
-    reprefill_dropped: int = 0  # such jobs dropped (a real request needed their seat, slot or pages)
-
-    @property
-    def hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+    evictions: int = 0  # cached pages whose content was dropped (including sibling checkpoint pages)
+    # by SaveKind value
+    checkpoints_saved_by_kind: dict[str, int] = field(default_factory=zero_by_kind)
+    checkpoints_evicted_by_kind: dict[str, int] = field(default_factory=zero_by_kind)
 
 
 @dataclass(frozen=True)
@@ -150,10 +140,10 @@ class _Seq:
     keys: list[tuple[BlockHash, BlockHash, tuple[int, ...]]] = field(default_factory=list)  # published blocks
     ckpt: tuple[int, ...] | None = None  # pooled checkpoints: the held latest checkpoint
     ckpt_block: int = -1
-    ckpt_kind: str | None = None
+    ckpt_kind: SaveKind | None = None
     pending: dict[int, tuple[int, ...]] = field(default_factory=dict)  # block index -> planned save location
-    pending_kind: dict[int, str] = field(default_factory=dict)  # block index -> why it is saved (SAVE_KINDS)
-    orphan_saves: dict[int, str] = field(default_factory=dict)  # beside the pool: saved blocks not attached (-> kind)
+    pending_kind: dict[int, SaveKind] = field(default_factory=dict)  # block index -> why it is saved
+    orphan_saves: dict[int, SaveKind] = field(default_factory=dict)  # beside the pool: saved blocks not attached
 
 
 class MemoryManager:
@@ -192,7 +182,7 @@ class MemoryManager:
         self._free_slots: deque[int] = deque(range(num_slots))
         self._slot_owner: dict[int, str] = {}
         self._seqs: dict[str, _Seq] = {}
-        self.stats = CacheStats()
+        self.stats = MemoryStats()
         self.events: deque[CacheRecord] | None = None  # enable_events(): changes of the cache, for a router
 
     def enable_events(self) -> deque[CacheRecord]:
@@ -206,10 +196,10 @@ class MemoryManager:
         return self.events
 
     @classmethod
-    def from_pool(cls, plan, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
+    def from_pool(cls, pool: Pool, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
         """From a sizing.Pool."""
-        return cls(plan.num_pages, plan.num_slots, plan.block_size, plan.num_gdn_groups, caching,
-                   plan.layout, eviction, plan.pages_per_state)
+        return cls(pool.num_pages, pool.num_slots, pool.block_size, pool.num_gdn_groups, caching,
+                   pool.layout, eviction, pool.pages_per_state)
 
     # ------------------------------------------------------------------ queries
     def num_allocatable(self) -> int:
@@ -236,9 +226,6 @@ class MemoryManager:
         The engine refuses requests above this; they could never finish.
         """
         return (self.num_pages - 2 * self.checkpoint_pages) * self.block_size
-
-    def has_seq(self, seq_id: str) -> bool:
-        return seq_id in self._seqs
 
     def page_table(self, seq_id: str) -> tuple[int, ...]:
         return tuple(self._seqs[seq_id].pages)
@@ -368,9 +355,9 @@ class MemoryManager:
         """Pages that hold nothing: taking them evicts no cached content."""
         return len(self._free)
 
-    def reserve_checkpoint(self, seq_id: str, end: int, kind: str = "step") -> tuple[int, ...]:
+    def reserve_checkpoint(self, seq_id: str, end: int, kind: SaveKind | str = SaveKind.STEP) -> tuple[int, ...]:
         """Plan a save of seq_id's GDN state after position `end`: the end of its work in the coming step, or a
-        block boundary inside its prefill chunk. kind: why (SAVE_KINDS; counted, and kept for eviction).
+        block boundary inside its prefill chunk. kind: why (a SaveKind or its value; counted, and kept for eviction).
 
         Call after append_pages(seq_id, the chunk's end). Returns the location (pooled: checkpoint_pages new
         pages; beside the pool: the block's attention page). Raises CheckpointError unless `end` is the end of
@@ -379,8 +366,9 @@ class MemoryManager:
         seq = self._seqs[seq_id]
         if not self.caching or not self.num_gdn_groups:
             raise CheckpointError("checkpoints need caching on and GDN layers")
-        if kind not in SAVE_KINDS:
-            raise ValueError(f"checkpoint kind must be one of {SAVE_KINDS}, not {kind!r}")
+        if kind not in tuple(SaveKind):
+            raise ValueError(f"checkpoint kind must be one of {tuple(k.value for k in SaveKind)}, not {kind!r}")
+        kind = SaveKind(kind)
         if end <= 0 or end % self.block_size:
             raise CheckpointError(f"save after position {end}: not the end of a full block "
                                   f"(block size {self.block_size})")
@@ -434,7 +422,7 @@ class MemoryManager:
         for k in done:
             loc, kind = seq.pending.pop(k), seq.pending_kind.pop(k)
             self.stats.checkpoints_saved += 1
-            self.stats.saved_by_kind[kind] += 1
+            self.stats.checkpoints_saved_by_kind[kind] += 1
             h, parent, toks = seq.keys[k]
             e = self._cache.get(h)
             ok = e is not None and e.matches(parent, toks)
@@ -502,9 +490,9 @@ class MemoryManager:
         """p was just popped from the evictor: drop the cache content it carries."""
         h = self._role.pop(p)
         e = self._cache[h]
-        self.stats.evicted_pages += 1
+        self.stats.evictions += 1
         if e.checkpoint is not None:
-            self.stats.evicted_by_kind[e.checkpoint_kind] += 1
+            self.stats.checkpoints_evicted_by_kind[e.checkpoint_kind] += 1
         if e.page == p:
             del self._cache[h]
             if self._pooled and e.checkpoint:
@@ -539,7 +527,7 @@ class MemoryManager:
             self._evictor.remove(q)
             self._free.append(q)
             self._kind[q] = None
-            self.stats.evicted_pages += 1
+            self.stats.evictions += 1
 
     def _ref_cached(self, p: int) -> None:
         if self._ref[p] == 0:
@@ -571,7 +559,7 @@ class MemoryManager:
             n, parent = n + 1, pe.parent
         return n * self.block_size * (1 + e.hits) / len(e.checkpoint)
 
-    def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: str | None) -> None:
+    def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: SaveKind | None) -> None:
         old = seq.ckpt
         seq.ckpt, seq.ckpt_block, seq.ckpt_kind = loc, k, kind
         if old is not None:  # replaced: low value unless some request has hit it

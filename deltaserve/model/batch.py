@@ -98,10 +98,6 @@ class ForwardBatch:
                                                batch_first=True)
 
     @property
-    def decode_spans(self) -> list[Span]:
-        return [s for s in self.spans if s.is_decode]
-
-    @property
     def prefill_spans(self) -> list[Span]:
         return [s for s in self.spans if not s.is_decode]
 

@@ -1,6 +1,6 @@
 """The decoder layers of the hybrid models: GDN (linear attention) and gated full attention token mixers,
 dense SwiGLU / sparse MoE channel mixers. Weights are held fused (one GEMM per projection group); the
-loader (loader.py) maps checkpoint tensors onto these names.
+loader (loader.py) maps the stored tensors onto these names.
 
 Linear layers run over all T tokens of a step at once; GDN prefill runs per sequence (conv + chunked
 rule from the sequence's slot, absolute grid), GDN decode is batched over the step's decode sequences;
@@ -22,7 +22,8 @@ from .ops.packed import PackedWeight
 from .ops.table import Ops
 
 
-def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialized, frozen parameter (the loader assigns the weights)."""
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
@@ -75,12 +76,12 @@ class GDNMixer(nn.Module):
         self.conv_dim = cfg.conv_dim
         self.kernel = cfg.linear_conv_kernel_dim
         self.eps = cfg.rms_norm_eps
-        self.in_proj = _param(self.conv_dim + self.value_dim + 2 * self.hv, cfg.hidden_size, dtype=dtype)
-        self.conv_weight = _param(self.conv_dim, self.kernel, dtype=dtype)
-        self.A_log = _param(self.hv, dtype=torch.float32)
-        self.dt_bias = _param(self.hv, dtype=torch.float32)
-        self.norm_weight = _param(self.dv, dtype=dtype)
-        self.out_proj = _param(cfg.hidden_size, self.value_dim, dtype=dtype)
+        self.in_proj = empty_param(self.conv_dim + self.value_dim + 2 * self.hv, cfg.hidden_size, dtype=dtype)
+        self.conv_weight = empty_param(self.conv_dim, self.kernel, dtype=dtype)
+        self.A_log = empty_param(self.hv, dtype=torch.float32)
+        self.dt_bias = empty_param(self.hv, dtype=torch.float32)
+        self.norm_weight = empty_param(self.dv, dtype=dtype)
+        self.out_proj = empty_param(cfg.hidden_size, self.value_dim, dtype=dtype)
 
     _decay: tuple | None = None  # (A_log's version, -exp(A_log)): computed once, not per step
 
@@ -167,10 +168,10 @@ class AttentionMixer(nn.Module):
         self.hq, self.hkv, self.d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.eps = cfg.rms_norm_eps
         self.scale = self.d ** -0.5
-        self.qkv_proj = _param((2 * self.hq + 2 * self.hkv) * self.d, cfg.hidden_size, dtype=dtype)
-        self.q_norm = _param(self.d, dtype=dtype)
-        self.k_norm = _param(self.d, dtype=dtype)
-        self.o_proj = _param(cfg.hidden_size, self.hq * self.d, dtype=dtype)
+        self.qkv_proj = empty_param((2 * self.hq + 2 * self.hkv) * self.d, cfg.hidden_size, dtype=dtype)
+        self.q_norm = empty_param(self.d, dtype=dtype)
+        self.k_norm = empty_param(self.d, dtype=dtype)
+        self.o_proj = empty_param(cfg.hidden_size, self.hq * self.d, dtype=dtype)
 
     def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
         """h [T, H] (normed); kv_cache [pages, 2, block_size, Hkv, D]."""
@@ -218,8 +219,8 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype):
         super().__init__()
-        self.gate_up = _param(2 * inter, hidden, dtype=dtype)
-        self.down = _param(hidden, inter, dtype=dtype)
+        self.gate_up = empty_param(2 * inter, hidden, dtype=dtype)
+        self.down = empty_param(hidden, inter, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         return ops.swiglu(x, self.gate_up, self.down)
@@ -236,15 +237,15 @@ class SparseMoE(nn.Module):
         E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k = cfg.num_experts_per_tok
         self.norm_topk_prob = norm_topk_prob
-        self.router = _param(E, H, dtype=dtype)
-        self.experts_gate_up = _param(E, 2 * I, H, dtype=dtype)
-        self.experts_down = _param(E, H, I, dtype=dtype)
+        self.router = empty_param(E, H, dtype=dtype)
+        self.experts_gate_up = empty_param(E, 2 * I, H, dtype=dtype)
+        self.experts_down = empty_param(E, H, I, dtype=dtype)
         self.has_shared = cfg.shared_expert_intermediate_size > 0
         if self.has_shared:
             Is = cfg.shared_expert_intermediate_size
-            self.shared_gate_up = _param(2 * Is, H, dtype=dtype)
-            self.shared_down = _param(H, Is, dtype=dtype)
-            self.shared_gate = _param(1, H, dtype=dtype)
+            self.shared_gate_up = empty_param(2 * Is, H, dtype=dtype)
+            self.shared_down = empty_param(H, Is, dtype=dtype)
+            self.shared_gate = empty_param(1, H, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         if self.has_shared:
@@ -266,8 +267,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.is_gdn = cfg.layer_types[index] == "linear_attention"
         self.eps = cfg.rms_norm_eps
-        self.input_layernorm = _param(cfg.hidden_size, dtype=dtype)
-        self.post_attention_layernorm = _param(cfg.hidden_size, dtype=dtype)
+        self.input_layernorm = empty_param(cfg.hidden_size, dtype=dtype)
+        self.post_attention_layernorm = empty_param(cfg.hidden_size, dtype=dtype)
         if self.is_gdn:
             self.linear_attn = GDNMixer(cfg, dtype, cfg.layer_types[:index].count("linear_attention"))
         else:

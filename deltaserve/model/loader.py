@@ -1,10 +1,10 @@
-"""load_model: a HybridModel from a Hugging Face checkpoint directory (config.json + safetensors).
+"""load_model: a HybridModel from a Hugging Face model directory (config.json + safetensors).
 
-Checkpoint layouts read:
+Weight layouts read:
 - single file (model.safetensors), sharded (model.safetensors.index.json), or any *.safetensors in the dir;
 - qwen3_5_text / qwen3_5_moe_text (Qwen3_5ForCausalLM): model.* and lm_head.weight, GDN projections
   apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a);
-- the multimodal qwen3_5 / qwen3_5_moe checkpoints Qwen publishes: the text model under
+- the multimodal qwen3_5 / qwen3_5_moe models Qwen publishes: the text model under
   model.language_model.*, vision under model.visual.* (skipped, one log line), MTP under mtp.* (skipped,
   one log line);
 - qwen3_next: GDN projections fused and grouped per key head (in_proj_qkvz, in_proj_ba), un-interleaved
@@ -37,8 +37,8 @@ FP32_PARAMS = ("A_log", "dt_bias")  # GDN decay parameters stay float32 whatever
 
 # ---- reading ---------------------------------------------------------------------------------------------
 
-class _Checkpoint:
-    """Lazy access to the tensors of a checkpoint directory; records which ones were used."""
+class _Weights:
+    """Lazy access to the tensors of a model directory; records which ones were used."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
@@ -75,7 +75,7 @@ class _Checkpoint:
 
 
 def _text_key(key: str) -> str | None:
-    """The checkpoint key in Qwen3_5ForCausalLM naming, or None for a tensor deltaserve skips."""
+    """The stored tensor key in Qwen3_5ForCausalLM naming, or None for a tensor deltaserve skips."""
     if key.startswith("model.language_model."):
         return "model." + key[len("model.language_model."):]
     return key
@@ -119,12 +119,12 @@ def fuse_ba(b, a, hk: int) -> torch.Tensor:
     return torch.cat([b.reshape(hk, -1, H), a.reshape(hk, -1, H)], dim=1).reshape(-1, H)
 
 
-# ---- the plan: our parameter <- checkpoint tensors ----------------------------------------------------------
+# ---- the mapping: our parameter <- the stored tensors --------------------------------------------------------
 
 Take = Callable[[str], torch.Tensor]
 
 
-def _layer_plan(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str], take: Take) -> dict[str, torch.Tensor]:
+def _layer_tensors(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str], take: Take) -> dict[str, torch.Tensor]:
     p, o = f"model.layers.{i}.", f"layers.{i}."
     layer = model.layers[i]
     sd = {o + "input_layernorm": take(p + "input_layernorm.weight"),
@@ -194,11 +194,11 @@ def _check_supported(hf: dict) -> None:
 
 def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu",
                prepack: bool | None = None, dequantize: bool = False, quantize_head: str = "none") -> HybridModel:
-    """A HybridModel from a checkpoint directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
+    """A HybridModel from a model directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
 
     prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
     compiled linear_bf16, else oneDNN's layout); None = wherever it applies (bf16 on a CPU).
-    Block-FP8 checkpoints (model/quant.py): the linears stay fp8 for the compiled linear_fp8 (bf16 on a CPU);
+    Block-FP8 models (model/quant.py): the linears stay fp8 for the compiled linear_fp8 (bf16 on a CPU);
     dequantize=True, another dtype or device, or no compiled kernel: dequantized to the model dtype at load.
     quantize_head: "none" | "fp8" (the head quantized to block-FP8 when packed: HybridModel.prepack_linears).
     Raises ConfigError (unsupported model type or feature) or WeightsError (missing / unknown / misshapen tensor).
@@ -217,10 +217,10 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     with torch.device("meta"):
         model = HybridModel(cfg, tdtype)
 
-    ckpt = _Checkpoint(path)
+    weights = _Weights(path)
     skipped: dict[str, int] = {"vision": 0, "mtp": 0}
     by_text: dict[str, str] = {}
-    for key in ckpt.names():
+    for key in weights.names():
         kind = _skip_kind(key)
         if kind:
             skipped[kind] += 1
@@ -230,25 +230,25 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
 
     def take(name: str) -> torch.Tensor:
         if name not in by_text:
-            raise WeightsError(f"checkpoint {path} is missing tensor {name!r}")
+            raise WeightsError(f"model {path} is missing tensor {name!r}")
         scale = name + "_scale_inv"  # block-FP8: the weight's scales travel with it (model/quant.py)
-        return quant.fp8_take(by_text[name], ckpt.get(by_text[name]),
-                              ckpt.get(by_text[scale]) if scale in by_text else None, spec, path)
+        return quant.fp8_take(by_text[name], weights.get(by_text[name]),
+                              weights.get(by_text[scale]) if scale in by_text else None, spec, path)
 
     sd: dict[str, torch.Tensor] = {"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
     if cfg.tie_word_embeddings:
         if "lm_head.weight" in by_text:
-            ckpt.used.add(by_text["lm_head.weight"])
-            log.info("tie_word_embeddings: ignoring the checkpoint's lm_head.weight (the embedding is the head)")
+            weights.used.add(by_text["lm_head.weight"])
+            log.info("tie_word_embeddings: ignoring the model's lm_head.weight (the embedding is the head)")
     else:
         sd["lm_head"] = take("lm_head.weight")
     for i in range(cfg.num_hidden_layers):
-        sd.update(_layer_plan(cfg, model, i, text_keys, take))
+        sd.update(_layer_tensors(cfg, model, i, text_keys, take))
 
-    unknown = sorted(by_text[k] for k in text_keys if by_text[k] not in ckpt.used)
+    unknown = sorted(by_text[k] for k in text_keys if by_text[k] not in weights.used)
     if unknown:
         more = f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else ""
-        raise WeightsError(f"checkpoint {path} has tensors deltaserve does not know: {', '.join(unknown[:10])}{more}")
+        raise WeightsError(f"model {path} has tensors deltaserve does not know: {', '.join(unknown[:10])}{more}")
     if skipped["vision"]:
         log.info("skipped %d vision tensors (model.visual.*): deltaserve serves the text model", skipped["vision"])
     if skipped["mtp"]:
@@ -267,7 +267,7 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
         if isinstance(t, torch.Tensor):
             sd[name] = t.to(torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else tdtype).contiguous()
     if spec is not None:
-        log.info("block-FP8 checkpoint: %s", "linears kept in fp8 for the compiled linear_fp8" if fp8 is not None
+        log.info("block-FP8 weights: %s", "linears kept in fp8 for the compiled linear_fp8" if fp8 is not None
                  else f"dequantized to {tdtype} at load")
     quant.install(model, {n: t for n, t in sd.items() if not isinstance(t, torch.Tensor)})
     model.load_state_dict({n: t for n, t in sd.items() if isinstance(t, torch.Tensor)}, strict=True, assign=True)

@@ -1,4 +1,5 @@
-"""make_random_model: a checkpoint of seeded random weights in Hugging Face format (config.json + model.safetensors).
+"""make_random_model: a model directory of seeded random weights in Hugging Face format (config.json +
+model.safetensors).
 
 Same bytes on every machine: values come from torch.rand on a CPU torch.Generator (24-bit integers scaled
 by powers of two: no transcendental functions, no fused multiply-adds), then one multiply by a Python
@@ -38,7 +39,7 @@ def _uniform(gen: torch.Generator, shape: tuple[int, ...], bound: float, dtype: 
 
 
 def _specs(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...], str]]:
-    """(checkpoint name, shape, init) in the checkpoint format of cfg.model_type."""
+    """(tensor name, shape, init) in the Hugging Face format of cfg.model_type."""
     H, V = cfg.hidden_size, cfg.vocab_size
     out = [(prefix + "embed_tokens.weight", (V, H), "normal")]
     for i, kind in enumerate(cfg.layer_types):
@@ -90,7 +91,7 @@ def _specs(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...], st
 
 
 def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors (Hugging Face names, config dtype; A_log / dt_bias float32) of a random model."""
+    """The tensors (Hugging Face names, config dtype; A_log / dt_bias float32) of a random model."""
     cfg = ModelConfig.from_hf(hf_config)
     dtype = torch_dtype(cfg.dtype)
     prefix = "model.language_model." if hf_config.get("model_type") in MULTIMODAL_MODEL_TYPES else "model."
@@ -115,7 +116,7 @@ def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
     return sd
 
 
-# the linears Qwen's -FP8 checkpoints quantize (by the last part of the module name); the rest stays in the
+# the linears Qwen's -FP8 models quantize (by the last part of the module name); the rest stays in the
 # model dtype: embeddings, the head, norms, conv1d, A_log / dt_bias, in_proj_a / in_proj_b (in_proj_ba), the
 # MoE router (mlp.gate) and the shared-expert gate
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj",
@@ -146,7 +147,7 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
 
 
 def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: str | None = None) -> None:
-    """Write config.json and model.safetensors (seeded random weights) to out_dir, in the checkpoint format
+    """Write config.json and model.safetensors (seeded random weights) to out_dir, in the Hugging Face format
     of hf_config's model_type (qwen3_5_text, qwen3_5_moe_text, qwen3_next, or the text part of qwen3_5 /
     qwen3_5_moe under model.language_model.*). quantize="fp8": the same weights in block-FP8 (Qwen's -FP8
     format, quantize_state_dict), with its quantization_config."""

@@ -1,6 +1,6 @@
-"""Quantized checkpoints: which quantization_config deltaserve loads, and how its tensors become layer weights.
+"""Quantized models: which quantization_config deltaserve loads, and how its tensors become layer weights.
 
-Supported: Hugging Face block-FP8, the format of Qwen's -FP8 checkpoints (transformers' FineGrainedFP8Config):
+Supported: Hugging Face block-FP8, the format of Qwen's -FP8 models (transformers' FineGrainedFP8Config):
 
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                             "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
@@ -24,14 +24,14 @@ from .errors import WeightsError
 from .ops.fp8 import BLOCK, FP8, Fp8Weight, SplitWeight, dequantize_weight, fp8_kernel, is_quantized  # noqa: F401
 
 SUPPORTED = ("block-FP8 only: quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128], activation_scheme "
-             "'dynamic', weight_scale_inv in fp32 or bf16 (the format of Qwen's -FP8 checkpoints)")
+             "'dynamic', weight_scale_inv in fp32 or bf16 (the format of Qwen's -FP8 models)")
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert", "ignored_layers",
          "scale_fmt", "modules_to_convert", "dequantize", "expert_dtype"}
 
 
 @dataclass(frozen=True)
 class Fp8Spec:
-    """A checkpoint's block-FP8 quantization_config (validated)."""
+    """A model's block-FP8 quantization_config (validated)."""
 
     not_convert: tuple[str, ...] = ()
 
@@ -43,7 +43,7 @@ class Fp8Spec:
 
 
 def read_quantization(hf: dict) -> Fp8Spec | None:
-    """The checkpoint's quantization (config.json's quantization_config, top level or in text_config); None when
+    """The model's quantization (config.json's quantization_config, top level or in text_config); None when
     it has none. Raises ConfigError naming what is supported for anything else."""
     qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
     if qc is None:
@@ -80,35 +80,35 @@ def read_quantization(hf: dict) -> Fp8Spec | None:
 
 def fp8_take(key: str, t: torch.Tensor, scale: torch.Tensor | None, spec: Fp8Spec | None,
              path: str) -> torch.Tensor | Fp8Weight:
-    """The checkpoint tensor `key` as the loader hands it on: an Fp8Weight for a quantized linear weight, else t.
-    scale: the checkpoint's `key`_scale_inv, or None. Raises WeightsError on an inconsistent pair."""
+    """The stored tensor `key` as the loader hands it on: an Fp8Weight for a quantized linear weight, else t.
+    scale: the stored `key`_scale_inv, or None. Raises WeightsError on an inconsistent pair."""
 
     module = key[:-len(".weight")] if key.endswith(".weight") else key
     if t.dtype != FP8:
         if scale is not None:
-            raise WeightsError(f"checkpoint {path}: {key} is {t.dtype} but has a weight_scale_inv ({SUPPORTED})")
+            raise WeightsError(f"model {path}: {key} is {t.dtype} but has a weight_scale_inv ({SUPPORTED})")
         if t.dtype.is_floating_point and t.element_size() == 1:
-            raise WeightsError(f"checkpoint {path}: {key} is {t.dtype}; deltaserve loads {SUPPORTED}")
+            raise WeightsError(f"model {path}: {key} is {t.dtype}; deltaserve loads {SUPPORTED}")
         return t
     if spec is None:
-        raise WeightsError(f"checkpoint {path}: {key} is float8_e4m3fn but config.json has no quantization_config")
+        raise WeightsError(f"model {path}: {key} is float8_e4m3fn but config.json has no quantization_config")
     if not key.endswith(".weight") or t.dim() != 2:
-        raise WeightsError(f"checkpoint {path}: {key} {tuple(t.shape)} is float8; deltaserve loads fp8 only as "
+        raise WeightsError(f"model {path}: {key} {tuple(t.shape)} is float8; deltaserve loads fp8 only as "
                            "2-D linear weights (X.weight with X.weight_scale_inv; fused 3-D experts are not supported)")
     if scale is None:
-        raise WeightsError(f"checkpoint {path}: {key} is float8_e4m3fn without {module}.weight_scale_inv")
+        raise WeightsError(f"model {path}: {key} is float8_e4m3fn without {module}.weight_scale_inv")
     if not spec.converts(module):
-        raise WeightsError(f"checkpoint {path}: {module} is quantized but quantization_config.modules_to_not_convert "
+        raise WeightsError(f"model {path}: {module} is quantized but quantization_config.modules_to_not_convert "
                            "lists it")
     if scale.dtype not in (torch.float32, torch.bfloat16):
-        raise WeightsError(f"checkpoint {path}: {module}.weight_scale_inv is {scale.dtype}; {SUPPORTED}")
+        raise WeightsError(f"model {path}: {module}.weight_scale_inv is {scale.dtype}; {SUPPORTED}")
     try:
-        w = Fp8Weight.from_checkpoint(t, scale.float(), key)
+        w = Fp8Weight.from_block_scales(t, scale.float(), key)
     except ValueError as e:
-        raise WeightsError(f"checkpoint {path}: {e}") from None
+        raise WeightsError(f"model {path}: {e}") from None
     nan = ((t.view(torch.uint8) & 0x7F) == 0x7F).sum().item()
     if nan:
-        raise WeightsError(f"checkpoint {path}: {key} holds {nan} NaN codes")
+        raise WeightsError(f"model {path}: {key} holds {nan} NaN codes")
     return w
 
 

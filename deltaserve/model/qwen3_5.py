@@ -2,7 +2,7 @@
 
 The layer pattern comes from config.layer_types: "linear_attention" layers are Gated DeltaNet,
 "full_attention" layers are gated full attention over the paged KV pool. Build one with loader.load_model
-(from a checkpoint) or HybridModel(cfg, dtype) + load_state_dict(..., assign=True).
+(from a model directory) or HybridModel(cfg, dtype) + load_state_dict(..., assign=True).
 
 forward(batch, caches) -> hidden [T, hidden] (final norm applied); compute_logits(hidden [N, hidden]) ->
 [N, vocab] float32. Caches: caches.kv[a] for the a-th attention layer, caches.conv[l] / caches.ssm[l] for
@@ -20,7 +20,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from . import fused, quant
 from .batch import Caches, ForwardBatch
-from .layers import DecoderLayer, StepContext, _param, prepack
+from .layers import DecoderLayer, StepContext, empty_param, prepack
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
@@ -64,12 +64,12 @@ class HybridModel(nn.Module):
         dtype = torch_dtype(dtype)
         self.config = cfg
         self.dtype = dtype
-        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
-        self.norm = _param(cfg.hidden_size, dtype=dtype)
+        self.norm = empty_param(cfg.hidden_size, dtype=dtype)
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
-            self.lm_head = _param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+            self.lm_head = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         # cos, sin per position (plain attributes: not weights)
         self.rotary = RotaryTable(rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta), dtype)
 
@@ -180,7 +180,7 @@ class HybridModel(nn.Module):
         state_dict; the embedding stays for lookups). Returns whether it packed; call once, after loading,
         before serving. self.linear_kind says which packing ("cpp", "onednn" or None).
         quantize_head "fp8": the head is quantized to block-FP8 (ops/fp8.py quantize_fp8, the rule a -FP8
-        checkpoint's linears were made by) and multiplied by the compiled linear_fp8; a tied embedding stays bf16
+        model's linears were made by) and multiplied by the compiled linear_fp8; a tied embedding stays bf16
         for the lookups beside it. ConfigError where there is no compiled fp8 kernel."""
         if self.packed_head is not None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
             return False
@@ -211,7 +211,7 @@ class HybridModel(nn.Module):
             self.linear_kind = "cpp" if ext is not None else "onednn"
             rows = 64 * 128  # 128-row blocks at a time: quantize_fp8's fp32 copies stay small for a large vocab
             parts = [quantize_fp8(head.detach()[r: r + rows]) for r in range(0, head.shape[0], rows)]
-            self.packed_head = Fp8Weight.from_checkpoint(torch.cat([q for q, _ in parts]),
+            self.packed_head = Fp8Weight.from_block_scales(torch.cat([q for q, _ in parts]),
                                                          torch.cat([s for _, s in parts]), "lm_head")
             self.packed_head.pack(fp8_ext, fp8_path)
             log.info("LM head quantized to block-FP8 (%s MB, was %s MB in bf16)",

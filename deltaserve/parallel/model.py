@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
-from ..model.layers import _param
+from ..model.layers import empty_param
 from ..model.qwen3_5 import HybridModel
 from .sharding import rank_config, shard_state_dict, vocab_rows
 
@@ -46,7 +46,7 @@ class ShardedModel(HybridModel):
         self.full_config = full
         self.tp, self.rank = tp, rank
         self.group = None  # the process group of the collectives, set by connect()
-        self.lm_head = _param(vocab_rows(full.vocab_size, tp), full.hidden_size, dtype=self.dtype)
+        self.lm_head = empty_param(vocab_rows(full.vocab_size, tp), full.hidden_size, dtype=self.dtype)
 
     def connect(self, group) -> "ShardedModel":
         """Wrap every mixer and MLP in RowParallel over `group` (after load_state_dict: the names change)."""

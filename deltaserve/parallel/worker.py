@@ -50,10 +50,10 @@ STOP = None  # the plan that ends a worker
 
 
 def load_shard(path: str, dtype: str, device: torch.device, tp: int, rank: int, group: Group):
-    """This rank's ShardedModel: the checkpoint loaded whole on the CPU (strict, as load_model checks it),
+    """This rank's ShardedModel: the model loaded whole on the CPU (strict, as load_model checks it),
     sliced (sharding.py), moved to device, connected to the group, its kernels chosen and bf16 weights packed."""
 
-    # a block-FP8 checkpoint is sharded as its dequantized weights (docs/fp8.md): fp8 weights are not sharded yet
+    # a block-FP8 model is sharded as its dequantized weights (docs/fp8.md): fp8 weights are not sharded yet
     full = load_model(path, dtype=dtype, device="cpu", prepack=False, dequantize=True)
     model = build_sharded(full.state_dict(), full.config, full.dtype, tp, rank, device)
     del full

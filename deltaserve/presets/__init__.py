@@ -36,10 +36,6 @@ def _canonical(name: str) -> str:
     return key
 
 
-def preset_path(name: str) -> str:
-    return os.path.join(_DIR, _canonical(name) + ".json")
-
-
 @lru_cache(maxsize=None)
 def _raw(key: str) -> dict[str, Any]:
     with open(os.path.join(_DIR, key + ".json")) as f:

@@ -25,29 +25,28 @@ from ..memory.sizing import Pool
 
 
 class CacheStore:
-    def __init__(self, m: ModelConfig, plan: Pool, kv_dtype: torch.dtype, conv_dtype: torch.dtype,
+    def __init__(self, m: ModelConfig, pool: Pool, kv_dtype: torch.dtype, conv_dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        self.plan = plan
-        self.block_size = plan.block_size
+        self.block_size = pool.block_size
         n_gdn, n_attn = len(m.gdn_layers), len(m.attn_layers)
-        self.group_size = plan.group_size
-        self.pool = [torch.zeros(plan.num_pages, plan.page_bytes, dtype=torch.uint8, device=device)
-                     for _ in range(plan.group_size if n_attn else 0)]
-        kv_shape = (plan.num_pages, 2, plan.block_size, m.num_key_value_heads, m.head_dim)
+        self.group_size = pool.group_size
+        self.pool = [torch.zeros(pool.num_pages, pool.page_bytes, dtype=torch.uint8, device=device)
+                     for _ in range(pool.group_size if n_attn else 0)]
+        kv_shape = (pool.num_pages, 2, pool.block_size, m.num_key_value_heads, m.head_dim)
         self.kv = [self.pool[a].view(kv_dtype).view(kv_shape) for a in range(n_attn)]
         conv_shape = (m.linear_conv_kernel_dim - 1, m.conv_dim)
         ssm_shape = (m.linear_num_value_heads, m.linear_value_head_dim, m.linear_key_head_dim)
-        self.conv = [torch.zeros(plan.num_slots, *conv_shape, dtype=conv_dtype, device=device) for _ in range(n_gdn)]
-        self.ssm = [torch.zeros(plan.num_slots, *ssm_shape, dtype=torch.float32, device=device) for _ in range(n_gdn)]
-        self.beside = not plan.layout.in_pool  # checkpoints in a tensor beside the pool, a row per page
-        self.pages_per_state = plan.pages_per_state
-        self.page_bytes = plan.page_bytes
-        rows = plan.num_pages if self.beside and n_gdn else 0
+        self.conv = [torch.zeros(pool.num_slots, *conv_shape, dtype=conv_dtype, device=device) for _ in range(n_gdn)]
+        self.ssm = [torch.zeros(pool.num_slots, *ssm_shape, dtype=torch.float32, device=device) for _ in range(n_gdn)]
+        self.beside = not pool.layout.in_pool  # checkpoints in a tensor beside the pool, a row per page
+        self.pages_per_state = pool.pages_per_state
+        self.page_bytes = pool.page_bytes
+        rows = pool.num_pages if self.beside and n_gdn else 0
         self.ckpt_conv = [torch.zeros(rows, *conv_shape, dtype=conv_dtype, device=device) for _ in range(n_gdn)] if rows else []
         self.ckpt_ssm = [torch.zeros(rows, *ssm_shape, dtype=torch.float32, device=device) for _ in range(n_gdn)] if rows else []
         self.conv_bytes = self.conv[0][0].numel() * self.conv[0].element_size() if n_gdn else 0
         self.ssm_bytes = self.ssm[0][0].numel() * 4 if n_gdn else 0
-        assert not n_gdn or not self.pool or self.conv_bytes + self.ssm_bytes <= plan.page_bytes * self.pages_per_state, \
+        assert not n_gdn or not self.pool or self.conv_bytes + self.ssm_bytes <= pool.page_bytes * self.pages_per_state, \
             "a GDN layer state must fit its pages (hybrid block size rule, or pages_per_state in the runs layout)"
 
     def caches(self) -> Caches:

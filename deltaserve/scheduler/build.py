@@ -66,16 +66,18 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
                     enable_prefix_caching: bool = True, prefill_merge_tokens: int = 0,
                     checkpoint_grid: int = 0, chunk_grid: int | None = None,
                     replay_decode: bool = True, reprefill_outputs: bool = False,
+                    reprefill_job_tokens: int = ENGINE_DEFAULTS["reprefill_job_tokens"],
                     eviction: str = "lru") -> tuple[MemoryManager, Scheduler]:
     """A fresh MemoryManager and the Scheduler over it, as the engine builds them. checkpoint_grid is rounded up
     to a multiple of the page (0 = off). chunk_grid and replay_decode are the Scheduler's (defaults: the
-    engine's); a simulated foreign engine passes its own (vLLM: chunk_grid 1, replay_decode False)."""
+    engine's); a simulated foreign engine passes its own (vLLM: chunk_grid 1, replay_decode False).
+    reprefill_job_tokens: the Scheduler's job_tokens."""
     memory = MemoryManager.from_pool(shape.pool, caching=enable_prefix_caching, eviction=EVICTION_POLICIES[eviction]())
     bs = shape.block_size
     return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              prefill_merge_tokens=prefill_merge_tokens, checkpoint_grid=-(-checkpoint_grid // bs) * bs,
                              chunk_grid=chunk_grid, replay_decode=replay_decode,
-                             reprefill_outputs=reprefill_outputs, job_tokens=prefill_merge_tokens or 256)
+                             reprefill_outputs=reprefill_outputs, job_tokens=reprefill_job_tokens)
 
 
 def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
@@ -92,5 +94,6 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
                                         enable_prefix_caching=cfg.enable_prefix_caching,
                                         prefill_merge_tokens=cfg.prefill_merge_tokens,
                                         checkpoint_grid=cfg.checkpoint_grid,
-                                        reprefill_outputs=cfg.reprefill_outputs, eviction=cfg.eviction)
+                                        reprefill_outputs=cfg.reprefill_outputs,
+                                        reprefill_job_tokens=cfg.reprefill_job_tokens, eviction=cfg.eviction)
     return shape, memory, scheduler

@@ -7,34 +7,39 @@ The scheduler asks the policy two things:
   saves(start, end, prompt_end, fork): the checkpoints a step computing [start, end) takes, as
       (position, kind) in position order, each position a block boundary in (start, end]. A save before
       `end` is taken inside the chunk, by the GDN layers as their chunked kernel passes that boundary
-      (docs/design.md), so a chunk never has to stop early for one. Kinds (memory.SAVE_KINDS):
-        step    the end of the step's work, when it is a block boundary (a middle prefill chunk, or a decode
+      (docs/design.md), so a chunk never has to stop early for one. Kinds (memory/save_kind.py):
+        STEP    the end of the step's work, when it is a block boundary (a middle prefill chunk, or a decode
                 that completes a block): the resume point after a preemption;
-        prompt  the prompt's last block boundary: what the next turn of a conversation hits;
-        fork    where this request's prompt leaves a chain of cached blocks that has no checkpoint at its end
+        PROMPT  the prompt's last block boundary: what the next turn of a conversation hits;
+        FORK    where this request's prompt leaves a chain of cached blocks that has no checkpoint at its end
                 (another sequence computed that shared prefix inside a chunk): the next sequence that shares
                 it hits all of it;
-        grid    every `grid` tokens, so that a prefix someone else will share later (a system prompt, a tool
-                list) has a checkpoint near its end; the scheduler takes these only from free pages, and
-                they are the first evicted.
-The scheduler treats every kind but "step" as optional: taken only while the pool has room for it. The memory
-manager refuses any save that is not at the end of a full, unpublished block of the chunk.
+        GRID    every `grid` tokens, so that a prefix someone else will share later (a system prompt, a tool
+                list) has a checkpoint near its end.
+A policy never returns GENERATED: the scheduler relabels the save at a background job's end with it (jobs.py).
+The scheduler treats STEP and GENERATED as mandatory: their pages count in what the step needs (it preempts for
+them as for attention pages) and they are reserved first. PROMPT, FORK and GRID are optional, taken only while
+the pool has room for them: PROMPT and FORK from any allocatable page, GRID from free pages only (it evicts
+nothing; such checkpoints are the first evicted). The memory manager refuses any save that is not at the end of a
+full, unpublished block of the chunk.
 """
 from __future__ import annotations
 
 from typing import Protocol
 
+from ..memory.save_kind import SaveKind
+
 
 class CheckpointPolicy(Protocol):
     def chunk_end(self, start: int, limit: int, total: int) -> int: ...
-    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, str]]: ...
+    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, SaveKind]]: ...
 
 
 class AlignEveryBlock:
     """vLLM's align mode, with checkpoints inside chunks: a prefill chunk that does not reach the end of the
     sequence ends on a block boundary, so the slot's state there is exact; every step that ends on a block
-    boundary saves it ("step"), and inside the chunk the prompt's last block boundary ("prompt"), the fork
-    point ("fork") and every `grid` tokens ("grid", 0 = none) are saved as the kernel passes them. A prompt
+    boundary saves it (STEP), and inside the chunk the prompt's last block boundary (PROMPT), the fork
+    point (FORK) and every `grid` tokens (GRID, 0 = none) are saved as the kernel passes them. A prompt
     computed in one chunk thus leaves its checkpoints without stopping at its last block boundary (vLLM's
     "force to cache the last chunk" costs a step for the tail; this does not)."""
 
@@ -50,19 +55,19 @@ class AlignEveryBlock:
         end = limit // self.block_size * self.block_size  # a middle chunk ends on a block boundary
         return end if end > start else start  # or waits for more budget
 
-    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, str]]:
+    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, SaveKind]]:
         bs = self.block_size
-        out: dict[int, str] = {}
+        out: dict[int, SaveKind] = {}
         if end % bs == 0:
-            out[end] = "step"
+            out[end] = SaveKind.STEP
         last = prompt_end // bs * bs
         if start < last < end:
-            out.setdefault(last, "prompt")
+            out.setdefault(last, SaveKind.PROMPT)
         if start < fork < end:
-            out.setdefault(fork, "fork")
+            out.setdefault(fork, SaveKind.FORK)
         if self.grid:
             for p in range((start // self.grid + 1) * self.grid, end, self.grid):
-                out.setdefault(p, "grid")
+                out.setdefault(p, SaveKind.GRID)
         return sorted(out.items())
 
 
@@ -86,7 +91,7 @@ class GridChunks:
         end = limit // self.grid * self.grid
         return end if end > start else start
 
-    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, str]]:
+    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, SaveKind]]:
         return []
 
 

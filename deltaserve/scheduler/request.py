@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from ..memory.hashing import BlockHash, block_hash, root_hash
 
@@ -31,6 +32,8 @@ FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus
 
 @dataclass(eq=False)
 class Request:
+    background: ClassVar[bool] = False  # a background job of the scheduler's (jobs.OutputsJob): no sampling, yields
+
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int  # the scheduler finishes the request with reason "length" after this many outputs
@@ -42,8 +45,6 @@ class Request:
     # blocks that hold a generated token are hashed on the decode path (memory/hashing.py): only this request's
     # resume finds them (the scheduler sets it whenever caching is on)
     tag_outputs: bool = False
-    background: bool = False  # a job of the scheduler's (outputs recomputed by prefill): no sampling, yields
-    resume_at: int = 0  # a job runs only when its prefix hit reaches this far (the prompt's checkpoint)
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V and GDN state are in this request's memory

@@ -8,7 +8,8 @@ One step (schedule() -> StepPlan, the runner executes it, then update(plan, samp
      max_num_seqs and pages, and the step's prefill tokens are under prefill_merge_tokens (if set). A
      request that does not fit stops admission (strict FCFS). Nothing new is admitted in a step that
      preempted, or in which a running prefill could not get budget (so a long prompt is not starved
-     by a stream of short ones).
+     by a stream of short ones);
+  4. background jobs (jobs.py), only in a step that nothing above has work for.
 
 Align mode (caching on): a prefill chunk that does not reach the end of the prompt ends on a block
 boundary (the checkpoint policy floors it); with less than one block of budget left such a chunk waits
@@ -26,36 +27,35 @@ cache like any request (it usually hits its own blocks) and recomputes the rest:
 the prefill path, generated tokens through the decode path one per step (replay_decode, the default:
 bit-exact with the uninterrupted run; replay_decode=False recomputes them by prefill as vLLM does).
 The step that computes its last token samples the next one.
-Waiting requests never preempt running ones.
+Waiting requests never preempt running ones. A failed step's requests are preempted the same way, then planned
+alone until past it (jobs.FailedSteps).
 
 update() is where a step's results become visible: num_computed_tokens advances, the blocks the step
 completed are published (never at scheduling time), checkpoints the step saved are attached, sampled
 tokens are appended, and requests that reached max_tokens finish ("length").
 
-Generated tokens, prefill-exact: a block that holds a generated token was written by decode steps and is
-published on the decode path's hash (only the request's own resume finds it), because the decode path's last
-bits differ from the prefill path's. With reprefill_outputs (and GDN layers), when a request finishes, a
-background job (a Request with background=True, id "<id>/outputs") recomputes its prompt +
-outputs, to the last full block, through the prefill path from the prompt's checkpoint, and publishes those
-blocks and a checkpoint at their end ("generated"): the next turn of a conversation, which sends them as
-its prompt, then hits them bit for bit as a cold run computes them. Jobs only take what nobody else needs:
-they run only in steps that nothing else has work for (at most job_tokens tokens a step: a step with a job
-in it never delays a live request's prefill or decode); they take pages as a request does (evicting the least recently used cached content, which the outputs they
-store are likelier to be asked for than), and are dropped (never requeued) when a waiting request needs their
-seat or slot, or a running one their pages. The engine steps them while it is otherwise idle.
+Generated tokens, prefill-exact: with reprefill_outputs, a finished request's outputs are recomputed through the
+prefill path by background jobs (jobs.ReprefillJobs: step 4 above, in steps nothing else has work for), so that
+the next turn of a conversation hits them bit for bit as a cold run computes them.
+
+Counters: the scheduler's (prefix-cache queries and hits, preemptions, the jobs') are in self.stats
+(stats.SchedulerStats), the memory manager's in memory.stats.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 from ..config import ConfigError
-from ..memory.manager import CacheStats, CheckpointError, MemoryManager, MemoryUsage, PrefixHit
+from ..memory.manager import CheckpointError, MemoryManager, MemoryUsage, PrefixHit
+from ..memory.save_kind import MANDATORY_KINDS, SaveKind
 from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT as KERNEL_GRID  # the GDN chunked kernel's 64-token grid
+from .jobs import FailedSteps, ReprefillJobs
 from .plan import SeqWork, StateCopy, StepPlan
 from .policy import AlignEveryBlock, CheckpointPolicy, GridChunks
 from .request import FINISH_STATUS, Request, RequestStatus
+from .stats import SchedulerStats
 
 
 @dataclass
@@ -93,7 +93,7 @@ class Scheduler:
         stop landing their turns in the same step. Short prompts (together under the limit, where the
         step's fixed cost dominates) still share a step.
         reprefill_outputs: recompute finished requests' outputs through the prefill path in background jobs of
-        at most job_tokens tokens a step (see the module docstring)."""
+        at most job_tokens tokens a step (at least a block; jobs.py)."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                               f"--max-num-seqs ({max_num_seqs}) >= 1, so every running request can decode")
@@ -122,9 +122,10 @@ class Scheduler:
                                       f"{max_num_batched_tokens}")
                 checkpoint_policy = GridChunks(chunk_grid)
         self.policy = checkpoint_policy
-        self.reprefill = reprefill_outputs and memory.caching and memory.num_gdn_groups > 0
-        self.job_tokens = max(job_tokens, memory.block_size)
-        self.jobs: deque[Request] = deque()  # background jobs not yet admitted (oldest first)
+        self.stats = SchedulerStats()
+        reprefill = reprefill_outputs and memory.caching and memory.num_gdn_groups > 0
+        self.jobs = ReprefillJobs(self, self.stats, reprefill, max(job_tokens, memory.block_size))
+        self.failed_steps = FailedSteps(self)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -133,7 +134,6 @@ class Scheduler:
         self._recs: dict[str, _Scheduled] = {}
         self._preempted: list[str] = []
         self._recently_finished: dict[str, Request] = {}
-        self._alone: dict[str, int] = {}  # isolate(): request id -> tokens it must compute alone (in order)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, request: Request) -> None:
@@ -172,74 +172,15 @@ class Scheduler:
             self.running.remove(req)
             self.memory.free(request_id)
         else:
-            (self.jobs if req.background else self.waiting).remove(req)
+            (self.jobs.queue if req.background else self.waiting).remove(req)
         req.status = FINISH_STATUS[reason]
         req.finish_reason = reason
         req.slot, req.page_ids = None, ()
         if not req.background:
             self._recently_finished[request_id] = req
-            if self.reprefill and reason != "abort":
-                self._queue_job(req)
+            if reason != "abort":
+                self.jobs.queue_for(req)
         return True
-
-    # ------------------------------------------------------------------ background jobs
-    def _queue_job(self, req: Request) -> None:
-        """A job that recomputes req's prompt + outputs to their last full block through the prefill path,
-        when that reaches past the prompt's last block boundary (where the prompt's checkpoint is)."""
-        bs, toks = self.block_size, req.all_token_ids
-        n = len(toks) // bs * bs
-        jid = f"{req.request_id}/outputs"
-        if n <= req.num_prompt_tokens // bs * bs or n >= self.max_request_tokens() or jid in self.requests:
-            return
-        job = Request(jid, toks[:n], max_tokens=1, cache_salt=req.cache_salt, extra_keys=req.extra_keys,
-                      arrival_time=req.arrival_time, background=True)
-        job.resume_at = req.num_prompt_tokens // bs * bs  # where its hit must reach (the prompt's checkpoint)
-        job.status = RequestStatus.WAITING
-        self.requests[jid] = job
-        self.jobs.append(job)
-        while len(self.jobs) > 4 * self.max_num_seqs:  # the oldest are the least likely to be sent again
-            self._drop_job(self.jobs[0])
-
-    def _drop_job(self, job: Request) -> None:
-        rec = self._recs.pop(job.request_id, None)  # already in this step's plan: withdrawn
-        if rec is not None:
-            self._budget += rec.end - rec.start
-        self.finish(job.request_id, "abort")
-        self.memory.stats.reprefill_dropped += 1
-
-    def has_background(self) -> bool:
-        """Background jobs queued or running (the engine steps them when it is otherwise idle)."""
-        return bool(self.jobs) or any(r.background for r in self.running)
-
-    def _yield_seats(self) -> None:
-        """A waiting request never waits for a job: drop the newest running jobs while it lacks a seat or slot."""
-        while self.waiting and (len(self.running) >= self.max_num_seqs or not self.memory.num_free_slots):
-            job = next((r for r in reversed(self.running) if r.background), None)
-            if job is None:
-                return
-            self._drop_job(job)
-
-    def _schedule_jobs(self) -> None:
-        """A step with no other work: running jobs, then new ones (job_tokens at most each)."""
-        mem = self.memory
-        for job in [r for r in self.running if r.background]:
-            if self._budget < 1:
-                return
-            start = job.num_computed_tokens
-            end = self._chunk_end(job, start, min(self._budget, self.job_tokens))
-            if end <= start:
-                continue
-            self._schedule_running(job, start, end, False)  # a job that does not fit drops itself
-        while (self.jobs and not self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs
-               and mem.num_free_slots):
-            head = self.jobs[0]
-            if not self._admit(head, self.jobs, min(self._budget, self.job_tokens)):
-                if not self.jobs or self.jobs[0] is not head:
-                    continue  # it dropped itself (its prompt's checkpoint is gone): try the next
-                if not self.running:  # idle, and still it does not fit: it never will
-                    self._drop_job(head)
-                    continue
-                return
 
     def abort(self, request_id: str) -> bool:
         return self.finish(request_id, "abort")
@@ -249,8 +190,6 @@ class Scheduler:
         read num_cached_tokens etc. of a request that update() finished at max_tokens)."""
         req = self.requests.get(request_id)
         return req if req is not None else self._recently_finished.get(request_id)
-
-    get_request = get
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -263,14 +202,10 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    def stats(self) -> dict[str, int]:
-        """Monotonic counters for metrics (the memory manager's CacheStats, under the metric names)."""
-        st: CacheStats = self.memory.stats
-        return {"prefix_queries": st.prefix_query_tokens, "prefix_hits": st.prefix_hit_tokens,
-                "checkpoints_saved": st.checkpoints_saved, "checkpoints_restored": st.checkpoints_restored,
-                "evictions": st.evicted_pages, "preemptions": st.preemptions,
-                "checkpoints_saved_by_kind": dict(st.saved_by_kind),
-                "checkpoints_evicted_by_kind": dict(st.evicted_by_kind)}
+    def counters(self) -> dict[str, object]:
+        """Every monotonic counter of the scheduler and of its memory manager, by its one name (EngineStats'), the
+        by-kind dicts copied."""
+        return {**asdict(self.memory.stats), **asdict(self.stats)}
 
     def usage(self) -> MemoryUsage:
         return self.memory.usage()
@@ -281,69 +216,35 @@ class Scheduler:
         self._recs = {}
         self._preempted = []
         self._recently_finished = {}
-        while self._alone:  # after a failed step: its requests one at a time (isolate)
-            rid = next(iter(self._alone))
-            req = self.requests.get(rid)
-            if req is not None and self._schedule_alone(req):
-                return self._build_plan()
-            del self._alone[rid]  # finished meanwhile, or cannot run now: back to normal scheduling
-        self._yield_seats()
+        if self.failed_steps.schedule():  # after a failed step: its requests one at a time
+            return self._build_plan()
+        self.jobs.yield_seats()
         stalled = False
         for req in list(self.running):  # 1. decodes
             if self._budget < 1:
                 break
-            if req.status is RequestStatus.RUNNING and self._in_decode(req):
+            if req.status is RequestStatus.RUNNING and self.in_decode(req):
                 start = req.num_computed_tokens
-                self._schedule_running(req, start, start + 1, True)
+                self.schedule_running(req, start, start + 1, True)
         for req in list(self.running):  # 2. running prefills
-            if (req.status is not RequestStatus.RUNNING or req.request_id in self._recs or self._in_decode(req)
+            if (req.status is not RequestStatus.RUNNING or req.request_id in self._recs or self.in_decode(req)
                     or req.background):
                 continue
             start = req.num_computed_tokens
             assert start < req.num_tokens, f"running request {req.request_id} has nothing to compute"
-            end = self._chunk_end(req, start)
+            end = self.chunk_end(req, start)
             if end <= start:
                 stalled = True
                 continue
-            self._schedule_running(req, start, end, False)
+            self.schedule_running(req, start, end, False)
         if not self._preempted and not stalled:  # 3. waiting, FCFS
             while (self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs
                    and self.memory.num_free_slots and not self._prefills_full()):
-                if not self._admit(self.waiting[0]):
+                if not self.admit(self.waiting[0]):
                     break
         if not self._recs and not self.waiting:  # 4. background jobs, only in a step nobody else has work for
-            self._schedule_jobs()
+            self.jobs.schedule()
         return self._build_plan()
-
-    # ------------------------------------------------------------------ failed steps
-    def recover(self, plan: StepPlan) -> list[str]:
-        """The runner failed on `plan`: none of it counts. Its requests' GDN slots may be half-advanced, so each
-        is preempted (pages and slot freed, published blocks kept) and will recompute; returns their ids."""
-        ids = []
-        for w in reversed(plan.work):  # _preempt puts each at the front: keep their order
-            req = self.requests.get(w.request_id)
-            if req is not None and req.status is RequestStatus.RUNNING:
-                self._preempt(req)
-                ids.append(w.request_id)
-        return ids[::-1]
-
-    def isolate(self, until: Mapping[str, int]) -> None:
-        """Schedule these requests alone, one at a time and in this order, each until it has computed until[id]
-        tokens (the end of its work in a failed step), so that a step that fails again has one request in it.
-        Other requests wait meanwhile."""
-        for rid, n in until.items():
-            self._alone.setdefault(rid, n)
-
-    def _schedule_alone(self, req: Request) -> bool:
-        if req.status is RequestStatus.RUNNING:
-            start, decode = req.num_computed_tokens, self._in_decode(req)
-            end = start + 1 if decode else self._chunk_end(req, start)
-            return end > start and self._schedule_running(req, start, end, decode)
-        if not self.memory.num_free_slots:
-            return False
-        self.waiting.remove(req)
-        self.waiting.appendleft(req)
-        return self._admit(req)
 
     def _prefills_full(self) -> bool:
         """The step's prefill tokens reached prefill_merge_tokens: no further waiting request joins it."""
@@ -378,13 +279,9 @@ class Scheduler:
                 if end // bs > have:
                     self.memory.publish(w.request_id, [req.block_key(j, bs) for j in range(have, end // bs)])
                 self.memory.commit_checkpoints(w.request_id)
-            if self._alone.get(w.request_id, end + 1) <= end:
-                del self._alone[w.request_id]  # passed the failed step alone
+            self.failed_steps.advanced(w.request_id, end)
             if req.background:
-                self.memory.stats.reprefill_tokens += end - w.start_pos
-                if end == req.num_tokens:
-                    self.finish(req.request_id, "stop")  # its blocks and checkpoint stay cached
-                    self.memory.stats.reprefill_jobs += 1
+                self.jobs.advanced(req, w.start_pos, end)
                 continue
             if w.sample and w.request_id in sampled:
                 req.output_token_ids.append(int(sampled[w.request_id]))
@@ -393,8 +290,15 @@ class Scheduler:
                     self.finish(req.request_id, "length")
         return advanced
 
-    # ------------------------------------------------------------------ internals
-    def _in_decode(self, req: Request, c: int | None = None) -> bool:
+    # ------------------------------------------------------------------ step operations
+    # jobs.py plans through these too. admit, schedule_running and budget are valid only while schedule() plans a
+    # step; preempt and withdraw also between steps (a failed step's recovery, a job dropped when a request finishes)
+    @property
+    def budget(self) -> int:
+        """Tokens left in the step being planned."""
+        return self._budget
+
+    def in_decode(self, req: Request, c: int | None = None) -> bool:
         """Whether the token at position c (default: the next to compute) takes the decode path, one token
         per step: always the last (sampled) token after the prompt; with replay_decode also generated
         tokens recomputed after a preemption."""
@@ -407,11 +311,12 @@ class Scheduler:
         """Where the prefill path stops: the prompt's end with replay_decode, else the last token."""
         return req.num_prompt_tokens if self.replay_decode else req.num_tokens
 
-    def _chunk_end(self, req: Request, start: int, budget: int | None = None) -> int:
+    def chunk_end(self, req: Request, start: int, budget: int | None = None) -> int:
+        """Where req's prefill chunk from start ends with `budget` tokens (default what is left in the step)."""
         return self.policy.chunk_end(start, start + (self._budget if budget is None else budget),
                                      self._prefill_target(req))
 
-    def _saves(self, req: Request, start: int, end: int) -> list[tuple[int, str]]:
+    def _saves(self, req: Request, start: int, end: int) -> list[tuple[int, SaveKind]]:
         """The policy's checkpoints for computing [start, end) (position, kind); none without caching or GDN.
 
         The fork point is where the cached chain of blocks this request shares with earlier sequences ends
@@ -423,7 +328,7 @@ class Scheduler:
             return []
         saves = self.policy.saves(start, end, self._prefill_target(req), req.fork_point)
         if req.background:  # the job's end is the checkpoint it exists for
-            saves = [(p, "generated" if p == req.num_tokens else kind) for p, kind in saves]
+            saves = [(p, SaveKind.GENERATED if p == req.num_tokens else kind) for p, kind in saves]
         return saves
 
     def _victim(self) -> Request:
@@ -431,26 +336,28 @@ class Scheduler:
         return next((r for r in reversed(self.running) if r.background), self.running[-1])
 
     @staticmethod
-    def _mandatory(saves: list[tuple[int, str]]) -> int:
-        return sum(1 for _, kind in saves if kind in ("step", "generated"))
+    def _mandatory(saves: list[tuple[int, SaveKind]]) -> int:
+        return sum(1 for _, kind in saves if kind in MANDATORY_KINDS)
 
-    def _reserve(self, rec: _Scheduled, saves: list[tuple[int, str]]) -> None:
-        """Reserve the step's save (its pages were counted), then the optional ones while they fit: prompt and
+    def _reserve(self, rec: _Scheduled, saves: list[tuple[int, SaveKind]]) -> None:
+        """Reserve the mandatory saves (their pages were counted), then the optional ones while they fit: prompt and
         fork checkpoints from any allocatable page, grid ones from free pages only (they evict nothing)."""
         mem, rid, per = self.memory, rec.req.request_id, self.memory.checkpoint_pages
-        for pos, kind in sorted(saves, key=lambda s: s[1] not in ("step", "generated")):
-            room = mem.num_free_pages() if kind == "grid" else mem.num_allocatable()
-            if kind in ("step", "generated") or room >= per:
+        for pos, kind in sorted(saves, key=lambda s: s[1] not in MANDATORY_KINDS):
+            room = mem.num_free_pages() if kind == SaveKind.GRID else mem.num_allocatable()
+            if kind in MANDATORY_KINDS or room >= per:
                 rec.saves.append((pos, mem.reserve_checkpoint(rid, pos, kind)))
         rec.saves.sort()
 
-    def _schedule_running(self, req: Request, start: int, end: int, is_decode: bool) -> bool:
+    def schedule_running(self, req: Request, start: int, end: int, is_decode: bool) -> bool:
+        """Plan [start, end) of running req, preempting for its pages (a job first, else the newest request); False
+        when req itself was preempted."""
         rid = req.request_id
         saves = self._saves(req, start, end)
         need = self.memory.pages_needed(rid, end) + self.memory.checkpoint_pages * self._mandatory(saves)
         while need > self.memory.num_allocatable():
             victim = self._victim()
-            self._preempt(victim)
+            self.preempt(victim)
             if victim is req:
                 return False
         rec = _Scheduled(req, start, end, is_decode, self.memory.append_pages(rid, end))
@@ -459,16 +366,20 @@ class Scheduler:
         self._budget -= end - start
         return True
 
-    def _preempt(self, victim: Request) -> None:
+    def withdraw(self, request_id: str) -> None:
+        """Take request_id's work out of the step being planned (if it has any); its tokens return to the budget."""
+        rec = self._recs.pop(request_id, None)
+        if rec is not None:
+            self._budget += rec.end - rec.start
+
+    def preempt(self, victim: Request) -> None:
         """victim gives up its pages and slot and waits at the front of the queue; a background job is dropped."""
         if victim.background:
-            self._drop_job(victim)
+            self.jobs.drop(victim)
             return
         rid = victim.request_id
         self.running.remove(victim)
-        rec = self._recs.pop(rid, None)
-        if rec is not None:
-            self._budget += rec.end - rec.start
+        self.withdraw(rid)
         self.memory.free(rid)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
@@ -476,9 +387,9 @@ class Scheduler:
         victim.slot, victim.page_ids = None, ()
         self.waiting.appendleft(victim)
         self._preempted.append(rid)
-        self.memory.stats.preemptions += 1
+        self.stats.preemptions += 1
 
-    def _admit(self, req: Request, queue: deque | None = None, budget: int | None = None) -> bool:
+    def admit(self, req: Request, queue: deque | None = None, budget: int | None = None) -> bool:
         """Admit req, the head of `queue` (default the waiting queue), with `budget` tokens (default what is
         left in the step)."""
         queue = self.waiting if queue is None else queue
@@ -490,15 +401,13 @@ class Scheduler:
             hashes = req.block_hashes(nb, bs)
             hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
         start = hit.num_tokens if hit is not None else 0
-        if req.background and (start < req.resume_at or hit.num_matched_blocks * bs == total):
-            # the prompt's checkpoint is gone (not worth a recompute), or every block is cached already (a next
-            # turn that re-sent these outputs computed them first, and went on past them)
-            self._drop_job(req)
+        if req.background and not self.jobs.worth_running(req, start, hit):
+            self.jobs.drop(req)
             return False
-        is_decode = self._in_decode(req, start)
+        is_decode = self.in_decode(req, start)
         if hit is not None and hit.num_matched_blocks > hit.num_blocks and mem.num_gdn_groups:
             req.fork_point = hit.num_matched_blocks * bs
-        end = start + 1 if is_decode else self._chunk_end(req, start, budget)
+        end = start + 1 if is_decode else self.chunk_end(req, start, budget)
         if end <= start:
             return False
         saves = self._saves(req, start, end)
@@ -514,8 +423,8 @@ class Scheduler:
                          restore=location)
         self._reserve(rec, saves)
         if hit is not None and not req.background:
-            mem.stats.prefix_query_tokens += total
-            mem.stats.prefix_hit_tokens += start
+            self.stats.prefix_cache_queries += total
+            self.stats.prefix_cache_hits += start
         if req.num_preemptions == 0:
             req.num_cached_tokens = start
         req.status = RequestStatus.RUNNING

@@ -70,7 +70,6 @@ class AsyncEngine:
         self.tokenizer: Any = None
         self.load_error: str | None = None
         self.stats: Any = None  # the latest EngineStats snapshot (replaced whole, read lock-free)
-        self.stats_time = 0.0
         self.steps = 0
         self.step_errors = 0
 
@@ -159,7 +158,6 @@ class AsyncEngine:
     def _snapshot(self) -> None:
         try:
             self.stats = self.engine.stats()
-            self.stats_time = time.time()
         except Exception:  # noqa: BLE001 - metrics must never take the loop down
             log.exception("engine.stats() failed")
 
@@ -224,7 +222,3 @@ class AsyncEngine:
             sink.put(out)
             if out.finished:
                 del self._sinks[out.request_id]
-
-    # ---------------------------------------------------------------- introspection
-    def num_in_flight(self) -> int:
-        return len(self._sinks)

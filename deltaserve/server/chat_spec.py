@@ -3,7 +3,7 @@
 Chat Completions, Responses and Messages are three shapes of the same request: a conversation in the chat
 template's message form, tools (OpenAI function shape), a tool choice, sampling values and a token budget.
 Each route converts its request into a ChatSpec at the edge; `start_chat` then does everything once --
-renders the prompt with the checkpoint's template, compiles the grammar of a forced tool call or a JSON
+renders the prompt with the model's template, compiles the grammar of a forced tool call or a JSON
 format, makes one engine request per sample with its reasoning and tool-call parsers -- and submits them.
 The route formats the resulting delta stream (core.ServingCore.deltas) in its own shape.
 """
@@ -83,7 +83,7 @@ class ChatRun:
 
 
 def render_prompt(tok, spec: ChatSpec) -> str:
-    """The conversation through the checkpoint's chat template (400 on what the template refuses)."""
+    """The conversation through the model's chat template (400 on what the template refuses)."""
 
     kwargs = dict(spec.template_kwargs)
     bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)

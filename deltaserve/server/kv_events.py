@@ -157,7 +157,6 @@ class KVEventPublisher:
         self._thread: threading.Thread | None = None
         self.records = None
         self.view: RouterView | None = None
-        self.batches_sent = 0
 
     @staticmethod
     def _open(sock, endpoint: str) -> None:
@@ -192,7 +191,6 @@ class KVEventPublisher:
         self._seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
-        self.batches_sent += 1
         return len(events)
 
     def _serve_replay(self) -> None:

@@ -7,8 +7,6 @@ the server as outputs arrive.
 """
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -50,7 +48,7 @@ _COUNTERS = (
 )
 
 
-# Labelled by checkpoint kind (step, prompt, fork, grid): (metric name, EngineStats field, help)
+# Labelled by checkpoint kind (the SaveKind values): (metric name, EngineStats field, help)
 _BY_KIND = (
     ("deltaserve_checkpoints_saved_by_kind", "checkpoints_saved_by_kind", "GDN checkpoints saved, by why they were taken."),
     ("deltaserve_checkpoints_evicted_by_kind", "checkpoints_evicted_by_kind", "GDN checkpoints evicted, by kind."),
@@ -178,13 +176,3 @@ class RequestTimer:
             self.done = True
             self.metrics.e2e.observe(now - self.start)
             self.metrics.finished(reason)
-
-
-def stats_dict(stats: Any) -> dict:
-    if stats is None:
-        return {}
-    try:
-        import dataclasses
-        return dataclasses.asdict(stats)
-    except TypeError:
-        return dict(vars(stats))

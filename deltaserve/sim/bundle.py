@@ -57,7 +57,6 @@ GDN_KERNELS = {  # name: regime in which it fires
 REGIMES = ("prefill", "decode", "mixed")
 ATTENTION_KERNELS = ("attn_prefill", "attn_decode")
 COPY_OPS = ("zero_pages", "zero_slots", "restore", "save")
-OVERHEAD_COMPONENTS = ("scheduler", "batch_prep", "engine_emit")
 
 
 @dataclass

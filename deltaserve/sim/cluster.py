@@ -4,7 +4,7 @@ latency model in place of the model runner, behind a router. No torch.
 A replica does what LLMEngine.step does, with time taken from the latency model:
 
     plan = scheduler.schedule()                      # the real scheduler, the real memory manager
-    t_end = now + latency.step_seconds(plan)         # instead of runner.execute(plan) and sampling
+    t_end = now + latency.step_us(plan) * 1e-6       # instead of runner.execute(plan) and sampling
     scheduler.update(plan, {rid: TOKEN ...})         # at t_end: tokens of this step are stamped t_end
 
 Sampled tokens are a fixed id (the trace gives output lengths; a request finishes at its output length,
@@ -21,8 +21,9 @@ Cluster config (JSON):
 
 Replica keys are the engine's scheduling and memory flags by their EngineConfig names (config.REPLICA_FLAGS:
 dtype, max_model_len, max_num_seqs, max_num_batched_tokens, prefill_merge_tokens, kv_cache_memory, block_size,
-enable_prefix_caching, cache_layout, num_threads), checked as the engine checks them; plus count, name, tp and
-profile (a bundle for this replica group). `deltaserve simulate` takes the same flags on its command line.
+enable_prefix_caching, cache_layout, checkpoint_grid, eviction, reprefill_outputs, reprefill_job_tokens,
+num_threads), checked as the engine checks them; plus count, name, tp and profile (a bundle for this replica
+group). `deltaserve simulate` takes the same flags on its command line.
 """
 from __future__ import annotations
 
@@ -105,7 +106,6 @@ class Replica:
         self.num_steps = 0
         self.busy_time = 0.0
         self._after_prefill = False  # the last step computed prompt tokens (the latency model's cold decode)
-        self._queued_tokens = 0
         # called with (plan, now) for every step this replica starts: what the validation compares with the real
         # engine's steps (sim/replayed.py)
         self.on_plan = None
@@ -269,7 +269,7 @@ class Simulation:
     def stats(self) -> list[dict]:
         out = []
         for r in self.replicas:
-            st = r.scheduler.stats()
+            st = r.scheduler.counters()
             out.append({"replica": r.index, "name": r.name, "block_size": r.shape.block_size,
                         "num_pages": r.shape.pool.num_pages, "steps": r.num_steps, "busy_s": r.busy_time, **st})
         return out

@@ -213,7 +213,7 @@ def replay(sched, latency, reqs: list[ExternalRequest], async_scheduling: bool =
     for rec in recs:
         if rec.finish is None:
             rec.status = "unfinished"
-    stats["preemptions"] = sched.stats()["preemptions"]
+    stats["preemptions"] = sched.stats.preemptions
     return recs, stats
 
 

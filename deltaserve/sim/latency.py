@@ -310,9 +310,6 @@ class LatencyModel:
     def step_us(self, plan) -> float:
         return self.shape_us(StepShape.of(plan))
 
-    def step_seconds(self, plan) -> float:
-        return self.step_us(plan) * 1e-6
-
 
 # ---------------------------------------------------------------------------------------------- per-step error
 STEP_KINDS = ("prefill", "mixed", "decode")

@@ -136,7 +136,7 @@ def compare_records(real, sim) -> dict:
 
 
 def is_background(rid: str) -> bool:
-    """The scheduler names a background job '<request id>/outputs' (Scheduler._queue_job)."""
+    """The scheduler names a background job '<request id>/outputs' (scheduler/jobs.py ReprefillJobs.queue_for)."""
     return rid.endswith("/outputs")
 
 

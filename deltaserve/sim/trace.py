@@ -47,12 +47,6 @@ class TraceRequest:
     cache_salt: str | None = None
     extra: dict = field(default_factory=dict)
 
-    @property
-    def prompt_length(self) -> int:
-        if self.prompt_token_ids is not None:
-            return len(self.prompt_token_ids)
-        return int(self.input_length or 0)
-
     def to_json(self) -> dict:
         d: dict = {"request_id": self.request_id, "arrival_time": round(self.arrival_time, 6)}
         if self.session_id is not None:

@@ -1,7 +1,7 @@
-"""Tokenizers: the embedded default one and a checkpoint's own, behind one small interface.
+"""Tokenizers: the embedded default one and a model's own, behind one small interface.
 
     tok = load_tokenizer(None)          # the tokenizer shipped in deltaserve/assets/tokenizer
-    tok = load_tokenizer("/ckpt")       # the checkpoint's tokenizer (transformers, offline)
+    tok = load_tokenizer("/model")      # the model directory's tokenizer (transformers, offline)
     ids = tok.encode("hello")
     text = tok.apply_chat_template(messages, tools=tools, enable_thinking=False)
     det = IncrementalDetokenizer(tok, prompt_ids)
@@ -33,7 +33,6 @@ EMBEDDED_EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 # Tokens the reasoning and tool parsers look for (present in the embedded tokenizer and in Qwen's).
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
-TOOL_RESPONSE_START, TOOL_RESPONSE_END = "<tool_response>", "</tool_response>"
 
 
 class TokenizerError(ValueError):
@@ -256,7 +255,7 @@ def _load(path: str) -> Tokenizer:
 
 
 def _same_as_embedded(path: str) -> bool:
-    """A checkpoint whose tokenizer.json is the embedded one (written by make-model) gets its eos set."""
+    """A model directory whose tokenizer.json is the embedded one (written by make-model) gets its eos set."""
     a, b = os.path.join(path, "tokenizer.json"), EMBEDDED_TOKENIZER_DIR / "tokenizer.json"
     try:
         if os.path.getsize(a) != os.path.getsize(b):
@@ -268,13 +267,13 @@ def _same_as_embedded(path: str) -> bool:
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
-    """The embedded tokenizer (path None) or a checkpoint directory's own (offline, no remote code).
+    """The embedded tokenizer (path None) or a model directory's own (offline, no remote code).
     Loaded once per path and shared: Tokenizer objects are read-only."""
     return _load_cached(os.path.realpath(str(EMBEDDED_TOKENIZER_DIR if path is None else path)))
 
 
 def write_tokenizer(out_dir: str) -> list[str]:
-    """Copy the embedded tokenizer's files into a checkpoint directory; returns the paths written."""
+    """Copy the embedded tokenizer's files into a model directory; returns the paths written."""
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for name in EMBEDDED_TOKENIZER_FILES:
@@ -327,9 +326,6 @@ class IncrementalDetokenizer:
             delta = self._add_generic(token_id)
         self.text += delta
         return delta
-
-    def add_many(self, token_ids: Iterable[int]) -> str:
-        return "".join(self.add(t) for t in token_ids)
 
     def flush(self) -> str:
         """At the end of the stream: whatever is still held back (an unfinished character becomes U+FFFD)."""

@@ -1,4 +1,4 @@
-"""Block-FP8 weights (the format of Qwen's -FP8 checkpoints): e4m3 codes with one fp32 scale per 128 x 128 block.
+"""Block-FP8 weights (the format of Qwen's -FP8 models): e4m3 codes with one fp32 scale per 128 x 128 block.
 
     q, scale_inv = quantize_fp8(w)                 # w [N, K] -> q [N, K] float8_e4m3fn, scale_inv [ceil(N/128), ceil(K/128)]
     dequantize_fp8(q, scale_inv, dtype)            # (q * scale) in fp32, rounded once to dtype: transformers' formula
@@ -85,7 +85,7 @@ def dequantize_rows(q: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype
 
 
 def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The checkpoint's weight in dtype: transformers' Fp8Dequantize formula ((q.float() * s).to(dtype)) with the
+    """The stored weight in dtype: transformers' Fp8Dequantize formula ((q.float() * s).to(dtype)) with the
     block grid of the format (the last block of a dim may be partial)."""
     check_scale_shape(q, scale_inv)
     return dequantize_rows(q, row_scales(scale_inv, q.shape[0]), dtype)
@@ -184,7 +184,7 @@ def path_for(fp8_ext, isa: str) -> str:
 
 class Fp8Weight:
     """A [N, K] block-FP8 linear weight: e4m3 codes and one fp32 scale per output row and 128-k block
-    (row_scale [N, ceil(K/128)], the checkpoint's block grid expanded over rows, so fused parts keep theirs).
+    (row_scale [N, ceil(K/128)], the stored block grid expanded over rows, so fused parts keep theirs).
     Unpacked, linear() runs the torch reference; pack(ext) moves it into the kernel's layout (and drops the
     unpacked codes)."""
 
@@ -198,7 +198,8 @@ class Fp8Weight:
         self.path = ""
 
     @classmethod
-    def from_checkpoint(cls, q: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> "Fp8Weight":
+    def from_block_scales(cls, q: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> "Fp8Weight":
+        """From the codes and the per-block scale_inv as a -FP8 model stores them."""
         check_scale_shape(q, scale_inv, name)
         return cls(q, row_scales(scale_inv, q.shape[0]))
 
