@@ -339,12 +339,12 @@ def test_planner_counts_fp8_weight_bytes(fp8_dir):
     """The planner's block-FP8 count (config only) matches the writer's checkpoint, whose A_log / dt_bias are
     fp32 where the count takes the model dtype; plan reads a checkpoint's quantization_config by itself."""
     from deltaserve.memory import sizing as S
-    from deltaserve.tools.planner import checkpoint_weight_bytes, plan, resolve_model
+    from deltaserve.tools.planner import model_weight_bytes, plan, resolve_model
 
     m = resolve_model("tiny").config
     fp32_extra = 2 * 2 * m.linear_num_value_heads * len(m.gdn_layers)  # A_log + dt_bias at 4 B, not 2
     counted, q = S.fp8_weight_bytes(m, "bfloat16")
-    assert counted + fp32_extra == checkpoint_weight_bytes(fp8_dir).bytes
+    assert counted + fp32_extra == model_weight_bytes(fp8_dir).bytes
     assert q == sum(n * k for n, k in S.fp8_linear_shapes(m))
     r = plan("tiny", quantization="fp8", budget_bytes=1 << 28)
     assert r["weight_bytes"] == counted and r["weight_quantization"] == "fp8"

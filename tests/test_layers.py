@@ -34,7 +34,9 @@ LAYERS = [
 ]
 # modules that must run without torch (the simulator's and the planner's world), each with what it imports
 TORCH_FREE = ["errors", "config", "presets", "memory", "scheduler", "sim", "engine.inputs", "engine.sampling_params",
-              "engine.outputs", "profile.coverage", "tools.planner"]
+              "engine.outputs", "profile.coverage", "profile.grid", "profile.machine", "tools.planner",
+              "tools.validate.scenarios", "tools.validate.simulate", "tools.validate.speed", "tools.validate.compare",
+              "tools.validate.report"]
 
 
 def module_name(path: str, root: str) -> str:
@@ -58,6 +60,8 @@ def read_imports(root: str) -> dict[str, list[tuple[str, bool, int]]]:
             def visit(node, top):
                 for child in ast.iter_child_nodes(node):
                     inner = top and not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                    if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                        inner = False  # read by type checkers only: an arrow, but no circle at run time
                     if isinstance(child, ast.ImportFrom):
                         if child.level:
                             parts = pkg.split(".")
@@ -230,6 +234,8 @@ def test_a_module_level_circle_is_caught(tmp_path):
         "b.py": "from . import c\nx = 1\n",
         "c.py": "import pkg.a\n",
         "d.py": "def f():\n    from .a import x\n",  # at call time only: no circle
+        "e.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .f import y\n",  # for type checkers
+        "f.py": "from .e import z\n",
     })
     assert module_cycles(root) == [["pkg.a", "pkg.b", "pkg.c"]]
 

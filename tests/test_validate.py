@@ -12,8 +12,16 @@ import pytest
 from deltaserve.scheduler.plan import SeqWork, StepPlan
 from deltaserve.sim import AgentTraceSpec, agent_trace, load_bundle
 from deltaserve.sim.latency import StepShape, error_summary, step_errors
-from deltaserve.sim.replayed import (LoggedStep, ReplayedLatency, ReplayExhausted, as_json, compare_steps, describe,
-                                     from_json, step_signature)
+from deltaserve.sim.replayed import (
+    LoggedStep,
+    ReplayedLatency,
+    ReplayExhausted,
+    as_json,
+    compare_steps,
+    describe,
+    from_json,
+    step_signature,
+)
 from tests.test_sim import synthetic_bundle
 
 MiB = 1 << 20
@@ -114,10 +122,10 @@ def replays(tmp_path_factory):
     pytest.importorskip("torch")
     from deltaserve.tools.validate.compare import fidelity
     from deltaserve.tools.validate.real import run_real
-    from deltaserve.tools.validate.scenarios import _warmup_requests
+    from deltaserve.tools.validate.scenarios import warmup_requests
 
     bundle = load_bundle(synthetic_bundle(str(tmp_path_factory.mktemp("bundle"))))
-    warm = _warmup_requests(3, 3000)
+    warm = warmup_requests(3, 3000)
     out = {}
     for name, (make, flags) in SCENARIOS.items():
         for caching in (True, False):

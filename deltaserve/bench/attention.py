@@ -22,7 +22,7 @@ from ..model.ops.attention import prefill_attention
 from ..model.ops.cpu_kernels import load_extension, resolve_isa
 from ..presets import load_preset
 from ..runner.platform import tune_allocator
-from .linear import _isa_list
+from .linear import isa_list
 
 
 def alternate(calls: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shapes", default="512@0,2048@0,512@2048,458@6000", type=_shapes,
                    help="QUERIES@CACHED_CONTEXT pairs, comma-separated")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--cpu-isa", default=None, type=_isa_list,
+    p.add_argument("--cpu-isa", default=None, type=isa_list,
                    help="the compiled arms' instruction sets, comma-separated (avx512bf16,avx2; default: the one the "
                         "engine picks on this CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
 import time
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ from ..config import ENGINE_DEFAULTS, EVICTIONS, LAYOUT_NAMES, EngineConfig, add
 from ..engine.llm_engine import LLMEngine
 from ..engine.sampling_params import SamplingParams
 from .agent.workload import TurnResult
+from .progress import progress_for
 
 DEFAULTS = {  # per preset: sessions, turns, output tokens, the cache pool
     "tiny": {"sessions": 4, "turns": 4, "output_tokens": 32, "kv_cache_memory": 512 << 20},
@@ -35,8 +35,7 @@ DEFAULTS = {  # per preset: sessions, turns, output tokens, the cache pool
 }
 
 
-def _progress(msg: str) -> None:
-    print(f"[fleet {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_progress = progress_for("fleet")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from ..model.ops.gdn import chunk_gated_delta_rule
 from ..presets import load_preset
 from ..runner.platform import tune_allocator
 from .attention import alternate
-from .linear import _isa_list
+from .linear import isa_list
 
 
 def run(preset: str, tokens: list[int], repeats: int, isas: list[str] | None = None) -> list[dict]:
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--tokens", default="64,512,2048", help="prefill chunk lengths, comma-separated")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cpu-isa", default=None, type=_isa_list,
+    p.add_argument("--cpu-isa", default=None, type=isa_list,
                    help="the compiled arms' instruction sets, comma-separated (avx512bf16,avx512; default: the one "
                         "the engine picks on this CPU)")
     a = p.parse_args(argv)

@@ -117,7 +117,7 @@ def render(preset: str, results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _isa_list(s: str) -> list[str]:
+def isa_list(s: str) -> list[str]:
     out = [x.strip() for x in s.split(",") if x.strip()]
     if not out or any(x not in ISAS for x in out) or len(set(out)) < len(out):
         raise argparse.ArgumentTypeError(f"--cpu-isa: distinct names from {', '.join(ISAS)}, not {s!r}")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,8,32", help="row counts (tokens per GEMM), comma-separated")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--fp8", action="store_true", help="add the block-FP8 arm (linear_fp8; the head stays bf16)")
-    p.add_argument("--cpu-isa", default=None, type=_isa_list,
+    p.add_argument("--cpu-isa", default=None, type=isa_list,
                    help="the compiled linear's instruction set, or several comma-separated (amx,avx512bf16): one "
                         "arm each, the first compared with --fp8 (default: the one the engine picks on this CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")

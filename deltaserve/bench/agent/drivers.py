@@ -4,7 +4,6 @@ wall) and ttft(prompts) -> [seconds]."""
 from __future__ import annotations
 
 import os
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,11 +13,10 @@ from ...engine.sampling_params import SamplingParams
 from ..peers.hf import TransformersPeer
 from ..peers.llama_cpp import BUILD, LlamaServer, ensure_gguf
 from ..peers.vllm_peer import VllmPeer
+from ..progress import progress_for
 from .workload import Turn, TurnResult, prompts_of
 
-
-def _progress(msg: str) -> None:
-    print(f"[agent {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+_progress = progress_for("agent")
 
 
 

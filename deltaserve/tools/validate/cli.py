@@ -18,7 +18,7 @@ from .compare import BARS, compare, end_to_end
 from .real import PROBES
 from .replay import replay_once
 from .report import format_end_to_end, format_fidelity, format_step_errors, report
-from .scenarios import _warmup_requests, pick_scales, preset_scenario, scaled
+from .scenarios import pick_scales, preset_scenario, scaled, warmup_requests
 
 PRESET_ORDER = ["tiny", "qwen3.5-0.8b-shape"]  # validation.json's and the tables' order; other presets after
 LOADS = ["light", "saturated", "overloaded"]
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         vocab = int(bundle.config.get("vocab_size", 4096))
         base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000)))
         twin_base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000), seed=sc.spec.seed + 1))  # the probe's
-        warm = _warmup_requests(sc.warmup, vocab)
+        warm = warmup_requests(sc.warmup, vocab)
         scales = pick_scales(bundle, sc.engine, base)
         wpc_bundle = float(bundle.calibration.get("wall_per_cpu", 1.0))
         print(f"[{preset}] {len(base)} requests; arrival scales {scales}", file=sys.stderr, flush=True)

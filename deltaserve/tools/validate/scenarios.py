@@ -40,7 +40,7 @@ def scaled(trace: list[TraceRequest], k: float) -> list[TraceRequest]:
     return [replace(r, arrival_time=r.arrival_time * k, prompt_token_ids=list(r.prompt_token_ids)) for r in trace]
 
 
-def _warmup_requests(n: int, vocab: int, seed: int = 99) -> list[TraceRequest]:
+def warmup_requests(n: int, vocab: int, seed: int = 99) -> list[TraceRequest]:
     """n warm-up requests, the i-th of 64 + 96 i prompt tokens and 8 + 4 i outputs, under their own cache salt."""
     rng = random.Random(seed)
     return [TraceRequest(f"warmup-{i}", 0.0, 8 + 4 * i, prompt_token_ids=[rng.randrange(10, min(vocab, 4000))
