@@ -234,6 +234,12 @@ QUANTIZE_HEAD_CHOICES = ("none", "fp8")
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
 
 
+# whole-number flags with a floor, in the order they are checked: (field, least value, what the floor means)
+_AT_LEAST = (("max_num_seqs", 1, ""), ("max_num_batched_tokens", 1, ""), ("prefill_merge_tokens", 0, " (0 = no limit)"),
+             ("block_size", 1, ""), ("checkpoint_grid", 0, " (0 = off)"), ("reprefill_job_tokens", 1, ""),
+             ("max_model_len", 2, ""), ("num_threads", 1, ""))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's flags (vLLM's names). Unknown keys are errors (see from_kwargs).
@@ -303,28 +309,16 @@ class EngineConfig:
             raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.cache_layout not in LAYOUT_NAMES:
             raise ConfigError(f"--cache-layout must be one of {', '.join(LAYOUT_NAMES)}, not {self.cache_layout!r}")
-        if self.max_num_seqs < 1:
-            raise ConfigError("--max-num-seqs must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ConfigError("--max-num-batched-tokens must be >= 1")
-        if self.prefill_merge_tokens < 0:
-            raise ConfigError("--prefill-merge-tokens must be >= 0 (0 = no limit)")
+        for name, least, note in _AT_LEAST:
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ConfigError(f"--{name.replace('_', '-')} must be >= {least}{note}")
         if not 0 < self.memory_utilization <= 1:
             raise ConfigError("--memory-utilization must be in (0, 1]")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ConfigError("--kv-cache-memory must be a positive number of bytes")
-        if self.block_size < 1:
-            raise ConfigError("--block-size must be >= 1")
         if self.eviction not in EVICTIONS:
             raise ConfigError(f"--eviction must be one of {', '.join(EVICTIONS)}, not {self.eviction!r}")
-        if self.checkpoint_grid < 0:
-            raise ConfigError("--checkpoint-grid must be >= 0 (0 = off)")
-        if self.reprefill_job_tokens < 1:
-            raise ConfigError("--reprefill-job-tokens must be >= 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ConfigError("--max-model-len must be >= 2")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError("--num-threads must be >= 1")
         if self.quantize_head not in QUANTIZE_HEAD_CHOICES:
             raise ConfigError(f"--quantize-head must be one of {', '.join(QUANTIZE_HEAD_CHOICES)}, not "
                               f"{self.quantize_head!r}")
