@@ -12,15 +12,15 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from ..openai.protocol import FieldError, _Strict, object_schema
+from ..openai.protocol import FieldError, StrictModel, object_schema
 
 
-class CacheControl(_Strict):
+class CacheControl(StrictModel):
     type: Literal["ephemeral"]
     ttl: Literal["5m", "1h"] | None = None
 
 
-class TextBlock(_Strict):
+class TextBlock(StrictModel):
     type: Literal["text"]
     text: str
     cache_control: CacheControl | None = None
@@ -34,7 +34,7 @@ class TextBlock(_Strict):
         return v
 
 
-class ToolUseBlock(_Strict):
+class ToolUseBlock(StrictModel):
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str
@@ -42,7 +42,7 @@ class ToolUseBlock(_Strict):
     cache_control: CacheControl | None = None
 
 
-class ToolResultBlock(_Strict):
+class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[TextBlock] | None = None
@@ -55,7 +55,7 @@ class ToolResultBlock(_Strict):
         return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
 
 
-class ThinkingBlock(_Strict):
+class ThinkingBlock(StrictModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
@@ -70,7 +70,7 @@ def _block_kind(v: Any) -> str | None:
     return None if t is None else f"type={t}" if t in _BLOCK_TYPES else "unsupported block"
 
 
-class UnsupportedBlock(_Strict):
+class UnsupportedBlock(StrictModel):
     """An unknown block type: a 400 that names it and what is served."""
 
     @model_validator(mode="before")
@@ -89,7 +89,7 @@ Block = Annotated[Union[Annotated[TextBlock, Tag("type=text")], Annotated[ToolUs
                         Annotated[UnsupportedBlock, Tag("unsupported block")]], Discriminator(_block_kind)]
 
 
-class Message(_Strict):
+class Message(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
@@ -104,7 +104,7 @@ class Message(_Strict):
         return self
 
 
-class Tool(_Strict):
+class Tool(StrictModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -132,7 +132,7 @@ class Tool(_Strict):
         return {"type": "function", "function": fn}
 
 
-class ToolChoice(_Strict):
+class ToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
@@ -144,40 +144,40 @@ class ToolChoice(_Strict):
         return self
 
 
-class ThinkingEnabled(_Strict):
+class ThinkingEnabled(StrictModel):
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=1024)
 
 
-class ThinkingDisabled(_Strict):
+class ThinkingDisabled(StrictModel):
     type: Literal["disabled"]
 
 
-class ThinkingAdaptive(_Strict):
+class ThinkingAdaptive(StrictModel):
     """Thinking on, as long as the model wants (no budget but max_tokens)."""
 
     type: Literal["adaptive"]
     display: Literal["summarized"] | None = None  # thinking is returned as written ("omitted" is not served)
 
 
-class JsonOutputFormat(_Strict):
+class JsonOutputFormat(StrictModel):
     type: Literal["json_schema"]
     json_schema: dict[str, Any] = Field(alias="schema")
 
-    model_config = _Strict.model_config | {"populate_by_name": True}
+    model_config = StrictModel.model_config | {"populate_by_name": True}
 
 
-class OutputConfig(_Strict):
+class OutputConfig(StrictModel):
     """Structured output: the text is JSON of the schema (enforced by the grammar, as response_format in chat)."""
 
     format: JsonOutputFormat | None = None
 
 
-class Metadata(_Strict):
+class Metadata(StrictModel):
     user_id: str | None = Field(default=None, max_length=256)  # informational, as OpenAI's `user`
 
 
-class _Conversation(_Strict):
+class _Conversation(StrictModel):
     """What count_tokens and messages share: the model, the conversation and the tools."""
 
     model: str

@@ -21,17 +21,17 @@ class FieldError(ValueError):
         self.field = field
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool | None = False
     # vLLM's: with include_usage, every chunk carries the usage so far (load generators such as guidellm ask for it)
     continuous_usage_stats: bool | None = False
 
 
-class JsonSchemaSpec(_Strict):
+class JsonSchemaSpec(StrictModel):
     name: str = Field(default="response", max_length=256)
     description: str | None = None
     # "schema" shadows a BaseModel attribute in pydantic; keep the wire name
@@ -41,7 +41,7 @@ class JsonSchemaSpec(_Strict):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(StrictModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
@@ -62,7 +62,7 @@ def only(value, field: str, allowed, why: str):
     return value
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
     skip_special_tokens, include_stop_str_in_output are vLLM's; no_stop_trim (SGLang's, which vllm-router adds to
@@ -128,23 +128,23 @@ class CompletionRequest(_SamplingFields):
         return v
 
 
-class TextPart(_Strict):
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str | dict[str, Any]
 
 
-class ToolCallIn(_Strict):
+class ToolCallIn(StrictModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -198,7 +198,7 @@ def object_schema(v: dict | None, what: str = "function parameters") -> dict | N
     return v
 
 
-class FunctionDef(_Strict):
+class FunctionDef(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -210,16 +210,16 @@ class FunctionDef(_Strict):
         return object_schema(v)
 
 
-class ToolDef(_Strict):
+class ToolDef(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Strict):
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
@@ -272,7 +272,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Strict):
+class TokenizeRequest(StrictModel):
     """vLLM's /tokenize: {model, prompt} (the prompt as given) or {model, messages, ...} (the conversation
     through the chat template, with its generation prompt: the ids a chat request with these messages sends to
     the engine)."""
@@ -301,7 +301,7 @@ class TokenizeRequest(_Strict):
         return self
 
 
-class DetokenizeRequest(_Strict):
+class DetokenizeRequest(StrictModel):
     """vLLM's /detokenize: {model, tokens} -> {prompt}."""
 
     model: str | None = None

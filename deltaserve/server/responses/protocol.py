@@ -10,17 +10,17 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from ..openai.protocol import FieldError, _Strict, object_schema
+from ..openai.protocol import FieldError, StrictModel, object_schema
 
 INCLUDABLE = ("reasoning.encrypted_content",)
 
 
-class InputText(_Strict):
+class InputText(StrictModel):
     type: Literal["input_text"]
     text: str
 
 
-class OutputText(_Strict):
+class OutputText(StrictModel):
     """An assistant message's text as this server (or OpenAI) returned it, sent back as input."""
 
     type: Literal["output_text"]
@@ -36,12 +36,12 @@ class OutputText(_Strict):
         return v
 
 
-class Refusal(_Strict):
+class Refusal(StrictModel):
     type: Literal["refusal"]
     refusal: str
 
 
-class Unsupported(_Strict):
+class Unsupported(StrictModel):
     """What a discriminated union sends an unknown `type` to: a 400 that names the type and what is served."""
 
     @model_validator(mode="before")
@@ -67,7 +67,7 @@ ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
                               Annotated[Unsupported, Tag("unsupported type")]], Discriminator(_part_kind)]
 
 
-class MessageItem(_Strict):
+class MessageItem(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[ContentPart]
@@ -80,7 +80,7 @@ class MessageItem(_Strict):
         return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
 
 
-class FunctionCallItem(_Strict):
+class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
@@ -89,7 +89,7 @@ class FunctionCallItem(_Strict):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[InputText]
@@ -100,17 +100,17 @@ class FunctionCallOutputItem(_Strict):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-class SummaryText(_Strict):
+class SummaryText(StrictModel):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningText(_Strict):
+class ReasoningText(StrictModel):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(StrictModel):
     type: Literal["reasoning"]
     id: str | None = None
     summary: list[SummaryText] = Field(default_factory=list)
@@ -145,7 +145,7 @@ InputItem = Annotated[Union[Annotated[MessageItem, Tag("type=message")],
                             Annotated[UnsupportedItem, Tag("unsupported item")]], Discriminator(_item_kind)]
 
 
-class FunctionTool(_Strict):
+class FunctionTool(StrictModel):
     """A function tool in the Responses shape (flat: name and parameters beside type)."""
 
     type: Literal["function"]
@@ -168,12 +168,12 @@ class FunctionTool(_Strict):
         return {"type": "function", "function": fn}
 
 
-class FunctionChoice(_Strict):
+class FunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class Reasoning(_Strict):
+class Reasoning(StrictModel):
     """effort none / minimal turns the model's thinking off (the template's enable_thinking false); low, medium,
     high leave it on. summary: the reasoning item carries the reasoning text as its summary too."""
 
@@ -181,30 +181,30 @@ class Reasoning(_Strict):
     summary: Literal["auto", "concise", "detailed"] | None = None
 
 
-class TextFormatText(_Strict):
+class TextFormatText(StrictModel):
     type: Literal["text"]
 
 
-class TextFormatJsonObject(_Strict):
+class TextFormatJsonObject(StrictModel):
     type: Literal["json_object"]
 
 
-class TextFormatJsonSchema(_Strict):
+class TextFormatJsonSchema(StrictModel):
     type: Literal["json_schema"]
     name: str = Field(max_length=256)
     json_schema: dict[str, Any] | bool = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
 
-    model_config = _Strict.model_config | {"populate_by_name": True}
+    model_config = StrictModel.model_config | {"populate_by_name": True}
 
 
-class TextConfig(_Strict):
+class TextConfig(StrictModel):
     format: Annotated[Union[TextFormatText, TextFormatJsonObject, TextFormatJsonSchema],
                       Field(discriminator="type")] | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
