@@ -285,6 +285,8 @@ class EngineConfig:
                                     "for bit as a cold run", None, replica=True)
     reprefill_job_tokens: int = _flag(256, "the most tokens one --reprefill-outputs job computes in a step (at least a "
                                       "page)", int, metavar="N", replica=True)
+    strict_max_tokens: bool = _flag(False, "refuse a request whose max_tokens exceeds what is left of the context "
+                                    "(400) instead of clamping it to what is left", None)
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)

@@ -64,6 +64,19 @@ def _budget_for_pages(small_pages: int, layout: str = "in-page") -> int:
     return 6 * p.slot_bytes + small_pages * p.bytes_per_page
 
 
+def test_max_tokens_beyond_the_context_is_clamped_unless_strict():
+    from deltaserve.engine.inputs import check_request
+
+    params = check_request([5, 6], SamplingParams(max_tokens=100), vocab_size=50, max_model_len=64)
+    assert params.max_tokens == 62
+    assert check_request([5, 6], SamplingParams(max_tokens=62), 50, 64, strict_max_tokens=True).max_tokens == 62
+    with pytest.raises(EngineInputError, match="maximum context length is 64 tokens") as e:
+        check_request([5, 6], SamplingParams(max_tokens=63), 50, 64, strict_max_tokens=True)
+    assert e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    with pytest.raises(EngineInputError, match="leaves no room"):
+        check_request([5] * 64, SamplingParams(max_tokens=1), 50, 64)
+
+
 def test_bad_input_refused_and_others_carry_on():
     llm = make_llm()
     eng = llm.engine
@@ -73,7 +86,6 @@ def test_bad_input_refused_and_others_carry_on():
         ({"prompt_token_ids": []}, SamplingParams(), "empty"),
         ({"prompt_token_ids": [1] * (eng.max_model_len + 1)}, SamplingParams(), "maximum context length"),
         ({"prompt_token_ids": [eng.model_config.vocab_size + 5]}, SamplingParams(), "out of range"),
-        ({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=eng.max_model_len), "maximum context length"),
         ({"prompt_token_ids": [5, 6]}, SamplingParams(logit_bias={10**7: 1.0}), "logit_bias"),
     ]
     for i, (prompt, params, needle) in enumerate(bad):

@@ -417,6 +417,17 @@ def _err(r, status):
     return e
 
 
+def test_max_tokens_beyond_the_context_is_clamped(server):
+    """Agent clients ask for 32,000+ tokens whatever the prompt: the budget becomes what is left of the context and
+    the request ends with finish_reason length there (--strict-max-tokens refuses instead: test_server_messages)."""
+    max_len = int(metrics(server)["deltaserve_max_model_len"])
+    r = httpx.post(server.base + "/v1/completions", timeout=300,
+                   json={"prompt": [5] * (max_len - 3), "max_tokens": max_len, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+
+
 def test_error_objects(server):
     base = server.base
     e = _err(httpx.post(base + "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}),
@@ -439,7 +450,7 @@ def test_error_objects(server):
     e = _err(httpx.post(base + "/v1/completions", json={"prompt": "x", "model": "gpt-4"}), 404)
     assert e["param"] == "model"
     max_len = int(metrics(server)["deltaserve_max_model_len"])
-    e = _err(httpx.post(base + "/v1/completions", json={"prompt": [5] * 10, "max_tokens": max_len}), 400)
+    e = _err(httpx.post(base + "/v1/completions", json={"prompt": [5] * max_len, "max_tokens": 1}), 400)
     assert e["message"].startswith(f"This model's maximum context length is {max_len} tokens")
     _err(httpx.post(base + "/v1/chat/completions", json={"messages": []}), 400)
     _err(httpx.post(base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": [

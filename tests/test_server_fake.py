@@ -207,3 +207,23 @@ def test_a_fatal_step_failure_stops_the_server_with_its_reason():
         assert r.status_code == 503 and "worker 1" in r.json()["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_any_model_name_only_when_asked(fake):
+    """--accept-any-model-name: a client that asks for its own model names (Claude Code's claude-*) is served by
+    the served model; without the flag that name is a 404 naming the model."""
+    ask = {"model": "claude-opus-5-5", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    r = httpx.post(fake.base + "/v1/messages", json=ask)
+    assert r.status_code == 404 and "claude-opus-5-5" in r.json()["error"]["message"]
+    srv = InProcessServer(build_app(EngineConfig(), engine_factory=FakeEngine, served_model_name=["a"],
+                                    accept_any_model_name=True))
+    try:
+        from server_support import wait_healthy
+        wait_healthy(srv.base, 30)
+        r = httpx.post(srv.base + "/v1/messages", json=ask)
+        assert r.status_code == 200 and r.json()["model"] == "a", r.text
+        r = httpx.post(srv.base + "/v1/chat/completions", json={**ask, "model": "gpt-5"})
+        assert r.status_code == 200 and r.json()["model"] == "a", r.text
+        assert [m["id"] for m in httpx.get(srv.base + "/v1/models").json()["data"]] == ["a"]
+    finally:
+        srv.stop()

@@ -32,7 +32,7 @@ from .kv_events import event_block_size
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai.protocol import FieldError
 from .responses.store import DEFAULT_MAX_STORED
-from .state import ServerState
+from .state import ServedNames, ServerState
 
 log = logging.getLogger("deltaserve.server")
 
@@ -123,13 +123,15 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
 
 def build_app(engine_config: Any, api_key: str | None = None, served_model_name: str | list[str] | None = None,
               *, engine_factory: Callable[[Any], Any] | None = None, freeze_heap: bool = False,
-              max_stored_responses: int = DEFAULT_MAX_STORED, kv_events: Any = None) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED, kv_events: Any = None,
+              accept_any_model_name: bool = False) -> FastAPI:
     """The app over one engine. engine_factory (tests) replaces LLMEngine.from_config. freeze_heap: see
     AsyncEngine (the `deltaserve serve` process sets it; tests that build many apps do not).
     max_stored_responses: how many /v1/responses (store: true) are kept for previous_response_id.
     kv_events: a kv_events.KVEventPublisher (its sockets open): the engine's cache changes are published on it
-    (closed when the app stops)."""
-    state = _server_state(engine_config, api_key, _served_names(engine_config, served_model_name),
+    (closed when the app stops). accept_any_model_name: a request naming another model is served by this one
+    (state.ServedNames)."""
+    state = _server_state(engine_config, api_key, _served_names(engine_config, served_model_name, accept_any_model_name),
                           engine_factory, freeze_heap, max_stored_responses, kv_events)
     app = FastAPI(title="deltaserve", version="0.1.0", lifespan=_lifespan(state.engine, kv_events),
                   description="OpenAI-compatible server for Gated DeltaNet hybrid models")
@@ -143,16 +145,17 @@ def build_app(engine_config: Any, api_key: str | None = None, served_model_name:
     return app
 
 
-def _served_names(engine_config: Any, served_model_name: str | list[str] | None) -> list[str]:
+def _served_names(engine_config: Any, served_model_name: str | list[str] | None,
+                  any_name: bool = False) -> ServedNames:
     """--served-model-name as a list (one name or several), else the engine's model; never empty."""
     if isinstance(served_model_name, str):
-        return [served_model_name]
+        return ServedNames([served_model_name], any_name)
     if served_model_name:
-        return list(served_model_name)
-    return [default_model_name(engine_config)]
+        return ServedNames(served_model_name, any_name)
+    return ServedNames([default_model_name(engine_config)], any_name)
 
 
-def _server_state(engine_config: Any, api_key: str | None, names: list[str],
+def _server_state(engine_config: Any, api_key: str | None, names: ServedNames,
                   engine_factory: Callable[[Any], Any] | None, freeze_heap: bool, max_stored_responses: int,
                   kv_events: Any) -> ServerState:
     """The engine (it loads when the app starts), its metrics and what the routes share."""

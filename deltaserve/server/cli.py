@@ -22,6 +22,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DELTASERVE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) the API answers to")
+    p.add_argument("--accept-any-model-name", action="store_true",
+                   help="serve a request that names another model with this one (as llama-server does): for clients "
+                        "that ask for their own model names, e.g. Claude Code without ANTHROPIC_MODEL")
     p.add_argument("--reasoning-parser", default="qwen3", choices=["qwen3"],
                    help="reasoning parser (qwen3: <think>...</think> into reasoning_content)")
     p.add_argument("--tool-call-parser", default="qwen3_coder", choices=["qwen3_coder"])
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print("deltaserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
         return 2
     app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True,
-                    max_stored_responses=stored, kv_events=publisher)
+                    max_stored_responses=stored, kv_events=publisher,
+                    accept_any_model_name=args.accept_any_model_name)
     logging.getLogger("deltaserve").info("serving %s on http://%s:%d", app.state.serving.model_name,
                                          args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,

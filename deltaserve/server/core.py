@@ -26,6 +26,7 @@ from ..text.parsers import Qwen3CoderToolParser, Qwen3ReasoningParser
 from .async_engine import AsyncEngine, EngineNotReady, EngineStepError, RequestSink
 from .errors import ApiError, bad_request
 from .metrics import RequestTimer, ServerMetrics
+from .state import ServedNames
 
 log = logging.getLogger("deltaserve.server")
 
@@ -130,17 +131,17 @@ def engine_failed(e: BaseException) -> ApiError:
 class ServingCore:
     """The engine side of every route: readiness, model names, sampling values, submission, the delta stream."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_names: list[str]):
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_names: ServedNames | list[str]):
         self.engine = engine
         self.metrics = metrics
-        self.model_names = model_names
+        self.model_names = model_names if isinstance(model_names, ServedNames) else ServedNames(model_names)
 
     @property
     def model_name(self) -> str:
         return self.model_names[0]
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
+        if not self.model_names.answers(model):
             raise ApiError(404, f"The model `{model}` does not exist.", "NotFoundError", "model", "model_not_found")
 
     def ready(self):

@@ -10,6 +10,21 @@ from .async_engine import AsyncEngine
 from .metrics import ServerMetrics
 
 
+class ServedNames(list):
+    """The names the API answers to (--served-model-name; the first is the one responses report). any_name
+    (--accept-any-model-name): a request naming another model is served by this one, as llama-server does, so a
+    client that asks for its own model names (Claude Code asks for claude-* unless ANTHROPIC_MODEL is set)
+    works unconfigured."""
+
+    def __init__(self, names, any_name: bool = False):
+        super().__init__(names)
+        assert self, "a server answers to at least one name"
+        self.any_name = any_name
+
+    def answers(self, name: str | None) -> bool:
+        return name is None or self.any_name or name in self
+
+
 @dataclass(frozen=True)
 class ServerState:
     """One engine and what every API serves it with.
@@ -21,7 +36,7 @@ class ServerState:
     engine_config: Any  # what the engine is built from (/v1/models reports its model as the root)
     engine: AsyncEngine
     metrics: ServerMetrics
-    model_names: list[str]
+    model_names: ServedNames
     api_key: str | None
     max_stored_responses: int  # /v1/responses kept for previous_response_id
     started: float = field(default_factory=time.time)  # /v1/models' created
