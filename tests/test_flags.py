@@ -22,6 +22,7 @@ SAMPLES = {
     "checkpoint_grid": ("512", 512),
     "reprefill_outputs": (None, False),  # --no-reprefill-outputs
     "reprefill_job_tokens": ("512", 512),
+    "strict_max_tokens": (True, True),  # --strict-max-tokens
     "eviction": ("value", "value"),
     "seed": ("3", 3),
     "num_threads": ("1", 1),
@@ -71,7 +72,7 @@ def test_every_flag_parses_the_same_in_every_command(command):
     for name in takes:
         text, want = SAMPLES[name]
         opt = ENGINE_FLAGS[name].option(name)
-        argv = required + ([f"--no-{opt[2:]}"] if text is None else [opt, text])
+        argv = required + ([f"--no-{opt[2:]}"] if text is None else [opt] if text is True else [opt, text])
         got = engine_args(parser.parse_args(argv))
         assert got == {name: want}, (command, name, got)
         assert getattr(EngineConfig.from_kwargs(**got), name) == want
