@@ -182,7 +182,10 @@ def test_bad_input_is_400_naming_the_field(server):
     e = _err(httpx.post(url, json={"input": "x", "background": True}), "background")
     assert "refused" in e["message"]
     _err(httpx.post(url, json={"input": "x", "service_tier": "flex"}), "service_tier")
-    _err(httpx.post(url, json={"input": "x", "tools": [{"type": "web_search"}]}), "tools")
+    _err(httpx.post(url, json={"input": "x", "tools": [{"type": "bogus_tool"}]}), "tools")
+    # a built-in tool merely offered is left out of the prompt (a warning header says so); forced, it is refused
+    _err(httpx.post(url, json={"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}),
+         "tool_choice")
     _err(httpx.post(url, json={"input": "x", "include": ["message.output_text.logprobs"]}), "include")
     _err(httpx.post(url, json={"input": "x", "truncation": "auto"}), "truncation")
     _err(httpx.post(url, json={"input": []}), "input")

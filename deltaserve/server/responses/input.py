@@ -1,8 +1,11 @@
 """Responses API input items -> the chat template's messages (and a response's output back into them).
 
 Items map onto the conversation the template renders: user / system / developer messages as they are; an
-assistant turn is the run of `reasoning`, assistant `message` and `function_call` items that follow one
-another (reasoning_content, content, tool_calls); a `function_call_output` is a tool message. The same
+assistant turn is the run of `reasoning`, assistant `message`, `function_call` and `custom_tool_call` items that
+follow one another (reasoning_content, content, tool_calls); a `function_call_output` or
+`custom_tool_call_output` is a tool message. A call to a namespaced tool is written with its qualified name and a
+custom tool's call as its one `input` parameter, as the model was shown them (tools.py); `additional_tools`
+items render nothing here (their tools join the request's). The same
 mapping turns a stored response's output into the assistant message a `previous_response_id` continues
 from, so a continued conversation renders to the same prefix the first turn did -- which is what lets the
 prefix cache serve it.
@@ -20,7 +23,8 @@ import json
 from typing import Any
 
 from ..errors import bad_request
-from .protocol import FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
+from .protocol import CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
+from .tools import CUSTOM_INPUT, qualified
 
 _OPAQUE_PREFIX = "deltaserve-reasoning-v1:"
 
@@ -86,17 +90,22 @@ def input_messages(items: str | list, known_calls: set[str] | None = None) -> li
             if cur is None or cur["content"] or cur.get("tool_calls") or "reasoning_content" in cur:
                 cur = assistant()
             cur["reasoning_content"] = _reasoning_text(it, where)
-        elif isinstance(it, FunctionCallItem):
+        elif isinstance(it, (FunctionCallItem, CustomToolCallItem)):
             if cur is None:
                 cur = assistant()
+            if isinstance(it, CustomToolCallItem):
+                args = {CUSTOM_INPUT: it.input}
+            else:
+                args = _arguments(it.arguments, where + ".arguments")
             cur.setdefault("tool_calls", []).append(
                 {"id": it.call_id, "type": "function",
-                 "function": {"name": it.name, "arguments": _arguments(it.arguments, where + ".arguments")}})
+                 "function": {"name": qualified(it.namespace, it.name), "arguments": args}})
             calls.add(it.call_id)
-        elif isinstance(it, FunctionCallOutputItem):
+        elif isinstance(it, FunctionCallOutputItem):  # custom_tool_call_output too
             if it.call_id not in calls:
-                raise bad_request(f"No function_call with call_id {it.call_id!r} comes before this "
-                                  "function_call_output.", where + ".call_id", "invalid_value")
+                call = "custom_tool_call" if it.type == "custom_tool_call_output" else "function_call"
+                raise bad_request(f"No {call} with call_id {it.call_id!r} comes before this "
+                                  f"{it.type}.", where + ".call_id", "invalid_value")
             cur = None
             out.append({"role": "tool", "tool_call_id": it.call_id, "content": it.text()})
     return out
@@ -110,10 +119,14 @@ def output_message(output: list[dict]) -> dict | None:
             m["reasoning_content"] = "".join(p["text"] for p in item.get("content") or [])
         elif item["type"] == "message":
             m["content"] += "".join(p["text"] for p in item["content"])
-        elif item["type"] == "function_call":
+        elif item["type"] in ("function_call", "custom_tool_call"):
+            if item["type"] == "custom_tool_call":
+                args = {CUSTOM_INPUT: item["input"]}
+            else:
+                args = json.loads(item["arguments"] or "{}")
             m.setdefault("tool_calls", []).append(
                 {"id": item["call_id"], "type": "function",
-                 "function": {"name": item["name"], "arguments": json.loads(item["arguments"] or "{}")}})
+                 "function": {"name": qualified(item.get("namespace"), item["name"]), "arguments": args}})
     return m if (m["content"] or m.get("tool_calls") or m.get("reasoning_content")) else None
 
 

@@ -10,8 +10,11 @@ so a streamed response always assembles to the whole one.
                   events: output_item.added, reasoning_text.delta (+ reasoning_summary_* with a summary), ...done
     content    -> {"type": "message", "role": "assistant", "content": [{"type": "output_text"}]}
                   events: output_item.added, content_part.added, output_text.delta, output_text.done, ...
-    tool call  -> {"type": "function_call", "call_id", "name", "arguments"}
+    tool call  -> {"type": "function_call", "call_id", "name", "arguments"} (+ "namespace": the call of a
+                  namespaced tool carries its bare name and its namespace, as OpenAI's API writes it)
                   events: output_item.added, function_call_arguments.delta, function_call_arguments.done, ...
+                  a custom tool's call: {"type": "custom_tool_call", "call_id", "name", "input"} (+ "namespace")
+                  events: output_item.added, custom_tool_call_input.delta, custom_tool_call_input.done, ...
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import uuid
 from typing import Any
 
 from .input import encode_reasoning
+from .tools import ToolRef, custom_input
 
 
 def _id(prefix: str) -> str:
@@ -26,12 +30,15 @@ def _id(prefix: str) -> str:
 
 
 class OutputFolder:
-    """summary: the reasoning item carries its text as a summary too; opaque: it carries encrypted_content."""
+    """summary: the reasoning item carries its text as a summary too; opaque: it carries encrypted_content.
+    tools: what each function name the model may call stands for (tools.ToolSet.refs; a name not in it is a
+    plain function call)."""
 
-    def __init__(self, summary: bool = False, opaque: bool = False):
+    def __init__(self, summary: bool = False, opaque: bool = False, tools: dict[str, ToolRef] | None = None):
         self.items: list[dict[str, Any]] = []
         self.summary = summary
         self.opaque = opaque
+        self.tools = tools or {}
         self._open: dict[str, Any] | None = None  # the item still being written (reasoning or message)
 
     @property
@@ -123,16 +130,31 @@ class OutputFolder:
         return events
 
     def _call(self, call) -> list[dict]:
-        item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
-                "name": call.name, "arguments": ""}
+        ref = self.tools.get(call.name, ToolRef("function", call.name))
+        if ref.kind == "custom":
+            item = {"id": _id("ctc"), "type": "custom_tool_call", "status": "in_progress", "call_id": call.id,
+                    "name": ref.name, "input": ""}
+        else:
+            item = {"id": _id("fc"), "type": "function_call", "status": "in_progress", "call_id": call.id,
+                    "name": ref.name, "arguments": ""}
+        if ref.namespace is not None:
+            item["namespace"] = ref.namespace
         self.items.append(item)
         k = self._index
-        events = [{"type": "response.output_item.added", "output_index": k, "item": _copy(item)},
-                  {"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": k,
-                   "delta": call.arguments},
-                  {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": k,
-                   "name": call.name, "arguments": call.arguments}]
-        item["arguments"] = call.arguments
+        events = [{"type": "response.output_item.added", "output_index": k, "item": _copy(item)}]
+        if ref.kind == "custom":
+            text = custom_input(call.arguments)
+            events += [{"type": "response.custom_tool_call_input.delta", "item_id": item["id"], "output_index": k,
+                        "delta": text},
+                       {"type": "response.custom_tool_call_input.done", "item_id": item["id"], "output_index": k,
+                        "input": text}]
+            item["input"] = text
+        else:
+            events += [{"type": "response.function_call_arguments.delta", "item_id": item["id"], "output_index": k,
+                        "delta": call.arguments},
+                       {"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": k,
+                        "name": ref.name, "arguments": call.arguments}]
+            item["arguments"] = call.arguments
         # a forced call cut by max_output_tokens comes back with the arguments written so far, as incomplete
         item["status"] = "completed" if getattr(call, "complete", True) else "incomplete"
         events.append({"type": "response.output_item.done", "output_index": k, "item": _copy(item)})

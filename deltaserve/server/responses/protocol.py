@@ -1,8 +1,16 @@
 """Request schemas of the OpenAI Responses API (POST /v1/responses), the part deltaserve implements.
 
 As everywhere in the server, unknown fields are refused with a 400 naming them, never silently ignored:
-a client that asks for web search, background mode or a service tier learns at once that it is not
-served. Input items are told apart by `type` (a message may leave it out, as the API allows).
+a client that asks for background mode or a service tier learns at once that it is not served. Input items
+are told apart by `type` (a message may leave it out, as the API allows).
+
+Tools (tools.py says how each reaches the prompt): `function`, `custom` and `namespace` tools are served;
+OpenAI's built-in tools (BUILTIN_TOOLS: web_search, file_search, ...) are accepted with whatever settings they
+carry and left out of the prompt (the response's x-deltaserve-warning header names them), and a tool_choice
+that forces one is a 400 naming tool_choice. Hints, accepted and not acted on because they cannot change what
+this server writes or because it has no such knob: `client_metadata` (strings, for the client's own
+bookkeeping), `prompt_cache_key` (the one prefix cache serves every request anyway), `reasoning.context` (earlier
+turns' reasoning is rendered as the model's chat template does), `text.verbosity`, `user`.
 """
 from __future__ import annotations
 
@@ -81,23 +89,46 @@ class MessageItem(StrictModel):
 
 
 class FunctionCallItem(StrictModel):
+    """A call the model made; namespace: the namespace tool it belongs to (the name is then the bare name)."""
+
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
     arguments: str
+    namespace: str | None = None
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 class FunctionCallOutputItem(StrictModel):
+    """A call's result; name / namespace (the tool that produced it) are informational: call_id links it."""
+
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
     output: str | list[InputText]
+    name: str | None = None
+    namespace: str | None = None
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+
+
+class CustomToolCallItem(StrictModel):
+    """A call of a custom tool: its free-form input text."""
+
+    type: Literal["custom_tool_call"]
+    call_id: str = Field(min_length=1)
+    name: str
+    input: str
+    namespace: str | None = None
+    id: str | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class CustomToolCallOutputItem(FunctionCallOutputItem):
+    type: Literal["custom_tool_call_output"]  # type: ignore[assignment]
 
 
 class SummaryText(StrictModel):
@@ -119,7 +150,8 @@ class ReasoningItem(StrictModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+_ITEM_TYPES = ("message", "function_call", "function_call_output", "custom_tool_call", "custom_tool_call_output",
+               "reasoning", "additional_tools")
 
 
 def _item_kind(v: Any) -> str | None:
@@ -138,18 +170,14 @@ class UnsupportedItem(Unsupported):
         raise ValueError(f"input item type {t!r} is not supported; this server takes {', '.join(_ITEM_TYPES)}")
 
 
-InputItem = Annotated[Union[Annotated[MessageItem, Tag("type=message")],
-                            Annotated[FunctionCallItem, Tag("type=function_call")],
-                            Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
-                            Annotated[ReasoningItem, Tag("type=reasoning")],
-                            Annotated[UnsupportedItem, Tag("unsupported item")]], Discriminator(_item_kind)]
+TOOL_NAME = r"^[A-Za-z0-9_.:\-]{1,64}$"
 
 
 class FunctionTool(StrictModel):
     """A function tool in the Responses shape (flat: name and parameters beside type)."""
 
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,64}$")
+    name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -159,26 +187,122 @@ class FunctionTool(StrictModel):
     def _object_schema(cls, v):
         return object_schema(v)
 
-    def as_chat_tool(self) -> dict:
-        fn: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            fn["description"] = self.description
-        if self.parameters is not None:
-            fn["parameters"] = self.parameters
-        return {"type": "function", "function": fn}
+
+class CustomFormatText(StrictModel):
+    type: Literal["text"]
+
+
+class CustomFormatGrammar(StrictModel):
+    type: Literal["grammar"]
+    syntax: Literal["lark", "regex"]
+    definition: str
+
+
+class CustomTool(StrictModel):
+    """A tool whose input is free-form text (format: unconstrained text, or a lark / regex grammar)."""
+
+    type: Literal["custom"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    format: Annotated[Union[CustomFormatText, CustomFormatGrammar], Field(discriminator="type")] | None = None
+
+
+# OpenAI's built-in tool types: hosted tools that OpenAI's servers run (web search, file search, code
+# interpreter, image generation, MCP servers, tool search) and tools whose calls are output items of their own
+# (computer use, local_shell, shell, apply_patch). None of them can be run or written by this server.
+BUILTIN_TOOLS = ("web_search", "web_search_2025_08_26", "web_search_preview", "web_search_preview_2025_03_11",
+                 "file_search", "code_interpreter", "image_generation", "mcp", "tool_search",
+                 "programmatic_tool_calling", "computer", "computer_use", "computer_use_preview", "local_shell",
+                 "shell", "apply_patch")
+
+
+class BuiltinTool(StrictModel):
+    """A built-in tool offered to the model: accepted with whatever settings it carries (they configure a tool
+    that is not run) and left out of the prompt."""
+
+    model_config = StrictModel.model_config | {"extra": "allow"}
+
+    type: Literal[BUILTIN_TOOLS]  # type: ignore[valid-type]
+
+
+class UnsupportedTool(Unsupported):
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse(cls, v):
+        t = v.get("type") if isinstance(v, dict) else None
+        raise ValueError(f"tool type {t!r} is not supported; this server takes function, custom and namespace "
+                         "tools (and leaves built-in tools such as web_search out of the prompt)")
+
+
+def _kind(v: Any, served: tuple[str, ...], other: str) -> str | None:
+    t = v.get("type") if isinstance(v, dict) else getattr(v, "type", None)
+    if t is None:
+        return None
+    return f"type={t}" if t in served else "type=builtin" if t in BUILTIN_TOOLS and "builtin" in served else other
+
+
+NamespacedTool = Annotated[Union[Annotated[FunctionTool, Tag("type=function")],
+                                 Annotated[CustomTool, Tag("type=custom")],
+                                 Annotated[UnsupportedTool, Tag("unsupported tool")]],
+                           Discriminator(lambda v: _kind(v, ("function", "custom"), "unsupported tool"))]
+
+
+class NamespaceTool(StrictModel):
+    """Function and custom tools grouped under a namespace (tools.py: how they are shown and called)."""
+
+    type: Literal["namespace"]
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    tools: list[NamespacedTool] = Field(min_length=1)
+
+
+Tool = Annotated[Union[Annotated[FunctionTool, Tag("type=function")], Annotated[CustomTool, Tag("type=custom")],
+                       Annotated[NamespaceTool, Tag("type=namespace")], Annotated[BuiltinTool, Tag("type=builtin")],
+                       Annotated[UnsupportedTool, Tag("unsupported tool")]],
+                 Discriminator(lambda v: _kind(v, ("function", "custom", "namespace", "builtin"), "unsupported tool"))]
+
+
+class AdditionalToolsItem(StrictModel):
+    """More tools, carried as an input item (Codex CLI's "responses-lite" requests): added to the request's tools."""
+
+    type: Literal["additional_tools"]
+    role: Literal["developer"] = "developer"
+    tools: list[Tool]
+    id: str | None = None
+
+
+InputItem = Annotated[Union[Annotated[MessageItem, Tag("type=message")],
+                            Annotated[FunctionCallItem, Tag("type=function_call")],
+                            Annotated[FunctionCallOutputItem, Tag("type=function_call_output")],
+                            Annotated[CustomToolCallItem, Tag("type=custom_tool_call")],
+                            Annotated[CustomToolCallOutputItem, Tag("type=custom_tool_call_output")],
+                            Annotated[ReasoningItem, Tag("type=reasoning")],
+                            Annotated[AdditionalToolsItem, Tag("type=additional_tools")],
+                            Annotated[UnsupportedItem, Tag("unsupported item")]], Discriminator(_item_kind)]
 
 
 class FunctionChoice(StrictModel):
+    """Forces a function tool: its name, or for a namespaced one <namespace>__<name> (the bare name when only one
+    namespace has it)."""
+
     type: Literal["function"]
+    name: str
+
+
+class CustomChoice(StrictModel):
+    type: Literal["custom"]
     name: str
 
 
 class Reasoning(StrictModel):
     """effort none / minimal turns the model's thinking off (the template's enable_thinking false); low, medium,
-    high leave it on. summary: the reasoning item carries the reasoning text as its summary too."""
+    high, xhigh, max leave it on. summary: the reasoning item carries the reasoning text as its summary too.
+    context (which turns' reasoning is rendered back): a hint; the chat template decides (Qwen's renders the
+    reasoning of the assistant messages after the last user message)."""
 
-    effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn", "all_turns"] | None = None
 
 
 class TextFormatText(StrictModel):
@@ -202,14 +326,15 @@ class TextFormatJsonSchema(StrictModel):
 class TextConfig(StrictModel):
     format: Annotated[Union[TextFormatText, TextFormatJsonObject, TextFormatJsonSchema],
                       Field(discriminator="type")] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # a hint: the model has no verbosity knob
 
 
 class ResponsesRequest(StrictModel):
     model: str | None = None
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | FunctionChoice | CustomChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = None
@@ -225,6 +350,16 @@ class ResponsesRequest(StrictModel):
     user: str | None = None  # informational, as in chat
     # a cache-routing hint; this server has one prefix cache that every request already shares
     prompt_cache_key: str | None = None
+    client_metadata: dict[str, str] | None = None  # a hint: the client's own bookkeeping (Codex CLI's turn ids)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _builtin_choice(cls, v):
+        tc = v.get("tool_choice") if isinstance(v, dict) else None
+        if isinstance(tc, dict) and tc.get("type") in BUILTIN_TOOLS:
+            raise FieldError("tool_choice", f"tool_choice forces the built-in tool {tc['type']!r}, which this server "
+                             "cannot run; force a function or custom tool, or leave tool_choice 'auto'")
+        return v
 
     @field_validator("input")
     @classmethod
@@ -251,12 +386,8 @@ class ResponsesRequest(StrictModel):
     @model_validator(mode="after")
     def _checks(self) -> "ResponsesRequest":
         tc = self.tool_choice
-        if tc is not None and tc not in ("none", "auto") and not self.tools:
+        more = isinstance(self.input, list) and any(isinstance(it, AdditionalToolsItem) for it in self.input)
+        if tc is not None and tc not in ("none", "auto") and not self.tools and not more:
             raise FieldError("tool_choice", "tool_choice 'required' or a named function needs tools")
-        if isinstance(tc, FunctionChoice) and tc.name not in {t.name for t in self.tools or []}:
-            raise FieldError("tool_choice", f"tool_choice names function {tc.name!r}, which is not in tools")
-        if self.tools:
-            names = [t.name for t in self.tools]
-            if len(set(names)) != len(names):
-                raise FieldError("tools", "tools have duplicate function names")
+        # names (a namespaced tool's qualified one) and what tool_choice names are checked in tools.collect_tools
         return self

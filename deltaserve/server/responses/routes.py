@@ -1,8 +1,9 @@
 """POST /v1/responses (OpenAI's Responses API), GET and DELETE /v1/responses/{id}: the edge of one translation.
 
 A Responses request becomes the one internal chat request (chat_spec.ChatSpec): input items and the stored
-conversation a `previous_response_id` continues become template messages (responses_input.py), function
-tools become chat tools, `max_output_tokens` the token budget, `reasoning.effort` none / minimal the
+conversation a `previous_response_id` continues become template messages (responses_input.py), function,
+custom and namespaced tools become chat tools (tools.py; built-in tools are left out, and the response's
+x-deltaserve-warning header says so), `max_output_tokens` the token budget, `reasoning.effort` none / minimal the
 template's enable_thinking false. Its delta stream folds into output items (responses_output.py): streamed
 as typed server-sent events (`response.created`, `response.output_item.added`, `response.output_text.delta`,
 `response.function_call_arguments.delta`, ..., `response.completed` or `response.incomplete`), or returned
@@ -23,17 +24,20 @@ from ..chat_spec import ChatRun, ChatSpec, start_chat
 from ..core import AbortingStream, ServingCore, engine_failed
 from ..errors import ApiError
 from ..state import ServerState
-from .store import ResponseStore, StoredResponse
 from .input import call_ids, input_messages, output_message, with_instructions
 from .output import OutputFolder
-from .protocol import FunctionChoice, ResponsesRequest
+from .protocol import CustomChoice, FunctionChoice, ResponsesRequest
+from .store import ResponseStore, StoredResponse
+from .tools import ToolSet, collect_tools
 
 NAMES = {"prompt": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 
 
-def responses_spec(req: ResponsesRequest, messages: list[dict]) -> ChatSpec:
+def responses_spec(req: ResponsesRequest, messages: list[dict], tools: ToolSet | None = None) -> ChatSpec:
+    if tools is None:
+        tools = collect_tools(req.tools, req.input, req.tool_choice)
     tc = req.tool_choice
-    named = isinstance(tc, FunctionChoice)
+    named = isinstance(tc, (FunctionChoice, CustomChoice))
     fmt = req.text.format if req.text is not None else None
     # text.format shapes the message text; a forced call writes none, so with one the call's grammar is the one
     # that applies (the Agents SDK sends both for an agent with an output type and a forced tool)
@@ -48,8 +52,8 @@ def responses_spec(req: ResponsesRequest, messages: list[dict]) -> ChatSpec:
     effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None:
         kwargs["enable_thinking"] = effort not in ("none", "minimal")
-    return ChatSpec(messages=messages, tools=[t.as_chat_tool() for t in req.tools] if req.tools else None,
-                    tool_choice="function" if named else tc, tool_name=tc.name if named else None,
+    return ChatSpec(messages=messages, tools=tools.chat_tools or None,
+                    tool_choice="function" if named else tc, tool_name=tools.forced if named else None,
                     parallel_tool_calls=req.parallel_tool_calls is not False, max_tokens=req.max_output_tokens,
                     sampling={"temperature": req.temperature, "top_p": req.top_p}, response_format=response_format,
                     template_kwargs=kwargs, names=NAMES, id_prefix="resp_")
@@ -65,20 +69,21 @@ class ResponsesServing(ServingCore):
         prior: list[dict] = []
         if req.previous_response_id is not None:
             prior = self.store.get(req.previous_response_id).conversation
+        tools = collect_tools(req.tools, req.input, req.tool_choice)
         conversation = prior + input_messages(req.input, call_ids(prior))
-        run = await start_chat(self, responses_spec(req, with_instructions(req.instructions, conversation)))
+        run = await start_chat(self, responses_spec(req, with_instructions(req.instructions, conversation), tools))
         created = time.time()
         folder = OutputFolder(summary=req.reasoning is not None and req.reasoning.summary is not None,
-                              opaque="reasoning.encrypted_content" in (req.include or []))
+                              opaque="reasoning.encrypted_content" in (req.include or []), tools=tools.refs)
         if req.stream:
             return AbortingStream(self._stream(req, run, folder, conversation, created, request),
-                                  media_type="text/event-stream")
+                                  media_type="text/event-stream", headers=tools.header())
         try:
             async for d in self.deltas(run.jobs, run.sink, request):
                 self._fold(d, folder)
         except EngineStepError as e:
             raise engine_failed(e) from None
-        return JSONResponse(self._done(req, run, folder, conversation, created))
+        return JSONResponse(self._done(req, run, folder, conversation, created), headers=tools.header())
 
     async def retrieve(self, response_id: str) -> dict:
         s = self.store.lookup(response_id)
@@ -132,8 +137,9 @@ class ResponsesServing(ServingCore):
             "previous_response_id": req.previous_response_id,
             "reasoning": req.reasoning.model_dump() if req.reasoning is not None else {"effort": None, "summary": None},
             "store": req.store, "temperature": req.temperature, "top_p": req.top_p,
-            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}},
-            "tool_choice": tc.model_dump() if isinstance(tc, FunctionChoice) else (tc or "auto"),
+            "text": {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"},
+                     **({"verbosity": req.text.verbosity} if req.text is not None and req.text.verbosity else {})},
+            "tool_choice": tc.model_dump() if isinstance(tc, (FunctionChoice, CustomChoice)) else (tc or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in req.tools or []],
             "truncation": "disabled", "usage": None, "user": req.user, "metadata": req.metadata or {},
             "prompt_cache_key": req.prompt_cache_key,
