@@ -34,7 +34,8 @@ INSTRUCTIONS = ("You are a careful weather assistant. Always call the get_weathe
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RealServer("--max-num-seqs", "16", "--seed", "0", "--max-stored-responses", str(STORED))
+    srv = RealServer("--max-num-seqs", "16", "--seed", "0", "--max-stored-responses", str(STORED),
+                     "--strict-max-tokens")  # the max_output_tokens refusal is tested below
     yield srv
     srv.stop()
 
