@@ -126,3 +126,16 @@ def test_failing_step_on_new_routes(server, oai, anth):
                          "messages": [{"role": "user", "content": FakeEngine.FAIL_STEP}]})
     assert "event: error" in r.text and '"type": "api_error"' in r.text
     assert oai.responses.create(model=MODEL, input="fine", max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_chat_reasoning_effort_is_the_thinking_switch_and_hints_pass():
+    from deltaserve.server.openai.protocol import ChatCompletionRequest
+    from deltaserve.server.openai.routes import chat_spec
+
+    base = {"messages": [{"role": "user", "content": "hi"}], "metadata": {"k": "v"}, "store": False,
+            "prompt_cache_key": "session-1", "safety_identifier": "u1"}
+    kw = lambda **extra: chat_spec(ChatCompletionRequest.model_validate({**base, **extra})).template_kwargs
+    assert kw() == {}
+    assert kw(reasoning_effort="minimal") == {"enable_thinking": False}
+    assert kw(reasoning_effort="high") == {"enable_thinking": True}
+    assert kw(reasoning_effort="none", chat_template_kwargs={"enable_thinking": True}) == {"enable_thinking": True}

@@ -234,6 +234,15 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's reasoning switch: none / minimal turn the template's thinking off, the others leave it on
+    # (chat_template_kwargs' enable_thinking, when given, wins)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    # hints clients send with every request; nothing here depends on them: the prefix cache serves every
+    # request (prompt_cache_key), nothing is stored (store), metadata and the safety id are the client's
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # SGLang's / vLLM's, added by vllm-router to what it forwards: accepted at this server's behaviour only
     separate_reasoning: bool = True
     stream_reasoning: bool = True

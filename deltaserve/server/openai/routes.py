@@ -80,8 +80,16 @@ def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
                     logprobs=(req.top_logprobs or 0) if req.logprobs else None, prompt_logprobs=req.prompt_logprobs,
                     min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                     response_format=_json_format(req.response_format),
-                    template_kwargs=dict(req.chat_template_kwargs or {}), cache_salt=req.cache_salt,
+                    template_kwargs=_template_kwargs(req), cache_salt=req.cache_salt,
                     names={"prompt": "messages"}, id_prefix="chatcmpl-")
+
+
+def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """chat_template_kwargs, with reasoning_effort as the thinking switch unless they set enable_thinking."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs.setdefault("enable_thinking", req.reasoning_effort not in ("none", "minimal"))
+    return kwargs
 
 
 class OpenAIServing(ServingCore):
