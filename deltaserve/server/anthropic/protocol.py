@@ -5,6 +5,16 @@ errors.py), never ignored: images, documents, server tools (web search, code exe
 and a service tier are not served, and a client learns so at once. `cache_control` is accepted on every
 block because what it asks for is always done here: deltaserve's prefix cache keeps every prompt's
 blocks, marked or not (the ttl is not promised: pages live until they are evicted).
+
+Accepted as hints, because what they ask for is what happens anyway or only concerns the client's display:
+`tools[].defer_loading` (every tool is in the prompt: the template lists them all), `thinking.display`
+(summarized, omitted, highlights, updates: the thinking is returned as written, see input.py),
+`context_management.edits` of type `clear_thinking_20251015` (the chat template shows the model the thinking
+of the current turn only, whatever `keep` says; nothing is kept beyond what the client sends), and
+`metadata.user_id` (informational). Honoured: `output_config.effort` (low, medium, high, xhigh, max; also on a
+mid-conversation system message, from that message on) and a `system` message inside `messages` (input.py
+says how both are rendered). Refused: `clear_tool_uses_20250919` (it would drop tool results this server
+never drops), and every field not named here.
 """
 from __future__ import annotations
 
@@ -89,18 +99,35 @@ Block = Annotated[Union[Annotated[TextBlock, Tag("type=text")], Annotated[ToolUs
                         Annotated[UnsupportedBlock, Tag("unsupported block")]], Discriminator(_block_kind)]
 
 
+Effort = Literal["low", "medium", "high", "xhigh", "max"]
+
+
+class TurnOutputConfig(StrictModel):
+    """A mid-conversation system message's output_config: the effort from that message on."""
+
+    effort: Effort | None = None
+
+
 class Message(StrictModel):
-    role: Literal["user", "assistant"]
+    """A user or assistant message, or a system message inside the conversation (Claude Code sends its
+    environment text so, carrying the turn's effort in output_config)."""
+
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
+    output_config: TurnOutputConfig | None = None
 
     @model_validator(mode="after")
     def _blocks_by_role(self) -> "Message":
+        if self.output_config is not None and self.role != "system":
+            raise FieldError("output_config", "output_config on a message is taken on a system message only")
         if isinstance(self.content, list):
             for b in self.content:
                 if self.role == "user" and isinstance(b, (ToolUseBlock, ThinkingBlock)):
                     raise ValueError(f"a user message cannot carry a {b.type} block")
                 if self.role == "assistant" and isinstance(b, ToolResultBlock):
                     raise ValueError("an assistant message cannot carry a tool_result block")
+                if self.role == "system" and not isinstance(b, TextBlock):
+                    raise ValueError(f"a system message holds text blocks only, not a {b.type} block")
         return self
 
 
@@ -110,6 +137,7 @@ class Tool(StrictModel):
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
+    defer_loading: bool | None = None  # a hint: every tool is in the prompt anyway (the template lists them all)
 
     @model_validator(mode="before")
     @classmethod
@@ -144,9 +172,14 @@ class ToolChoice(StrictModel):
         return self
 
 
+# how the client wants thinking shown: a display preference, the thinking is returned as written (input.py)
+ThinkingDisplay = Literal["summarized", "omitted", "highlights", "updates"]
+
+
 class ThinkingEnabled(StrictModel):
     type: Literal["enabled"]
     budget_tokens: int = Field(ge=1024)
+    display: ThinkingDisplay | None = None
 
 
 class ThinkingDisabled(StrictModel):
@@ -154,10 +187,10 @@ class ThinkingDisabled(StrictModel):
 
 
 class ThinkingAdaptive(StrictModel):
-    """Thinking on, as long as the model wants (no budget but max_tokens)."""
+    """Thinking as the model wants it: output_config.effort decides (input.py), on without a budget when absent."""
 
     type: Literal["adaptive"]
-    display: Literal["summarized"] | None = None  # thinking is returned as written ("omitted" is not served)
+    display: ThinkingDisplay | None = None
 
 
 class JsonOutputFormat(StrictModel):
@@ -168,13 +201,44 @@ class JsonOutputFormat(StrictModel):
 
 
 class OutputConfig(StrictModel):
-    """Structured output: the text is JSON of the schema (enforced by the grammar, as response_format in chat)."""
+    """format: structured output, the text is JSON of the schema (enforced by the grammar, as response_format in
+    chat). effort: the thinking switch and budget (input.py)."""
 
     format: JsonOutputFormat | None = None
+    effort: Effort | None = None
+
+
+class KeepThinkingTurns(StrictModel):
+    type: Literal["thinking_turns"]
+    value: int = Field(ge=1)
+
+
+class ClearThinkingEdit(StrictModel):
+    """A hint: the chat template shows the model the thinking of the current turn only (the assistant messages
+    after the last user message), whatever `keep` says."""
+
+    type: Literal["clear_thinking_20251015"]
+    keep: Literal["all"] | KeepThinkingTurns | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _other_edits(cls, v):
+        if isinstance(v, dict) and v.get("type") != "clear_thinking_20251015":
+            raise ValueError(f"context edit type {v.get('type')!r} is not supported (it would change the prompt "
+                             "in a way this server does not do); this server takes clear_thinking_20251015")
+        return v
+
+
+class ContextManagement(StrictModel):
+    edits: list[ClearThinkingEdit] | None = None
 
 
 class Metadata(StrictModel):
     user_id: str | None = Field(default=None, max_length=256)  # informational, as OpenAI's `user`
+
+
+# adaptive thinking's budget per effort (low turns thinking off; high and above: no budget but max_tokens)
+EFFORT_BUDGET: dict[str | None, int] = {"medium": 8192}
 
 
 class _Conversation(StrictModel):
@@ -187,6 +251,8 @@ class _Conversation(StrictModel):
     tool_choice: ToolChoice | None = None
     thinking: Annotated[Union[ThinkingEnabled, ThinkingDisabled, ThinkingAdaptive],
                         Field(discriminator="type")] | None = None
+    output_config: OutputConfig | None = None
+    context_management: ContextManagement | None = None  # a hint (see the module doc)
     cache_control: CacheControl | None = None  # the whole request: cached here anyway (see the module doc)
 
     @model_validator(mode="after")
@@ -203,8 +269,27 @@ class _Conversation(StrictModel):
         return self
 
     @property
+    def effort(self) -> str | None:
+        """The effort of this answer: that of the last system message in `messages` that sets one (an effort holds
+        from its message on), else output_config.effort."""
+        for m in reversed(self.messages):
+            if m.output_config is not None and m.output_config.effort is not None:
+                return m.output_config.effort
+        return self.output_config.effort if self.output_config is not None else None
+
+    @property
     def thinking_on(self) -> bool:
-        return isinstance(self.thinking, (ThinkingEnabled, ThinkingAdaptive))
+        """enabled: on; disabled or absent: off (Anthropic's default); adaptive: on unless the effort is low."""
+        if isinstance(self.thinking, ThinkingAdaptive):
+            return self.effort != "low"
+        return isinstance(self.thinking, ThinkingEnabled)
+
+    @property
+    def thinking_budget(self) -> int | None:
+        """The most thinking tokens: enabled's budget_tokens, or the effort's under adaptive (EFFORT_BUDGET)."""
+        if isinstance(self.thinking, ThinkingEnabled):
+            return self.thinking.budget_tokens
+        return EFFORT_BUDGET.get(self.effort) if self.thinking_on else None
 
 
 class CountTokensRequest(_Conversation):
@@ -219,7 +304,6 @@ class MessagesRequest(_Conversation):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
-    output_config: OutputConfig | None = None
 
     @model_validator(mode="after")
     def _budget(self) -> "MessagesRequest":

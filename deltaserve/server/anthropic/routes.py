@@ -1,7 +1,7 @@
 """POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens: the edge of one translation.
 
-A Messages request becomes the one internal chat request (messages_input.py); its delta stream folds into
-content blocks (messages_output.py), streamed as Anthropic's server-sent events (message_start,
+A Messages request becomes the one internal chat request (input.py); its delta stream folds into
+content blocks (output.py), streamed as Anthropic's server-sent events (message_start,
 content_block_start / _delta / _stop, message_delta, message_stop) or returned whole. Usage follows
 Anthropic's accounting: `input_tokens` are the prompt tokens the prefix cache did not serve,
 `cache_read_input_tokens` those it did; `cache_creation_input_tokens` is 0 (caching is automatic here and
