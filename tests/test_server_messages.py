@@ -32,7 +32,7 @@ SYSTEM = [{"type": "text", "cache_control": {"type": "ephemeral"},
 
 @pytest.fixture(scope="module")
 def server():
-    srv = RealServer("--max-num-seqs", "16", "--seed", "0")
+    srv = RealServer("--max-num-seqs", "16", "--seed", "0", "--strict-max-tokens")  # refusals tested below
     yield srv
     srv.stop()
 
