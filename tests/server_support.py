@@ -109,7 +109,7 @@ class FakeEngine:
         time.sleep(load_delay)
         self.tokenizer = load_tokenizer(None)
         self.model_config = SimpleNamespace(vocab_size=self.tokenizer.vocab_size)
-        self.max_model_len = 2048
+        self.max_model_len = getattr(config, "max_model_len", None) or 2048  # --max-model-len, as the engine
         self.block_size = 64
         self.model_name = "fake"
         self._live: dict[str, dict] = {}

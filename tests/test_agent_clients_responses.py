@@ -42,16 +42,12 @@ def record(path: str) -> dict:
 
 
 class ScriptedEngine(FakeEngine):
-    """The fake engine with Codex-sized prompts (its 2048-token context is far too small) that writes
+    """The fake engine (served with a context that fits Codex-sized prompts) that writes
     ScriptedEngine.script, then <|im_end|> (Codex sends no max_output_tokens: the fake's own rule would write
     until the context is full), and keeps the prompts it was given."""
 
     script = "hi"
     prompts: ClassVar[list[str]] = []
-
-    def __init__(self, config=None):
-        super().__init__(config)
-        self.max_model_len = 1 << 17
 
     def add_request(self, request_id, prompt, params, cache_salt=None, arrival_time=None):
         super().add_request(request_id, prompt, params, cache_salt, arrival_time)
@@ -62,10 +58,9 @@ class ScriptedEngine(FakeEngine):
 
 @pytest.fixture(scope="module")
 def server():
-    # Codex's default model (codex-4, no model configured) is served under its own name here, as
-    # --served-model-name would make a real server answer to it
-    names = ["deltaserve/tiny"] + sorted({record(p)["body"]["model"] for p in FIXTURES})
-    srv = InProcessServer(build_app(EngineConfig(), served_model_name=names, engine_factory=ScriptedEngine))
+    # Codex's default model (codex-4, no model configured) asks for its own name: served as any name is
+    srv = InProcessServer(build_app(EngineConfig(max_model_len=1 << 17), engine_factory=ScriptedEngine,
+                                    accept_any_model_name=True))
     wait_healthy(srv.base, timeout=60)
     yield srv
     srv.stop()

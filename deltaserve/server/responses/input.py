@@ -23,7 +23,7 @@ import json
 from typing import Any
 
 from ..errors import bad_request
-from .protocol import CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
+from .protocol import CallFields, CustomToolCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
 from .tools import CUSTOM_INPUT, qualified
 
 _OPAQUE_PREFIX = "deltaserve-reasoning-v1:"
@@ -90,7 +90,7 @@ def input_messages(items: str | list, known_calls: set[str] | None = None) -> li
             if cur is None or cur["content"] or cur.get("tool_calls") or "reasoning_content" in cur:
                 cur = assistant()
             cur["reasoning_content"] = _reasoning_text(it, where)
-        elif isinstance(it, (FunctionCallItem, CustomToolCallItem)):
+        elif isinstance(it, CallFields):
             if cur is None:
                 cur = assistant()
             if isinstance(it, CustomToolCallItem):

@@ -88,16 +88,21 @@ class MessageItem(StrictModel):
         return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
 
 
-class FunctionCallItem(StrictModel):
-    """A call the model made; namespace: the namespace tool it belongs to (the name is then the bare name)."""
+class CallFields(StrictModel):
+    """What every call item carries; namespace: the namespace tool it belongs to (the name is then the bare name)."""
 
-    type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str
-    arguments: str
     namespace: str | None = None
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class FunctionCallItem(CallFields):
+    """A call the model made: its arguments, a JSON string."""
+
+    type: Literal["function_call"]
+    arguments: str
 
 
 class FunctionCallOutputItem(StrictModel):
@@ -115,16 +120,11 @@ class FunctionCallOutputItem(StrictModel):
         return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
 
 
-class CustomToolCallItem(StrictModel):
+class CustomToolCallItem(CallFields):
     """A call of a custom tool: its free-form input text."""
 
     type: Literal["custom_tool_call"]
-    call_id: str = Field(min_length=1)
-    name: str
     input: str
-    namespace: str | None = None
-    id: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 class CustomToolCallOutputItem(FunctionCallOutputItem):
