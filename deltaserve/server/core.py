@@ -131,10 +131,10 @@ def engine_failed(e: BaseException) -> ApiError:
 class ServingCore:
     """The engine side of every route: readiness, model names, sampling values, submission, the delta stream."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_names: ServedNames | list[str]):
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, model_names: ServedNames):
         self.engine = engine
         self.metrics = metrics
-        self.model_names = model_names if isinstance(model_names, ServedNames) else ServedNames(model_names)
+        self.model_names = model_names
 
     @property
     def model_name(self) -> str:

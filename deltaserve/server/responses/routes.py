@@ -23,7 +23,7 @@ from ..async_engine import EngineStepError
 from ..chat_spec import ChatRun, ChatSpec, start_chat
 from ..core import AbortingStream, ServingCore, engine_failed
 from ..errors import ApiError
-from ..state import ServerState
+from ..state import ServedNames, ServerState
 from .input import call_ids, input_messages, output_message, with_instructions
 from .output import OutputFolder
 from .protocol import CustomChoice, FunctionChoice, ResponsesRequest
@@ -60,7 +60,7 @@ def responses_spec(req: ResponsesRequest, messages: list[dict], tools: ToolSet |
 
 
 class ResponsesServing(ServingCore):
-    def __init__(self, engine, metrics, model_names: list[str], store: ResponseStore):
+    def __init__(self, engine, metrics, model_names: ServedNames, store: ResponseStore):
         super().__init__(engine, metrics, model_names)
         self.store = store
 
