@@ -237,7 +237,7 @@ CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
 # whole-number flags with a floor, in the order they are checked: (field, least value, what the floor means)
 _AT_LEAST = (("max_num_seqs", 1, ""), ("max_num_batched_tokens", 1, ""), ("prefill_merge_tokens", 0, " (0 = no limit)"),
              ("block_size", 1, ""), ("checkpoint_grid", 0, " (0 = off)"), ("reprefill_job_tokens", 1, ""),
-             ("max_model_len", 2, ""), ("num_threads", 1, ""))
+             ("max_model_len", 2, ""), ("num_threads", 1, ""), ("max_output_tokens", 0, " (0 = no cap)"))
 
 
 @dataclass(frozen=True)
@@ -287,6 +287,9 @@ class EngineConfig:
                                       "page)", int, metavar="N", replica=True)
     strict_max_tokens: bool = _flag(False, "refuse a request whose max_tokens exceeds what is left of the context "
                                     "(400) instead of clamping it to what is left", None)
+    max_output_tokens: int = _flag(0, "the most tokens any request generates: a larger max_tokens is lowered to it "
+                                   "(finish_reason length), as llama-server's --n-predict (0 = no cap)", int,
+                                   metavar="N")
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)

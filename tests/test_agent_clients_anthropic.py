@@ -5,8 +5,8 @@ billing line opening `system`, its beta headers and `?beta=true`.
 
 A fake engine in-process (tests/server_support.py) answers, over the embedded tokenizer and template and over
 the real Qwen3.5 ones (skipped, saying why, when the package index cannot be reached to build them); its
-context is large enough for the recorded prompts (tokenized by the embedded 4,096-token tokenizer they run
-past the tiny model's 32,768 tokens). Answers are parsed with the `anthropic` SDK's beta types, as Claude Code
+context is large enough for the recorded prompts (about 22,500 tokens through the embedded 4,096-token
+tokenizer). Answers are parsed with the `anthropic` SDK's beta types, as Claude Code
 reads them.
 """
 import copy

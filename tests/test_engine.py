@@ -77,6 +77,18 @@ def test_max_tokens_beyond_the_context_is_clamped_unless_strict():
         check_request([5] * 64, SamplingParams(max_tokens=1), 50, 64)
 
 
+def test_max_output_tokens_caps_every_budget():
+    """--max-output-tokens lowers any larger budget (an unset one included) and leaves a smaller one alone; the
+    caller's params are not changed."""
+    from deltaserve.engine.inputs import check_request
+
+    asked = SamplingParams(max_tokens=32000)
+    assert check_request([5, 6], asked, 50, 64, max_output_tokens=8).max_tokens == 8 and asked.max_tokens == 32000
+    assert check_request([5, 6], SamplingParams(max_tokens=None), 50, 64, max_output_tokens=8).max_tokens == 8
+    assert check_request([5, 6], SamplingParams(max_tokens=3), 50, 64, max_output_tokens=8).max_tokens == 3
+    assert check_request([5, 6], SamplingParams(max_tokens=40), 50, 64, True, max_output_tokens=100).max_tokens == 40
+
+
 def test_bad_input_refused_and_others_carry_on():
     llm = make_llm()
     eng = llm.engine

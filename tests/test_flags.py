@@ -23,6 +23,7 @@ SAMPLES = {
     "reprefill_outputs": (None, False),  # --no-reprefill-outputs
     "reprefill_job_tokens": ("512", 512),
     "strict_max_tokens": (True, True),  # --strict-max-tokens
+    "max_output_tokens": ("64", 64),
     "eviction": ("value", "value"),
     "seed": ("3", 3),
     "num_threads": ("1", 1),

@@ -21,14 +21,16 @@ class EngineInputError(ValueError):
         self.param, self.code = param, code
 
 
-def check_request(ids: list[int], params, vocab_size: int, max_model_len: int, strict_max_tokens: bool = False):
+def check_request(ids: list[int], params, vocab_size: int, max_model_len: int, strict_max_tokens: bool = False,
+                  max_output_tokens: int = 0):
     """The one validation of a request (the engine's add_request; the server relies on it): returns the
     params to run with or raises EngineInputError naming the field.
 
     max_tokens None is what is left of the context; a max_tokens beyond it is clamped to it (the request ends
     with finish_reason "length" if it runs that far), as agent clients expect: they ask for 32,000 or more
     whatever the prompt. strict_max_tokens (--strict-max-tokens) refuses such a request instead. A prompt that
-    leaves no room at all is refused either way."""
+    leaves no room at all is refused either way. max_output_tokens (--max-output-tokens, 0 = none) caps every
+    request's budget first, a server's own limit as llama-server's --n-predict."""
     if not ids:
         raise EngineInputError("The prompt is empty; send at least one token.", "prompt", "empty_prompt")
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
@@ -48,6 +50,9 @@ def check_request(ids: list[int], params, vocab_size: int, max_model_len: int, s
             f"This model's maximum context length is {max_model_len} tokens. However, your request has {n} input "
             f"tokens, which leaves no room for the completion. Please reduce the length of the input.", "prompt",
             "context_length_exceeded")
+    if max_output_tokens and (params.max_tokens is None or params.max_tokens > max_output_tokens):
+        params = params.clone()
+        params.max_tokens = max_output_tokens
     if params.max_tokens is None or (n + params.max_tokens > max_model_len and not strict_max_tokens):
         params = params.clone()
         params.max_tokens = max_model_len - n

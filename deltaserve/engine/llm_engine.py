@@ -190,7 +190,8 @@ class LLMEngine:
             cache_salt = prompt.get("cache_salt")
         text, ids = self._prompt_ids(prompt)
         params = check_request(ids, params if params is not None else SamplingParams(),
-                               self.model_config.vocab_size, self.max_model_len, self.config.strict_max_tokens)
+                               self.model_config.vocab_size, self.max_model_len, self.config.strict_max_tokens,
+                               self.config.max_output_tokens)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise EngineInputError("cache_salt must be a string", "cache_salt")
         now = time.time() if arrival_time is None else arrival_time
