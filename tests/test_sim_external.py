@@ -195,7 +195,7 @@ def test_dense_config_weights_and_kv_budget():
     with pytest.raises(ConfigError):
         vllm_kv_bytes(100, 0.5, 60)
     assert kv_all_ranks(mc, 1000, 2) == 2000  # a rank holds half the KV heads: the same bytes hold twice the tokens
-    with pytest.raises(ConfigError, match="dense decoders"):
+    with pytest.raises(ConfigError, match="reads decoders"):
         dense_model_config({**LLAMA, "model_type": "qwen3_5_text"})
 
 

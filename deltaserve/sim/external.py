@@ -49,10 +49,19 @@ import yaml
 from ..errors import ConfigError
 from .latency import Interp1D, StepShape
 
-# op -> calls per decoder layer; "step" ops run once per step. Unknown ops are errors: a table from another
-# architecture (q/k norms, MoE experts) must not be priced as if its extra rows were not there.
-LAYER_OPS = {"layernorm": 2, "qkv_proj": 1, "rotary_emb": 1, "o_proj": 1, "gate_up_proj": 1, "act_fn": 1,
+# op -> calls per decoder layer, by architecture (meta.yaml's `architecture`, config.json's model_type); "step"
+# ops run once per step. Unknown ops are errors: a table from another architecture must not be priced as if its
+# extra rows were not there. qwen3's `qk_norm` row is the q and k RMSNorms of one layer summed (the profiler's
+# catalog merges every RMSNorm inside the attention module into one entry), so it counts once. qwen3_moe has no
+# dense MLP rows: its MLP is moe.csv's fused block (router, top-k, experts), one call per layer.
+LLAMA_OPS = {"layernorm": 2, "qkv_proj": 1, "rotary_emb": 1, "o_proj": 1, "gate_up_proj": 1, "act_fn": 1,
              "down_proj": 1}
+QWEN3_OPS = {**LLAMA_OPS, "qk_norm": 1}
+QWEN3_MOE_OPS = {"layernorm": 2, "qkv_proj": 1, "qk_norm": 1, "rotary_emb": 1, "o_proj": 1}
+ARCH_OPS = {"llama": LLAMA_OPS, "mistral": LLAMA_OPS, "qwen2": LLAMA_OPS, "qwen3": QWEN3_OPS,
+            "qwen3_moe": QWEN3_MOE_OPS}
+MOE_ARCHS = ("qwen3_moe",)
+LAYER_OPS = LLAMA_OPS  # the dense decoder's, kept under its old name
 STEP_OPS = ("embedding", "final_layernorm")
 SEQUENCE_OPS = ("lm_head", "sampler")
 HEADERS = {
@@ -60,6 +69,7 @@ HEADERS = {
     "attention.csv": ("prefill_chunk", "kv_prefill", "n_decode", "kv_decode", "time_us"),
     "per_sequence.csv": ("layer", "sequences", "time_us"),
     "skew_fit.csv": ("pc", "n_label", "skew_rate_label", "kv_big_label", "kp_label", "alpha", "n_samples"),
+    "moe.csv": ("tokens", "activated_experts", "time_us"),
 }
 SKEW_AXES = ("n", "skew_rate", "kv_big", "kp")  # bucket_axes.<axis>_bins / <axis>_labels in meta.yaml
 
@@ -172,6 +182,28 @@ class Comm:
         return 1e6 * ((p - 1) * self.latency + (p - 1) / p * nbytes / self.bandwidth)
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A MoE model's experts as vLLM runs them with data + expert parallelism (the all-gather / reduce-scatter
+    backend): each of `dp` ranks gathers every rank's tokens (all padded to the same count), runs the gathered
+    tokens through its E / ep local experts and reduce-scatters the result. ep = dp x tp ranks, ep >= 1."""
+
+    num_experts: int
+    top_k: int
+    ep: int = 1
+    dp: int = 1
+
+    def rank_load(self, tokens: int) -> tuple[float, float]:
+        """(table tokens, activated experts) of one rank for `tokens` per rank: moe.csv's row (t, a) runs t tokens
+        of top_k experts each over a distinct experts, so a rank holding dp x tokens x top_k / ep of the pairs
+        reads as t = dp x tokens / ep; its activated experts are those of its E / ep hit by at least one of the
+        dp x tokens gathered, each expert hit by a token with probability top_k / E (a balanced gate)."""
+        gathered = self.dp * tokens
+        local = self.num_experts / self.ep
+        hit = local * (1.0 - (1.0 - self.top_k / self.num_experts) ** gathered)
+        return gathered / self.ep, hit
+
+
 class ExternalBundle:
     """The tables of one TP degree, read and checked; ExternalLatency prices steps with them."""
 
@@ -190,6 +222,10 @@ class ExternalBundle:
         self.dense = read_csv(os.path.join(tdir, "dense.csv"))
         self.attention = read_csv(os.path.join(tdir, "attention.csv"))
         self.per_sequence = read_csv(os.path.join(tdir, "per_sequence.csv"))
+        # MoE bundles profile the expert block at TP 1 only (tp1/moe.csv): experts are split by expert
+        # parallelism, not by TP, so every degree reads the TP-1 table
+        moe = [os.path.join(tdir, "moe.csv"), os.path.join(path, "tp1", "moe.csv")]
+        self.moe = next((read_csv(m) for m in moe if os.path.exists(m)), None)
         sk = self.meta.get("skew_fit") or {}
         self.skew = None
         if sk.get("enabled"):
@@ -204,27 +240,56 @@ class ExternalBundle:
 
 
 class ExternalLatency:
-    """step_us(StepShape) from an ExternalBundle for a model of `layers` decoder layers (config.json)."""
+    """step_us(StepShape) from an ExternalBundle for a model of `layers` decoder layers (config.json).
+
+    arch picks the per-layer op counts (ARCH_OPS; default the bundle's meta.yaml `architecture`, else llama).
+    A MoE architecture needs `experts` and prices each layer's expert block from moe.csv at Experts.rank_load;
+    with ep > 1 it adds the dispatch all-gather (hidden + router logits per token) and the combine
+    reduce-scatter (hidden) of every layer over `ep_comm`'s link."""
 
     def __init__(self, bundle: ExternalBundle, layers: int, hidden_size: int = 0, vocab_size: int = 0,
-                 dtype_bytes: int = 2, comm: Comm | None = None, skew: bool = True):
+                 dtype_bytes: int = 2, comm: Comm | None = None, skew: bool = True, arch: str | None = None,
+                 experts: Experts | None = None, ep_comm: Comm | None = None):
         self.bundle, self.layers = bundle, int(layers)
         self.hidden, self.vocab, self.dtype_bytes = hidden_size, vocab_size, dtype_bytes
         self.comm = comm or Comm(bundle.tp)
         if self.comm.tp > 1 and (self.comm.bandwidth <= 0 or not hidden_size):
             raise ConfigError("TP > 1 needs a link bandwidth (--link-bandwidth) and the model's hidden size")
+        self.arch = arch or bundle.architecture or "llama"
+        if self.arch not in ARCH_OPS:
+            raise ConfigError(f"{bundle.path}: architecture {self.arch!r}; the external latency model prices "
+                              f"{', '.join(ARCH_OPS)}")
+        layer_ops = ARCH_OPS[self.arch]
         ops: dict[str, list] = {}
         for r in bundle.dense:
             ops.setdefault(r["layer"], []).append((float(r["tokens"]), float(r["time_us"])))
-        unknown = sorted(set(ops) - set(LAYER_OPS) - set(STEP_OPS))
-        if unknown:
+        unknown = sorted(set(ops) - set(layer_ops) - set(STEP_OPS))
+        missing = sorted(set(layer_ops) - set(ops))
+        if unknown or missing:
             raise ConfigError(f"{bundle.path}: dense.csv has op(s) {unknown} this reader does not know how often a "
-                              f"step runs; known: {sorted(LAYER_OPS) + list(STEP_OPS)}")
+                              f"{self.arch} step runs, lacks {missing}; {self.arch}: "
+                              f"{sorted(layer_ops) + list(STEP_OPS)}")
         fs = {k: Interp1D(v) for k, v in ops.items()}
         grid = sorted({x for f in fs.values() for x in f.xs})
         # (tokens -> us) of the whole model's dense part: once-per-step ops + layers x (calls x op)
-        self.dense = Interp1D([(t, sum((1 if k in STEP_OPS else self.layers * LAYER_OPS[k]) * f(t)
+        self.dense = Interp1D([(t, sum((1 if k in STEP_OPS else self.layers * layer_ops[k]) * f(t)
                                        for k, f in fs.items())) for t in grid])
+        self.experts, self.ep_comm, self.moe = experts, ep_comm or Comm(1), None
+        if self.arch in MOE_ARCHS:
+            if experts is None or not bundle.moe:
+                raise ConfigError(f"{bundle.path}: a {self.arch} model needs moe.csv and its experts "
+                                  f"(num_experts, num_experts_per_tok)")
+            if self.ep_comm.tp != experts.ep or (experts.ep > 1 and self.ep_comm.bandwidth <= 0):
+                raise ConfigError(f"expert parallelism {experts.ep} needs a link of {experts.ep} ranks with a "
+                                  f"bandwidth")
+            # (activated experts, tokens): every activated-expert count is profiled from the token count that can
+            # reach it (8 at 1 token, 128 from 16), so the token axis is the inner one
+            pts = [((float(r["activated_experts"]), float(r["tokens"])), float(r["time_us"])) for r in bundle.moe]
+            self.moe = ScatteredGrid(pts)
+            self.moe_min_experts = min(a for (a, _), _ in pts)
+            self.moe_max_experts = max(a for (a, _), _ in pts)
+        elif bundle.moe:
+            raise ConfigError(f"{bundle.path}: moe.csv for a dense {self.arch} model")
         seq: dict[str, list] = {}
         for r in bundle.per_sequence:
             seq.setdefault(r["layer"], []).append((float(r["sequences"]), float(r["time_us"])))
@@ -277,21 +342,43 @@ class ExternalLatency:
             t += max(0.0, self._table(length, start, 0, 0) - self.launch_us)
         return max(0.0, t)
 
-    def comm_us(self, s: StepShape) -> float:
-        if self.comm.tp <= 1:
+    def moe_us(self, tokens: int) -> float:
+        """One layer's expert block for `tokens` per rank (0 for a dense model)."""
+        if self.moe is None or tokens <= 0:
             return 0.0
-        act = s.n_tokens * self.hidden * self.dtype_bytes
-        logits = s.n_seqs * self.vocab * self.dtype_bytes
-        return (2 * self.layers + 1) * self.comm.all_reduce_us(act) + self.comm.all_gather_us(logits)
+        t, a = self.experts.rank_load(tokens)
+        return self.moe(min(max(a, self.moe_min_experts), self.moe_max_experts), t)
 
-    def parts_us(self, s: StepShape) -> dict[str, float]:
-        if not s.n_seqs:
-            return {"dense": 0.0, "attention": 0.0, "head": 0.0, "comm": 0.0}
-        return {"dense": self.dense(s.n_tokens), "attention": self.layers * self.attention_us(s),
-                "head": self.head(s.n_seqs), "comm": self.comm_us(s)}
+    def comm_us(self, s: StepShape, tokens: int | None = None) -> float:
+        """TP: per layer 2 all-reduces of tokens x hidden (after o_proj and down_proj: the tables time the GEMMs
+        without them, tp2's o_proj is half tp1's), one for the vocabulary-parallel embedding, the logits
+        all-gather. EP: per layer the dispatch all-gather and the combine reduce-scatter."""
+        tokens = s.n_tokens if tokens is None else tokens
+        us = 0.0
+        if self.comm.tp > 1:
+            act = tokens * self.hidden * self.dtype_bytes
+            logits = s.n_seqs * self.vocab * self.dtype_bytes
+            us += (2 * self.layers + 1) * self.comm.all_reduce_us(act) + self.comm.all_gather_us(logits)
+        if self.moe is not None and self.experts.ep > 1:
+            e = self.experts
+            gathered = e.ep * tokens  # every rank sends its (padded) tokens: hidden + one router logit per expert
+            dispatch = self.ep_comm.all_gather_us(gathered * (self.hidden + e.num_experts) * self.dtype_bytes)
+            combine = self.ep_comm.all_gather_us(gathered * self.hidden * self.dtype_bytes)  # a ring RS costs an AG
+            us += self.layers * (dispatch + combine)
+        return us
 
-    def shape_us(self, s: StepShape, now: float = 0.0) -> float:
-        return sum(self.parts_us(s).values())
+    def parts_us(self, s: StepShape, tokens: int | None = None) -> dict[str, float]:
+        """The step's parts; `tokens` is the per-rank token count the dense and expert layers run at (data
+        parallel ranks pad to the largest rank's), default the step's own."""
+        if not s.n_seqs and not tokens:
+            return {"dense": 0.0, "attention": 0.0, "moe": 0.0, "head": 0.0, "comm": 0.0}
+        t = max(s.n_tokens, tokens or 0)
+        return {"dense": self.dense(t), "attention": self.layers * self.attention_us(s) if s.n_seqs else 0.0,
+                "moe": self.layers * self.moe_us(t), "head": self.head(s.n_seqs) if s.n_seqs else 0.0,
+                "comm": self.comm_us(s, t)}
+
+    def shape_us(self, s: StepShape, now: float = 0.0, tokens: int | None = None) -> float:
+        return sum(self.parts_us(s, tokens).values())
 
     def step_us(self, plan) -> float:
         return self.shape_us(StepShape.of(plan))

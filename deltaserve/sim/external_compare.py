@@ -28,11 +28,12 @@ import time
 from dataclasses import dataclass
 
 from ..config import ConfigError, EngineConfig, add_engine_args, engine_args, parse_bytes
-from .external import Comm, ExternalBundle, ExternalLatency
+from ..memory.sizing import geometry
+from .external import Comm, Experts, ExternalBundle, ExternalLatency
 from .external_replay import (
     ExternalRequest,
     ForeignEngine,
-    dense_model_config,
+    decoder_model_config,
     dense_weight_bytes,
     dtype_bytes_of,
     kv_all_ranks,
@@ -158,10 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve simulate external",
                                 description="replay a real engine's run (an LLMServingSim example) on deltaserve's "
                                             "scheduler with that GPU's profiled tables; compare request by request")
-    p.add_argument("--bundle", required=True, help="their profiler/perf/<hw>/<model>/<dtype> (meta.yaml, tp<N>/)")
-    p.add_argument("--model-config", required=True, help="the model's config.json")
-    p.add_argument("--trace", required=True, help="their workload JSONL (input_toks, output_toks, arrival_time_ns)")
-    p.add_argument("--measured", required=True, help="requests.jsonl the real engine wrote (queued_ts, ...)")
+    p.add_argument("--example", help="one of their examples, bench/examples/<hw>/<model> (config.json, vllm/, "
+                                     "validation/): every file below is found from it")
+    p.add_argument("--all", metavar="ROOT", help="every example under ROOT/bench/examples: one table of errors")
+    p.add_argument("--bundle", help="their profiler/perf/<hw>/<model>/<dtype> (meta.yaml, tp<N>/)")
+    p.add_argument("--model-config", help="the model's config.json")
+    p.add_argument("--trace", help="their workload JSONL (input_toks, output_toks, arrival_time_ns)")
+    p.add_argument("--measured", help="requests.jsonl the real engine wrote (queued_ts, ...)")
     p.add_argument("--cluster-config", help="their cluster config.json (npu_mem size GiB / util, tp_size, link_bw "
                                             "GB/s, link_latency ns), read where the flags below do not say")
     p.add_argument("--reference-summary", help="their validation/summary.txt, shown beside")
@@ -174,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--link-latency", type=float, help="microseconds per ring hop")
     p.add_argument("--reserved-memory", type=parse_bytes, default=0,
                    help="bytes vLLM's profiling run keeps from the KV cache (activations, graphs); default 0")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="emulate vLLM's async scheduling (plan one step ahead; default: on, as recent vLLM V1)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="emulate vLLM's async scheduling (plan one step ahead; default: the run's resolved config, "
+                        "else on, as recent vLLM V1)")
     p.add_argument("--no-skew", action="store_true", help="price decodes at their mean context only")
     p.add_argument("--quiet", action="store_true")
     add_engine_args(p, ENGINE_FLAGS, title="the replayed engine's flags (where not given: the cluster config's "
@@ -184,34 +189,60 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def run_settings(measured: str) -> dict:
-    """The measured run's engine flags from the meta.json beside its requests.jsonl (engine_kwargs), if any."""
+def run_meta(measured: str) -> dict:
+    """The meta.json beside the measured requests.jsonl ({} when there is none)."""
     path = os.path.join(os.path.dirname(os.path.abspath(measured)), "meta.json")
     if not os.path.exists(path):
         return {}
     with open(path) as f:
-        kw = (json.load(f).get("engine_kwargs") or {})
+        return json.load(f)
+
+
+def run_settings(measured: str) -> dict:
+    """The measured run's engine flags from the meta.json beside its requests.jsonl: engine_kwargs, then what vLLM
+    resolved and reported (kv_cache: block size, prefix caching), if any."""
+    meta = run_meta(measured)
+    kw = meta.get("engine_kwargs") or {}
+    kv = meta.get("kv_cache") or {}
     out = {k: int(kw[k]) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size") if kw.get(k) is not None}
+    if kv.get("block_size") is not None:
+        out["block_size"] = int(kv["block_size"])
     if kw.get("gpu_memory_utilization") is not None:
         out["memory_utilization"] = float(kw["gpu_memory_utilization"])
-    if kw.get("enable_prefix_caching") is not None:
-        out["enable_prefix_caching"] = bool(kw["enable_prefix_caching"])
+    for src in (kw, kv):
+        if src.get("enable_prefix_caching") is not None:
+            out["enable_prefix_caching"] = bool(src["enable_prefix_caching"])
     return out
+
+
+def reported_blocks(measured: str) -> int | None:
+    """The KV blocks vLLM reported for the run (meta.json kv_cache.num_gpu_blocks), if it did."""
+    n = (run_meta(measured).get("kv_cache") or {}).get("num_gpu_blocks")
+    return int(n) if n else None
 
 
 def util_of(npu_mem: dict) -> dict:
     return {"memory_utilization": float(npu_mem["mem_util"])} if "mem_util" in npu_mem else {}
 
 
-def _cluster_instance(path: str | None) -> tuple[dict, dict]:
+def _cluster_instances(path: str | None) -> tuple[dict, list[dict]]:
+    """Their cluster config and its instances: one, or the identical members of one data-parallel group."""
     if not path:
-        return {}, {}
+        return {}, [{}]
     with open(path) as f:
         c = json.load(f)
     insts = [i for n in c.get("nodes", []) for i in n.get("instances", [])]
-    if len(insts) != 1:
-        raise ConfigError(f"{path}: {len(insts)} instances; the external replay simulates one")
-    return c, insts[0]
+    if not insts:
+        raise ConfigError(f"{path}: no instances")
+    if len(insts) > 1:
+        groups = {i.get("dp_group") for i in insts}
+        if len(groups) != 1 or None in groups:
+            raise ConfigError(f"{path}: {len(insts)} instances that are not one data-parallel group (dp_group); the "
+                              f"external replay simulates one engine")
+        keys = ("model_name", "hardware", "npu_mem", "num_npus", "tp_size", "ep_size")
+        if any(tuple(i.get(k) for k in keys) != tuple(insts[0].get(k) for k in keys) for i in insts):
+            raise ConfigError(f"{path}: the members of its data-parallel group differ")
+    return c, insts
 
 
 @dataclass
@@ -222,41 +253,71 @@ class Setup:
     latency: ExternalLatency
     foreign: ForeignEngine
     shape: object  # scheduler.build.EngineShape
-    scheduler: object
+    schedulers: list  # one per data-parallel rank
     kv_bytes: int
     weight_bytes: int
     tp: int
+    dp: int = 1
+    ep: int = 1
+    pool_source: str = "computed"
+
+    @property
+    def scheduler(self):
+        return self.schedulers[0]
+
+
+def pool_bytes(mc, blocks: int, block_size: int) -> int:
+    """The TP-1 KV bytes that hold `blocks` blocks (the pool is sized on the TP-1 geometry)."""
+    g = geometry(mc, "bfloat16", "bfloat16", "float32")
+    return blocks * block_size * g.kv_bytes_per_token
 
 
 def setup(a: argparse.Namespace) -> Setup:
     """The replayed engine's flags (flags > cluster config > the measured run's meta.json > vLLM's defaults), the
-    model, the latency model and our scheduler with the foreign engine's rules."""
-    cluster, inst = _cluster_instance(a.cluster_config)
+    model, the latency model and our scheduler(s) with the foreign engine's rules.
+
+    The pool: vLLM's own count when the run reports it (meta.json kv_cache.num_gpu_blocks, less the one null
+    block vLLM keeps out of use), else device memory x utilization - weights."""
+    cluster, insts = _cluster_instances(a.cluster_config)
+    inst = insts[0]
     mem = inst.get("npu_mem") or {}
     eng = EngineConfig.from_kwargs(**{**VLLM_DEFAULTS, **run_settings(a.measured), **util_of(mem), **engine_args(a)})
     tp = a.tp or int(inst.get("tp_size", 1))
+    dp, ep = len(insts), int(inst.get("ep_size", 1))
     with open(a.model_config) as f:
-        mc = dense_model_config(json.load(f))
+        mc = decoder_model_config(json.load(f))
+    if ep > 1 and (not mc.num_experts or ep != dp * tp):
+        raise ConfigError(f"ep_size {ep}: expert parallelism spans the data-parallel group's ranks (dp {dp} x tp "
+                          f"{tp}) of a MoE model")
     bundle = ExternalBundle(a.bundle, tp)
     if bundle.architecture and bundle.architecture != mc.model_type:
         raise ConfigError(f"the bundle profiles a {bundle.architecture!r} model, the config is {mc.model_type!r}")
     nbytes = dtype_bytes_of(mc)
     bw = a.link_bandwidth if a.link_bandwidth is not None else cluster.get("link_bw", 0.0)  # GB/s
     lat = a.link_latency * 1e-6 if a.link_latency is not None else cluster.get("link_latency", 0.0) * 1e-9  # s
+    experts = Experts(mc.num_experts, mc.num_experts_per_tok, ep, dp) if mc.num_experts else None
     latency = ExternalLatency(bundle, mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, nbytes,
-                              Comm(tp, float(bw) * 1e9, float(lat)), skew=not a.no_skew)
-    weights = dense_weight_bytes(mc, nbytes, tp)
+                              Comm(tp, float(bw) * 1e9, float(lat)), skew=not a.no_skew, arch=mc.model_type,
+                              experts=experts, ep_comm=Comm(ep, float(bw) * 1e9, float(lat)))
+    weights = dense_weight_bytes(mc, nbytes, tp, ep)
+    blocks = reported_blocks(a.measured)
+    source = "computed"
     if eng.kv_cache_memory:
-        kv = eng.kv_cache_memory
+        kv, source = eng.kv_cache_memory, "--kv-cache-memory"
+    elif blocks and not a.device_memory:
+        kv, source = pool_bytes(mc, blocks - 1, eng.block_size), f"vLLM's {blocks:,} blocks less its null block"
     else:
         device = a.device_memory or (int(float(mem["mem_size"]) * GIB) if "mem_size" in mem else None)
         if not device:
             raise ConfigError("give --device-memory, --kv-cache-memory or a --cluster-config with npu_mem.mem_size")
         kv = kv_all_ranks(mc, vllm_kv_bytes(device, eng.memory_utilization, weights, a.reserved_memory), tp)
+    resolved = (run_meta(a.measured).get("resolved_config") or {}).get("scheduler_config") or {}
+    async_on = a.async_scheduling if a.async_scheduling is not None else resolved.get("async_scheduling", True)
     foreign = ForeignEngine(eng.max_num_seqs, eng.max_num_batched_tokens, eng.block_size,
-                            enable_prefix_caching=eng.enable_prefix_caching, async_scheduling=a.async_scheduling)
-    shape, sched = foreign.build(mc, kv, mc.dtype)
-    return Setup(mc, latency, foreign, shape, sched, kv, weights, tp)
+                            enable_prefix_caching=eng.enable_prefix_caching, async_scheduling=bool(async_on),
+                            reserve_full_isl=bool(resolved.get("scheduler_reserve_full_isl", True)))
+    built = [foreign.build(mc, kv, mc.dtype) for _ in range(dp)]
+    return Setup(mc, latency, foreign, built[0][0], [b[1] for b in built], kv, weights, tp, dp, ep, source)
 
 
 def write_per_request(path: str, reqs: list[ExternalRequest], real: list[Timing], sim: list[Timing | None]) -> None:
@@ -270,22 +331,100 @@ def write_per_request(path: str, reqs: list[ExternalRequest], real: list[Timing]
                        + ["" if v is None else f"{v:.9f}" for v in vals])
 
 
-def run(a: argparse.Namespace) -> int:
-    t0 = time.perf_counter()
+VARIANTS = {"bfloat16": "bf16", "float16": "fp16", "auto": "bf16"}  # engine_kwargs.dtype -> their bundle variant
+
+
+def _root_of(example: str) -> str:
+    """The checkout an example lies in: the nearest parent with profiler/perf and configs/model."""
+    d = os.path.abspath(example)
+    while True:
+        if os.path.isdir(os.path.join(d, "profiler", "perf")) and os.path.isdir(os.path.join(d, "configs", "model")):
+            return d
+        up = os.path.dirname(d)
+        if up == d:
+            raise ConfigError(f"{example}: no parent directory holds profiler/perf and configs/model (an "
+                              f"LLMServingSim checkout)")
+        d = up
+
+
+def example_files(example: str) -> dict:
+    """An example's files, as the flags name them: its config.json (cluster), vllm/requests.jsonl (measured),
+    validation/summary.txt (their simulator's error, when present); from the checkout: the bundle
+    profiler/perf/<hardware>/<model_name>/<variant>, configs/model/<model_name>.json and the workload meta.json's
+    dataset_path names (None when that file is absent: the trace is then read from requests.jsonl)."""
+    cfg = os.path.join(example, "config.json")
+    measured = os.path.join(example, "vllm", "requests.jsonl")
+    for f in (cfg, measured):
+        if not os.path.exists(f):
+            raise ConfigError(f"{example}: no {os.path.relpath(f, example)} (an example has config.json and "
+                              f"vllm/requests.jsonl)")
+    root = _root_of(example)
+    _, insts = _cluster_instances(cfg)
+    name, hw = insts[0].get("model_name"), insts[0].get("hardware")
+    if not name or not hw:
+        raise ConfigError(f"{cfg}: its instances name no model_name / hardware")
+    meta = run_meta(measured)
+    dtype = str((meta.get("engine_kwargs") or {}).get("dtype") or "bfloat16").replace("torch.", "")
+    trace = os.path.join(root, meta["dataset_path"]) if meta.get("dataset_path") else None
+    summary = os.path.join(example, "validation", "summary.txt")
+    return {"bundle": os.path.join(root, "profiler", "perf", hw, name, VARIANTS.get(dtype, dtype)),
+            "model_config": os.path.join(root, "configs", "model", f"{name}.json"),
+            "trace": trace if trace and os.path.exists(trace) else None, "measured": measured,
+            "cluster_config": cfg, "reference_summary": summary if os.path.exists(summary) else None}
+
+
+def workload_of_measured(path: str, limit: int | None = None) -> list[ExternalRequest]:
+    """The trace from requests.jsonl itself, when the workload file is not at hand: arrivals from arrival_time
+    (wall seconds, from the first), lengths from input_toks / output_toks. No token ids: each request gets tokens
+    of its own, so nothing hits the prefix cache (the real run's ShareGPT prompts sometimes share prefixes)."""
+    out = []
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    t0 = min(float(d["arrival_time"]) for d in rows)
+    base = 1
+    for d in rows[:limit]:
+        n, m = int(d["input_toks"]), int(d["output_toks"])
+        out.append(ExternalRequest(len(out), float(d["arrival_time"]) - t0, tuple(range(base, base + n)), m))
+        base += n
+    return out
+
+
+def with_example(a: argparse.Namespace) -> argparse.Namespace:
+    """a with the files of --example filled in where the flags do not name them."""
+    if not a.example:
+        missing = [f"--{k.replace('_', '-')}" for k in ("bundle", "model_config", "measured") if not getattr(a, k)]
+        if missing or not a.trace:
+            raise ConfigError(f"give --example DIR, --all ROOT, or {', '.join(missing + ['--trace'] * (not a.trace))}")
+        return a
+    files = example_files(a.example)
+    return argparse.Namespace(**{**vars(a), **{k: getattr(a, k, None) or v for k, v in files.items()}})
+
+
+def simulate(a: argparse.Namespace) -> tuple[Setup, list[ExternalRequest], list[Timing], list, dict, dict]:
+    """(setup, requests, measured, simulated, step stats, comparison) of one run."""
     s = setup(a)
-    reqs = read_workload(a.trace, a.num_reqs)
+    reqs = read_workload(a.trace, a.num_reqs) if a.trace else workload_of_measured(a.measured, a.num_reqs)
     real = read_measured(a.measured, reqs)
     f = s.foreign
     if not a.quiet:
-        print(f"{len(reqs)} requests; {s.model.num_hidden_layers} layers, TP {s.tp}; weights "
-              f"{s.weight_bytes / GIB:.2f} GiB, KV {s.kv_bytes / GIB:.2f} GiB = {s.shape.pool.num_pages:,} blocks of "
-              f"{s.shape.block_size} tokens; max_num_seqs {f.max_num_seqs}, max_num_batched_tokens "
-              f"{f.max_num_batched_tokens}, prefix caching {'on' if f.enable_prefix_caching else 'off'}, async "
-              f"scheduling {'on' if f.async_scheduling else 'off'}",
+        print(f"{len(reqs)} requests; {s.model.num_hidden_layers} layers, TP {s.tp}, DP {s.dp}, EP {s.ep}; weights "
+              f"{s.weight_bytes / GIB:.2f} GiB/rank, KV {s.kv_bytes / GIB:.2f} GiB = {s.shape.pool.num_pages:,} blocks "
+              f"of {s.shape.block_size} tokens per DP rank ({s.pool_source}); max_num_seqs {f.max_num_seqs}, "
+              f"max_num_batched_tokens {f.max_num_batched_tokens}, prefix caching "
+              f"{'on' if f.enable_prefix_caching else 'off'}, async scheduling {'on' if f.async_scheduling else 'off'}"
+              f"{'' if a.trace else '; trace from requests.jsonl (no token ids)'}",
               file=sys.stderr, flush=True)
-    recs, st = replay(s.scheduler, s.latency, reqs, f.async_scheduling, progress=not a.quiet)
+    recs, st = replay(s.schedulers, s.latency, reqs, f.async_scheduling, progress=not a.quiet)
     sim = [simulated_timing(r) for r in recs]
-    cmp = compare(real, sim)
+    return s, reqs, real, sim, st, compare(real, sim)
+
+
+def run(a: argparse.Namespace) -> int:
+    if a.all:
+        return run_all(a)
+    t0 = time.perf_counter()
+    a = with_example(a)
+    s, reqs, real, sim, st, cmp = simulate(a)
     print(table(cmp, read_reference_summary(a.reference_summary) if a.reference_summary else None))
     print(f"\n{cmp['compared']}/{cmp['requests']} requests compared; {st['steps']} steps ({st['mixed_steps']} mixed, "
           f"{st['multi_prefill_steps']} with several prefills), busy {st['busy_s']:.2f} s; peak KV "
@@ -294,6 +433,57 @@ def run(a: argparse.Namespace) -> int:
     if a.output:
         write_per_request(a.output, reqs, real, sim)
     return 0 if cmp["compared"] == cmp["requests"] else 1
+
+
+def find_examples(root: str) -> list[str]:
+    """Every directory under root/bench/examples (or root itself) with config.json and vllm/requests.jsonl."""
+    base = os.path.join(root, "bench", "examples")
+    base = base if os.path.isdir(base) else root
+    out = []
+    for d, _, files in os.walk(base):
+        if "config.json" in files and os.path.exists(os.path.join(d, "vllm", "requests.jsonl")):
+            out.append(d)
+    return sorted(out)
+
+
+ALL_COLUMNS = (("ttft", "Mean"), ("ttft", "P90"), ("tpot", "Mean"), ("tpot", "P90"), ("latency", "Mean"),
+               ("latency", "P90"))
+
+
+def all_table(rows: list[tuple[str, dict, dict | None, dict]]) -> str:
+    """One line per run: each metric's error, ours / LLMServingSim's (their summary.txt), in %."""
+    head = f"{'example':<42}" + "".join(f"{LABELS[m] + ' ' + st.lower():>16}" for m, st in ALL_COLUMNS)
+    head += f"{'preempt':>9}"
+    sub = f"{'':<42}" + f"{'ours / LSS':>16}" * len(ALL_COLUMNS)
+    lines = [head, sub, "-" * len(head)]
+    for name, cmp, ref, st in rows:
+        cells = []
+        for m, stat_name in ALL_COLUMNS:
+            ours = cmp[m][stat_name][2]
+            theirs = (ref or {}).get((m, stat_name))
+            cells.append(f"{ours:+6.1f} / {theirs[2]:+5.1f}" if theirs else f"{ours:+6.1f} /     -")
+        lines.append(f"{name:<42}" + "".join(f"{c:>16}" for c in cells) + f"{st['preemptions']:>9}")
+    return "\n".join(lines)
+
+
+def run_all(a: argparse.Namespace) -> int:
+    examples = find_examples(a.all)
+    if not examples:
+        raise ConfigError(f"{a.all}: no example (a directory with config.json and vllm/requests.jsonl)")
+    rows, ok = [], True
+    for ex in examples:
+        t0 = time.perf_counter()
+        b = with_example(argparse.Namespace(**{**vars(a), "example": ex, "all": None}))
+        _, _, _, _, st, cmp = simulate(b)
+        ref = read_reference_summary(b.reference_summary) if b.reference_summary else None
+        name = os.path.relpath(ex, os.path.join(a.all, "bench", "examples")) if ex.startswith(
+            os.path.join(a.all, "bench", "examples")) else os.path.relpath(ex, a.all)
+        rows.append((name, cmp, ref, st))
+        ok &= cmp["compared"] == cmp["requests"]
+        print(f"  {name}: {cmp['compared']}/{cmp['requests']} requests, {st['steps']} steps, "
+              f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    print(all_table(rows))
+    return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:

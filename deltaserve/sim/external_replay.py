@@ -24,27 +24,36 @@ from dataclasses import dataclass
 
 from ..config import DTYPE_BYTES, ConfigError, ModelConfig
 from ..memory.sizing import geometry, kernel_alignment_for
-from ..scheduler import Request
+from ..scheduler import Request, Scheduler
 from ..scheduler.build import build_scheduler, resolve_shape
 from .latency import StepShape
 from .report import RequestRecord
 
 SAMPLED_TOKEN = 11
-DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2")  # a dense decoder: norm, qkv, rope, attention, o, norm, gated MLP
+# decoders whose layers are norm, qkv (+ qwen3's q/k norms), rope, attention, o, norm, then a gated MLP or (qwen3_moe)
+# a routed expert block; all full attention
+DENSE_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+MOE_MODEL_TYPES = ("qwen3_moe",)
+MODEL_TYPES = DENSE_MODEL_TYPES + MOE_MODEL_TYPES
 
 
-def dense_model_config(hf: dict) -> ModelConfig:
-    """A dense decoder's config.json as ModelConfig: a hybrid with no GDN layers (every layer full attention,
-    the linear-attention geometry 0), which sizing, the pool and the memory manager take as they are."""
+def decoder_model_config(hf: dict) -> ModelConfig:
+    """A decoder's config.json as ModelConfig: a hybrid with no GDN layers (every layer full attention, the
+    linear-attention geometry 0), which sizing, the pool and the memory manager take as they are. A MoE model
+    keeps its expert counts (num_experts, num_experts_per_tok, moe_intermediate_size)."""
     mt = hf.get("model_type")
-    if mt not in DENSE_MODEL_TYPES:
-        raise ConfigError(f"model_type {mt!r}: the external replay reads dense decoders "
-                          f"({', '.join(DENSE_MODEL_TYPES)})")
-    missing = [k for k in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "num_key_value_heads", "intermediate_size") if k not in hf]
+    if mt not in MODEL_TYPES:
+        raise ConfigError(f"model_type {mt!r}: the external replay reads decoders ({', '.join(MODEL_TYPES)})")
+    need = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"]
+    need += ["num_experts", "num_experts_per_tok", "moe_intermediate_size"] if mt in MOE_MODEL_TYPES else \
+        ["intermediate_size"]
+    missing = [k for k in need if k not in hf]
     if missing:
         raise ConfigError(f"config.json lacks {', '.join(missing)}")
+    if mt in MOE_MODEL_TYPES and (hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1):
+        raise ConfigError("a qwen3_moe config with dense layers (mlp_only_layers, decoder_sparse_step) is not read")
     n, heads = int(hf["num_hidden_layers"]), int(hf["num_attention_heads"])
+    moe = mt in MOE_MODEL_TYPES
     return ModelConfig(
         model_type=mt, vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]), num_hidden_layers=n,
         layer_types=("full_attention",) * n, num_attention_heads=heads,
@@ -54,17 +63,30 @@ def dense_model_config(hf: dict) -> ModelConfig:
         partial_rotary_factor=1.0, max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), linear_conv_kernel_dim=0,
         linear_key_head_dim=0, linear_value_head_dim=0, linear_num_key_heads=0, linear_num_value_heads=0,
-        intermediate_size=int(hf["intermediate_size"]),
+        intermediate_size=0 if moe else int(hf["intermediate_size"]),
+        num_experts=int(hf["num_experts"]) if moe else 0,
+        num_experts_per_tok=int(hf["num_experts_per_tok"]) if moe else 0,
+        moe_intermediate_size=int(hf["moe_intermediate_size"]) if moe else 0,
         dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", ""))
 
 
-def dense_weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
-    """Weights of one rank: embeddings (+ lm_head unless tied), per layer q/k/v/o, gate/up/down and two norms,
-    the final norm; the matrices split over tp."""
+dense_model_config = decoder_model_config  # the name the dense-only reader had
+
+
+def dense_weight_bytes(m: ModelConfig, dtype_bytes: int, tp: int = 1, ep: int = 1) -> int:
+    """Weights of one rank: embeddings (+ lm_head unless tied), per layer q/k/v/o and either gate/up/down or (MoE)
+    the router and num_experts x gate/up/down, two norms (+ qwen3's q/k norms), the final norm; the matrices split
+    over tp, the experts over ep."""
     h, hd = m.hidden_size, m.head_dim
-    layer = (h * m.num_attention_heads * hd * 2 + 2 * h * m.num_key_value_heads * hd + 3 * h * m.intermediate_size)
-    big = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + m.num_hidden_layers * layer
-    small = m.num_hidden_layers * 2 * h + h
+    attn = h * m.num_attention_heads * hd * 2 + 2 * h * m.num_key_value_heads * hd
+    if m.num_experts:
+        mlp = m.num_experts * 3 * h * m.moe_intermediate_size // ep
+        router = h * m.num_experts
+    else:
+        mlp, router = 3 * h * m.intermediate_size, 0
+    big = m.vocab_size * h * (1 if m.tie_word_embeddings else 2) + m.num_hidden_layers * (attn + mlp)
+    norms = 2 * h + (2 * hd if m.model_type.startswith("qwen3") else 0)
+    small = m.num_hidden_layers * (norms + router) + h
     return (big // tp + small) * dtype_bytes
 
 
@@ -87,6 +109,28 @@ def kv_all_ranks(m: ModelConfig, kv_rank_bytes: int, tp: int) -> int:
     return kv_rank_bytes * one.kv_bytes_per_token_per_layer // rank.kv_bytes_per_token_per_layer
 
 
+class VllmScheduler(Scheduler):
+    """Our Scheduler with vLLM V1's admission rule `scheduler_reserve_full_isl` (on by default since vLLM 0.12 or
+    so; the published runs' resolved config says true): a waiting or preempted request is admitted only when its
+    whole sequence so far (prompt + outputs) fits in the allocatable blocks beyond its prefix-cache hit, not just
+    its first chunk. Without it a memory-bound run over-admits long prompts on their first chunk and thrashes."""
+
+    reserve_full_isl = True
+
+    def admit(self, req: Request, queue=None, budget: int | None = None) -> bool:
+        if self.reserve_full_isl and not req.background:
+            mem, bs = self.memory, self.block_size
+            hit = None
+            if self.caching and not req.skip_cache_lookup:
+                nb = (req.num_tokens - 1) // bs  # as Scheduler.admit: a hit leaves a token to sample from
+                hit = mem.find_prefix(req.root_hash, req.block_hashes(nb, bs), lambda j: req.tokens(j * bs, (j + 1) * bs),
+                                      nb)
+            need = mem.pages_for(req.num_tokens) - (hit.num_blocks if hit else 0) + mem.pin_cost(hit)
+            if need > mem.num_allocatable():
+                return False
+        return super().admit(req, queue, budget)
+
+
 @dataclass(frozen=True)
 class ForeignEngine:
     """The settings of the engine being replayed, as our scheduler's options. Defaults: vLLM V1."""
@@ -97,6 +141,7 @@ class ForeignEngine:
     device: str = "cuda"  # sizing.KERNEL_ALIGNMENTS: the attention kernel's smallest block
     enable_prefix_caching: bool = False  # on: our align-mode rules, which end middle chunks on a block boundary
     async_scheduling: bool = True
+    reserve_full_isl: bool = True  # vLLM's scheduler_reserve_full_isl (VllmScheduler)
 
     def build(self, mc: ModelConfig, kv_bytes: int, dtype: str):
         """(shape, scheduler) from scheduler/build.py with this engine's rules."""
@@ -104,10 +149,14 @@ class ForeignEngine:
                               max_num_seqs=self.max_num_seqs, cache_layout="runs",
                               enable_prefix_caching=self.enable_prefix_caching,
                               kernel_alignment=kernel_alignment_for(self.device))
-        _, sched = build_scheduler(shape, max_num_seqs=self.max_num_seqs,
-                                   max_num_batched_tokens=self.max_num_batched_tokens,
-                                   enable_prefix_caching=self.enable_prefix_caching, prefill_merge_tokens=0,
-                                   checkpoint_grid=0, chunk_grid=1, replay_decode=False)
+        memory, _ = build_scheduler(shape, max_num_seqs=self.max_num_seqs,
+                                    max_num_batched_tokens=self.max_num_batched_tokens,
+                                    enable_prefix_caching=self.enable_prefix_caching)
+        # the same Scheduler build_scheduler makes, over its fresh memory manager, with vLLM's admission rule
+        sched = VllmScheduler(memory, max_num_seqs=self.max_num_seqs,
+                              max_num_batched_tokens=self.max_num_batched_tokens, prefill_merge_tokens=0,
+                              checkpoint_grid=0, chunk_grid=1, replay_decode=False)
+        sched.reserve_full_isl = self.reserve_full_isl
         return shape, sched
 
 
@@ -150,13 +199,41 @@ def read_workload(path: str, limit: int | None = None) -> list[ExternalRequest]:
     return out
 
 
+class LeastLoaded:
+    """vLLM's data-parallel load balancer as LLMServingSim's LOAD router models it: the rank with the least
+    4 x waiting + running (over max_num_seqs), scanned from a round-robin start so ties rotate."""
+
+    def __init__(self, n: int):
+        self.n, self.next = n, 0
+
+    def pick(self, scheds) -> int:
+        best, best_score = 0, float("inf")
+        for k in range(self.n):
+            r = (self.next + k) % self.n
+            s = scheds[r]
+            score = (4 * s.num_waiting + s.num_running) / max(s.max_num_seqs, 1)
+            if score < best_score:
+                best, best_score = r, score
+        self.next = (best + 1) % self.n
+        return best
+
+
 def replay(sched, latency, reqs: list[ExternalRequest], async_scheduling: bool = True,
            progress: bool = False) -> tuple[list[RequestRecord], dict]:
-    """Serve `reqs` on `sched` with step times from `latency`; (records in trace order, step stats)."""
+    """Serve `reqs` on `sched` (one Scheduler, or one per data-parallel rank) with step times from `latency`;
+    (records in trace order, step stats).
+
+    Data-parallel ranks step in lockstep, as vLLM's DP engines do for a MoE model (every rank joins every
+    forward: the experts' collectives need them all; a rank with nothing to run runs a dummy batch): a step
+    lasts as long as its slowest rank, and every rank's dense and expert layers run at the largest rank's token
+    count (vLLM pads the ranks' batches to one size). Arrivals go to the least-loaded rank (LeastLoaded)."""
+    scheds = list(sched) if isinstance(sched, (list, tuple)) else [sched]
+    router = LeastLoaded(len(scheds))
     order = sorted(reqs, key=lambda r: (r.arrival, r.index))
     recs = [RequestRecord(f"req-{r.index}", None, 0, r.arrival, len(r.prompt), r.output_length) for r in reqs]
     by_id = {rec.request_id: rec for rec in recs}
-    i, now, step_start, held = 0, 0.0, 0.0, 0
+    i, now, step_start = 0, 0.0, 0.0
+    held = [0] * len(scheds)
     stats = {"steps": 0, "busy_s": 0.0, "peak_kv_pages": 0, "mixed_steps": 0, "multi_prefill_steps": 0}
     next_report = 10.0
 
@@ -164,56 +241,63 @@ def replay(sched, latency, reqs: list[ExternalRequest], async_scheduling: bool =
         nonlocal i
         while i < len(order) and order[i].arrival <= until:
             r = order[i]
-            sched.add(Request(f"req-{r.index}", list(r.prompt), max_tokens=r.output_length, arrival_time=r.arrival))
+            s = scheds[router.pick(scheds)]
+            s.add(Request(f"req-{r.index}", list(r.prompt), max_tokens=r.output_length, arrival_time=r.arrival))
             i += 1
 
-    def plan_with(seats_held: int):
-        cap = sched.max_num_seqs
-        sched.max_num_seqs = max(0, cap - seats_held)
+    def plan_with(s, seats_held: int):
+        cap = s.max_num_seqs
+        s.max_num_seqs = max(0, cap - seats_held)
         try:
-            return sched.schedule()
+            return s.schedule()
         finally:
-            sched.max_num_seqs = cap
+            s.max_num_seqs = cap
 
     while True:
         arrive(step_start if async_scheduling else now)
-        plan = plan_with(held if async_scheduling else 0)
-        if plan.is_empty():
+        plans = [plan_with(s, h if async_scheduling else 0) for s, h in zip(scheds, held)]
+        if all(p.is_empty() for p in plans):
             arrive(now)  # nothing in flight to plan behind: the engine plans at once with all it knows
-            plan = sched.schedule()
-        if plan.is_empty():
+            plans = [s.schedule() for s in scheds]
+        if all(p.is_empty() for p in plans):
             if i >= len(order):
                 break
             now = step_start = max(now, order[i].arrival)
-            held = 0
+            held = [0] * len(scheds)
             continue
-        shape = StepShape.of(plan)
-        dt = latency.shape_us(shape, now) * 1e-6
+        shapes = [StepShape.of(p) for p in plans]
+        tokens = max(sh.n_tokens for sh in shapes)
+        if len(scheds) == 1:
+            dt = latency.shape_us(shapes[0], now) * 1e-6
+        else:
+            dt = max(latency.shape_us(sh, now, tokens=tokens) for sh in shapes) * 1e-6
         stats["steps"] += 1
         stats["busy_s"] += dt
-        stats["mixed_steps"] += bool(shape.prefill and shape.decode_ctx)
-        stats["multi_prefill_steps"] += len(shape.prefill) > 1
-        stats["peak_kv_pages"] = max(stats["peak_kv_pages"], sched.memory.num_pages_in_use)
+        stats["mixed_steps"] += any(bool(sh.prefill and sh.decode_ctx) for sh in shapes)
+        stats["multi_prefill_steps"] += any(len(sh.prefill) > 1 for sh in shapes)
+        stats["peak_kv_pages"] = max(stats["peak_kv_pages"], *(s.memory.num_pages_in_use for s in scheds))
         step_start, now = now, now + dt
-        held = 0
-        for req in sched.update(plan, {w.request_id: SAMPLED_TOKEN for w in plan.work if w.sample}):
-            rec = by_id[req.request_id]
-            rec.output_tokens += 1
-            rec.preemptions = req.num_preemptions
-            if rec.first_token is None:
-                rec.first_token = now
-            if req.is_finished:
-                rec.finish = now
-                held += 1
+        held = [0] * len(scheds)
+        for k, (s, plan) in enumerate(zip(scheds, plans)):
+            for req in s.update(plan, {w.request_id: SAMPLED_TOKEN for w in plan.work if w.sample}):
+                rec = by_id[req.request_id]
+                rec.output_tokens += 1
+                rec.preemptions = req.num_preemptions
+                if rec.first_token is None:
+                    rec.first_token = now
+                if req.is_finished:
+                    rec.finish = now
+                    held[k] += 1
         if progress and now >= next_report:
             done = sum(1 for r in recs if r.finish is not None)
             print(f"  simulated {now:6.1f} s: {stats['steps']} steps, {done}/{len(recs)} requests done, "
-                  f"{sched.num_running} running, {sched.num_waiting} waiting", file=sys.stderr, flush=True)
+                  f"{sum(s.num_running for s in scheds)} running, {sum(s.num_waiting for s in scheds)} waiting",
+                  file=sys.stderr, flush=True)
             next_report += 10.0
     for rec in recs:
         if rec.finish is None:
             rec.status = "unfinished"
-    stats["preemptions"] = sched.stats.preemptions
+    stats["preemptions"] = sum(s.stats.preemptions for s in scheds)
     return recs, stats
 
 
