@@ -162,24 +162,31 @@ class SkewFit:
 
 @dataclass(frozen=True)
 class Comm:
-    """TP collectives as a ring: all-reduce 2(p-1) hops of latency + 2(p-1)/p of the bytes at the link bandwidth;
-    all-gather half of that."""
+    """Collectives over p ranks. All-reduce: vLLM's custom all-reduce on two ranks is one stage (each rank reads its
+    peer's buffer: one hop of latency + the bytes), up to its buffer (one_shot_bytes, vLLM's 8 MiB); above that,
+    or on more ranks, NCCL's ring: 2(p-1) hops + 2(p-1)/p of the bytes. All-gather (and reduce-scatter, which
+    moves the same bytes) of a `nbytes` total: a ring of p-1 hops + (p-1)/p of the bytes."""
 
-    tp: int = 1
+    tp: int = 1  # p, the ranks of the group
     bandwidth: float = 0.0  # bytes/s per link
     latency: float = 0.0  # seconds per hop
+    one_shot_bytes: int = 0  # all-reduces up to this size take one hop on two ranks (0: always the ring)
 
     def all_reduce_us(self, nbytes: float) -> float:
         if self.tp <= 1:
             return 0.0
         p = self.tp
-        return 1e6 * (2 * (p - 1) * self.latency + 2 * (p - 1) / p * nbytes / self.bandwidth)
+        hops = 1 if p == 2 and nbytes <= self.one_shot_bytes else 2 * (p - 1)
+        return 1e6 * (hops * self.latency + 2 * (p - 1) / p * nbytes / self.bandwidth)
 
     def all_gather_us(self, nbytes: float) -> float:
         if self.tp <= 1:
             return 0.0
         p = self.tp
         return 1e6 * ((p - 1) * self.latency + (p - 1) / p * nbytes / self.bandwidth)
+
+
+VLLM_CUSTOM_ALL_REDUCE_BYTES = 8 << 20  # vLLM's custom all-reduce buffer (ca_max_size default)
 
 
 @dataclass(frozen=True)

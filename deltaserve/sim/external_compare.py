@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from ..config import ConfigError, EngineConfig, add_engine_args, engine_args, parse_bytes
 from ..memory.sizing import geometry
-from .external import Comm, Experts, ExternalBundle, ExternalLatency
+from .external import VLLM_CUSTOM_ALL_REDUCE_BYTES, Comm, Experts, ExternalBundle, ExternalLatency
 from .external_replay import (
     ExternalRequest,
     ForeignEngine,
@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-memory", type=parse_bytes,
                    help="device memory in bytes (e.g. 96GiB); default: the cluster config's")
     p.add_argument("--tp", type=int, help="tensor-parallel degree (default: the cluster config's, else 1)")
-    p.add_argument("--link-bandwidth", type=float, help="GB/s per link for TP all-reduces")
+    p.add_argument("--link-bandwidth", type=float, help="GB/s per link for TP and EP collectives (GB = 2^30 bytes, "
+                                                      "as their cluster config's link_bw)")
     p.add_argument("--link-latency", type=float, help="microseconds per ring hop")
     p.add_argument("--reserved-memory", type=parse_bytes, default=0,
                    help="bytes vLLM's profiling run keeps from the KV cache (activations, graphs); default 0")
@@ -293,11 +294,12 @@ def setup(a: argparse.Namespace) -> Setup:
     if bundle.architecture and bundle.architecture != mc.model_type:
         raise ConfigError(f"the bundle profiles a {bundle.architecture!r} model, the config is {mc.model_type!r}")
     nbytes = dtype_bytes_of(mc)
-    bw = a.link_bandwidth if a.link_bandwidth is not None else cluster.get("link_bw", 0.0)  # GB/s
+    # link_bw in ASTRA-sim's analytical units, GB/s of 2^30 bytes (its bw_GBps_to_Bpns); link_latency in ns
+    bw = (a.link_bandwidth if a.link_bandwidth is not None else cluster.get("link_bw", 0.0)) * GIB / 1e9  # GB/s
     lat = a.link_latency * 1e-6 if a.link_latency is not None else cluster.get("link_latency", 0.0) * 1e-9  # s
     experts = Experts(mc.num_experts, mc.num_experts_per_tok, ep, dp) if mc.num_experts else None
     latency = ExternalLatency(bundle, mc.num_hidden_layers, mc.hidden_size, mc.vocab_size, nbytes,
-                              Comm(tp, float(bw) * 1e9, float(lat)), skew=not a.no_skew, arch=mc.model_type,
+                              Comm(tp, float(bw) * 1e9, float(lat), VLLM_CUSTOM_ALL_REDUCE_BYTES), skew=not a.no_skew, arch=mc.model_type,
                               experts=experts, ep_comm=Comm(ep, float(bw) * 1e9, float(lat)))
     weights = dense_weight_bytes(mc, nbytes, tp, ep)
     blocks = reported_blocks(a.measured)
