@@ -192,20 +192,19 @@ VLLM_CUSTOM_ALL_REDUCE_BYTES = 8 << 20  # vLLM's custom all-reduce buffer (ca_ma
 @dataclass(frozen=True)
 class Experts:
     """A MoE model's experts as vLLM runs them with data + expert parallelism (the all-gather / reduce-scatter
-    backend): each of `dp` ranks gathers every rank's tokens (all padded to the same count), runs the gathered
-    tokens through its E / ep local experts and reduce-scatters the result. ep = dp x tp ranks, ep >= 1."""
+    backend): the dp ranks all-gather their tokens, each runs the gathered tokens through its E / ep local experts
+    and reduce-scatters the result. ep = dp x tp ranks, ep >= 1."""
 
     num_experts: int
     top_k: int
     ep: int = 1
     dp: int = 1
 
-    def rank_load(self, tokens: int) -> tuple[float, float]:
-        """(table tokens, activated experts) of one rank for `tokens` per rank: moe.csv's row (t, a) runs t tokens
-        of top_k experts each over a distinct experts, so a rank holding dp x tokens x top_k / ep of the pairs
-        reads as t = dp x tokens / ep; its activated experts are those of its E / ep hit by at least one of the
-        dp x tokens gathered, each expert hit by a token with probability top_k / E (a balanced gate)."""
-        gathered = self.dp * tokens
+    def rank_load(self, gathered: float) -> tuple[float, float]:
+        """(table tokens, activated experts) of one rank when the group gathered `gathered` tokens: moe.csv's row
+        (t, a) runs t tokens of top_k experts each over a distinct experts, so a rank holding gathered x top_k / ep
+        of the pairs reads as t = gathered / ep; its activated experts are those of its E / ep hit by at least one
+        gathered token, each expert hit by a token with probability top_k / E (a balanced gate)."""
         local = self.num_experts / self.ep
         hit = local * (1.0 - (1.0 - self.top_k / self.num_experts) ** gathered)
         return gathered / self.ep, hit
@@ -349,17 +348,19 @@ class ExternalLatency:
             t += max(0.0, self._table(length, start, 0, 0) - self.launch_us)
         return max(0.0, t)
 
-    def moe_us(self, tokens: int) -> float:
-        """One layer's expert block for `tokens` per rank (0 for a dense model)."""
-        if self.moe is None or tokens <= 0:
+    def moe_us(self, gathered: float) -> float:
+        """One layer's expert block on one rank when the data-parallel group gathered `gathered` tokens (0 for a
+        dense model)."""
+        if self.moe is None or gathered <= 0:
             return 0.0
-        t, a = self.experts.rank_load(tokens)
+        t, a = self.experts.rank_load(gathered)
         return self.moe(min(max(a, self.moe_min_experts), self.moe_max_experts), t)
 
-    def comm_us(self, s: StepShape, tokens: int | None = None) -> float:
+    def comm_us(self, s: StepShape, tokens: int | None = None, gathered: float | None = None) -> float:
         """TP: per layer 2 all-reduces of tokens x hidden (after o_proj and down_proj: the tables time the GEMMs
         without them, tp2's o_proj is half tp1's), one for the vocabulary-parallel embedding, the logits
-        all-gather. EP: per layer the dispatch all-gather and the combine reduce-scatter."""
+        all-gather. EP: per layer the dispatch all-gather (hidden + one router logit per expert per token) and the
+        combine reduce-scatter (hidden) of the `gathered` tokens."""
         tokens = s.n_tokens if tokens is None else tokens
         us = 0.0
         if self.comm.tp > 1:
@@ -368,24 +369,27 @@ class ExternalLatency:
             us += (2 * self.layers + 1) * self.comm.all_reduce_us(act) + self.comm.all_gather_us(logits)
         if self.moe is not None and self.experts.ep > 1:
             e = self.experts
-            gathered = e.ep * tokens  # every rank sends its (padded) tokens: hidden + one router logit per expert
-            dispatch = self.ep_comm.all_gather_us(gathered * (self.hidden + e.num_experts) * self.dtype_bytes)
-            combine = self.ep_comm.all_gather_us(gathered * self.hidden * self.dtype_bytes)  # a ring RS costs an AG
+            g = e.dp * tokens if gathered is None else gathered
+            dispatch = self.ep_comm.all_gather_us(g * (self.hidden + e.num_experts) * self.dtype_bytes)
+            combine = self.ep_comm.all_gather_us(g * self.hidden * self.dtype_bytes)  # a ring RS moves an AG's bytes
             us += self.layers * (dispatch + combine)
         return us
 
-    def parts_us(self, s: StepShape, tokens: int | None = None) -> dict[str, float]:
-        """The step's parts; `tokens` is the per-rank token count the dense and expert layers run at (data
-        parallel ranks pad to the largest rank's), default the step's own."""
+    def parts_us(self, s: StepShape, tokens: int | None = None, gathered: float | None = None) -> dict[str, float]:
+        """The step's parts on one rank. `tokens`: the count its dense layers run at (a data-parallel rank padded
+        to the group's largest), default its own; `gathered`: the tokens the expert layers gather across the
+        data-parallel group, default dp x tokens."""
         if not s.n_seqs and not tokens:
             return {"dense": 0.0, "attention": 0.0, "moe": 0.0, "head": 0.0, "comm": 0.0}
         t = max(s.n_tokens, tokens or 0)
+        g = (self.experts.dp * t if self.experts else t) if gathered is None else gathered
         return {"dense": self.dense(t), "attention": self.layers * self.attention_us(s) if s.n_seqs else 0.0,
-                "moe": self.layers * self.moe_us(t), "head": self.head(s.n_seqs) if s.n_seqs else 0.0,
-                "comm": self.comm_us(s, t)}
+                "moe": self.layers * self.moe_us(g), "head": self.head(s.n_seqs) if s.n_seqs else 0.0,
+                "comm": self.comm_us(s, t, g)}
 
-    def shape_us(self, s: StepShape, now: float = 0.0, tokens: int | None = None) -> float:
-        return sum(self.parts_us(s, tokens).values())
+    def shape_us(self, s: StepShape, now: float = 0.0, tokens: int | None = None,
+                 gathered: float | None = None) -> float:
+        return sum(self.parts_us(s, tokens, gathered).values())
 
     def step_us(self, plan) -> float:
         return self.shape_us(StepShape.of(plan))

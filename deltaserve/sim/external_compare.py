@@ -313,11 +313,16 @@ def setup(a: argparse.Namespace) -> Setup:
         if not device:
             raise ConfigError("give --device-memory, --kv-cache-memory or a --cluster-config with npu_mem.mem_size")
         kv = kv_all_ranks(mc, vllm_kv_bytes(device, eng.memory_utilization, weights, a.reserved_memory), tp)
-    resolved = (run_meta(a.measured).get("resolved_config") or {}).get("scheduler_config") or {}
+    resolved_config = run_meta(a.measured).get("resolved_config") or {}
+    resolved = resolved_config.get("scheduler_config") or {}
     async_on = a.async_scheduling if a.async_scheduling is not None else resolved.get("async_scheduling", True)
+    # vLLM's default largest CUDA graph: min(2 x max_num_seqs, 512) tokens
+    graphs = (resolved_config.get("compilation_config") or {}).get("max_cudagraph_capture_size") or \
+        min(2 * eng.max_num_seqs, 512)
     foreign = ForeignEngine(eng.max_num_seqs, eng.max_num_batched_tokens, eng.block_size,
                             enable_prefix_caching=eng.enable_prefix_caching, async_scheduling=bool(async_on),
-                            reserve_full_isl=bool(resolved.get("scheduler_reserve_full_isl", True)))
+                            reserve_full_isl=bool(resolved.get("scheduler_reserve_full_isl", True)),
+                            max_cudagraph_tokens=int(graphs))
     built = [foreign.build(mc, kv, mc.dtype) for _ in range(dp)]
     return Setup(mc, latency, foreign, built[0][0], [b[1] for b in built], kv, weights, tp, dp, ep, source)
 
@@ -416,7 +421,8 @@ def simulate(a: argparse.Namespace) -> tuple[Setup, list[ExternalRequest], list[
               f"{'on' if f.enable_prefix_caching else 'off'}, async scheduling {'on' if f.async_scheduling else 'off'}"
               f"{'' if a.trace else '; trace from requests.jsonl (no token ids)'}",
               file=sys.stderr, flush=True)
-    recs, st = replay(s.schedulers, s.latency, reqs, f.async_scheduling, progress=not a.quiet)
+    recs, st = replay(s.schedulers, s.latency, reqs, f.async_scheduling, progress=not a.quiet,
+                      dp_pad_tokens=f.max_cudagraph_tokens)
     sim = [simulated_timing(r) for r in recs]
     return s, reqs, real, sim, st, compare(real, sim)
 

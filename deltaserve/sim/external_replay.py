@@ -142,6 +142,7 @@ class ForeignEngine:
     enable_prefix_caching: bool = False  # on: our align-mode rules, which end middle chunks on a block boundary
     async_scheduling: bool = True
     reserve_full_isl: bool = True  # vLLM's scheduler_reserve_full_isl (VllmScheduler)
+    max_cudagraph_tokens: int = 512  # the largest CUDA-graph batch: data-parallel ranks pad up to it (replay)
 
     def build(self, mc: ModelConfig, kv_bytes: int, dtype: str):
         """(shape, scheduler) from scheduler/build.py with this engine's rules."""
@@ -219,14 +220,15 @@ class LeastLoaded:
 
 
 def replay(sched, latency, reqs: list[ExternalRequest], async_scheduling: bool = True,
-           progress: bool = False) -> tuple[list[RequestRecord], dict]:
+           progress: bool = False, dp_pad_tokens: int = 512) -> tuple[list[RequestRecord], dict]:
     """Serve `reqs` on `sched` (one Scheduler, or one per data-parallel rank) with step times from `latency`;
     (records in trace order, step stats).
 
     Data-parallel ranks step in lockstep, as vLLM's DP engines do for a MoE model (every rank joins every
     forward: the experts' collectives need them all; a rank with nothing to run runs a dummy batch): a step
-    lasts as long as its slowest rank, and every rank's dense and expert layers run at the largest rank's token
-    count (vLLM pads the ranks' batches to one size). Arrivals go to the least-loaded rank (LeastLoaded)."""
+    lasts as long as its slowest rank. A step whose largest rank has at most dp_pad_tokens tokens (vLLM's largest
+    CUDA-graph size) runs as a graph, every rank padded to that count; a larger one runs eagerly, each rank at its
+    own count, the expert layers gathering the sum. Arrivals go to the least-loaded rank (LeastLoaded)."""
     scheds = list(sched) if isinstance(sched, (list, tuple)) else [sched]
     router = LeastLoaded(len(scheds))
     order = sorted(reqs, key=lambda r: (r.arrival, r.index))
@@ -266,11 +268,18 @@ def replay(sched, latency, reqs: list[ExternalRequest], async_scheduling: bool =
             held = [0] * len(scheds)
             continue
         shapes = [StepShape.of(p) for p in plans]
-        tokens = max(sh.n_tokens for sh in shapes)
         if len(scheds) == 1:
             dt = latency.shape_us(shapes[0], now) * 1e-6
         else:
-            dt = max(latency.shape_us(sh, now, tokens=tokens) for sh in shapes) * 1e-6
+            # ranks pad to the largest rank's tokens when the step runs as a CUDA graph (vLLM's DP padding, only
+            # then); otherwise each runs its own tokens and the experts gather the sum
+            most = max(sh.n_tokens for sh in shapes)
+            if most <= dp_pad_tokens:
+                dt = max(latency.shape_us(sh, now, tokens=most, gathered=most * len(shapes)) for sh in shapes)
+            else:
+                total = sum(sh.n_tokens for sh in shapes)
+                dt = max(latency.shape_us(sh, now, tokens=sh.n_tokens, gathered=total) for sh in shapes)
+            dt *= 1e-6
         stats["steps"] += 1
         stats["busy_s"] += dt
         stats["mixed_steps"] += any(bool(sh.prefill and sh.decode_ctx) for sh in shapes)
