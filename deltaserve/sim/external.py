@@ -13,6 +13,7 @@ A bundle directory (their `profiler/perf/<hw>/<model>/<dtype>/`):
   tp<N>/per_sequence.csv  layer,sequences,time_us     lm_head and sampler by the sequences in the step
   tp<N>/skew_fit.csv      pc,n_label,skew_rate_label,kv_big_label,kp_label,alpha,n_samples
                                                       t = t(mean ctx) + alpha * (t(max ctx) - t(mean ctx))
+  tp1/moe.csv             tokens,activated_experts,time_us  (MoE) one layer's fused expert block, all experts
 
 Times are microseconds of one GPU (one rank). How this model reads them (checked against the data, see
 docs/simulator.md): a dense row is ONE call of that op in ONE layer (qkv_proj at 1 token is 36 us, what the
@@ -21,8 +22,13 @@ docs/simulator.md): a dense row is ONE call of that op in ONE layer (qkv_proj at
 
     step = embedding(T) + final_layernorm(T) + L * sum(calls * op(T))          T tokens in the step
          + L * attention(step)                                                  L decoder layers
+         + L * moe(Experts.rank_load(G))                                        MoE: G tokens gathered
          + lm_head(S) + sampler(S)                                              S sequences in the step
          + comm (TP > 1): per layer 2 all-reduces of T x hidden, one for the embedding, one logits gather
+              (EP > 1): per layer a dispatch all-gather and a combine reduce-scatter of the G tokens
+
+The ops and their calls per layer are the architecture's (ARCH_OPS: llama, qwen3's extra q/k norm row, qwen3_moe's
+layer without a dense MLP).
 
 S counts every sequence of the step: vLLM computes logits at the last scheduled token of each request, a
 partial prefill's included, and drops those samples. attention(step): a step's batch is one varlen kernel;

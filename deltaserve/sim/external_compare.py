@@ -1,5 +1,6 @@
 """`deltaserve simulate external`: our scheduler on an LLMServingSim bundle against what the real engine measured.
 
+    deltaserve simulate external --example DIR | --all ROOT      (their bench/examples/<hw>/<model>, or all of them)
     deltaserve simulate external --bundle DIR --model-config FILE --trace FILE --measured FILE
         [--cluster-config FILE] [--reference-summary FILE] [--output CSV]
         [--max-num-seqs N --max-num-batched-tokens N --block-size N --memory-utilization F

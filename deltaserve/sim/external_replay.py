@@ -1,8 +1,10 @@
-"""Replay another engine's run on OUR scheduler: a dense model's geometry, vLLM's KV sizing, their trace, and the
-step loop (with vLLM's async scheduling). No torch.
+"""Replay another engine's run on OUR scheduler: a full-attention decoder's geometry (dense or MoE), vLLM's KV
+sizing, their trace, and the step loop (with vLLM's async scheduling, and data-parallel ranks in lockstep). No
+torch.
 
 The scheduler and memory manager are the engine's own, built by scheduler/build.py with the foreign engine's
-settings (ForeignEngine): its kernel alignment (cuda 16, so block 16 stays 16), caching off, no merge limit,
+settings (ForeignEngine): its kernel alignment (cuda 16, so block 16 stays 16), caching as the run had it (default
+off), vLLM's full-sequence admission (VllmScheduler), no merge limit,
 chunks cut at the token budget exactly (chunk_grid 1: vLLM has no 64-token GDN grid), recompute preemption
 (replay_decode False). What our Scheduler does differently from vLLM V1 and is emulated here, not changed
 there: vLLM's async scheduling (on by default in recent vLLM V1 releases) plans step k+1 while step k runs, so
@@ -110,8 +112,8 @@ def kv_all_ranks(m: ModelConfig, kv_rank_bytes: int, tp: int) -> int:
 
 
 class VllmScheduler(Scheduler):
-    """Our Scheduler with vLLM V1's admission rule `scheduler_reserve_full_isl` (on by default since vLLM 0.12 or
-    so; the published runs' resolved config says true): a waiting or preempted request is admitted only when its
+    """Our Scheduler with vLLM V1's admission rule `scheduler_reserve_full_isl` (vLLM 0.19's default; the published
+    runs' resolved config says true): a waiting or preempted request is admitted only when its
     whole sequence so far (prompt + outputs) fits in the allocatable blocks beyond its prefix-cache hit, not just
     its first chunk. Without it a memory-bound run over-admits long prompts on their first chunk and thrashes."""
 
