@@ -79,6 +79,17 @@ def test_all_prints_one_row_per_example_beside_theirs(tmp_path, capsys):
     assert [c.split()[0] for c in cells[2:8]] == ["+1.0", "-1.0", "+2.0", "+0.0", "+1.0", "+1.0"]
 
 
+def test_all_reports_an_example_it_cannot_replay_and_runs_the_others(tmp_path, capsys):
+    checkout(tmp_path)
+    bad = tmp_path / "bench" / "examples" / "HW" / "Other"
+    (bad / "vllm").mkdir(parents=True)
+    (bad / "config.json").write_text(json.dumps({"nodes": [{"instances": [{"hardware": "HW"}]}]}))
+    (bad / "vllm" / "requests.jsonl").write_text("")
+    assert external_main(["--all", str(tmp_path), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "HW/Tiny " in out and "not replayed: HW/Other:" in out and "model_name" in out
+
+
 def test_example_without_its_workload_reads_the_trace_from_requests(tmp_path, capsys):
     ex = checkout(tmp_path, blocks=None, workload=False)
     assert example_files(ex)["trace"] is None
