@@ -285,6 +285,11 @@ class EngineConfig:
                                     "for bit as a cold run", None, replica=True)
     reprefill_job_tokens: int = _flag(256, "the most tokens one --reprefill-outputs job computes in a step (at least a "
                                       "page)", int, metavar="N", replica=True)
+    cache_disk: str | None = _flag(None, "a directory for a second prefix-cache tier on local disk: pages and GDN "
+                                   "checkpoints evicted from the pool (and every cached one at shutdown) are written "
+                                   "there and read back on a hit, across restarts (docs/design.md)", metavar="DIR")
+    cache_disk_bytes: int = _flag(16 << 30, "the --cache-disk tier's budget; the least recently used records go "
+                                  "first", parse_bytes, metavar="BYTES")
     strict_max_tokens: bool = _flag(False, "refuse a request whose max_tokens exceeds what is left of the context "
                                     "(400) instead of clamping it to what is left", None)
     max_output_tokens: int = _flag(0, "the most tokens any request generates: a larger max_tokens is lowered to it "
@@ -340,6 +345,10 @@ class EngineConfig:
             raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr) so the machines can meet")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"--master-port {self.master_port} is not a port number")
+        if self.cache_disk_bytes <= 0:
+            raise ConfigError("--cache-disk-bytes must be a positive number of bytes")
+        if self.cache_disk and (not self.enable_prefix_caching or self.tensor_parallel_size > 1):
+            raise ConfigError("--cache-disk needs prefix caching on and one rank (--tensor-parallel-size 1)")
         if self.distributed_timeout <= 0:
             raise ConfigError("--distributed-timeout must be > 0 seconds")
 

@@ -25,6 +25,8 @@ SAMPLES = {
     "strict_max_tokens": (True, True),  # --strict-max-tokens
     "max_output_tokens": ("64", 64),
     "eviction": ("value", "value"),
+    "cache_disk": ("/var/cache/deltaserve", "/var/cache/deltaserve"),
+    "cache_disk_bytes": ("2G", 2 << 30),
     "seed": ("3", 3),
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),

@@ -20,6 +20,11 @@ token is checked against the token an exact model would produce. The workload is
 sessions that extend their earlier prompts, shared system prompts, salts), on a pool small enough to
 force preemption, with random aborts (also between schedule() and update()) and engine-side stops.
 Mutants (no save, no restore, no slot hand-back, no zeroing of new pages or slots) must each fail.
+
+With a disk tier (memory/disk_tier.py), a toy disk does what runner/disk_store.py does, between schedule() and the
+step: evicted pages' contents are copied out before the planted garbage or the step can touch them, reads
+complete (a few fail, as a corrupt record does: a miss), and loaded contents land in the pages the manager took.
+A restored block that is not bit for bit what was spilled fails the state checks.
 """
 from __future__ import annotations
 
@@ -50,6 +55,64 @@ class Stall(RuntimeError):
 
 class Mismatch(AssertionError):
     pass
+
+
+class ToyDisk:
+    """The I/O worker and the byte copies of runner/disk_store.py, on toy storage, completing reads at once."""
+
+    def __init__(self, ex: "ToyExecutor", tier, rng: random.Random, mutant: str | None):
+        self.ex, self.tier, self.rng, self.mutant = ex, tier, rng, mutant
+        self.files: dict = {}
+        self.staged: dict = {}
+        self.loads = 0
+
+    def _copy_out(self, kind, loc):
+        ex = self.ex
+        if kind == "kv":
+            return list(ex.kv[loc[0]])
+        return [list(ex.kv[q]) for q in loc] if ex.pooled else ex.block_state[loc[0]]
+
+    def _copy_in(self, kind, loc, data) -> None:
+        ex = self.ex
+        if self.mutant == "disk_load_garbage" or data is None:  # None: a spill_late record read before its copy
+            data = [NAN] * ex.bs if kind == "kv" else ([[NAN] * ex.bs] * len(loc) if ex.pooled else (NAN,) * ex.G)
+        if kind == "kv":
+            ex.kv[loc[0]] = list(data)
+        elif ex.pooled:
+            for q, rows in zip(loc, data):
+                ex.kv[q] = list(rows)
+        else:
+            ex.block_state[loc[0]] = data
+
+    def sync(self) -> None:
+        ops, loads = self.tier.take()
+        for op, arg in ops:
+            if op == "write":
+                if self.mutant != "disk_spill_late":
+                    self.files[arg.record.key] = self._copy_out(arg.record.kind, arg.location)
+                else:
+                    self.files[arg.record.key] = None
+                self.tier.done.append(("write", arg.record.key, True, 0.0, arg.record.nbytes))
+            elif op == "read":
+                ok = arg.key in self.files and self.rng.random() > 0.05  # a corrupt record now and then
+                if ok:
+                    self.staged[arg.key] = self.files[arg.key]
+                self.tier.done.append(("read", arg.key, ok, 0.0, arg.nbytes))
+            else:
+                self.files.pop(arg, None)
+        self._late = ops if self.mutant == "disk_spill_late" else []
+        for ld in loads:  # a record loaded and then deleted in the same step still lands: its bytes are staged
+            self._copy_in(ld.record.kind, ld.location, self.staged.pop(ld.record.key))
+            self.loads += 1
+        for key in [k for k in self.staged if k not in self.tier.staged and k not in self.tier.reading]:
+            del self.staged[key]
+
+    def after_step(self) -> None:
+        """The disk_spill_late mutant copies spilled pages out after the step (too late: reused pages)."""
+        for op, arg in self._late:
+            if op == "write":
+                self.files[arg.record.key] = self._copy_out(arg.record.kind, arg.location)
+        self._late = []
 
 
 class ToyExecutor:
@@ -166,11 +229,12 @@ class Result:
     finished: int = 0
     aborted: int = 0
     steps: int = 0
+    disk_hit_tokens: int = 0
     errors: list[str] = field(default_factory=list)
 
 
 def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: bool = True,
-                 caching: bool = True, replay_decode: bool = True) -> Result:
+                 caching: bool = True, replay_decode: bool = True, disk: bool = False) -> Result:
     rng = random.Random(seed * 1000 + {"in-page": 0, "per-block": 1, "runs": 2}[layout])
     bs = 4
     G = 1 + seed % 3
@@ -185,6 +249,13 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
     sch = Scheduler(mem, max_num_seqs, budget, replay_decode=replay_decode, checkpoint_grid=bs * (seed % 3),
                     reprefill_outputs=seed % 2 == 0, job_tokens=bs)  # background jobs on half the seeds
     ex = ToyExecutor(mem, mutant)
+    toy_disk = None
+    if disk:  # room for about 40 records: the disk evicts too
+        from deltaserve.memory.disk_tier import HEADER_BYTES, DiskTier
+
+        tier = DiskTier(40 * (HEADER_BYTES + 1), 1, 1)
+        mem.attach_disk(tier)
+        toy_disk = ToyDisk(ex, tier, random.Random(seed), mutant)
     ref = Reference(G, bs)
     res = Result()
     cap = sch.max_request_tokens()
@@ -255,6 +326,8 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
             ex.plant(mem.free_page_ids(), mem.free_slot_ids())
             plan = sch.schedule()
             res.steps += 1
+            if toy_disk is not None:
+                toy_disk.sync()
             if integrity:
                 mem.check_integrity()
             if plan.is_empty():
@@ -286,6 +359,8 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
                     res.failures += 1
                     raise Mismatch(f"state check failed for {w.request_id} at {w.start_pos} (step {res.steps})")
             sampled = ex.forward(plan)
+            if toy_disk is not None:
+                toy_disk.after_step()
             for w in plan.work:
                 if w.sample:
                     req = active[w.request_id][1]
@@ -318,6 +393,7 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
     st = sch.memory.stats
     res.preemptions, res.restores, res.saves, res.hit_tokens = (sch.stats.preemptions, st.checkpoints_restored,
                                                                  st.checkpoints_saved, sch.stats.prefix_cache_hits)
+    res.disk_hit_tokens = mem.disk_stats().disk_hit_tokens
     return res
 
 
@@ -382,3 +458,22 @@ def test_mutant_is_caught(mutant, layout):
     integrity = mutant != "no_slot_handback"
     caught = [run_workload(seed, layout, mutant, integrity) for seed in (3, 5, 7)]
     assert all(r.failures > 0 for r in caught), [(r.failures, r.errors) for r in caught]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_state_machine_with_a_disk_tier(layout):
+    """Evicted blocks and checkpoints go to a toy disk and come back on hits; every state check still holds."""
+    checks = disk_hits = 0
+    for seed in range(6):
+        r = run_workload(seed, layout, disk=True)
+        assert r.failures == 0, (seed, r.errors)
+        checks += r.state_checks
+        disk_hits += r.disk_hit_tokens
+    assert checks > 1000 and disk_hits > 100
+
+
+@pytest.mark.parametrize("mutant", ["disk_load_garbage", "disk_spill_late"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_disk_mutant_is_caught(mutant, layout):
+    caught = [run_workload(seed, layout, mutant, disk=True) for seed in (0, 1, 2, 3)]
+    assert any(r.failures > 0 for r in caught), [(r.failures, r.errors) for r in caught]

@@ -26,6 +26,10 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Shut the engine down: the disk tier (--cache-disk) gets every cached block, its worker stops."""
+        self.engine.shutdown()
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

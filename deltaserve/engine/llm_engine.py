@@ -45,6 +45,18 @@ class EngineStats:
     reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (background jobs)
     reprefill_jobs: int = 0  # jobs finished
     reprefill_dropped: int = 0  # jobs dropped: a request needed their seat, slot or pages, or all was cached
+    # the disk tier (--cache-disk; memory/disk_tier.py DiskStats): gauges, then counters
+    disk_bytes: int = 0
+    disk_records: int = 0
+    disk_writes: int = 0
+    disk_write_bytes: int = 0
+    disk_write_errors: int = 0  # writes that failed or did not fit: misses later
+    disk_reads: int = 0
+    disk_read_bytes: int = 0
+    disk_read_errors: int = 0  # corrupt, torn or missing records: misses
+    disk_read_seconds: float = 0.0  # summed read latency (over disk_reads: the mean)
+    disk_evictions: int = 0
+    disk_hit_tokens: int = 0  # hit tokens whose K/V came back from disk (of prefix_cache_hits)
     cpu_kernels: str = ""  # the compiled CPU kernels' instruction set (avx512bf16 / avx512 / avx2), or "torch"
 
 
@@ -133,6 +145,12 @@ class LLMEngine:
         self.store = CacheStore(self.model.config, pool, kv_dtype=getattr(torch, self.dtype),  # the rank's heads
                                 conv_dtype=getattr(torch, self.dtype), device=self.device)
         self.runner = ModelRunner(self.model, self.store, self.device)
+        self.disk = None  # the prefix cache's disk tier (--cache-disk): its files and I/O worker
+        if config.cache_disk:
+            from ..runner.disk_store import DiskStore, fingerprint
+            self.disk = DiskStore(config.cache_disk, config.cache_disk_bytes, self.memory, self.store,
+                                  fingerprint(path, self.dtype, pool, config.cache_layout, self.cpu_kernels,
+                                              config.quantize_head, self.device.type))
         if self.parallel:
             self.runner = self.parallel.attach(self.runner, pool)  # every step runs on every rank
         self.last_plan = None  # the plan of the latest step (the profiler and the validation read it)
@@ -154,7 +172,14 @@ class LLMEngine:
         return cls(config)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        """Write the cached blocks to the disk tier and stop its worker, stop the tensor-parallel workers, if any
+        (idempotent; the workers are also stopped at exit)."""
+        if self.disk is not None:
+            disk, self.disk = self.disk, None
+            self.memory.spill_all()
+            disk.close()
+            self.memory.disk.close()
+            self.memory.disk.poll()  # count what the worker finished
         if self.parallel is not None:
             self.parallel.close()
 
@@ -228,6 +253,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         plan = self.last_plan = self.scheduler.schedule()
+        if self.disk is not None:  # outside the try: a load that cannot land must not leave a published hash
+            self.disk.sync()  # spilled pages out, loaded ones in, before the step writes or reads a page
+            if plan.is_empty() and self.memory.disk.busy():
+                self.disk.wait(0.01)  # only reads from disk to wait for: do not spin
         try:
             sampled = self._sample(plan, self.runner.execute(plan))
         except Exception as e:  # noqa: BLE001 - one failing request must not take the others down

@@ -19,6 +19,9 @@ stored only when
 It is announced as removed as soon as one of its pages or its checkpoint is dropped. So every prefix depth the
 router credits is a hit this replica would take, if nothing is evicted meanwhile. The recurrent state itself
 (the GDN group) is never an event: it is the checkpoint's presence, folded into the block's.
+Each record names the medium it happened on (vLLM's `medium` field): `POOL` ("GPU", vLLM's name for the
+engine's own pool, whatever the device) or `DISK` (the disk tier, memory/disk_tier.py). A router keeps one
+`RouterView` per medium: a block evicted from the pool to disk is removed from the first and stored in the second.
 Event ids are the first 8 bytes of the engine's chain hash of the event block's last page (vLLM sends 64-bit
 ints too); the parent id is the previous event block's.
 """
@@ -34,6 +37,9 @@ CHECKPOINT = "checkpoint"  # a checkpoint was attached to a cached block
 BLOCK_GONE = "block_gone"  # a block left the cache (with its checkpoint, if it had one)
 CHECKPOINT_GONE = "checkpoint_gone"  # a block's checkpoint was dropped; its K/V stay
 
+POOL = "GPU"  # vLLM's medium name for the engine's own pool
+DISK = "DISK"  # the prefix cache's disk tier
+
 
 class CacheRecord(NamedTuple):
     """One change of the prefix cache, as the memory manager saw it. tokens and index only on BLOCK."""
@@ -43,6 +49,7 @@ class CacheRecord(NamedTuple):
     parent: BlockHash | None = None
     tokens: tuple[int, ...] | None = None
     index: int = -1
+    medium: str = POOL
 
 
 class Stored(NamedTuple):
@@ -69,8 +76,9 @@ class RouterView:
     Invariant: check().
     """
 
-    def __init__(self, block_size: int, event_block_size: int, checkpoints: bool = True):
-        """checkpoints: False for a model without GDN layers (every cached block ends a usable prefix)."""
+    def __init__(self, block_size: int, event_block_size: int, checkpoints: bool = True, medium: str = POOL):
+        """checkpoints: False for a model without GDN layers (every cached block ends a usable prefix). medium: the
+        records this view reads (the others are another view's)."""
         if block_size < 1 or event_block_size < block_size or event_block_size % block_size:
             raise ValueError(f"the event block ({event_block_size} tokens) must be a multiple of the page "
                              f"({block_size} tokens)")
@@ -78,6 +86,7 @@ class RouterView:
         self.event_block_size = event_block_size
         self.per_event = event_block_size // block_size  # pages per event block
         self.checkpoints = checkpoints
+        self.medium = medium
         self._root = root_hash(None)
         self._entries: dict[BlockHash, tuple[BlockHash, tuple[int, ...], int]] = {}  # hash -> parent, tokens, index
         self._prefill: set[BlockHash] = set()  # entries on the prefill path (their hash is the prefill hash)
@@ -90,11 +99,13 @@ class RouterView:
     def feed(self, records) -> list[Stored | Removed]:
         out: list[Stored | Removed] = []
         for r in records:
+            if r.medium != self.medium:
+                continue
             if r.kind == BLOCK:
                 self._add(r, out)
-            elif r.kind == CHECKPOINT:
+            elif r.kind == CHECKPOINT:  # on disk a checkpoint may arrive before its block's K/V: kept for it
+                self._ckpt.add(r.hash)
                 if r.hash in self._entries:
-                    self._ckpt.add(r.hash)
                     self._try(r.hash, out)
             elif r.kind == CHECKPOINT_GONE:
                 self._ckpt.discard(r.hash)

@@ -48,6 +48,10 @@ Choices (and why)
     eviction of whichever copy won the race.
   * Fail closed: reserving a save at a position that is not a block boundary, saving into a shared
     cached page, or admitting a hit that is no longer cached raises CheckpointError.
+  * A second tier on disk (attach_disk; memory/disk_tier.py): what eviction drops from the pool is spilled
+    there (pool -> disk -> gone), and a lookup that finds a longer hit through the disk waits while it is read
+    back (prepare_from_disk), then takes pool pages for it and publishes it like any cached block. The
+    manager decides; runner/disk_store.py moves the bytes before the step that reads them.
 """
 from __future__ import annotations
 
@@ -58,6 +62,7 @@ from typing import Callable, Sequence
 from ..errors import ConfigError
 from .layouts import CacheLayout, layout_for
 from .eviction import EvictionPolicy, LRUEviction
+from .disk_tier import CKPT, KV, DiskRecord, DiskStats, DiskTier
 from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, CacheRecord
 from .hashing import BlockHash, block_hash
 from .save_kind import SaveKind, zero_by_kind
@@ -84,6 +89,7 @@ class CacheEntry:
     checkpoint: tuple[int, ...] | None = None  # GDN state after the block's last token, if kept
     checkpoint_kind: SaveKind | None = None  # why it was taken
     hits: int = 0  # prefix hits that ended at this block (restored its checkpoint)
+    index: int = -1  # the block's index in its chain (the disk tier's KV events)
 
     def matches(self, parent: BlockHash, tokens: Sequence[int]) -> bool:
         return self.parent == parent and self.tokens == tuple(tokens)
@@ -184,6 +190,7 @@ class MemoryManager:
         self._seqs: dict[str, _Seq] = {}
         self.stats = MemoryStats()
         self.events: deque[CacheRecord] | None = None  # enable_events(): changes of the cache, for a router
+        self.disk: DiskTier | None = None  # attach_disk(): the second tier
 
     def enable_events(self) -> deque[CacheRecord]:
         """Record every change of the prefix cache (memory/events.py) into a deque, and return it: the engine's
@@ -193,7 +200,20 @@ class MemoryManager:
             raise RuntimeError("enable cache events before the cache holds anything")
         if self.events is None:
             self.events = deque()
+        if self.disk is not None:
+            self.disk.events = self.events
+            self.disk.announce()
         return self.events
+
+    def attach_disk(self, tier: DiskTier) -> None:
+        """Give the prefix cache a second tier on disk (module docstring). Call before the first request."""
+        if not self.caching:
+            raise ConfigError("a disk tier needs prefix caching on")
+        self.disk = tier
+        tier.events = self.events
+
+    def disk_stats(self) -> DiskStats:
+        return self.disk.stats if self.disk is not None else DiskStats()
 
     @classmethod
     def from_pool(cls, pool: Pool, caching: bool, eviction: EvictionPolicy | None = None) -> "MemoryManager":
@@ -294,6 +314,114 @@ class MemoryManager:
         if best == 0:
             return PrefixHit(0, self.block_size, num_matched_blocks=len(pages))
         return PrefixHit(best, self.block_size, tuple(pages[:best]), best_ckpt, tuple(hashes[:best]), len(pages))
+
+    # ------------------------------------------------------------------ the disk tier
+    def prepare_from_disk(self, root: BlockHash, hashes: Sequence[BlockHash],
+                          block_tokens: Callable[[int], Sequence[int]], max_blocks: int) -> bool:
+        """Bring back from disk what makes this prefix's hit longer than the pool's (find_prefix's arguments).
+
+        True: go ahead, find_prefix now returns the longest hit both tiers give (the records were staged and are
+        installed: pool pages taken, blocks published, their bytes queued to land before the step runs), or the
+        disk cannot help (nothing there, or no room in the pool: then the pool's hit). False: wait, reads are in
+        flight (a failed read drops its record, and the next call asks for what is left)."""
+        d = self.disk
+        if d is None or d.closed:
+            return True
+        d.poll()
+        want, chain = self._disk_want(root, hashes, block_tokens, max_blocks)
+        if not want:
+            return True
+        missing = [r for r in want if r.key not in d.staged]
+        for r in missing:
+            d.read(r)
+        if missing:
+            return False
+        self._install(want, chain)
+        return True
+
+    def _disk_want(self, root, hashes, block_tokens, max_blocks) -> tuple[list[DiskRecord], list[BlockHash]]:
+        """The records to read back for the longest hit through both tiers (K/V in chain order, then the
+        checkpoint), and that hit's chain; no records when the pool alone gives it."""
+        d, G = self.disk, self.num_gdn_groups
+        parent, best, best_ck, kv = root, 0, None, []
+        for j in range(min(max_blocks, len(hashes))):
+            h, toks = hashes[j], tuple(block_tokens(j))
+            e = self._cache.get(h)
+            if e is not None:
+                if not e.matches(parent, toks):
+                    break
+                in_pool = G == 0 or e.checkpoint is not None
+            else:
+                r = d.get(KV, h)
+                if r is None or not r.matches(parent, toks):
+                    break
+                kv.append((j, r))
+                in_pool = G == 0
+            ck = None if in_pool else d.get(CKPT, h)
+            if in_pool:
+                best, best_ck = j + 1, None
+            elif ck is not None and ck.matches(parent, toks):
+                best, best_ck = j + 1, ck
+            parent = h
+        want = [r for j, r in kv if j < best] + ([best_ck] if best_ck is not None else [])
+        return want, list(hashes[:best])
+
+    def _install(self, want: list[DiskRecord], chain: list[BlockHash]) -> None:
+        """Take pool pages for the staged records `want` and publish them; the chain's pool pages (and its
+        checkpoint's) are pinned meanwhile, so taking pages never evicts the hit being built. No room: nothing."""
+        d = self.disk
+        last = self._cache.get(chain[-1])
+        pinned = [self._cache[h].page for h in chain if h in self._cache]
+        pinned_ckpt = list(last.checkpoint) if self._pooled and last is not None and last.checkpoint else []
+        for p in pinned + pinned_ckpt:
+            self._ref_cached(p)
+        per = self.checkpoint_pages if self._pooled else 0
+        ckpt_pages: list[int] = []
+        if sum(1 if r.kind == KV else per for r in want) <= self.num_allocatable():
+            for r in want:
+                if r.kind == KV:
+                    p = self._take_page(ATTN)
+                    self._cache[r.hash] = CacheEntry(r.hash, r.parent, r.tokens, p, index=chain.index(r.hash))
+                    self._role[p] = r.hash
+                    d.load(r, (p,))
+                    d.stats.disk_hit_tokens += self.block_size
+                    if self.events is not None:
+                        self.events.append(CacheRecord(BLOCK, r.hash, r.parent, r.tokens, chain.index(r.hash)))
+                    continue
+                e = self._cache[r.hash]
+                if self._pooled:
+                    loc = tuple(self._take_page(i // self.pages_per_state) for i in range(per))
+                    for q in loc:
+                        self._role[q] = r.hash
+                    ckpt_pages.extend(loc)
+                else:
+                    loc = (e.page,)
+                e.checkpoint, e.checkpoint_kind = loc, SaveKind(r.ckpt_kind)
+                d.load(r, loc)
+                if self.events is not None:
+                    self.events.append(CacheRecord(CHECKPOINT, r.hash))
+        # every page below carries one reference of ours (pinned, or taken); a chain's tail is released (so
+        # evicted) before its head, its checkpoint last
+        for p in reversed([self._cache[h].page for h in chain if h in self._cache]):
+            self._release(p)
+        for q in pinned_ckpt + ckpt_pages:
+            self._release(q)
+
+    def spill_all(self) -> None:
+        """Queue a write of every cached block and checkpoint the disk lacks (at shutdown: the pool dies with
+        the process)."""
+        if self.disk is not None:
+            for e in list(self._cache.values()):
+                self._spill(e, True)
+
+    def _spill(self, e: CacheEntry, kv: bool) -> None:
+        """e's content leaves the pool: its K/V (kv) and its checkpoint, if it has one, go to disk."""
+        d = self.disk
+        if kv:
+            d.spill(DiskRecord(KV, e.hash, e.parent, e.tokens, d.sizes[KV], index=e.index), (e.page,))
+        if e.checkpoint is not None and self.num_gdn_groups:
+            d.spill(DiskRecord(CKPT, e.hash, e.parent, e.tokens, d.sizes[CKPT], SaveKind(e.checkpoint_kind).value,
+                               e.index), e.checkpoint)
 
     def pin_cost(self, hit: PrefixHit | None) -> int:
         """How many allocatable (evictable) pages taking this hit would pin."""
@@ -406,7 +534,7 @@ class MemoryManager:
             p = seq.pages[j]
             seq.keys.append((h, parent, toks))
             if h not in self._cache and p not in self._role:
-                self._cache[h] = CacheEntry(h, parent, toks, p)
+                self._cache[h] = CacheEntry(h, parent, toks, p, index=j)
                 self._role[p] = h
                 if self.events is not None:
                     self.events.append(CacheRecord(BLOCK, h, parent, toks, j))
@@ -491,6 +619,8 @@ class MemoryManager:
         h = self._role.pop(p)
         e = self._cache[h]
         self.stats.evictions += 1
+        if self.disk is not None:
+            self._spill(e, e.page == p)
         if e.checkpoint is not None:
             self.stats.checkpoints_evicted_by_kind[e.checkpoint_kind] += 1
         if e.page == p:
@@ -572,7 +702,7 @@ class MemoryManager:
         for j, (h, parent, toks) in enumerate(seq.keys):
             p = seq.pages[j]
             if p not in self._role and h not in self._cache:
-                self._cache[h] = CacheEntry(h, parent, toks, p)
+                self._cache[h] = CacheEntry(h, parent, toks, p, index=j)
                 self._role[p] = h
                 if self.events is not None:
                     self.events.append(CacheRecord(BLOCK, h, parent, toks, j))
@@ -668,3 +798,5 @@ class MemoryManager:
         fs = set(self._free_slots)
         assert len(fs) == len(self._free_slots) and not (fs & set(slots_seen))
         assert len(fs) + len(slots_seen) == self.num_slots and all(0 <= s < self.num_slots for s in fs)
+        if self.disk is not None:
+            self.disk.check_integrity()

@@ -109,6 +109,31 @@ class CacheStore:
         for l in range(len(self.conv)):
             _copy_bytes(self._slot_views(l, c.slot), self._page_views(l, c.location))
 
+    def record_views(self, kind: str, location: tuple[int, ...]) -> list[torch.Tensor]:
+        """The uint8 views a disk-tier record is made of, in record order (memory/disk_tier.py): "kv" every layer
+        position of page location[0]; "ckpt" every GDN layer's state bytes (conv, then recurrent) at a checkpoint
+        location. A record is these bytes as they are: what is written is what a load copies back."""
+        if kind == "kv":
+            (page,) = location
+            return [t[page] for t in self.pool]
+        return [v for l in range(len(self.conv)) for v in self._page_views(l, location)]
+
+    def read_record(self, kind: str, location: tuple[int, ...]) -> bytes:
+        views = self.record_views(kind, location)
+        return torch.cat(views).cpu().numpy().tobytes() if views else b""
+
+    def write_record(self, kind: str, location: tuple[int, ...], data) -> None:
+        """data: a writable buffer of exactly the record's bytes."""
+        views = self.record_views(kind, location)
+        if views:
+            _copy_bytes(views, [torch.frombuffer(data, dtype=torch.uint8).to(views[0].device)])
+
+    def record_bytes(self, kind: str) -> int:
+        """The payload size of a record of `kind` (the same for every record of a store)."""
+        if kind == "kv":
+            return len(self.pool) * self.page_bytes
+        return len(self.conv) * (self.conv_bytes + self.ssm_bytes)
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.pool + self.conv + self.ssm + self.ckpt_conv + self.ckpt_ssm)
 

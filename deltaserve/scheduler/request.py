@@ -50,6 +50,7 @@ class Request:
     num_computed_tokens: int = 0  # tokens whose K/V and GDN state are in this request's memory
     num_cached_tokens: int = 0  # prompt tokens served by the cache when first scheduled (a block multiple)
     num_preemptions: int = 0
+    disk_wait: bool = False  # its prefix hit is being read back from the disk tier (Scheduler.admit)
     fork_point: int = 0  # where a cached chain without a checkpoint ends: a checkpoint is taken there (Scheduler._saves)
     finish_reason: str | None = None
     page_ids: tuple[int, ...] = ()  # attention page table (a snapshot, refreshed every step it runs)

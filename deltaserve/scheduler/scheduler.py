@@ -205,7 +205,7 @@ class Scheduler:
     def counters(self) -> dict[str, object]:
         """Every monotonic counter of the scheduler and of its memory manager, by its one name (EngineStats'), the
         by-kind dicts copied."""
-        return {**asdict(self.memory.stats), **asdict(self.stats)}
+        return {**asdict(self.memory.stats), **asdict(self.stats), **asdict(self.memory.disk_stats())}
 
     def usage(self) -> MemoryUsage:
         return self.memory.usage()
@@ -238,10 +238,12 @@ class Scheduler:
                 continue
             self.schedule_running(req, start, end, False)
         if not self._preempted and not stalled:  # 3. waiting, FCFS
-            while (self.waiting and self._budget > 0 and len(self.running) < self.max_num_seqs
-                   and self.memory.num_free_slots and not self._prefills_full()):
-                if not self.admit(self.waiting[0]):
+            for req in list(self.waiting):
+                if not (self._budget > 0 and len(self.running) < self.max_num_seqs and self.memory.num_free_slots
+                        and not self._prefills_full()):
                     break
+                if not self.admit(req) and not req.disk_wait:
+                    break  # a request whose blocks are being read from disk waits; those behind it go on
         if not self._recs and not self.waiting:  # 4. background jobs, only in a step nobody else has work for
             self.jobs.schedule()
         return self._build_plan()
@@ -399,7 +401,15 @@ class Scheduler:
         if self.caching and not req.skip_cache_lookup and not (req.prompt_logprobs and not req._prompt_done):
             nb = total // bs if req.background else (total - 1) // bs  # a hit leaves a token to sample from
             hashes = req.block_hashes(nb, bs)
-            hit = mem.find_prefix(req.root_hash, hashes, lambda j: req.tokens(j * bs, (j + 1) * bs), nb)
+
+            def block_tokens(j: int):
+                return req.tokens(j * bs, (j + 1) * bs)
+
+            # the disk tier: a longer hit there is read back first (the request waits, the step goes on)
+            req.disk_wait = not req.background and not mem.prepare_from_disk(req.root_hash, hashes, block_tokens, nb)
+            if req.disk_wait:
+                return False
+            hit = mem.find_prefix(req.root_hash, hashes, block_tokens, nb)
         start = hit.num_tokens if hit is not None else 0
         if req.background and not self.jobs.worth_running(req, start, hit):
             self.jobs.drop(req)
@@ -429,7 +439,10 @@ class Scheduler:
             req.num_cached_tokens = start
         req.status = RequestStatus.RUNNING
         req.num_computed_tokens = start
-        queue.popleft()
+        if queue[0] is req:
+            queue.popleft()
+        else:  # a request ahead of it waits for the disk tier
+            queue.remove(req)
         self.running.append(req)
         self._recs[rid] = rec
         self._budget -= end - start

@@ -17,7 +17,8 @@ Wire format (vLLM's vllm/distributed/kv_events.py, as its ZmqEventPublisher send
             "kv_cache_spec_kind": "full_attention"}
            {"type": "BlockRemoved", "block_hashes": [id], "medium": "GPU", "group_idx": 0}
            {"type": "AllBlocksCleared"}
-"medium" is vLLM's name for the engine's own pool (the router's device tier), whatever the device. An optional
+"medium" is vLLM's name for the engine's own pool (the router's device tier), whatever the device; "DISK" for the
+prefix cache's disk tier (--cache-disk), announced by a second RouterView under the same rule. An optional
 replay socket (ZMQ ROUTER, `replay_endpoint`) answers [client, "", start seq] with every buffered batch from
 that seq on, then seq -1 and an empty payload, as vLLM's does.
 """
@@ -30,11 +31,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, fields
 
-from ..memory.events import Removed, RouterView, Stored
+from ..memory.events import DISK, POOL, Removed, RouterView, Stored
 
 log = logging.getLogger("deltaserve.server")
 
-MEDIUM = "GPU"  # vLLM's word for the engine's own KV pool
+MEDIUM = POOL  # vLLM's word for the engine's own KV pool
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -109,12 +110,12 @@ def event_block_size(engine) -> int:
     return -(-cfg.checkpoint_grid // bs) * bs
 
 
-def encode_event(ev: Stored | Removed, block_size: int) -> dict:
+def encode_event(ev: Stored | Removed, block_size: int, medium: str = MEDIUM) -> dict:
     if isinstance(ev, Stored):
         return {"type": "BlockStored", "block_hashes": [ev.block_hash], "parent_block_hash": ev.parent_block_hash,
-                "token_ids": list(ev.token_ids), "block_size": block_size, "lora_id": None, "medium": MEDIUM,
+                "token_ids": list(ev.token_ids), "block_size": block_size, "lora_id": None, "medium": medium,
                 "lora_name": None, "group_idx": 0, "kv_cache_spec_kind": "full_attention"}
-    return {"type": "BlockRemoved", "block_hashes": [ev.block_hash], "medium": MEDIUM, "group_idx": 0}
+    return {"type": "BlockRemoved", "block_hashes": [ev.block_hash], "medium": medium, "group_idx": 0}
 
 
 def encode_batch(events: list[dict], ts: float | None = None, dp_rank: int = 0) -> bytes:
@@ -171,6 +172,7 @@ class KVEventPublisher:
         """Start publishing what the manager records into `records` (MemoryManager.enable_events())."""
         assert self._thread is None, "attached twice"
         self.records, self.view = records, view
+        self.disk_view = RouterView(view.block_size, view.event_block_size, view.checkpoints, medium=DISK)
         self._thread = threading.Thread(target=self._run, name="deltaserve-kv-events", daemon=True)
         self._thread.start()
         log.info("KV events on %s (event block %d tokens)", self.config.endpoint, view.event_block_size)
@@ -183,10 +185,11 @@ class KVEventPublisher:
             out.append(recs.popleft())
         if not out:
             return 0
-        events = self.view.feed(out)
+        events = [encode_event(e, v.event_block_size, v.medium) for v in (self.view, self.disk_view)
+                  for e in v.feed(out)]
         if not events:
             return 0
-        payload = encode_batch([encode_event(e, self.view.event_block_size) for e in events])
+        payload = encode_batch(events)
         seq = self._seq
         self._seq += 1
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))

@@ -48,6 +48,23 @@ _COUNTERS = (
 )
 
 
+# The prefix cache's disk tier (--cache-disk): gauges, then counters
+_DISK_GAUGES = (
+    ("deltaserve_disk_bytes", "disk_bytes", "Bytes the disk tier's records take."),
+    ("deltaserve_disk_records", "disk_records", "Records (blocks' K/V and GDN checkpoints) in the disk tier."),
+)
+_DISK_COUNTERS = (
+    ("deltaserve_disk_writes", "disk_writes", "Records written to the disk tier."),
+    ("deltaserve_disk_write_bytes", "disk_write_bytes", "Bytes written to the disk tier."),
+    ("deltaserve_disk_write_errors", "disk_write_errors", "Disk-tier writes that failed or did not fit."),
+    ("deltaserve_disk_reads", "disk_reads", "Records read back from the disk tier and verified."),
+    ("deltaserve_disk_read_bytes", "disk_read_bytes", "Bytes read back from the disk tier."),
+    ("deltaserve_disk_read_errors", "disk_read_errors", "Disk-tier records found corrupt, torn or missing (misses)."),
+    ("deltaserve_disk_read_seconds", "disk_read_seconds", "Summed disk-tier read latency, request to verified bytes."),
+    ("deltaserve_disk_evictions", "disk_evictions", "Records deleted to keep the disk tier in its budget."),
+    ("deltaserve_disk_hit_tokens", "disk_hit_tokens", "Prefix-hit tokens whose K/V came back from the disk tier."),
+)
+
 # Labelled by checkpoint kind (the SaveKind values): (metric name, EngineStats field, help)
 _BY_KIND = (
     ("deltaserve_checkpoints_saved_by_kind", "checkpoints_saved_by_kind", "GDN checkpoints saved, by why they were taken."),
@@ -95,14 +112,14 @@ class _EngineStatsCollector:
         stats = self._get()
         if stats is None:
             return
-        for name, field, doc in _GAUGES + _CHECKPOINT_GAUGES:
+        for name, field, doc in _GAUGES + _CHECKPOINT_GAUGES + _DISK_GAUGES:
             v = getattr(stats, field, None)
             if v is None:
                 continue
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(v))
             yield g
-        for name, field, doc in _COUNTERS:
+        for name, field, doc in _COUNTERS + _DISK_COUNTERS:
             v = getattr(stats, field, None)
             if v is None:
                 continue

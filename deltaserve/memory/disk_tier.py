@@ -1,0 +1,245 @@
+"""The disk tier's bookkeeping: which blocks and checkpoints live on local disk, what to write and what to read.
+No torch, no file I/O: the memory manager decides, runner/disk_store.py moves the bytes.
+
+Two kinds of record, each under the block hash of the prefix cache (memory/hashing.py: the cache_salt is in the
+chain, so a salted prefix is nobody else's hit on disk either):
+  kv    the K/V of one block: every layer position of its attention page;
+  ckpt  the GDN checkpoint taken after the block's last token: every GDN layer's state bytes.
+A record carries the block's parent hash and tokens, and a lookup compares them, as the pool's does.
+
+The life of a record:
+  * spill    a pool page whose content the manager evicts (or, at shutdown, every cached block) is queued for
+             writing (`Spill`): the record enters the index at once, so the next lookup can count on it; the
+             bytes are copied out of the pool before the next step runs, and the I/O worker writes them;
+  * read     a lookup that finds a longer hit through the disk than in the pool asks for the records it
+             lacks (`read`); the request waits in the scheduler while they are read and verified;
+  * stage    a verified record's bytes wait in the worker (`staged`);
+  * load     once every record of the hit is staged, the manager takes pool pages for them, publishes them
+             in the prefix cache and queues a `Load`; the bytes are copied into those pages before the
+             step that may read them runs (the same ordering rule as a save: publish before anyone reads,
+             the bytes land first in the step);
+  * evict    over the byte budget, the least recently used record goes (`delete`).
+A failed write or read (a full disk, a corrupt or missing file) drops the record from the index: a miss.
+
+Invariants (check_integrity): the index's byte count equals the sum of its records; it never exceeds the
+budget; a staged or reading key is in the index or was dropped since (its bytes are then never loaded).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, DISK, CacheRecord
+from .hashing import BlockHash
+
+KV = "kv"
+CKPT = "ckpt"
+HEADER_BYTES = 4096  # what a record's header is charged against the budget (the real one is smaller)
+
+
+@dataclass(frozen=True)
+class DiskRecord:
+    """What the index knows of one record; the file's header holds the same fields."""
+
+    kind: str  # KV or CKPT
+    hash: BlockHash
+    parent: BlockHash
+    tokens: tuple[int, ...]
+    nbytes: int  # payload bytes
+    ckpt_kind: str | None = None  # a checkpoint's SaveKind value
+    index: int = -1  # the block's index in its chain (KV events)
+
+    @property
+    def key(self) -> tuple[str, BlockHash]:
+        return self.kind, self.hash
+
+    def matches(self, parent: BlockHash, tokens) -> bool:
+        return self.parent == parent and self.tokens == tuple(tokens)
+
+
+@dataclass(frozen=True)
+class Spill:
+    """Write the bytes at `location` (kv: (page,); ckpt: the checkpoint's location) as `record`."""
+
+    record: DiskRecord
+    location: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Load:
+    """Copy the staged bytes of `record` into `location` (pages taken for it this step)."""
+
+    record: DiskRecord
+    location: tuple[int, ...]
+
+
+@dataclass
+class DiskStats:
+    """The tier's counters and gauges, each under its EngineStats field and metric name."""
+
+    disk_bytes: int = 0  # gauge: bytes the records on disk take (headers charged HEADER_BYTES)
+    disk_records: int = 0  # gauge
+    disk_writes: int = 0  # records written
+    disk_write_bytes: int = 0
+    disk_write_errors: int = 0  # writes that failed (a full disk, an I/O error): those records are misses
+    disk_reads: int = 0  # records read and verified
+    disk_read_bytes: int = 0
+    disk_read_errors: int = 0  # reads that failed (corrupt, torn, missing): misses
+    disk_read_seconds: float = 0.0  # summed latency of the reads, from request to verified bytes
+    disk_evictions: int = 0  # records deleted to stay under the budget
+    disk_hit_tokens: int = 0  # prefix-hit tokens whose K/V came back from disk
+
+
+class DiskTier:
+    """The index of the records on disk and the queue of work for the I/O worker. See the module docstring."""
+
+    def __init__(self, capacity: int, kv_bytes: int, ckpt_bytes: int):
+        self.capacity = capacity
+        self.sizes = {KV: kv_bytes, CKPT: ckpt_bytes}
+        self._index: OrderedDict[tuple[str, BlockHash], DiskRecord] = OrderedDict()  # least recently used first
+        self._ops: list[tuple[str, object]] = []  # ("write", Spill) | ("read", DiskRecord) | ("delete", key)
+        self._loads: list[Load] = []
+        self._loading_now: set[tuple[str, BlockHash]] = set()  # installed since the ops were last taken
+        self.reading: set[tuple[str, BlockHash]] = set()
+        self.staged: set[tuple[str, BlockHash]] = set()
+        # the I/O worker's thread appends (op, key, ok, seconds, nbytes); the engine's thread pops (atomic)
+        self.done: deque[tuple[str, tuple[str, BlockHash], bool, float, int]] = deque()
+        self.bytes = 0
+        self.stats = DiskStats()
+        self.closed = False  # the engine shut down: nothing more is written or read
+        self.events = None  # the manager's KV-event deque, when enabled: records on the DISK medium
+
+    def close(self) -> None:
+        self.closed = True
+
+    # ------------------------------------------------------------------ the index
+    def get(self, kind: str, h: BlockHash) -> DiskRecord | None:
+        return self._index.get((kind, h))
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def charge(self, rec: DiskRecord) -> int:
+        return rec.nbytes + HEADER_BYTES
+
+    def add(self, rec: DiskRecord) -> bool:
+        """Enter rec in the index, evicting the least recently used records to make room. False: it cannot fit."""
+        if rec.key in self._index:
+            return True
+        need = self.charge(rec)
+        if need > self.capacity:
+            return False
+        while self.bytes + need > self.capacity:
+            old_key, old = self._index.popitem(last=False)
+            self._forget(old)
+            self._ops.append(("delete", old_key))
+            self.stats.disk_evictions += 1
+        self._index[rec.key] = rec
+        self.bytes += need
+        self._gauges()
+        self._event(rec, True)
+        return True
+
+    def _event(self, rec: DiskRecord, stored: bool) -> None:
+        if self.events is not None:
+            if rec.kind == KV:
+                self.events.append(CacheRecord(BLOCK, rec.hash, rec.parent, rec.tokens, rec.index, DISK) if stored
+                                   else CacheRecord(BLOCK_GONE, rec.hash, medium=DISK))
+            else:
+                self.events.append(CacheRecord(CHECKPOINT if stored else CHECKPOINT_GONE, rec.hash, medium=DISK))
+
+    def announce(self) -> None:
+        """Record every record already on disk as stored (KV events enabled after start-up)."""
+        for rec in sorted(self._index.values(), key=lambda r: r.kind != KV):
+            self._event(rec, True)
+
+    def adopt(self, records) -> None:
+        """Records found on disk at start-up, oldest first (the index's LRU order)."""
+        for rec in records:
+            self.add(rec)
+
+    def touch(self, key) -> None:
+        if key in self._index:
+            self._index.move_to_end(key)
+
+    def drop(self, key) -> None:
+        """Forget a record (its write or read failed) and delete its file."""
+        rec = self._index.pop(key, None)
+        if rec is not None:
+            self._forget(rec)
+            self._ops.append(("delete", key))
+            self._gauges()
+
+    def _forget(self, rec: DiskRecord) -> None:
+        self.bytes -= self.charge(rec)
+        self.staged.discard(rec.key)
+        self._event(rec, False)
+
+    def _gauges(self) -> None:
+        self.stats.disk_bytes, self.stats.disk_records = self.bytes, len(self._index)
+
+    # ------------------------------------------------------------------ decisions the manager takes
+    def spill(self, rec: DiskRecord, location: tuple[int, ...]) -> None:
+        """Queue a write of the pool bytes at location, unless the record is on disk already or its bytes are
+        not in the pool yet (loaded this step: they land after the spills are copied)."""
+        if self.closed or rec.key in self._index or rec.key in self._loading_now:
+            return
+        if self.add(rec):
+            self._ops.append(("write", Spill(rec, location)))
+        else:
+            self.stats.disk_write_errors += 1
+
+    def read(self, rec: DiskRecord) -> None:
+        if rec.key not in self.reading and rec.key not in self.staged:
+            self.reading.add(rec.key)
+            self._ops.append(("read", rec))
+
+    def load(self, rec: DiskRecord, location: tuple[int, ...]) -> None:
+        self.staged.discard(rec.key)
+        self._loading_now.add(rec.key)
+        self._loads.append(Load(rec, location))
+        self.touch(rec.key)
+
+    def poll(self) -> None:
+        """Take what the worker finished: failed writes and reads drop their record (a miss)."""
+        while self.done:
+            op, key, ok, seconds, nbytes = self.done.popleft()
+            if op == "read":
+                self.reading.discard(key)
+                if ok and key in self._index:
+                    self.staged.add(key)
+                    self.stats.disk_reads += 1
+                    self.stats.disk_read_bytes += nbytes
+                    self.stats.disk_read_seconds += seconds
+                elif not ok:
+                    self.stats.disk_read_errors += 1
+                    self.drop(key)
+            elif op == "write":
+                if ok:
+                    self.stats.disk_writes += 1
+                    self.stats.disk_write_bytes += nbytes
+                else:
+                    self.stats.disk_write_errors += 1
+                    self.drop(key)
+
+    def take(self) -> tuple[list[tuple[str, object]], list[Load]]:
+        """The worker's ops (in order) and the loads, for the engine to carry out before the step runs."""
+        ops, loads = self._ops, self._loads
+        self._ops, self._loads, self._loading_now = [], [], set()
+        return ops, loads
+
+    def busy(self) -> bool:
+        """Reads in flight: a request may be waiting for them."""
+        return bool(self.reading)
+
+    def check_integrity(self) -> None:
+        total = 0
+        for key, rec in self._index.items():
+            assert key == rec.key and rec.kind in self.sizes and rec.nbytes == self.sizes[rec.kind], \
+                f"disk record {key!r} does not match its kind's size"
+            total += self.charge(rec)
+        assert total == self.bytes, "disk tier bytes do not match its records"
+        assert self.bytes <= self.capacity, "disk tier over its budget"
+        assert not (self.reading & self.staged), "a record both read and staged"
+        assert self.staged <= set(self._index), "a staged record left the index"
+        assert self.stats.disk_bytes == self.bytes and self.stats.disk_records == len(self._index)

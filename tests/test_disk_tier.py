@@ -1,0 +1,329 @@
+"""The prefix cache's disk tier (--cache-disk) on the tiny model: restart, pressure and fault gates.
+
+Every turn served through the disk is compared with its cold twin (the same prompt computed from scratch):
+tokens identical and logprobs bit-identical. A fault (a flipped byte, a truncated record, another fingerprint, a
+full disk, a write killed midway) must give a miss and a log line, never a wrong answer or a crash.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import random
+import shutil
+import stat
+
+import pytest
+from util import make_llm, random_tokens, run, signature
+
+LAYOUTS = ["in-page", "runs", "per-block"]
+
+
+def _session(seed: int, n: int = 700):
+    rng = random.Random(seed)
+    return rng, random_tokens(rng, n)
+
+
+def _cold(layout: str, prompts, **kw):
+    cold = make_llm(cache_layout=layout, **kw)
+    return [signature(o) for o in run(cold, prompts)]
+
+
+def _turns(layout: str, directory: str, seed: int = 0, **kw):
+    """Turn 1 on an engine over `directory`, closed; the turn-2 prompt (turn 1 + its outputs + new tokens)."""
+    rng, p1 = _session(seed)
+    llm = make_llm(cache_layout=layout, cache_disk=directory, **kw)
+    out = run(llm, [p1])[0]
+    llm.close()
+    return p1 + out.outputs[0].token_ids + random_tokens(rng, 150)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_restart_hits_from_disk_and_equals_cold(layout, tmp_path):
+    d = str(tmp_path / "tier")
+    turn2 = _turns(layout, d)
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    recs = [n for n in os.listdir(d) if n.endswith(".rec")]
+    assert recs and all(stat.S_IMODE(os.stat(os.path.join(d, n)).st_mode) == 0o600 for n in recs)
+    llm = make_llm(cache_layout=layout, cache_disk=d)
+    out = run(llm, [turn2])[0]
+    s = llm.engine.stats()
+    llm.engine.memory.check_integrity()
+    assert out.num_cached_tokens >= 640 and s.disk_hit_tokens >= 640 and s.disk_reads > 0 and not s.disk_read_errors
+    assert signature(out) == _cold(layout, [turn2])[0]
+    llm.close()
+    from deltaserve.server.metrics import ServerMetrics
+
+    text = ServerMetrics(llm.engine.stats, "m").render().decode()
+    assert f'deltaserve_disk_hit_tokens_total{{model_name="m"}} {float(s.disk_hit_tokens)}' in text
+    assert "deltaserve_disk_bytes" in text and "deltaserve_disk_read_seconds_total" in text
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pressure_blocks_evicted_to_disk_come_back_bit_exact(layout, tmp_path):
+    """A pool that holds about one session: the others' blocks go to disk and come back for their next turn."""
+    from test_engine import _budget_for_pages
+
+    rng = random.Random(5)
+    firsts = [random_tokens(rng, 450) for _ in range(4)]
+    pages = {"in-page": 12, "per-block": 10, "runs": 30}[layout]
+    kw = {"kv_cache_memory": _budget_for_pages(pages, layout), "max_num_seqs": 6, "checkpoint_grid": 0}
+    llm = make_llm(cache_layout=layout, cache_disk=str(tmp_path / "tier"), **kw)
+    # one session at a time: each evicts the ones before, whose next turns then need the disk
+    seconds = [p + run(llm, [p])[0].outputs[0].token_ids + random_tokens(rng, 100) for p in firsts]
+    outs = [run(llm, [p])[0] for p in seconds]
+    s = llm.engine.stats()
+    llm.engine.memory.check_integrity()
+    assert s.evictions > 0 and s.disk_writes > 0 and s.disk_hit_tokens > 0 and not s.disk_read_errors
+    assert all(o.num_cached_tokens >= 384 for o in outs) and s.disk_hit_tokens >= 4 * 384
+    assert [signature(o) for o in outs] == _cold(layout, seconds)
+    llm.close()
+
+
+# ---------------------------------------------------------------- faults
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """A tier directory after one turn, the next turn's prompt and that turn's cold signature (runs layout)."""
+    d = str(tmp_path_factory.mktemp("filled") / "tier")
+    turn2 = _turns("runs", d, seed=1)
+    return d, turn2, _cold("runs", [turn2])[0]
+
+
+def _second_turn(filled, tmp_path, tamper=None, **kw):
+    src, turn2, cold = filled
+    d = str(tmp_path / "tier")
+    shutil.copytree(src, d)
+    os.remove(os.path.join(d, "LOCK"))
+    if tamper is not None:
+        tamper(d)
+    llm = make_llm(cache_disk=d, **kw)
+    out = run(llm, [turn2])[0]
+    s = llm.engine.stats()
+    llm.engine.memory.check_integrity()
+    llm.close()
+    assert signature(out) == cold, "a fault must never change the answer"
+    return out, s, d
+
+
+def _records(d: str, kind: str = "") -> list[str]:
+    return sorted(os.path.join(d, n) for n in os.listdir(d) if n.endswith(".rec") and n.startswith(kind))
+
+
+def test_a_flipped_byte_is_a_miss(filled, tmp_path, caplog):
+    def flip(d):
+        for path in _records(d, "ckpt"):
+            with open(path, "r+b") as f:
+                f.seek(os.path.getsize(path) - 100)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0x10]))
+
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        out, s, _ = _second_turn(filled, tmp_path, flip)
+    assert s.disk_read_errors >= 1 and out.num_cached_tokens == 0
+    assert "checksum mismatch (corrupt)" in caplog.text and "a miss" in caplog.text
+
+
+def test_a_truncated_record_is_a_miss(filled, tmp_path, caplog):
+    def truncate(d):
+        for path in _records(d, "ckpt"):
+            os.truncate(path, os.path.getsize(path) // 2)
+
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        out, s, _ = _second_turn(filled, tmp_path, truncate)
+    assert out.num_cached_tokens == 0 and s.disk_reads == 0
+    assert "truncated" in caplog.text
+
+
+def test_a_fingerprint_mismatch_discards_the_tier(filled, tmp_path, caplog):
+    def other_model(d):
+        path = os.path.join(d, "FINGERPRINT")
+        with open(path) as f:
+            fp = json.load(f)
+        fp["model"] = "another model's digest"
+        with open(path, "w") as f:
+            json.dump(fp, f)
+
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        out, s, _ = _second_turn(filled, tmp_path, other_model)
+    assert out.num_cached_tokens == 0 and s.disk_reads == 0
+    assert "fingerprint mismatch (model differ)" in caplog.text
+
+
+def test_a_record_of_another_fingerprint_is_discarded(filled, tmp_path, caplog):
+    """The directory's fingerprint matches but a record's header carries another (copied from elsewhere)."""
+    def foreign(d):
+        from deltaserve.runner import disk_store
+
+        for path in _records(d, "kv"):
+            with open(path, "rb") as f:
+                data = f.read()
+            hlen, _ = disk_store._HEAD.unpack(data[8:disk_store._PREFIX])
+            header = data[disk_store._PREFIX:disk_store._PREFIX + hlen]
+            d0 = json.loads(header)["fingerprint"]
+            with open(path, "wb") as f:
+                f.write(data.replace(d0.encode(), b"0" * len(d0), 1))
+
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        out, _, _ = _second_turn(filled, tmp_path, foreign)
+    assert out.num_cached_tokens == 0 and "another fingerprint" in caplog.text
+
+
+def test_a_write_killed_midway_leaves_no_record_that_can_hit(filled, tmp_path, caplog):
+    """kill -9 during a write leaves its temp file (never a record under the final name): removed at start-up; the
+    records that were whole still hit."""
+    def killed(d):
+        victim = _records(d, "ckpt")[-1]
+        with open(victim, "rb") as f:
+            data = f.read()
+        name = os.path.basename(victim)
+        with open(os.path.join(d, f".tmp-{name}-4242-1"), "wb") as f:
+            f.write(data[: len(data) // 3])
+
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        out, s, d = _second_turn(filled, tmp_path, killed)
+    assert out.num_cached_tokens > 0 and not s.disk_read_errors
+    assert "did not finish (a crash)" in caplog.text
+    assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+
+
+def test_a_full_disk_drops_the_records(filled, tmp_path, caplog, monkeypatch):
+    from deltaserve.runner import disk_store
+
+    real = disk_store._write_all
+
+    def full(fd, data):
+        if len(data) > 10_000:  # the header goes in, the payload does not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(disk_store, "_write_all", full)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        _, _, d = _second_turn(filled, tmp_path)  # the close writes the new turn's blocks: each fails
+    assert "the disk is full" in caplog.text
+    assert not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+    monkeypatch.setattr(disk_store, "_write_all", real)
+
+
+def test_a_budget_too_small_for_any_record_writes_nothing(tmp_path):
+    d = str(tmp_path / "tier")
+    _, p1 = _session(2, 300)
+    llm = make_llm(cache_disk=d, cache_disk_bytes=10_000)
+    run(llm, [p1])
+    llm.close()
+    s = llm.engine.stats()
+    assert s.disk_write_errors > 0 and s.disk_records == 0 and not _records(d)
+
+
+def test_a_directory_in_use_is_refused(tmp_path):
+    from deltaserve.config import ConfigError
+
+    d = str(tmp_path / "tier")
+    llm = make_llm(cache_disk=d)
+    with pytest.raises(ConfigError, match="in use"):
+        make_llm(cache_disk=d)
+    llm.close()
+    make_llm(cache_disk=d).close()
+
+
+def test_config_refuses_a_disk_tier_without_caching():
+    from deltaserve.config import ConfigError, EngineConfig
+
+    with pytest.raises(ConfigError, match="--cache-disk"):
+        EngineConfig(cache_disk="/tmp/x", enable_prefix_caching=False)
+    with pytest.raises(ConfigError, match="--cache-disk-bytes"):
+        EngineConfig(cache_disk_bytes=0)
+
+
+# ---------------------------------------------------------------- the manager's decisions, torch-free
+
+
+def test_manager_spills_what_it_evicts_and_reads_it_back():
+    from deltaserve.memory import MemoryManager, block_hash, root_hash
+    from deltaserve.memory.disk_tier import CKPT, HEADER_BYTES, KV, DiskTier
+    from deltaserve.memory.events import DISK, POOL, RouterView, Stored
+
+    bs = 4
+    mem = MemoryManager(num_pages=8, num_slots=2, block_size=bs, num_gdn_groups=1, layout="in-page")
+    tier = DiskTier(20 * (HEADER_BYTES + 8), 8, 8)
+    mem.attach_disk(tier)
+    records = mem.enable_events()
+    pool_view, disk_view = RouterView(bs, 3 * bs), RouterView(bs, 3 * bs, medium=DISK)
+
+    def keys(tokens):
+        out, parent = [], root_hash(None)
+        for j in range(len(tokens) // bs):
+            h = block_hash(parent, tokens[j * bs:(j + 1) * bs])
+            out.append((h, parent, tokens[j * bs:(j + 1) * bs]))
+            parent = h
+        return out
+
+    def compute(sid, tokens):
+        mem.admit(sid)
+        mem.append_pages(sid, len(tokens))
+        mem.reserve_checkpoint(sid, len(tokens), "prompt")
+        mem.publish(sid, keys(tokens))
+        mem.commit_checkpoints(sid)
+        mem.free(sid)
+        mem.check_integrity()
+
+    def worker():  # what runner/disk_store.py does: every write and read succeeds
+        ops, loads = tier.take()
+        for op, arg in ops:
+            if op in ("write", "read"):
+                rec = arg.record if op == "write" else arg
+                tier.done.append((op, rec.key, True, 0.001, rec.nbytes))
+        return ops, loads
+
+    a = list(range(1, 13))
+    compute("a", a)
+    assert not tier.take()[0]  # nothing evicted: nothing written
+    compute("b", list(range(100, 128)))  # seven pages and a checkpoint: a's blocks and checkpoint leave the pool
+    ops, _ = worker()
+    written = {arg.record.key for op, arg in ops if op == "write"}
+    ha = [k[0] for k in keys(a)]
+    assert {(KV, h) for h in ha} | {(CKPT, ha[-1])} <= written and mem.stats.evictions > 0
+    assert [e for e in pool_view.feed(list(records)) if isinstance(e, Stored)]
+    stored = [e for e in disk_view.feed(list(records)) if isinstance(e, Stored)]
+    assert [e.token_ids for e in stored] == [tuple(a)]  # the disk announces a's prefix under the DISK medium
+    assert all(r.medium in (POOL, DISK) for r in records)
+
+    def tokens_of(j):
+        return a[j * bs:(j + 1) * bs]
+
+    assert mem.find_prefix(root_hash(None), ha, tokens_of, 3).num_blocks == 0
+    assert not mem.prepare_from_disk(root_hash(None), ha, tokens_of, 3)  # reads asked for: wait
+    ops, _ = worker()
+    assert sorted(arg.key for op, arg in ops if op == "read") == sorted({(KV, h) for h in ha} | {(CKPT, ha[-1])})
+    mem.check_integrity()
+    assert mem.prepare_from_disk(root_hash(None), ha, tokens_of, 3)  # staged: installed in the pool
+    hit = mem.find_prefix(root_hash(None), ha, tokens_of, 3)
+    assert hit.num_blocks == 3 and tier.stats.disk_hit_tokens == 3 * bs and tier.stats.disk_reads == 4
+    _, loads = worker()
+    assert sorted(ld.record.key for ld in loads) == sorted({(KV, h) for h in ha} | {(CKPT, ha[-1])})
+    assert {ld.location for ld in loads if ld.record.kind == KV} == {(p,) for p in hit.page_ids}
+    mem.check_integrity()
+    mem.admit("c", hit)
+    mem.free("c")
+    mem.check_integrity()
+
+
+def test_a_failed_read_is_a_miss_and_the_next_lookup_asks_for_what_is_left():
+    from deltaserve.memory.disk_tier import HEADER_BYTES, KV, DiskRecord, DiskTier
+
+    tier = DiskTier(2 * (HEADER_BYTES + 8), 8, 8)
+    r1, r2, r3 = (DiskRecord(KV, bytes([i]) * 32, b"p" * 32, (i,), 8) for i in range(3))
+    tier.adopt([r1, r2])
+    tier.read(r1)
+    tier.done.append(("read", r1.key, False, 0.0, 0))
+    tier.poll()
+    assert tier.get(KV, r1.hash) is None and tier.stats.disk_read_errors == 1
+    assert tier.add(r3) and tier.add(DiskRecord(KV, b"x" * 32, b"p" * 32, (9,), 8))  # r2 evicted (LRU)
+    assert tier.get(KV, r2.hash) is None and tier.stats.disk_evictions == 1
+    ops, _ = tier.take()
+    assert [op for op, _ in ops] == ["read", "delete", "delete"]
+    tier.check_integrity()
+    assert not tier.add(DiskRecord(KV, b"y" * 32, b"p" * 32, (9,), 3 * HEADER_BYTES))  # bigger than the budget
