@@ -327,3 +327,14 @@ def test_a_failed_read_is_a_miss_and_the_next_lookup_asks_for_what_is_left():
     assert [op for op, _ in ops] == ["read", "delete", "delete"]
     tier.check_integrity()
     assert not tier.add(DiskRecord(KV, b"y" * 32, b"p" * 32, (9,), 3 * HEADER_BYTES))  # bigger than the budget
+
+
+def test_fleet_bench_runs_a_disk_arm(tmp_path, capsys):
+    from deltaserve.bench import main
+
+    rc = main(["fleet", "--preset", "tiny", "--sessions", "3", "--turns", "2", "--shared-tokens", "300",
+               "--new-tokens", "20,40", "--output-tokens", "4", "--kv-cache-memory", "12M", "--arms", "runs",
+               "--cache-disk", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| runs |" in text and "| runs+disk |" in text and "| disk arm | hit tokens from disk |" in text

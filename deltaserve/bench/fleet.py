@@ -14,10 +14,15 @@ Reported per arm: wall; per turn, the cached fraction of the prompt and TTFT; th
 the prefill path (background jobs: the scheduler's docstring) and their share of the wall time (each step's time
 split by its tokens; a decode token counted as one); and the off/on ratios with the targets:
 wall >= 6x, later-turn TTFT >= 10x, sessions 2..N cache >= 90% of the shared prefix, re-prefill <= 5% of wall.
+
+With --cache-disk DIR, every caching arm also runs with the prefix cache's disk tier (an arm "<layout>+disk", each in
+a fresh directory under DIR): with a pool smaller than the fleet's live context, what the pool evicts comes back
+from disk instead of being recomputed (the report adds the disk's hit tokens, reads and mean read latency).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -119,6 +124,7 @@ def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.
                 due.append((now + think_time, s))
     wall = time.perf_counter() - t0
     st = eng.stats()
+    eng.shutdown()
     shared = len(wl.shared)
     later = [r for r in records if r.turn > 0]
     firsts = sorted((r for r in records if r.turn == 0), key=lambda r: r.session)
@@ -133,7 +139,9 @@ def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.
             "reprefill_jobs": st.reprefill_jobs, "reprefill_dropped": st.reprefill_dropped,
             "checkpoints_saved_by_kind": st.checkpoints_saved_by_kind, "pool_tokens": eng.pool.pool_tokens,
             "evictions": st.evictions, "preemptions": st.preemptions,
-            "block_size": eng.block_size}
+            "block_size": eng.block_size, "disk_hit_tokens": st.disk_hit_tokens, "disk_reads": st.disk_reads,
+            "disk_read_s": st.disk_read_seconds / st.disk_reads if st.disk_reads else 0.0,
+            "disk_writes": st.disk_writes}
 
 
 def format_report(arms: list[dict], head: str) -> str:
@@ -157,6 +165,11 @@ def format_report(arms: list[dict], head: str) -> str:
             out.append(f"| {a['arm']} | {w:.2f}x | {t:.2f}x | wall >= 6x {'yes' if ok[0] else 'no'}, later TTFT >= "
                        f"10x {'yes' if ok[1] else 'no'}, 2..N cache >= 90% {'yes' if ok[2] else 'no'}, re-prefill "
                        f"<= 5% {'yes' if ok[3] else 'no'} |")
+    disk = [a for a in arms if a["arm"].endswith("+disk")]
+    if disk:
+        out += ["", "| disk arm | hit tokens from disk | reads | mean read ms | writes |", "|---|---|---|---|---|"]
+        out += [f"| {a['arm']} | {a['disk_hit_tokens']:,} | {a['disk_reads']:,} | {a['disk_read_s'] * 1e3:.2f} | "
+                f"{a['disk_writes']:,} |" for a in disk]
     out += ["", "per turn (cached fraction / TTFT s), first arm with caching:"]
     on = next((a for a in arms if a["arm"] != "off"), None)
     if on is not None:
@@ -181,7 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a session's client takes between an answer and its next turn (a tool running)")
     p.add_argument("--workload-seed", type=int, default=0)
     add_engine_args(p, ("preset", "model", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
-                        "checkpoint_grid", "reprefill_outputs", "reprefill_job_tokens", "eviction", "num_threads"))
+                        "checkpoint_grid", "reprefill_outputs", "reprefill_job_tokens", "eviction", "num_threads",
+                        "cache_disk", "cache_disk_bytes"))
     return p
 
 
@@ -194,19 +208,26 @@ def main(argv: list[str] | None = None) -> int:
     out_tokens = a.output_tokens or d["output_tokens"]
     lo, hi = (int(x) for x in a.new_tokens.split(","))
     wl = make_workload(sessions, turns, a.shared_tokens, (lo, hi), out_tokens, a.workload_seed)
+    disk_dir = flags.pop("cache_disk", None)
     base = {"kv_cache_memory": d["kv_cache_memory"], "dtype": "bfloat16", "max_num_seqs": max(4, sessions), **flags}
     arms = [x.strip() for x in a.arms.split(",") if x.strip()]
-    bad = [x for x in arms if x != "off" and (x.split(":")[0] not in LAYOUT_NAMES
-                                              or x.partition(":")[2] not in ("",) + EVICTIONS)]
+    if disk_dir and not any(x.endswith("+disk") for x in arms):
+        arms = [y for x in arms for y in ((x,) if x == "off" else (x, x + "+disk"))]
+    if any(x.endswith("+disk") for x in arms) and not disk_dir:
+        raise SystemExit("deltaserve bench fleet: a +disk arm needs --cache-disk DIR")
+    bad = [x for x in arms if x != "off" and (x.removesuffix("+disk").split(":")[0] not in LAYOUT_NAMES
+                                              or x.removesuffix("+disk").partition(":")[2] not in ("",) + EVICTIONS)]
     if bad:
         raise SystemExit(f"deltaserve bench fleet: unknown arm(s) {bad}; choose from off, {', '.join(LAYOUT_NAMES)} "
                          f"(optionally :{'|:'.join(EVICTIONS)})")
     results = []
-    for arm in arms:
-        layout, _, eviction = arm.partition(":")
+    for i, arm in enumerate(arms):
+        layout, _, eviction = arm.removesuffix("+disk").partition(":")
         cfg = {**base, "enable_prefix_caching": arm != "off"}
         if arm != "off":
             cfg |= {"cache_layout": layout} | ({"eviction": eviction} if eviction else {})
+        if arm.endswith("+disk"):  # a fresh directory: the arm starts cold, as the others do
+            cfg["cache_disk"] = os.path.join(disk_dir, f"fleet-{os.getpid()}-{i}")
         _progress(f"{arm}: {sessions} sessions x {turns} turns")
         results.append(run_arm(cfg, wl, arm, a.think_time))
         r = results[-1]
