@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -455,3 +456,25 @@ def test_monotone_tables_never_fall_with_size():
     plain, mono = Interp1D(pts), Interp1D(pts, monotone=True)
     assert plain(4) == 7.0 and mono(4) == 8.0 and mono(3) == 8.0 and mono(8) == 12.0
     assert all(mono(x) <= mono(x + 0.5) for x in [1 + 0.5 * i for i in range(20)])
+
+
+def test_a_disk_tier_brings_evicted_prefixes_back_at_its_bandwidth(bundle):
+    """A pool too small for the sessions: with the disk tier (the engine's own decisions, reads on a bandwidth model)
+    later turns hit what the pool evicted; a slower disk makes them wait longer, never hit less."""
+    tr = materialize(agent_trace(AgentTraceSpec(num_sessions=8, session_rate=50.0, turns=(3, 3), system_tokens=0,
+                                                first_user_tokens=(600, 700), new_tokens=(20, 40),
+                                                output_tokens=(4, 8), think_time=0.2, seed=4)))
+    small = {"kv_cache_memory": 16 * MiB, "max_num_seqs": 8}
+    off = Simulation(cluster(bundle, **small)).run(tr)
+    runs = {}
+    for gbps in (4.0, 0.05):
+        c = cluster(bundle, cache_disk="sim", **small)
+        c.replicas[0] = replace(c.replicas[0], disk_gbps=gbps)
+        sim = Simulation(c)
+        runs[gbps] = (sim.run(tr), sim.stats()[0])
+    fast, st = runs[4.0]
+    slow, slow_st = runs[0.05]
+    assert all(r.status == "ok" for r in fast + slow)
+    assert st["evictions"] > 0 and st["disk_hit_tokens"] > 0 and st["disk_reads"] > 0
+    assert sum(r.cached_tokens for r in fast) > sum(r.cached_tokens for r in off)
+    assert slow_st["disk_read_seconds"] / slow_st["disk_reads"] > 10 * st["disk_read_seconds"] / st["disk_reads"]

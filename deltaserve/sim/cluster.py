@@ -22,8 +22,9 @@ Cluster config (JSON):
 Replica keys are the engine's scheduling and memory flags by their EngineConfig names (config.REPLICA_FLAGS:
 dtype, max_model_len, max_num_seqs, max_num_batched_tokens, prefill_merge_tokens, kv_cache_memory, block_size,
 enable_prefix_caching, cache_layout, checkpoint_grid, eviction, reprefill_outputs, reprefill_job_tokens,
-num_threads), checked as the engine checks them; plus count, name, tp and profile (a bundle for this replica
-group). `deltaserve simulate` takes the same flags on its command line.
+num_threads, cache_disk, cache_disk_bytes), checked as the engine checks them; plus count, name, tp, profile (a
+bundle for this replica group) and disk_gbps (the disk tier's read bandwidth, sim/disk.py; cache_disk, any value,
+turns the tier on: no files are written). `deltaserve simulate` takes the same flags on its command line.
 """
 from __future__ import annotations
 
@@ -34,9 +35,11 @@ import os
 from dataclasses import dataclass, replace
 
 from ..config import REPLICA_FLAGS, EngineConfig, ModelConfig
+from ..memory.disk_tier import DiskTier
 from ..scheduler import Request
 from ..scheduler.build import build
 from .bundle import Bundle, load_bundle
+from .disk import SimDisk
 from .latency import LatencyModel, StepShape
 from .report import RequestRecord
 from .router import Router, make_router
@@ -47,7 +50,7 @@ log = logging.getLogger("deltaserve.sim")
 SAMPLED_TOKEN = 11  # what every simulated step "samples"
 
 
-REPLICA_OWN_KEYS = ("count", "name", "tp", "profile")  # replica keys that are not engine flags
+REPLICA_OWN_KEYS = ("count", "name", "tp", "profile", "disk_gbps")  # replica keys that are not engine flags
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class ReplicaConfig:
     tp: int = 1
     name: str | None = None
     profile: str | None = None
+    disk_gbps: float = 2.0  # the disk tier's read bandwidth (with cache_disk set)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ReplicaConfig":
@@ -90,6 +94,13 @@ class Replica:
             raise ValueError(f"{self.name}: kv_cache_memory is required (the bundle records none)")
         dtype = eng.dtype if eng.dtype != "auto" else (bundle.meta.get("dtypes") or {}).get("model", "auto")
         self.shape, self.memory, self.scheduler = build(mc, eng, int(kv), dtype, tp=cfg.tp)
+        self.disk = None
+        if eng.cache_disk and eng.enable_prefix_caching:  # the engine's tier on a bandwidth model (sim/disk.py)
+            pool = self.shape.pool
+            tier = DiskTier(eng.cache_disk_bytes, pool.page_bytes * pool.group_size,
+                            self.shape.geometry.gdn_state_bytes_per_seq)
+            self.memory.attach_disk(tier)
+            self.disk = SimDisk(tier, cfg.disk_gbps)
         recorded = bundle.block_size(cfg.tp)
         if recorded is not None and recorded != self.shape.block_size and eng.block_size == 16:
             log.warning("%s: block size %d differs from the bundle's engine-resolved %d (tp %d)", self.name,
@@ -140,8 +151,16 @@ class Replica:
     # ---------------------------------------------------------------- steps
     def start(self, now: float) -> float | None:
         """Plan a step at `now`; returns its end time, or None when there is nothing to run."""
+        if self.disk is not None:
+            self.disk.deliver(now)
         plan = self.scheduler.schedule()
+        if self.disk is not None:
+            self.disk.carry_out(now)
         if plan.is_empty():
+            landing = self.disk.next_landing() if self.disk is not None else None
+            if landing is not None:  # only reads to wait for: an idle "step" until the next one lands
+                self.plan, self.busy_until = plan, landing
+                return landing
             self.plan, self.busy_until = None, None
             return None
         if self.on_plan is not None:
