@@ -230,8 +230,9 @@ class DiskStore:
             if data is None:
                 raise DiskTierError(f"disk tier: no staged bytes for {ld.record.kind} {ld.record.hash.hex()[:16]}")
             self.cache.write_record(ld.record.kind, ld.location, data)
-        for key in [k for k in self.staged if k not in tier.staged and k not in tier.reading]:
-            del self.staged[key]  # read for a record dropped since
+        for key in list(self.staged):  # a copy: the worker adds to it meanwhile
+            if key not in tier.staged and key not in tier.reading:
+                del self.staged[key]  # read for a record dropped since
 
     def wait(self, timeout: float) -> None:
         """Block until the worker finishes something (or timeout): a step with nothing to run but reads."""
