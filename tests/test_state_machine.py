@@ -326,10 +326,10 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
             ex.plant(mem.free_page_ids(), mem.free_slot_ids())
             plan = sch.schedule()
             res.steps += 1
+            if integrity:  # before the disk's copies: queued loads are part of what it checks
+                mem.check_integrity()
             if toy_disk is not None:
                 toy_disk.sync()
-            if integrity:
-                mem.check_integrity()
             if plan.is_empty():
                 empty_steps += 1
                 if sch.has_unfinished() and empty_steps > 3:

@@ -141,7 +141,7 @@ class DiskTier:
         return True
 
     def _event(self, rec: DiskRecord, stored: bool) -> None:
-        if self.events is not None:
+        if self.events is not None and rec.index >= 0:  # a block's place in its chain anchors it for a router
             if rec.kind == KV:
                 self.events.append(CacheRecord(BLOCK, rec.hash, rec.parent, rec.tokens, rec.index, DISK) if stored
                                    else CacheRecord(BLOCK_GONE, rec.hash, medium=DISK))
@@ -227,6 +227,10 @@ class DiskTier:
         ops, loads = self._ops, self._loads
         self._ops, self._loads, self._loading_now = [], [], set()
         return ops, loads
+
+    def pending_loads(self) -> list[Load]:
+        """The loads queued since the ops were last taken (check_integrity of the manager reads them)."""
+        return list(self._loads)
 
     def busy(self) -> bool:
         """Reads in flight: a request may be waiting for them."""

@@ -800,3 +800,8 @@ class MemoryManager:
         assert len(fs) + len(slots_seen) == self.num_slots and all(0 <= s < self.num_slots for s in fs)
         if self.disk is not None:
             self.disk.check_integrity()
+            # queued loads land in order before the step: the last one into a page that serves the cache must be
+            # that content's (a page loaded and evicted in one schedule may be taken again, by a later load too)
+            last = {q: ld.record.hash for ld in self.disk.pending_loads() for q in ld.location}
+            for q, h in last.items():
+                assert self._role.get(q, h) == h, f"a queued load into page {q} would overwrite cached content"
