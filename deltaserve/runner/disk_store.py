@@ -35,6 +35,7 @@ import time
 
 from ..errors import ConfigError
 from ..memory.disk_tier import CKPT, KV, DiskRecord, DiskTier
+from ..memory.save_kind import SaveKind
 
 log = logging.getLogger("deltaserve")
 
@@ -104,7 +105,9 @@ def encode_header(rec: DiskRecord, fp_digest: str) -> bytes:
 def decode_header(header: bytes, nbytes: int) -> tuple[str, DiskRecord]:
     """(fingerprint digest, record) from a header; raises ValueError on anything malformed."""
     d = json.loads(header)
-    if d["kind"] not in (KV, CKPT) or not all(isinstance(t, int) for t in d["tokens"]):
+    kinds = {KV: (None,), CKPT: tuple(k.value for k in SaveKind)}
+    if d["kind"] not in kinds or d["ckpt_kind"] not in kinds[d["kind"]] or not all(isinstance(t, int)
+                                                                                  for t in d["tokens"]):
         raise ValueError("malformed header")
     return d["fingerprint"], DiskRecord(d["kind"], bytes.fromhex(d["hash"]), bytes.fromhex(d["parent"]),
                                         tuple(d["tokens"]), nbytes, d["ckpt_kind"], int(d["index"]))

@@ -6,9 +6,10 @@ One step (schedule() -> StepPlan, the runner executes it, then update(plan, samp
   2. running prefills (prompt chunks, or recomputation after a preemption), in admission order;
   3. waiting requests, first come first served, while there is budget, a free slot, room under
      max_num_seqs and pages, and the step's prefill tokens are under prefill_merge_tokens (if set). A
-     request that does not fit stops admission (strict FCFS). Nothing new is admitted in a step that
-     preempted, or in which a running prefill could not get budget (so a long prompt is not starved
-     by a stream of short ones);
+     request that does not fit stops admission (strict FCFS), except one whose prefix hit is being read
+     back from the disk tier (memory/disk_tier.py): it waits, and those behind it go on. Nothing new is
+     admitted in a step that preempted, or in which a running prefill could not get budget (so a long
+     prompt is not starved by a stream of short ones);
   4. background jobs (jobs.py), only in a step that nothing above has work for.
 
 Align mode (caching on): a prefill chunk that does not reach the end of the prompt ends on a block
