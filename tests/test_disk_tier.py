@@ -338,3 +338,56 @@ def test_fleet_bench_runs_a_disk_arm(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "| runs |" in text and "| runs+disk |" in text and "| disk arm | hit tokens from disk |" in text
+
+
+def test_a_request_waiting_for_the_disk_lets_the_others_run():
+    """Its reads in flight, the request waits in the queue; the one behind it is admitted and runs; once the reads
+    land, the first is admitted with the hit the disk gave."""
+    from deltaserve.memory import MemoryManager
+    from deltaserve.memory.disk_tier import HEADER_BYTES, DiskTier
+    from deltaserve.scheduler import Request, Scheduler
+
+    bs = 4
+    mem = MemoryManager(num_pages=10, num_slots=3, block_size=bs, num_gdn_groups=1, layout="in-page")
+    tier = DiskTier(50 * (HEADER_BYTES + 8), 8, 8)
+    mem.attach_disk(tier)
+    s = Scheduler(mem, 3, 16)
+    landed: list = []
+
+    def step(deliver: bool = True):
+        plan = s.schedule()
+        mem.check_integrity()
+        ops, _ = tier.take()
+        for op, arg in ops:  # writes land at once; reads only when asked
+            if op == "write":
+                tier.done.append(("write", arg.record.key, True, 0.0, 8))
+            elif op == "read":
+                landed.append(arg.key)
+                if deliver:
+                    tier.done.append(("read", arg.key, True, 0.001, 8))
+        s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
+        return plan
+
+    def finish(rid):
+        for _ in range(50):
+            if rid not in s.requests:
+                return
+            step()
+        raise AssertionError(f"{rid} did not finish")
+
+    a = list(range(1, 14))  # 13 tokens: three full blocks, their checkpoint at 12
+    s.add(Request("a", a, max_tokens=1))
+    finish("a")
+    s.add(Request("b", list(range(100, 129)), max_tokens=1))  # fills the pool: a's blocks go to disk
+    finish("b")
+    assert tier.stats.disk_records >= 4  # a's three blocks and its checkpoint
+    s.add(Request("a2", a + [50, 51], max_tokens=1))
+    s.add(Request("c", list(range(200, 206)), max_tokens=1))
+    plan = step(deliver=False)
+    assert [w.request_id for w in plan.work] == ["c"] and s.requests["a2"].disk_wait and landed
+    for key in landed:
+        tier.done.append(("read", key, True, 0.001, 8))
+    plan = step()
+    work = {w.request_id: w for w in plan.work}
+    assert "a2" in work and work["a2"].start_pos == 12 and s.get("a2").num_cached_tokens == 12
+    assert tier.stats.disk_hit_tokens == 12
