@@ -84,22 +84,23 @@ def test_pressure_blocks_evicted_to_disk_come_back_bit_exact(layout, tmp_path):
 # ---------------------------------------------------------------- faults
 
 
-@pytest.fixture(scope="module")
-def filled(tmp_path_factory):
-    """A tier directory after one turn, the next turn's prompt and that turn's cold signature (runs layout)."""
+@pytest.fixture(scope="module", params=LAYOUTS)
+def filled(request, tmp_path_factory):
+    """Per layout: a tier directory after one turn, the next turn's prompt and that turn's cold signature."""
+    layout = request.param
     d = str(tmp_path_factory.mktemp("filled") / "tier")
-    turn2 = _turns("runs", d, seed=1)
-    return d, turn2, _cold("runs", [turn2])[0]
+    turn2 = _turns(layout, d, seed=1)
+    return layout, d, turn2, _cold(layout, [turn2])[0]
 
 
 def _second_turn(filled, tmp_path, tamper=None, **kw):
-    src, turn2, cold = filled
+    layout, src, turn2, cold = filled
     d = str(tmp_path / "tier")
     shutil.copytree(src, d)
     os.remove(os.path.join(d, "LOCK"))
     if tamper is not None:
         tamper(d)
-    llm = make_llm(cache_disk=d, **kw)
+    llm = make_llm(cache_layout=layout, cache_disk=d, **kw)
     out = run(llm, [turn2])[0]
     s = llm.engine.stats()
     llm.engine.memory.check_integrity()
