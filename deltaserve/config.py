@@ -289,8 +289,8 @@ class EngineConfig:
                                    "checkpoints evicted from the pool (and every cached one at shutdown) are written "
                                    "there and read back on a hit, across restarts (docs/design.md; the simulator "
                                    "models the tier and writes nothing)", metavar="DIR", replica=True)
-    cache_disk_bytes: int = _flag(16 << 30, "the --cache-disk tier's budget; the least recently used records go "
-                                  "first", parse_bytes, metavar="BYTES", replica=True)
+    cache_disk_bytes: int = _flag(16 << 30, "the --cache-disk tier's budget; over it, records go by --eviction",
+                                  parse_bytes, metavar="BYTES", replica=True)
     strict_max_tokens: bool = _flag(False, "refuse a request whose max_tokens exceeds what is left of the context "
                                     "(400) instead of clamping it to what is left", None)
     max_output_tokens: int = _flag(0, "the most tokens any request generates: a larger max_tokens is lowered to it "

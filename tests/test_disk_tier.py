@@ -392,3 +392,19 @@ def test_a_request_waiting_for_the_disk_lets_the_others_run():
     work = {w.request_id: w for w in plan.work}
     assert "a2" in work and work["a2"].start_pos == 12 and s.get("a2").num_cached_tokens == 12
     assert tier.stats.disk_hit_tokens == 12
+
+
+def test_disk_eviction_follows_the_pools_policy():
+    """lru drops the oldest record; value the one that spares the least (a checkpoint worth many tokens stays)."""
+    from deltaserve.memory.disk_tier import CKPT, HEADER_BYTES, KV, DiskRecord, DiskTier
+    from deltaserve.memory.eviction import LRUEviction, ValueEviction
+
+    ck = DiskRecord(CKPT, b"c" * 32, b"p" * 32, (1,), 8, "prompt")
+    kv1, kv2 = (DiskRecord(KV, bytes([i]) * 32, b"p" * 32, (i,), 8) for i in (1, 2))
+    for policy, gone in ((LRUEviction(), ck), (ValueEviction(), kv1)):
+        tier = DiskTier(2 * (HEADER_BYTES + 8), 8, 8, policy)
+        tier.spill(ck, (0,), 1000.0)
+        tier.spill(kv1, (1,), 64.0)
+        tier.spill(kv2, (2,), 64.0)
+        assert tier.get(gone.kind, gone.hash) is None and len(tier) == 2 and tier.stats.disk_evictions == 1
+        tier.check_integrity()

@@ -253,7 +253,7 @@ def run_workload(seed: int, layout: str, mutant: str | None = None, integrity: b
     if disk:  # room for about 40 records: the disk evicts too
         from deltaserve.memory.disk_tier import HEADER_BYTES, DiskTier
 
-        tier = DiskTier(40 * (HEADER_BYTES + 1), 1, 1)
+        tier = DiskTier(40 * (HEADER_BYTES + 1), 1, 1, ValueEviction() if seed % 3 == 1 else None)  # as the pool
         mem.attach_disk(tier)
         toy_disk = ToyDisk(ex, tier, random.Random(seed), mutant)
     ref = Reference(G, bs)

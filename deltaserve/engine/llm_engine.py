@@ -147,10 +147,12 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.store, self.device)
         self.disk = None  # the prefix cache's disk tier (--cache-disk): its files and I/O worker
         if config.cache_disk:
+            from ..memory.eviction import EVICTION_POLICIES
             from ..runner.disk_store import DiskStore, fingerprint
             self.disk = DiskStore(config.cache_disk, config.cache_disk_bytes, self.memory, self.store,
                                   fingerprint(path, self.dtype, pool, config.cache_layout, self.cpu_kernels,
-                                              config.quantize_head, self.device.type))
+                                              config.quantize_head, self.device.type),
+                                  EVICTION_POLICIES[config.eviction]())
         if self.parallel:
             self.runner = self.parallel.attach(self.runner, pool)  # every step runs on every rank
         self.last_plan = None  # the plan of the latest step (the profiler and the validation read it)

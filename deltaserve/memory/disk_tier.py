@@ -18,7 +18,9 @@ The life of a record:
              in the prefix cache and queues a `Load`; the bytes are copied into those pages before the
              step that may read them runs (the same ordering rule as a save: publish before anyone reads,
              the bytes land first in the step);
-  * evict    over the byte budget, the least recently used record goes (`delete`).
+  * evict    over the byte budget, the record the eviction policy picks goes (`delete`): the pool's own
+             policy (--eviction, memory/eviction.py) over records, lru by default (a record read back counts as
+             used); value weighs the prefill tokens a record spares per byte it takes, with its hits.
 A failed write or read (a full disk, a corrupt or missing file) drops the record from the index: a miss.
 
 Invariants (check_integrity): the index's byte count equals the sum of its records; it never exceeds the
@@ -30,6 +32,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, DISK, CacheRecord
+from .eviction import EvictionPolicy, LRUEviction
 from .hashing import BlockHash
 
 KV = "kv"
@@ -93,10 +96,17 @@ class DiskStats:
 class DiskTier:
     """The index of the records on disk and the queue of work for the I/O worker. See the module docstring."""
 
-    def __init__(self, capacity: int, kv_bytes: int, ckpt_bytes: int):
+    def __init__(self, capacity: int, kv_bytes: int, ckpt_bytes: int, eviction: EvictionPolicy | None = None):
         self.capacity = capacity
         self.sizes = {KV: kv_bytes, CKPT: ckpt_bytes}
-        self._index: OrderedDict[tuple[str, BlockHash], DiskRecord] = OrderedDict()  # least recently used first
+        self._index: OrderedDict[tuple[str, BlockHash], DiskRecord] = OrderedDict()
+        # the eviction policy works on ints (pages, in the pool): one id per record, its value kept for a touch
+        self._evictor: EvictionPolicy = eviction if eviction is not None else LRUEviction()
+        self._ids: dict[tuple[str, BlockHash], int] = {}
+        self._keys: dict[int, tuple[str, BlockHash]] = {}
+        self._values: dict[int, float] = {}
+        self._next_id = 0
+        self.wants_value = self._evictor.wants_value
         self._ops: list[tuple[str, object]] = []  # ("write", Spill) | ("read", DiskRecord) | ("delete", key)
         self._loads: list[Load] = []
         self._loading_now: set[tuple[str, BlockHash]] = set()  # installed since the ops were last taken
@@ -122,19 +132,25 @@ class DiskTier:
     def charge(self, rec: DiskRecord) -> int:
         return rec.nbytes + HEADER_BYTES
 
-    def add(self, rec: DiskRecord) -> bool:
-        """Enter rec in the index, evicting the least recently used records to make room. False: it cannot fit."""
+    def add(self, rec: DiskRecord, value: float = 0.0) -> bool:
+        """Enter rec in the index, evicting what the policy picks to make room. False: it cannot fit.
+        value: the prefill tokens the record spares per K/V record's bytes (the value policy's; lru ignores it)."""
         if rec.key in self._index:
             return True
         need = self.charge(rec)
         if need > self.capacity:
             return False
         while self.bytes + need > self.capacity:
-            old_key, old = self._index.popitem(last=False)
+            old_key = self._keys[self._evictor.pop()]
+            old = self._index.pop(old_key)
             self._forget(old)
             self._ops.append(("delete", old_key))
             self.stats.disk_evictions += 1
         self._index[rec.key] = rec
+        i = self._ids[rec.key] = self._next_id
+        self._next_id += 1
+        self._keys[i], self._values[i] = rec.key, value
+        self._evictor.push(i, False, value)
         self.bytes += need
         self._gauges()
         self._event(rec, True)
@@ -159,18 +175,25 @@ class DiskTier:
             self.add(rec)
 
     def touch(self, key) -> None:
-        if key in self._index:
-            self._index.move_to_end(key)
+        """key was used (read back): the policy sees it anew."""
+        i = self._ids.get(key)
+        if i is not None:
+            self._evictor.remove(i)
+            self._evictor.push(i, False, self._values[i])
 
     def drop(self, key) -> None:
         """Forget a record (its write or read failed) and delete its file."""
         rec = self._index.pop(key, None)
         if rec is not None:
+            self._evictor.remove(self._ids[key])
             self._forget(rec)
             self._ops.append(("delete", key))
             self._gauges()
 
     def _forget(self, rec: DiskRecord) -> None:
+        """rec left the index (and the policy)."""
+        i = self._ids.pop(rec.key)
+        del self._keys[i], self._values[i]
         self.bytes -= self.charge(rec)
         self.staged.discard(rec.key)
         self._event(rec, False)
@@ -179,12 +202,12 @@ class DiskTier:
         self.stats.disk_bytes, self.stats.disk_records = self.bytes, len(self._index)
 
     # ------------------------------------------------------------------ decisions the manager takes
-    def spill(self, rec: DiskRecord, location: tuple[int, ...]) -> None:
+    def spill(self, rec: DiskRecord, location: tuple[int, ...], value: float = 0.0) -> None:
         """Queue a write of the pool bytes at location, unless the record is on disk already or its bytes are
         not in the pool yet (loaded this step: they land after the spills are copied)."""
         if self.closed or rec.key in self._index or rec.key in self._loading_now:
             return
-        if self.add(rec):
+        if self.add(rec, value):
             self._ops.append(("write", Spill(rec, location)))
         else:
             self.stats.disk_write_errors += 1
@@ -247,3 +270,5 @@ class DiskTier:
         assert not (self.reading & self.staged), "a record both read and staged"
         assert self.staged <= set(self._index), "a staged record left the index"
         assert self.stats.disk_bytes == self.bytes and self.stats.disk_records == len(self._index)
+        assert set(self._ids) == set(self._index) and set(self._keys) == set(self._ids.values()) == set(self._evictor)\
+            and len(self._evictor) == len(self._index), "the eviction policy does not hold exactly the records"

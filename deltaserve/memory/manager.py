@@ -418,10 +418,13 @@ class MemoryManager:
         """e's content leaves the pool: its K/V (kv) and its checkpoint, if it has one, go to disk."""
         d = self.disk
         if kv:
-            d.spill(DiskRecord(KV, e.hash, e.parent, e.tokens, d.sizes[KV], index=e.index), (e.page,))
+            d.spill(DiskRecord(KV, e.hash, e.parent, e.tokens, d.sizes[KV], index=e.index), (e.page,),
+                    float(self.block_size))
         if e.checkpoint is not None and self.num_gdn_groups:
+            # the value policy's: tokens spared per K/V record's bytes
+            value = self._checkpoint_spares(e) * d.sizes[KV] / d.sizes[CKPT] if d.wants_value else 0.0
             d.spill(DiskRecord(CKPT, e.hash, e.parent, e.tokens, d.sizes[CKPT], SaveKind(e.checkpoint_kind).value,
-                               e.index), e.checkpoint)
+                               e.index), e.checkpoint, value)
 
     def pin_cost(self, hit: PrefixHit | None) -> int:
         """How many allocatable (evictable) pages taking this hit would pin."""
@@ -681,13 +684,17 @@ class MemoryManager:
         e = self._cache[self._role[p]]
         if e.page == p:
             return float(self.block_size)
+        return self._checkpoint_spares(e) / len(e.checkpoint)
+
+    def _checkpoint_spares(self, e: CacheEntry) -> float:
+        """The prefill tokens e's checkpoint spares: back to the previous checkpoint of its chain, times 1 + hits."""
         n, parent = 1, e.parent
         while n < VALUE_WALK:
             pe = self._cache.get(parent)
             if pe is None or pe.checkpoint is not None:
                 break
             n, parent = n + 1, pe.parent
-        return n * self.block_size * (1 + e.hits) / len(e.checkpoint)
+        return n * self.block_size * (1 + e.hits)
 
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: SaveKind | None) -> None:
         old = seq.ckpt

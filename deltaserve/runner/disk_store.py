@@ -116,12 +116,12 @@ def decode_header(header: bytes, nbytes: int) -> tuple[str, DiskRecord]:
 class DiskStore:
     """One engine's disk tier: the directory, the worker thread, and the copies in and out of the CacheStore."""
 
-    def __init__(self, directory: str, capacity: int, memory, cache, fp: dict):
+    def __init__(self, directory: str, capacity: int, memory, cache, fp: dict, eviction=None):
         self.dir = os.path.abspath(directory)
         self.cache = cache
         self.fp = fp
         self.fp_digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
-        self.tier = DiskTier(capacity, cache.record_bytes(KV), cache.record_bytes(CKPT))
+        self.tier = DiskTier(capacity, cache.record_bytes(KV), cache.record_bytes(CKPT), eviction)
         self.staged: dict[tuple[str, bytes], memoryview] = {}  # verified payloads, the worker's until sync takes them
         self._q: queue.Queue = queue.Queue()
         self._idle = threading.Event()

@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 
 from ..config import REPLICA_FLAGS, EngineConfig, ModelConfig
 from ..memory.disk_tier import DiskTier
+from ..memory.eviction import EVICTION_POLICIES
 from ..scheduler import Request
 from ..scheduler.build import build
 from .bundle import Bundle, load_bundle
@@ -98,7 +99,7 @@ class Replica:
         if eng.cache_disk and eng.enable_prefix_caching:  # the engine's tier on a bandwidth model (sim/disk.py)
             pool = self.shape.pool
             tier = DiskTier(eng.cache_disk_bytes, pool.page_bytes * pool.group_size,
-                            self.shape.geometry.gdn_state_bytes_per_seq)
+                            self.shape.geometry.gdn_state_bytes_per_seq, EVICTION_POLICIES[eng.eviction]())
             self.memory.attach_disk(tier)
             self.disk = SimDisk(tier, cfg.disk_gbps)
         recorded = bundle.block_size(cfg.tp)
