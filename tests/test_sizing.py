@@ -113,7 +113,7 @@ def test_tiny_preset_fields():
                      head_dim=128, partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
                      linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, vocab_size=4096,
                      tie_word_embeddings=True, dtype="bfloat16", mamba_ssm_dtype="float32",
-                     max_position_embeddings=32768, rms_norm_eps=1e-6, eos_token_id=1).items():
+                     max_position_embeddings=262144, rms_norm_eps=1e-6, eos_token_id=1).items():
         assert hf[k] == v, k
     m = ModelConfig.from_hf(hf)
     assert m.rotary_dim == 32 and m.eos_token_id == (1,)
