@@ -75,7 +75,35 @@ class Recorder:
             self.records.append({**record, "file": name})
 
 
-def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet: bool):
+BUDGETS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+
+
+def cap_budget(raw: bytes, cap: int) -> tuple[bytes, int | None]:
+    """The request body with its output budget lowered to cap (the three APIs' names for it), and the budget the
+    client asked for where it was lowered (else None). A body that is not a JSON object passes unchanged.
+
+    Why a proxy caps it: llama-server's -n is a default that a request's own max_tokens overrides, so a bench
+    that must bound every answer on every server (random weights never stop on their own) bounds it here."""
+    if cap <= 0 or not raw:
+        return raw, None
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return raw, None
+    if not isinstance(body, dict):
+        return raw, None
+    thinking = body.get("thinking")
+    if isinstance(thinking, dict) and isinstance(thinking.get("budget_tokens"), int):
+        cap = max(cap, thinking["budget_tokens"] + 1)  # Anthropic: max_tokens must stay above the thinking budget
+    asked = {k: body[k] for k in BUDGETS if isinstance(body.get(k), int) and body[k] > cap}
+    if not asked:
+        return raw, None
+    body.update({k: cap for k in asked})
+    return json.dumps(body, ensure_ascii=False).encode(), max(asked.values())
+
+
+def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet: bool, cap_output: int = 0):
+    """The proxy's request handler; cap_output > 0 lowers every request's output budget to it (cap_budget)."""
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive and chunked replies, as the clients expect
 
@@ -102,6 +130,9 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                 "headers": {k: ("<redacted>" if k.lower() in REDACTED else v) for k, v in self.headers.items()},
                 "body": _decode(body, self.headers.get("content-type", "")),
             }
+            body, asked = cap_budget(body, cap_output)
+            if asked is not None:
+                record["budget_capped_from"] = asked
             headers = [(k, v) for k, v in self.headers.items() if k.lower() not in HOP]
             try:
                 req = client.build_request(self.command, upstream + self.path, headers=headers, content=body)
@@ -174,11 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--upstream", default="http://127.0.0.1:8000", help="the server the requests go to")
     ap.add_argument("--out", required=True, type=Path, help="folder for one JSON file per exchange")
     ap.add_argument("--quiet", action="store_true", help="no line per exchange on stderr")
+    ap.add_argument("--cap-output", type=int, default=0, help="lower every request's output budget to N (0: off)")
     args = ap.parse_args(argv)
     # no read timeout: a slow first token on a CPU server is not an error; no decoding: bytes pass through
     client = httpx.Client(timeout=httpx.Timeout(30.0, read=None), follow_redirects=False)
     server = ThreadingHTTPServer((args.host, args.port),
-                                 make_handler(args.upstream.rstrip("/"), Recorder(args.out), client, args.quiet))
+                                 make_handler(args.upstream.rstrip("/"), Recorder(args.out), client, args.quiet,
+                                              args.cap_output))
     server.daemon_threads = True  # an open keep-alive connection must not hold up Ctrl-C
     print(f"[capture] http://{args.host}:{args.port} -> {args.upstream}, recording into {args.out}",
           file=sys.stderr, flush=True)

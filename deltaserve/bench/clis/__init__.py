@@ -13,7 +13,8 @@ requests such as title generation are counted, not measured): prompt tokens, cac
 content; the first turns of sessions 2..N against the prefix they share with session 1 (the tools and the
 system text), later turns against the previous request's prompt; and for every main request that reads less
 from the cache than the previous request's prompt plus its output, where the renderings diverge and why
-(bench/clis/divergence.py). Both servers cap each answer at --max-output-tokens (llama-server's -n): random
+(bench/clis/divergence.py). Every answer is capped at --max-output-tokens on both servers by the proxy, which
+lowers each request's budget (llama-server's -n is only a default that a request's max_tokens overrides): random
 weights never stop on their own.
 
 Servers:
@@ -61,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--model", default="tiny", help="a model directory or a preset (default: the embedded tiny)")
-    ap.add_argument("--max-output-tokens", type=int, default=64, help="each answer's cap on both servers")
+    ap.add_argument("--max-output-tokens", type=int, default=16,
+                    help="each answer's cap on both servers (short answers: a random model rarely completes a tool call)")
     ap.add_argument("--kv-cache-memory", default="2G", help="deltaserve's pool")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of both servers (default: all)")
     ap.add_argument("--llama-cpp-type", default="bf16", help="the GGUF's weight type")
@@ -75,10 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
 class Metered:
     """A server behind the metering proxy: base is the proxy's URL, recorder.records what passed."""
 
-    def __init__(self, upstream: str, out: Path):
+    def __init__(self, upstream: str, out: Path, cap_output: int):
         self.recorder = Recorder(out)
         self._client = httpx.Client(timeout=httpx.Timeout(30.0, read=None), follow_redirects=False)
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(upstream, self.recorder, self._client, True))
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(upstream, self.recorder, self._client, True,
+                                                                               cap_output))
         self._server.daemon_threads = True
         self.base = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"{server}: left out: {e}")
             continue
         _say(f"{server}: up at {proc.base}")
-        metered = Metered(proc.base, out / server / "requests")
+        metered = Metered(proc.base, out / server / "requests", a.max_output_tokens)
         try:
             for n in names:
                 rows.setdefault(server, []).extend(run_client(CLIENTS[n], metered, a, out / server / n))
