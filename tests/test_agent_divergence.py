@@ -77,3 +77,36 @@ def test_a_prompt_re_sent_as_it_was_blames_the_cache(tok, first):
     _, _, prev = first
     d = explain(tok, prev, prev_output=0, prev_reasoned=False, nxt=list(prev))
     assert (d.where, d.position) == ("none", len(prev)) and "cache did not hold" in d.cause
+
+
+def _req(name: str, cached: int, prompt: int, output: int = 16, ttft: float = 0.5) -> dict:
+    path, body = fixture(name)
+    return {"file": name, "method": "POST", "path": path, "body": body, "first_content_s": ttft,
+            "usage": {"prompt": prompt, "cached": cached, "output": output}, "reasoned": False}
+
+
+def test_report_sets_each_request_against_what_it_shares_most_with(tok):
+    """Session 1 turn 1 (claude-code-3), session 2 turn 1 (claude-code-5), then session 1's continued turn
+    (claude-code-4); a side request without tools is counted, not measured. Session 2's first turn is read
+    against session 1's shared prefix, the continued turn against its own previous prompt."""
+    from deltaserve.bench.clis.report import analyse, format_report
+    a, b, c = (len(tok.encode(render(*fixture(n), tok))) for n in ("claude-code-3", "claude-code-5", "claude-code-4"))
+    side = {"file": "side", "method": "POST", "path": "/v1/messages", "body": {"messages": []}, "usage": {}}
+    rows = {"deltaserve": [
+        {"client": "claude", "session": 0, "turn": 0, "rc": 0, "wall_s": 1.0, "requests": [_req("claude-code-3", 0, a)]},
+        {"client": "claude", "session": 1, "turn": 0, "rc": 0, "wall_s": 1.0,
+         "requests": [side, _req("claude-code-5", 18048, b)]},
+        {"client": "claude", "session": 0, "turn": 1, "rc": 0, "wall_s": 1.0,
+         "requests": [_req("claude-code-4", 1000, c, ttft=2.0)]},  # a poor hit: reported with its cause
+    ]}
+    r = analyse(rows, tok, sessions=2)["servers"]["deltaserve"]["claude"]
+    t0, t1, t2 = r["turns"]
+    assert (t0["share"], t1["base"], t1["share"]) == (None, 18155, round(18048 / 18155, 4))
+    assert t2["base"] == a and t2["share"] == round(1000 / a, 4)
+    assert (r["turns_ok"], r["requests"], r["main_requests"]) == (3, 4, 3)
+    assert r["first_turn_share_min"] == t1["share"] and r["later_turn_ttft_s"] == 2.0
+    (d,) = r["divergences"]  # session 2 read all it could; the continued turn did not
+    assert (d["session"], d["turn"], d["could"], d["where"]) == (0, 1, a + 16, "previous answer")
+    text = format_report(analyse(rows, tok, sessions=2), {"sessions": 2, "turns": 2, "model": "tiny",
+                                                          "model_dir": "-", "max_output_tokens": 16})
+    assert "| deltaserve | claude | 3/3 | 4 (3) |" in text and "session 1 turn 2: cached 1000" in text

@@ -1,5 +1,6 @@
 """The metering proxy's reading of answers (bench/stream_meter.py) on answers recorded from deltaserve and
-llama-server (tests/fixtures/streams), and its budget cap (bench/capture.cap_budget).
+llama-server (tests/fixtures/streams), its budget cap (bench/capture.cap_budget) and its natural-stop rewrite
+(bench/natural_stop.py).
 
 Each recorded answer is fed in pieces of random sizes (a line, an event or a UTF-8 character cut anywhere, as a
 socket delivers them); the usage it yields is the one the answer states, read by hand off the files."""
@@ -10,6 +11,7 @@ import random
 import pytest
 
 from deltaserve.bench.capture import cap_budget
+from deltaserve.bench.natural_stop import LineRewriter, rewrite_whole
 from deltaserve.bench.stream_meter import StreamMeter
 
 STREAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "streams")
@@ -33,21 +35,30 @@ USAGE = {
 }
 
 
-def meter_of(raw: bytes, streamed: bool, rng: random.Random) -> StreamMeter:
-    m = StreamMeter(streamed=streamed)
+def pieces(raw: bytes, rng: random.Random):
     i = 0
     while i < len(raw):
         n = rng.randint(1, 97)
-        m.feed(raw[i:i + n])
+        yield raw[i:i + n]
         i += n
+
+
+def meter_of(raw: bytes, streamed: bool, rng: random.Random) -> StreamMeter:
+    m = StreamMeter(streamed=streamed)
+    for piece in pieces(raw, rng):
+        m.feed(piece)
     m.finish()
     return m
 
 
+def read(name: str) -> bytes:
+    with open(os.path.join(STREAMS, name + ".txt"), "rb") as f:
+        return f.read()
+
+
 @pytest.mark.parametrize("name", sorted(USAGE))
 def test_usage_and_first_content_of_recorded_answers(name):
-    with open(os.path.join(STREAMS, name + ".txt"), "rb") as f:
-        raw = f.read()
+    raw = read(name)
     for seed in range(5):
         m = meter_of(raw, name.endswith("-stream"), random.Random(seed))
         assert (m.usage.prompt, m.usage.cached, m.usage.output) == USAGE[name], seed
@@ -105,3 +116,60 @@ def test_cap_budget_lowers_each_api_budget_and_says_what_was_asked():
     raw, asked = cap_budget(json.dumps({"max_tokens": 4096, "thinking": {"type": "enabled",
                                                                        "budget_tokens": 1024}}).encode(), 16)
     assert json.loads(raw)["max_tokens"] == 1025 and asked == 4096
+
+
+def ends(raw: bytes) -> set[str]:
+    """How an answer says it ended: each stop_reason, finish_reason, status and response event type in it."""
+    found = set()
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if k in ("stop_reason", "finish_reason", "status") and isinstance(v, str):
+                    found.add(f"{k}={v}")
+                if k == "type" and isinstance(v, str) and v in ("response.completed", "response.incomplete"):
+                    found.add(v)
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+    for line in raw.split(b"\n"):
+        line = line[5:] if line.startswith(b"data:") else line
+        try:
+            walk(json.loads(line))
+        except ValueError:
+            pass
+    return found
+
+
+CUT = {"stop_reason=max_tokens", "finish_reason=length", "status=incomplete", "response.incomplete"}
+
+
+@pytest.mark.parametrize("name", sorted(USAGE))
+def test_natural_stop_turns_a_budget_cut_into_a_natural_end_and_nothing_else(name):
+    raw = read(name)
+    if name.endswith("-stream"):
+        lines = LineRewriter()
+        out = b"".join(lines.feed(p) for p in pieces(raw, random.Random(1))) + lines.finish()
+        changed = lines.changed
+    else:
+        out = rewrite_whole(raw)
+        changed = out != raw
+    assert not ends(out) & CUT
+    assert changed == bool(ends(raw) & CUT)  # all were cut at 8 tokens; llama-server's Responses say completed
+    assert b"response.incomplete" not in out
+    if name.endswith("-stream"):
+        assert out.count(b"\n") == raw.count(b"\n")  # line for line
+    a, b = meter_of(raw, name.endswith("-stream"), random.Random(0)), meter_of(out, name.endswith("-stream"),
+                                                                              random.Random(0))
+    assert vars(a.usage) == vars(b.usage)  # the text and the usage pass as sent
+
+
+def test_natural_stop_leaves_other_bytes_alone():
+    for raw in (b"not json", b'{"choices": [{"finish_reason": "stop"}]}', b"[1]"):
+        assert rewrite_whole(raw) == raw
+    lines = LineRewriter()
+    sse = b"event: ping\ndata: {bad json\n\ndata: [DONE]\n\n"
+    assert lines.feed(sse) + lines.finish() == sse and not lines.changed
+    lines = LineRewriter()
+    assert lines.feed(b"event: response.incomplete\r\n") == b"event: response.completed\r\n" and lines.changed

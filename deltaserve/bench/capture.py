@@ -26,6 +26,7 @@ from pathlib import Path
 
 import httpx
 
+from .natural_stop import LineRewriter, rewrite_whole
 from .stream_meter import StreamMeter
 
 STREAM_KEEP = 64 * 1024
@@ -102,8 +103,11 @@ def cap_budget(raw: bytes, cap: int) -> tuple[bytes, int | None]:
     return json.dumps(body, ensure_ascii=False).encode(), max(asked.values())
 
 
-def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet: bool, cap_output: int = 0):
-    """The proxy's request handler; cap_output > 0 lowers every request's output budget to it (cap_budget)."""
+def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet: bool, cap_output: int = 0,
+                 natural_stop: bool = False):
+    """The proxy's request handler; cap_output > 0 lowers every request's output budget to it (cap_budget);
+    natural_stop presents a budget-cut answer as one the model ended (bench/natural_stop.py). The record keeps
+    the answer as the server sent it."""
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive and chunked replies, as the clients expect
 
@@ -117,6 +121,11 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                     pass  # trailers
                 return b"".join(parts)
             return self.rfile.read(int(self.headers.get("content-length") or 0))
+
+        def _send_chunk(self, data: bytes) -> None:
+            if data:  # an empty chunk would end the chunked reply early
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
 
         def _exchange(self) -> None:
             started = time.time()
@@ -150,6 +159,7 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
             streamed = "event-stream" in ctype or "ndjson" in ctype
             meter.streamed = streamed
             kept = bytearray()
+            rewritten = False
             try:
                 # send_response_only: the upstream's own date and server headers go through, not a second pair
                 self.send_response_only(resp.status_code)
@@ -157,10 +167,14 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                     if k.lower() not in HOP:
                         self.send_header(k, v)
                 bodiless = self.command == "HEAD" or resp.status_code in (204, 304)
+                # a compressed answer passes untouched: rewriting needs its text
+                rewrite = natural_stop and not bodiless and not resp.headers.get("content-encoding")
+                lines = LineRewriter() if rewrite and streamed else None
                 if not bodiless:
                     self.send_header("transfer-encoding", "chunked")
                 self.end_headers()
-                # raw bytes: the client gets exactly what the server sent (compressed or not)
+                # raw bytes: the client gets exactly what the server sent (compressed or not), but for the
+                # natural_stop rewrite, which holds a whole answer back until its end and a stream line by line
                 for chunk in () if bodiless else resp.iter_raw():
                     if not chunk:
                         continue  # an empty chunk would end the chunked reply early
@@ -169,8 +183,16 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                         kept += chunk  # a whole answer is kept whole, a stream only its start
                     elif len(kept) < STREAM_KEEP:
                         kept += chunk[: STREAM_KEEP - len(kept)]
-                    self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-                    self.wfile.flush()
+                    if rewrite and not streamed:
+                        continue  # sent whole, rewritten, below
+                    self._send_chunk(lines.feed(chunk) if lines else chunk)
+                if lines:
+                    self._send_chunk(lines.finish())
+                    rewritten = lines.changed
+                elif rewrite:
+                    out = rewrite_whole(bytes(kept))
+                    self._send_chunk(out)
+                    rewritten = out != kept
                 if not bodiless:
                     self.wfile.write(b"0\r\n\r\n")
                 self.wfile.flush()
@@ -182,6 +204,7 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                 meter.finish()
                 record.update(status=resp.status_code, response_headers=dict(resp.headers), streamed=streamed,
                               seconds=round(time.time() - started, 3), first_content_s=meter.first_content_s,
+                              stop_rewritten=rewritten,
                               usage=vars(meter.usage), reasoned=meter.reasoned,
                               response_body=kept.decode("utf-8", "replace") if streamed
                               else _decode(bytes(kept), ctype))
@@ -206,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, type=Path, help="folder for one JSON file per exchange")
     ap.add_argument("--quiet", action="store_true", help="no line per exchange on stderr")
     ap.add_argument("--cap-output", type=int, default=0, help="lower every request's output budget to N (0: off)")
+    ap.add_argument("--natural-stop", action="store_true",
+                    help="present budget-cut answers as ended by the model (for random weights)")
     args = ap.parse_args(argv)
     # no read timeout: a slow first token on a CPU server is not an error; no decoding: bytes pass through
     client = httpx.Client(timeout=httpx.Timeout(30.0, read=None), follow_redirects=False)
     server = ThreadingHTTPServer((args.host, args.port),
                                  make_handler(args.upstream.rstrip("/"), Recorder(args.out), client, args.quiet,
-                                              args.cap_output))
+                                              args.cap_output, args.natural_stop))
     server.daemon_threads = True  # an open keep-alive connection must not hold up Ctrl-C
     print(f"[capture] http://{args.host}:{args.port} -> {args.upstream}, recording into {args.out}",
           file=sys.stderr, flush=True)

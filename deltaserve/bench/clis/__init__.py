@@ -15,7 +15,8 @@ system text), later turns against the previous request's prompt; and for every m
 from the cache than the previous request's prompt plus its output, where the renderings diverge and why
 (bench/clis/divergence.py). Every answer is capped at --max-output-tokens on both servers by the proxy, which
 lowers each request's budget (llama-server's -n is only a default that a request's max_tokens overrides): random
-weights never stop on their own.
+weights never stop on their own, and the proxy presents each budget-cut answer as one the model ended
+(bench/natural_stop.py): the CLIs fail a turn whose answer hit its budget.
 
 Servers:
   deltaserve   `python -m deltaserve serve` on the checkpoint, --accept-any-model-name, --max-output-tokens
@@ -81,7 +82,7 @@ class Metered:
         self.recorder = Recorder(out)
         self._client = httpx.Client(timeout=httpx.Timeout(30.0, read=None), follow_redirects=False)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(upstream, self.recorder, self._client, True,
-                                                                               cap_output))
+                                                                               cap_output, natural_stop=True))
         self._server.daemon_threads = True
         self.base = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()

@@ -3,10 +3,12 @@ turn's first main request read from the cache and how long its first content too
 than it could (divergence.explain).
 
 A main request is a POST to one of the three APIs whose body offers tools (the turn's work); the others (a title,
-a summary, a token count) are side requests, counted only. Ratios:
-- first turns of sessions 2..N: cached / the tokens their rendering shares with session 1's first request (the
-  tools, the system text and what else the CLI puts before the first prompt);
-- later turns: cached / the previous main request's prompt (the conversation the turn re-sends).
+a summary, a token count) are side requests, counted only. Each main request is set against the earlier main
+request of the same client and server (any session) whose rendering it shares the longest prefix with: what a
+prefix cache could serve it. The share of a turn (its first main request) is cached / that shared prefix:
+- first turns of sessions 2..N: the tools, the system text and what else the CLI puts before the first prompt;
+- later turns: the previous request's prompt, which the turn re-sends (a CLI's side agents with their own tool
+  lists, such as Qwen Code's memory extraction, are not what a turn continues).
 """
 from __future__ import annotations
 
@@ -64,11 +66,12 @@ def analyse(rows: dict[str, list[dict]], tok, sessions: int) -> dict:
 
 
 def _client(crow: list[dict], ids, tok, sessions: int) -> dict:
+    """Each main request against the earlier main request (any session) its rendering shares the most with:
+    what the prefix cache could serve it. A turn's row is its first main request."""
     turns = []
     divergences = []
-    chains: dict[int, list[dict]] = {}
-    first0 = None
-    for r in sorted(crow, key=lambda r: (r["turn"], r["session"])):
+    earlier: list[dict] = []
+    for r in sorted(crow, key=lambda r: (r["turn"], r["session"])):  # the order the bench ran them in
         mains = [q for q in r["requests"] if is_main(q)]
         head = mains[0] if mains else None
         u = (head or {}).get("usage") or {}
@@ -77,30 +80,23 @@ def _client(crow: list[dict], ids, tok, sessions: int) -> dict:
              "cached": u.get("cached"), "output": u.get("output"),
              "ttft_s": round(head["first_content_s"], 3) if head and head.get("first_content_s") is not None else None,
              "share": None, "base": None}
-        if head is not None and r["turn"] == 0:
-            if r["session"] == 0:
-                first0 = head
-            elif first0 is not None and ids(head) and ids(first0):
-                shared = first_difference(ids(head), ids(first0))
-                t["base"] = shared
-                t["share"] = round(u["cached"] / shared, 4) if shared and u.get("cached") is not None else None
-                if u.get("cached") is not None and u["cached"] + 2 * SLACK < shared:
-                    d = explain(tok, ids(first0), 0, False, ids(head))
-                    divergences.append(_div(r, u, shared, d, "the first prompt of session 1"))
-        chain = chains.setdefault(r["session"], [])
-        for i, q in enumerate(mains):
-            prev = chain[-1] if chain else None
+        for q in mains:
             qu = q.get("usage") or {}
-            if prev is not None:
-                pu = prev.get("usage") or {}
-                if i == 0 and pu.get("prompt"):
-                    t["base"] = pu["prompt"]
-                    t["share"] = round(qu["cached"] / pu["prompt"], 4) if qu.get("cached") is not None else None
-                ideal = (pu.get("prompt") or 0) + (pu.get("output") or 0)
-                if qu.get("cached") is not None and qu["cached"] + SLACK < ideal and ids(prev) and ids(q):
-                    d = explain(tok, ids(prev), pu.get("output") or 0, bool(prev.get("reasoned")), ids(q))
-                    divergences.append(_div(r, qu, ideal, d, "the previous request + its answer"))
-            chain.append(q)
+            best, shared = _best(earlier, q, ids)
+            earlier.append(q)
+            if best is None:
+                continue
+            if q is head and shared:
+                t["base"] = shared
+                t["share"] = round(qu["cached"] / shared, 4) if qu.get("cached") is not None else None
+            bu = best.get("usage") or {}
+            whole = shared == len(ids(best))
+            ideal = shared + ((bu.get("output") or 0) if whole else 0)
+            if qu.get("cached") is not None and qu["cached"] + 2 * SLACK < ideal:
+                d = explain(tok, ids(best), (bu.get("output") or 0) if whole else 0, bool(best.get("reasoned")),
+                            ids(q))
+                against = "its previous request + answer" if whole else "the earlier request it shares most with"
+                divergences.append(_div(r, qu, ideal, d, against))
         turns.append(t)
     ok = [t for t in turns if t["rc"] == 0]
     first_later = [t for t in turns if t["turn"] == 0 and t["session"] > 0]
@@ -113,6 +109,21 @@ def _client(crow: list[dict], ids, tok, sessions: int) -> dict:
             "first_turn_share_min": _min([t["share"] for t in first_later]),
             "later_turn_share_min": _min([t["share"] for t in later]),
             "divergences": divergences}
+
+
+def _best(earlier: list[dict], q: dict, ids) -> tuple[dict | None, int]:
+    """The earlier request whose rendering shares the longest prefix with q's, and that length."""
+    mine = ids(q)
+    if not mine:
+        return None, 0
+    best, shared = None, 0
+    for p in earlier:
+        theirs = ids(p)
+        if theirs:
+            n = first_difference(theirs, mine)
+            if best is None or n > shared:
+                best, shared = p, n
+    return best, shared
 
 
 def _div(r: dict, u: dict, ideal: int, d, against: str) -> dict:
@@ -131,8 +142,8 @@ def format_report(result: dict, args: dict) -> str:
     lines = [f"# deltaserve bench agents: {args['sessions']} sessions x {args['turns']} turns, model "
              f"{args['model']} ({args['model_dir']}), answers capped at {args['max_output_tokens']} tokens", ""]
     lines += ["| server | client | turns exit 0 | requests (main) | session 1 TTFT s | sessions 2..N first-turn "
-              "TTFT s | later-turn TTFT s | first turn cached / shared prefix (min) | later turn cached / previous "
-              "prompt (min) |", "|---|---|---|---|---|---|---|---|---|"]
+              "TTFT s | later-turn TTFT s | first turn cached / shared prefix (min) | later turn cached / shared "
+              "prefix (min) |", "|---|---|---|---|---|---|---|---|---|"]
     for server, clients in result["servers"].items():
         for client, s in clients.items():
             lines.append(f"| {server} | {client} | {s['turns_ok']}/{s['turns_total']} | {s['requests']} "
