@@ -28,9 +28,9 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 
-from ..config import EngineConfig, ModelConfig
+from ..config import EngineConfig, ModelConfig, resolve_dtype
 from ..errors import ConfigError
-from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT, KERNEL_ALIGNMENTS
+from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT, KERNEL_ALIGNMENTS, engine_block_size, geometry, size_pool
 from ..presets import load_preset
 from ..scheduler.build import build_scheduler, resolve_shape
 from .external_hybrid import HybridBundle, HybridLatency
@@ -140,9 +140,10 @@ def model_config() -> ModelConfig:
 def pool_bytes(mc: ModelConfig, arm: Arm, tokens: int, max_num_seqs: int) -> int:
     """The kv_cache_memory whose pool, in this arm's layout, holds round(tokens / block) whole pages after the
     max_num_seqs live GDN slots."""
-    probe = resolve_shape(mc, kv_cache_memory=1 << 50, max_num_seqs=max_num_seqs, cache_layout=arm.layout,
-                          enable_prefix_caching=arm.caching, kernel_alignment=arm.alignment, max_model_len=1 << 16)
-    p = probe.pool
+    dt = resolve_dtype("auto", mc)
+    geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")  # as resolve_shape derives it
+    block = engine_block_size(geom, EngineConfig().block_size, arm.layout, kernel_alignment=arm.alignment)
+    p = size_pool(geom, 0, block, max_num_seqs, arm.layout)  # no pages: the per-page and per-slot costs
     pages = max(2, round(tokens / p.block_size))
     return p.num_slots * p.slot_bytes + pages * p.bytes_per_page
 
