@@ -141,6 +141,11 @@ def test_pool_bytes_give_the_logged_pool():
         shape = resolve_shape(mc, kv_cache_memory=pool_bytes(mc, a, tokens, 4), max_num_seqs=4, cache_layout=a.layout,
                               enable_prefix_caching=a.caching, kernel_alignment=a.alignment, max_model_len=65536)
         assert shape.block_size == 784 and abs(shape.pool.pool_tokens - tokens) <= 784 // 2
+    a = Arm("pb", "per-block", pool_tokens=332_282, state_blocks_per_seq=6)  # 6 blocks a seat held back
+    from deltaserve.scheduler.build import resolve_shape
+    shape = resolve_shape(mc, kv_cache_memory=pool_bytes(mc, a, 332_282, 8), max_num_seqs=8, cache_layout="per-block",
+                          kernel_alignment=a.alignment, max_model_len=65536)
+    assert abs(shape.pool.pool_tokens - (332_282 - 8 * 6 * 784)) <= 784 // 2
 
 
 def test_per_block_pool_that_cannot_hold_the_live_context_loses_its_hits(lat):
@@ -167,11 +172,13 @@ def test_scenarios_are_well_formed():
         Arm("x", "paged")
     with pytest.raises(ConfigError, match="pool_tokens or same_bytes_as"):
         Arm("x", "runs")
+    with pytest.raises(ConfigError, match="state_blocks_per_seq"):
+        Arm("x", "per-block", same_bytes_as="y", state_blocks_per_seq=6)
 
 
 def test_command_prints_the_side_by_side_table(capsys):
     assert main(["--scenario", "layout-4", "--sessions-end", "12000", "--step-scale", "1.4,0.45"]) == 0
     out = capsys.readouterr().out
-    assert "### layout-4" in out and "| ratio per-block / arm |" in out and "(251)" in out and "(254)" in out
+    assert "### layout-4" in out and "| per-block / in-page |" in out and "| per-block, state blocks / in-page |" in out and "(251)" in out and "(254)" in out
     with pytest.raises(ConfigError, match="PREFILL,DECODE"):
         main(["--scenario", "layout-4", "--step-scale", "2"])

@@ -12,8 +12,10 @@ arrangement at a pool size:
   runs       this engine's own layout: 64-token pages on its 64-token GDN grid, a checkpoint spans several pages
 
 An arm's pool is given in tokens (the figure the real engine logged at start-up) or as "the bytes of another arm"
-(runs takes in-page's bytes); `pool_bytes` turns tokens into the kv_cache_memory that yields that many whole pages
-after the live GDN slots, so every arm is built by the engine's own builders (scheduler/build.py resolve_shape +
+(runs takes in-page's bytes), less `state_blocks_per_seq` blocks per sequence where the measured engine kept its
+running sequences' GDN states in pool blocks (vLLM's align mode: the state being written and the last checkpoint,
+2 blocks per GDN group; this engine keeps live states in slots beside the pool); `pool_bytes` turns tokens into the
+kv_cache_memory that yields that many whole pages after the live GDN slots, so every arm is built by the engine's own builders (scheduler/build.py resolve_shape +
 build_scheduler) with the engine's defaults for everything else. Invariant: arms of one scenario differ only in
 layout, caching, block alignment and pool size; the workload, the batch limits and the latency model are shared.
 
@@ -45,18 +47,28 @@ TOLERANCE = 0.25  # a simulated ratio within 25% of the measured one reproduces 
 @dataclass(frozen=True)
 class Arm:
     """One cache arrangement. pool_tokens: the pool the real engine logged; same_bytes_as: or the budget of that
-    arm of the scenario (exactly one of the two)."""
+    arm of the scenario (exactly one of the two). state_blocks_per_seq: blocks of the logged pool each running
+    sequence's GDN states took in the measured engine, held back here for every seat (max_num_seqs).
+    measured_as: the measured arm this one stands for (default its name)."""
 
     name: str
     kind: str
     pool_tokens: int | None = None
     same_bytes_as: str | None = None
+    state_blocks_per_seq: int = 0
+    measured_as: str | None = None
 
     def __post_init__(self):
         if self.kind not in ARM_KINDS:
             raise ConfigError(f"arm {self.name}: kind must be one of {', '.join(ARM_KINDS)}, not {self.kind!r}")
         if (self.pool_tokens is None) == (self.same_bytes_as is None):
             raise ConfigError(f"arm {self.name}: give pool_tokens or same_bytes_as, not both or neither")
+        if self.state_blocks_per_seq < 0 or (self.state_blocks_per_seq and self.pool_tokens is None):
+            raise ConfigError(f"arm {self.name}: state_blocks_per_seq needs pool_tokens and must be >= 0")
+
+    @property
+    def measured(self) -> str:
+        return self.measured_as or self.name
 
     @property
     def caching(self) -> bool:
@@ -90,14 +102,14 @@ class Scenario:
     model: str  # the real run's model (the tables are the bundle's)
     spec: SessionSpec
     arms: tuple[Arm, ...]
-    baseline: str  # the arm the ratios divide (the slow one)
+    baseline: str  # the measured arm the ratios divide (the slow one): every arm measured as it, over every other
     max_num_seqs: int
     max_num_batched_tokens: int = 1024
     measured: Measured | None = None
 
     def __post_init__(self):
         names = [a.name for a in self.arms]
-        if len(set(names)) != len(names) or self.baseline not in names:
+        if len(set(names)) != len(names) or self.baseline not in [a.measured for a in self.arms]:
             raise ConfigError(f"scenario {self.name}: arm names must be unique and include {self.baseline!r}")
         for a in self.arms:
             if a.same_bytes_as is not None and a.same_bytes_as not in names:
@@ -119,14 +131,18 @@ SCENARIOS = (
                                later_ttft_p90_s={"off": 31.6, "in-page": 4.2},
                                decode_tok_s={"off": 7.5, "in-page": 18.0})),
     Scenario("layout-8", "Qwen3.5-27B-FP8, util 0.85", replace(SESSIONS_64K, sessions=8),
-             (Arm("per-block", "per-block", pool_tokens=332_282), Arm("in-page", "in-page", pool_tokens=623_359),
-              Arm("runs", "runs", same_bytes_as="in-page")),
+             (Arm("per-block", "per-block", pool_tokens=332_282),
+              Arm("per-block, state blocks", "per-block", pool_tokens=332_282, state_blocks_per_seq=6,
+                  measured_as="per-block"),
+              Arm("in-page", "in-page", pool_tokens=623_359), Arm("runs", "runs", same_bytes_as="in-page")),
              baseline="per-block", max_num_seqs=8,
              measured=Measured("same-node A/B, same time", wall_s={"per-block": 1886, "in-page": 414},
                                later_ttft_mean_s={"per-block": 48.9, "in-page": 2.65})),
     Scenario("layout-4", "Qwen3.5-27B-FP8, util 0.85", SESSIONS_64K,
-             (Arm("per-block", "per-block", pool_tokens=332_282), Arm("in-page", "in-page", pool_tokens=623_359),
-              Arm("runs", "runs", same_bytes_as="in-page")),
+             (Arm("per-block", "per-block", pool_tokens=332_282),
+              Arm("per-block, state blocks", "per-block", pool_tokens=332_282, state_blocks_per_seq=6,
+                  measured_as="per-block"),
+              Arm("in-page", "in-page", pool_tokens=623_359), Arm("runs", "runs", same_bytes_as="in-page")),
              baseline="per-block", max_num_seqs=4,
              measured=Measured("same-node A/B", wall_s={"per-block": 251, "in-page": 254})),
 )
@@ -139,12 +155,12 @@ def model_config() -> ModelConfig:
 
 def pool_bytes(mc: ModelConfig, arm: Arm, tokens: int, max_num_seqs: int) -> int:
     """The kv_cache_memory whose pool, in this arm's layout, holds round(tokens / block) whole pages after the
-    max_num_seqs live GDN slots."""
+    max_num_seqs live GDN slots, less the arm's state blocks for every seat."""
     dt = resolve_dtype("auto", mc)
     geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32")  # as resolve_shape derives it
     block = engine_block_size(geom, EngineConfig().block_size, arm.layout, kernel_alignment=arm.alignment)
     p = size_pool(geom, 0, block, max_num_seqs, arm.layout)  # no pages: the per-page and per-slot costs
-    pages = max(2, round(tokens / p.block_size))
+    pages = max(2, round(tokens / p.block_size) - max_num_seqs * arm.state_blocks_per_seq)
     return p.num_slots * p.slot_bytes + pages * p.bytes_per_page
 
 
@@ -226,28 +242,32 @@ def scenario_table(sc: Scenario, res: dict[str, ArmResult]) -> str:
     for name, r in res.items():
         tt = r.later_ttft
         c = r.run.counters
-        mp = r.arm.pool_tokens
+        mp, ms = r.arm.pool_tokens, r.arm.measured
+        logged = (f"{mp:,}" + (f" less {r.arm.state_blocks_per_seq} blocks a seat" if r.arm.state_blocks_per_seq
+                               else "")) if mp else f"same bytes as {r.arm.same_bytes_as}"
         lines.append(
-            f"| {name} | {r.block_size} | {r.pool_tokens:,} ({_fmt(mp, 0) if mp else 'same bytes as ' + r.arm.same_bytes_as}) "
-            f"| {r.run.wall_s:,.0f} ({_fmt(m.wall_s.get(name), 0)}) "
-            f"| {_fmt(statistics.mean(tt) if tt else None, 2)} ({_fmt(m.later_ttft_mean_s.get(name), 2)}) "
-            f"| {_fmt(_p90(tt), 2)} ({_fmt(m.later_ttft_p90_s.get(name), 2)}) "
-            f"| {_fmt(r.run.decode_rate(sc.spec.output_tokens), 1)} ({_fmt(m.decode_tok_s.get(name), 1)}) "
+            f"| {name} | {r.block_size} | {r.pool_tokens:,} ({logged}) "
+            f"| {r.run.wall_s:,.0f} ({_fmt(m.wall_s.get(ms), 0)}) "
+            f"| {_fmt(statistics.mean(tt) if tt else None, 2)} ({_fmt(m.later_ttft_mean_s.get(ms), 2)}) "
+            f"| {_fmt(_p90(tt), 2)} ({_fmt(m.later_ttft_p90_s.get(ms), 2)}) "
+            f"| {_fmt(r.run.decode_rate(sc.spec.output_tokens), 1)} ({_fmt(m.decode_tok_s.get(ms), 1)}) "
             f"| {100 * r.run.hit_rate():.1f}% | {c.get('preemptions', 0)} | {c.get('evictions', 0)} "
             f"| {r.run.steps:,} |")
-    lines += ["", f"| ratio {sc.baseline} / arm | sim wall | measured wall | diff | sim later TTFT | "
-                  f"measured later TTFT | diff |", "|---|---|---|---|---|---|---|"]
-    base = res[sc.baseline]
-    for name, r in res.items():
-        if name == sc.baseline:
+    lines += ["", "| ratio | sim wall | measured wall | diff | sim later TTFT | measured later TTFT | diff |",
+              "|---|---|---|---|---|---|---|"]
+    for bname, base in res.items():
+        if base.arm.measured != sc.baseline:
             continue
-        sw = _ratio(base.run.wall_s, r.run.wall_s)
-        mw = _ratio(m.wall_s.get(sc.baseline), m.wall_s.get(name))
-        bt, rt = base.later_ttft, r.later_ttft
-        st = _ratio(statistics.mean(bt) if bt else None, statistics.mean(rt) if rt else None)
-        mt = _ratio(m.later_ttft_mean_s.get(sc.baseline), m.later_ttft_mean_s.get(name))
-        lines.append(f"| {name} | {_fmt(sw, 2, 'x')} | {_fmt(mw, 2, 'x')} | {_flag(sw, mw)} | {_fmt(st, 2, 'x')} "
-                     f"| {_fmt(mt, 2, 'x')} | {_flag(st, mt)} |")
+        for name, r in res.items():
+            if r.arm.measured == sc.baseline:
+                continue
+            sw = _ratio(base.run.wall_s, r.run.wall_s)
+            mw = _ratio(m.wall_s.get(sc.baseline), m.wall_s.get(r.arm.measured))
+            bt, rt = base.later_ttft, r.later_ttft
+            st = _ratio(statistics.mean(bt) if bt else None, statistics.mean(rt) if rt else None)
+            mt = _ratio(m.later_ttft_mean_s.get(sc.baseline), m.later_ttft_mean_s.get(r.arm.measured))
+            lines.append(f"| {bname} / {name} | {_fmt(sw, 2, 'x')} | {_fmt(mw, 2, 'x')} | {_flag(sw, mw)} "
+                         f"| {_fmt(st, 2, 'x')} | {_fmt(mt, 2, 'x')} | {_flag(st, mt)} |")
     return "\n".join(lines)
 
 
