@@ -182,3 +182,15 @@ def test_command_prints_the_side_by_side_table(capsys):
     assert "### layout-4" in out and "| per-block / in-page |" in out and "| per-block, state blocks / in-page |" in out and "(251)" in out and "(254)" in out
     with pytest.raises(ConfigError, match="PREFILL,DECODE"):
         main(["--scenario", "layout-4", "--step-scale", "2"])
+
+
+def test_runs_pages_keep_the_prompt_checkpoint_a_next_turn_resumes_from(lat):
+    """64-token pages: every 200-token answer completes blocks, whose decode checkpoints replace the prompt's. The
+    next turn re-sends the answer as prompt tokens (hashed apart from the request's own output blocks), so the
+    prompt's checkpoint is where it resumes: it must not be the first thing evicted (it was, and hits fell to 26%)."""
+    from dataclasses import replace
+    spec = replace(SMALL, output_tokens=200)
+    sc = Scenario("runs", "test", spec, (Arm("runs", "runs", pool_tokens=80_000),), baseline="runs", max_num_seqs=4)
+    run = run_scenario(sc, lat)["runs"].run
+    assert run.counters["evictions"] > 0  # under pressure
+    assert run.hit_rate() > 0.6
