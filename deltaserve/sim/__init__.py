@@ -5,7 +5,7 @@
     deltaserve simulate gen-trace {agent,mooncake} --out T.jsonl [options]
     deltaserve simulate validate [--presets tiny,qwen3.5-0.8b-shape] --out DIR      (the gate: real vs simulated)
     deltaserve simulate external --bundle DIR --model-config F --trace F --measured F  (a real vLLM run, external.py)
-    deltaserve simulate hybrid-ab [--scenario NAME] [--step-scale P,D]   (agent sessions, cache layouts A/B, hybrid_ab.py)
+    deltaserve simulate hybrid-ab [--scenario NAME] [--step-scale P,D]    (agent sessions, layouts A/B, hybrid_ab.py)
 
 Nothing here imports torch. `deltaserve simulate validate` (deltaserve/tools/validate/, which runs the real engine and
 the profiler beside this package) is routed by cli.py. See docs/simulator.md.

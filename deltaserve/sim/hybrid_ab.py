@@ -15,9 +15,10 @@ An arm's pool is given in tokens (the figure the real engine logged at start-up)
 (runs takes in-page's bytes), less `state_blocks_per_seq` blocks per sequence where the measured engine kept its
 running sequences' GDN states in pool blocks (vLLM's align mode: the state being written and the last checkpoint,
 2 blocks per GDN group; this engine keeps live states in slots beside the pool); `pool_bytes` turns tokens into the
-kv_cache_memory that yields that many whole pages after the live GDN slots, so every arm is built by the engine's own builders (scheduler/build.py resolve_shape +
-build_scheduler) with the engine's defaults for everything else. Invariant: arms of one scenario differ only in
-layout, caching, block alignment and pool size; the workload, the batch limits and the latency model are shared.
+kv_cache_memory that yields that many whole pages after the live GDN slots, so every arm is built by the engine's own
+builders (scheduler/build.py resolve_shape + build_scheduler) with the engine's defaults for everything else.
+Invariant: arms of one scenario differ only in layout, caching, block alignment and pool size; the workload, the
+batch limits and the latency model are shared.
 
 Measured figures come with each scenario (`Measured`): the real A/B's wall time, later-turn TTFT and what it logged
 of its pools; the table prints the simulated ratios next to them and flags a ratio more than 25% off.
@@ -195,10 +196,11 @@ def _p90(xs: list[float]) -> float:
     if not xs:
         return 0.0
     ys = sorted(xs)
-    return ys[min(len(ys) - 1, int(round(0.9 * (len(ys) - 1))))]
+    return ys[min(len(ys) - 1, round(0.9 * (len(ys) - 1)))]
 
 
-def run_scenario(sc: Scenario, latency: HybridLatency | ScaledLatency, mc: ModelConfig | None = None) -> dict[str, ArmResult]:
+def run_scenario(sc: Scenario, latency: HybridLatency | ScaledLatency,
+                 mc: ModelConfig | None = None) -> dict[str, ArmResult]:
     """Every arm of the scenario on a fresh scheduler; results by arm name."""
     mc = mc or model_config()
     defaults = EngineConfig()
@@ -233,11 +235,11 @@ def _fmt(x, nd=1, suffix=""):
 def scenario_table(sc: Scenario, res: dict[str, ArmResult]) -> str:
     """Markdown: the arms side by side with the measured figures, then the ratios against the baseline arm."""
     m = sc.measured or Measured("")
-    lines = [f"### {sc.name}: {sc.spec.sessions} sessions {sc.spec.start_tokens // 1024}K -> "
-             f"{sc.spec.end_tokens // 1024}K ({sc.spec.turns} turns), max_num_seqs {sc.max_num_seqs}, "
-             f"{sc.max_num_batched_tokens}-token batches; measured: {sc.model}, {m.source}", "",
-             "| arm | block | pool tokens (measured) | wall s (measured) | later TTFT mean s (measured) | p90 s "
-             "(measured) | decode tok/s/stream (measured) | hit rate | preemptions | evictions | steps |",
+    lines = [(f"### {sc.name}: {sc.spec.sessions} sessions {sc.spec.start_tokens // 1024}K -> "
+              f"{sc.spec.end_tokens // 1024}K ({sc.spec.turns} turns), max_num_seqs {sc.max_num_seqs}, "
+              f"{sc.max_num_batched_tokens}-token batches; measured: {sc.model}, {m.source}"), "",
+             ("| arm | block | pool tokens (measured) | wall s (measured) | later TTFT mean s (measured) | p90 s "
+              "(measured) | decode tok/s/stream (measured) | hit rate | preemptions | evictions | steps |"),
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         tt = r.later_ttft

@@ -53,7 +53,7 @@ class SessionSpec:
                              f"{self.end_tokens}")
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SessionSpec":
+    def from_dict(cls, d: dict) -> SessionSpec:
         """From a dict of these field names; unknown keys are errors."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
