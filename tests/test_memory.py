@@ -144,6 +144,26 @@ def test_replaced_checkpoints_never_hit_are_evicted_first():
     m.check_integrity()
 
 
+def test_a_prompt_checkpoint_replaced_by_a_decode_keeps_its_place():
+    """The prompt's checkpoint, replaced when a decode completes a block, is what the conversation's next turn
+    resumes from (it re-sends the outputs as prompt tokens, hashed apart from this request's output blocks): it
+    is released in LRU order, not as low value."""
+    m = MemoryManager(12, 3, BS, 1, caching=True, layout="in-page")
+    m.admit("old")
+    compute(m, "old", [9] * 10, 4)  # page 0, checkpoint (1,)
+    m.free("old")  # LRU: 0, 1
+    m.admit("a")
+    m.append_pages("a", 4)
+    m.reserve_checkpoint("a", 4, "prompt")  # page 2, the prompt's checkpoint (3,)
+    m.publish("a", keys(T1[:4])[1])
+    m.commit_checkpoints("a")
+    compute(m, "a", T1, 8)  # a decode completes block 1: its STEP checkpoint (5,) replaces (3,)
+    assert list(m._evictor) == [0, 1, 3]
+    compute(m, "a", T1 + [11, 12], 12)  # a STEP checkpoint replaced by another, never hit: low value
+    assert list(m._evictor)[0] == 5
+    m.check_integrity()
+
+
 @pytest.mark.parametrize("layout", ["in-page", "per-block"])
 def test_salt_isolation(layout):
     m = MemoryManager(16, 3, BS, 2, caching=True, layout=layout)

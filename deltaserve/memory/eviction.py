@@ -30,7 +30,8 @@ class EvictionPolicy(Protocol):
 class LRUEviction:
     """Least recently released first, with one refinement: low-value pages go before everything else.
 
-    Low value = a checkpoint that its sequence replaced by a newer one and that no request ever hit.
+    Low value = a checkpoint that its sequence replaced by a newer one and that no request ever hit, other than
+    its prompt's (replaced by a decode's, it is where the conversation's next turn resumes).
     Why: under plain LRU a running sequence keeps releasing its stale checkpoints (one per block), and
     they are younger than the pages of a sequence preempted a moment ago, so the running sequence's
     progress evicts the preempted one's resume point first. A checkpoint proven by a hit (a shared

@@ -697,11 +697,14 @@ class MemoryManager:
         return n * self.block_size * (1 + e.hits)
 
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: SaveKind | None) -> None:
-        old = seq.ckpt
+        old, old_kind = seq.ckpt, seq.ckpt_kind
         seq.ckpt, seq.ckpt_block, seq.ckpt_kind = loc, k, kind
-        if old is not None:  # replaced: low value unless some request has hit it
+        if old is not None:  # replaced: low value unless some request has hit it, or it is the prompt's
+            # the prompt's checkpoint is replaced only by a decode's, on a block of generated tokens that only
+            # this request can find (tag_outputs); a conversation's next turn re-sends those tokens as prompt,
+            # hashed apart, so the prompt's checkpoint is the deepest point that turn can resume from
             h = self._role.get(old[0])
-            low = h is None or self._cache[h].hits == 0
+            low = (h is None or self._cache[h].hits == 0) and old_kind is not SaveKind.PROMPT
             for q in old:
                 self._release(q, low)
 

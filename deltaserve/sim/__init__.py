@@ -5,6 +5,7 @@
     deltaserve simulate gen-trace {agent,mooncake} --out T.jsonl [options]
     deltaserve simulate validate [--presets tiny,qwen3.5-0.8b-shape] --out DIR      (the gate: real vs simulated)
     deltaserve simulate external --bundle DIR --model-config F --trace F --measured F  (a real vLLM run, external.py)
+    deltaserve simulate hybrid-ab [--scenario NAME] [--step-scale P,D]    (agent sessions, layouts A/B, hybrid_ab.py)
 
 Nothing here imports torch. `deltaserve simulate validate` (deltaserve/tools/validate/, which runs the real engine and
 the profiler beside this package) is routed by cli.py. See docs/simulator.md.
@@ -20,6 +21,7 @@ from ..config import REPLICA_FLAGS, ConfigError, add_engine_args, engine_args
 from .bundle import Bundle, load_bundle
 from .cluster import ClusterConfig, Replica, ReplicaConfig, Simulation
 from .external_compare import main as external_main
+from .hybrid_ab import main as hybrid_ab_main
 from .latency import LatencyModel, StepShape
 from .report import RequestRecord, summarize, summary_table, write_csv
 from .router import make_router
@@ -145,4 +147,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "external":
 
         return external_main(argv[1:])
+    if argv and argv[0] == "hybrid-ab":
+        return hybrid_ab_main(argv[1:])
     return _simulate_main(argv)
