@@ -263,9 +263,12 @@ def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, kind: str | None = None):
+        """kind: the token mixer ("linear_attention" | "full_attention"), default cfg.layer_types[index]; the MTP
+        layer (index past the model's layers) is a full-attention layer."""
         super().__init__()
-        self.is_gdn = cfg.layer_types[index] == "linear_attention"
+        kind = kind or cfg.layer_types[index]
+        self.is_gdn = kind == "linear_attention"
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = empty_param(cfg.hidden_size, dtype=dtype)
         self.post_attention_layernorm = empty_param(cfg.hidden_size, dtype=dtype)

@@ -21,6 +21,7 @@ from ..config import ConfigError, ModelConfig
 from . import fused, quant
 from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, empty_param, prepack
+from .mtp import MTPHead
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
@@ -55,7 +56,7 @@ class HybridModel(nn.Module):
     dtype: the weight / activation / KV / conv-state dtype. The GDN recurrent state is always float32.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | str = torch.float32):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | str = torch.float32, mtp: bool = False):
         super().__init__()
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
@@ -70,6 +71,8 @@ class HybridModel(nn.Module):
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
             self.lm_head = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # the multi-token-prediction layers (model/mtp.py), loaded for speculative decoding only: parameters mtp.*
+        self.mtp = MTPHead(cfg, dtype) if mtp else None
         # cos, sin per position (plain attributes: not weights)
         self.rotary = RotaryTable(rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta), dtype)
 
