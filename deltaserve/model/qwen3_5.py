@@ -106,13 +106,16 @@ class HybridModel(nn.Module):
         cos, sin = self.rotary(batch.positions.to(dev), max((s.pos + s.length for s in batch.spans), default=0))
         bs = caches.block_size
         pages, rows = [], []
-        dec_rows, dec_slots, dec_pos = [], [], []
+        dec_rows, dec_slots, dec_pos, dec_span = [], [], [], []
         batch.check(bs)
+        longest = 1  # the longest decode span (> 1: verify spans, stepped in waves)
         for s in batch.spans:
-            if s.is_decode:  # its K/V row: one gather for all decode spans, through their page table below
-                dec_rows.append(s.start)
-                dec_slots.append(s.slot)
-                dec_pos.append(s.pos)
+            if s.is_decode:  # its K/V rows: one gather for all decode spans, through their page table below
+                longest = max(longest, s.length)
+                dec_rows.extend(range(s.start, s.start + s.length))
+                dec_slots.extend([s.slot] * s.length)
+                dec_pos.extend(range(s.pos, s.pos + s.length))
+                dec_span.extend([len(dec_span) and dec_span[-1] + 1] * s.length)
                 continue
             p = torch.arange(s.pos, s.pos + s.length, device=dev)
             pages.append(s.page_ids.to(dev)[p // bs])
@@ -122,8 +125,18 @@ class HybridModel(nn.Module):
         kernels = self.decode_kernels or self.select_decode_kernels()
         ops = ops or self.ops
         table = lengths = None
+        waves = None
+        if longest > 1:  # wave j: the j-th token of every decode span that long (distinct slots, as in a decode step)
+            dspans = [s for s in batch.spans if s.is_decode]
+            waves = []
+            for j in range(longest):
+                part = [s for s in dspans if s.length > j]
+                slots_j = [s.slot for s in part]
+                waves.append((as_index([s.start + j for s in part]), as_index(slots_j), _consecutive(slots_j)))
         if dec_rows:
             table = batch.decode_page_table().to(dev)  # [B, max pages]
+            if longest > 1:  # a row per decode token: each verify token reads its span's table
+                table = table.index_select(0, as_index(dec_span))
             dpos = as_index(dec_pos)
             pages.append(table[torch.arange(len(dec_pos), device=dev), dpos // bs])
             rows.append(dpos % bs)
@@ -136,7 +149,7 @@ class HybridModel(nn.Module):
                            save_state=caches.save_state,
                            decode_page_table=table if kernels.compiled else None,
                            decode_lengths=lengths if kernels.compiled else None,
-                           decode_all=decode_all)
+                           decode_all=decode_all, decode_waves=waves, log_state=caches.log_state)
 
     def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:
         """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm).
