@@ -87,11 +87,11 @@ class ScriptedDrafter:
         self.prompt_len: dict[str, tuple[tuple[int, ...], int]] = {}
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
-        if request_id not in self.prompt_len:  # the first prefill chunk shows the prompt's start
-            for prompt in self.continuations:
-                if tuple(tokens[:len(prompt)]) == prompt:
-                    self.prompt_len[request_id] = (prompt, len(prompt))
-                    break
+        if request_id not in self.prompt_len:  # the longest known prompt the request starts with
+            known = [p for p in self.continuations if len(p) <= len(tokens) and tuple(tokens[:len(p)]) == p]
+            if known:
+                prompt = max(known, key=len)
+                self.prompt_len[request_id] = (prompt, len(prompt))
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
         known = self.prompt_len.get(request_id)
