@@ -84,7 +84,7 @@ def test_drafted_equals_plain_across_block_ends_with_caching_and_a_prefix_hit():
     by the steps that complete them; a second turn hits the first turn's prompt and re-prefilled outputs."""
     rng = random.Random(5)
     first = random_tokens(rng, 150)
-    params = greedy(max_tokens=150)
+    params = greedy(max_tokens=120)  # the first turn ends at 270: past the 256 block end, decoding
     plain = make_llm()
     ref1 = signature(run(plain, [first], params=params)[0])
     second = first + ref1[0] + random_tokens(rng, 40)
@@ -108,10 +108,10 @@ def test_preempted_while_speculating_equals_uninterrupted():
     from test_engine import _budget_for_pages
 
     rng = random.Random(3)
-    prompts = [random_tokens(rng, 200 + 40 * i) for i in range(6)]
-    params = greedy(max_tokens=120, logprobs=None)
+    prompts = [random_tokens(rng, 200 + 40 * i) for i in range(5)]
+    params = greedy(max_tokens=64, logprobs=None)
     big = make_llm(enable_prefix_caching=False)
-    ref = [signature(run(big, [p], params=params)[0])[0] for p in prompts]
+    ref = [signature(o)[0] for o in run(big, prompts, params=params)]
     small = spec(2, enable_prefix_caching=False, kv_cache_memory=_budget_for_pages(small_pages=10), max_num_seqs=6)
     small.engine.drafter = ScriptedDrafter({tuple(p): r for p, r in zip(prompts, ref)}, p=0.7, vocab_size=VOCAB)
     outs, (drafted, accepted, _) = counted(small, lambda: run(small, prompts, params=params))
@@ -253,3 +253,19 @@ def test_spec_metrics_have_vllms_names():
                  "vllm:spec_decode_num_accepted_tokens_total", 'vllm:spec_decode_num_accepted_tokens_per_pos_total{'
                  'model_name="m",position="1"}'):
         assert name in text, name
+
+
+def test_drafted_equals_plain_on_the_plain_torch_kernels(monkeypatch):
+    """The other decode path: plain-torch GDN steps (waves through gather / step / scatter) and attention (one
+    decode_attention per verify token), oneDNN's bf16 linears."""
+    monkeypatch.setenv("DELTASERVE_DECODE_KERNELS", "torch")
+    rng = random.Random(1)
+    prompts = [random_tokens(rng, n) for n in (5, 70, 150)]
+    params = greedy(max_tokens=12)
+    plain = make_llm(enable_prefix_caching=False)
+    assert plain.engine.cpu_kernels == "torch"
+    ref = [signature(o) for o in run(plain, prompts, params=params)]
+    llm = spec(3, enable_prefix_caching=False)
+    llm.engine.drafter = ScriptedDrafter({tuple(p): r[0] for p, r in zip(prompts, ref)}, p=0.7, vocab_size=VOCAB)
+    got, (drafted, accepted, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts, params=params)])
+    assert got == ref and 0 < accepted < drafted
