@@ -269,3 +269,34 @@ def test_drafted_equals_plain_on_the_plain_torch_kernels(monkeypatch):
     llm.engine.drafter = ScriptedDrafter({tuple(p): r[0] for p, r in zip(prompts, ref)}, p=0.7, vocab_size=VOCAB)
     got, (drafted, accepted, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts, params=params)])
     assert got == ref and 0 < accepted < drafted
+
+
+def test_a_stop_inside_a_verify_step_drops_the_tokens_after_it():
+    rng = random.Random(8)
+    prompts = [random_tokens(rng, n) for n in (12, 40)]
+    plain = make_llm(enable_prefix_caching=False)
+    ref = [o.outputs[0].token_ids for o in run(plain, prompts, params=greedy(max_tokens=20))]
+    stops = [r[6] for r in ref]  # the 7th token: inside a verify step of 4 tokens
+    params = greedy(max_tokens=20, stop_token_ids=stops)
+    want = [signature(o) for o in run(plain, prompts, params=params)]
+    llm = spec(3, enable_prefix_caching=False)
+    llm.engine.drafter = ScriptedDrafter({tuple(p): r for p, r in zip(prompts, ref)}, p=1.0, vocab_size=VOCAB)
+    outs = run(llm, prompts, params=params)
+    assert [signature(o) for o in outs] == want
+    assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_drafted_equals_plain_on_block_fp8_weights():
+    """A -FP8 checkpoint: its MTP layer's linears are block-FP8 too (model/make.py quantize_state_dict)."""
+    from deltaserve.embedded.model import ensure_model
+
+    path = ensure_model("tiny", quantize="fp8")
+    rng = random.Random(1)
+    prompts = [random_tokens(rng, n) for n in (5, 70)]
+    params = greedy(max_tokens=12)
+    ref = [signature(o) for o in run(make_llm(model=path, enable_prefix_caching=False), prompts, params=params)]
+    llm = spec(2, model=path, enable_prefix_caching=False)
+    assert [signature(o) for o in run(llm, prompts, params=params)] == ref  # the MTP layer drafting
+    llm.engine.drafter = ScriptedDrafter({tuple(p): r[0] for p, r in zip(prompts, ref)}, p=0.7, vocab_size=VOCAB)
+    got, (drafted, accepted, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts, params=params)])
+    assert got == ref and 0 < accepted < drafted
