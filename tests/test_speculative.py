@@ -104,6 +104,20 @@ def test_drafted_equals_plain_across_block_ends_with_caching_and_a_prefix_hit():
     assert out.num_cached_tokens >= 256
 
 
+def _log_bytes(slots: int, k: int) -> int:
+    """The state log's bytes (it comes out of the cache budget): k slot states per slot, 6 GDN layers of the tiny
+    preset's 68,608 bytes each in bf16."""
+    return slots * k * 6 * 68_608
+
+
+def test_the_state_log_comes_out_of_the_cache_budget():
+    plain, drafted = make_llm(enable_prefix_caching=False), spec(3, enable_prefix_caching=False)
+    log = sum(t.numel() * t.element_size() for t in drafted.engine.store.log_conv + drafted.engine.store.log_ssm)
+    assert log == _log_bytes(8, 3)
+    assert drafted.engine.store.nbytes() <= 64 * 2**20 < plain.engine.store.nbytes() + log
+    assert drafted.engine.pool.num_pages < plain.engine.pool.num_pages
+
+
 def test_preempted_while_speculating_equals_uninterrupted():
     from test_engine import _budget_for_pages
 
@@ -112,7 +126,8 @@ def test_preempted_while_speculating_equals_uninterrupted():
     params = greedy(max_tokens=64, logprobs=None)
     big = make_llm(enable_prefix_caching=False)
     ref = [signature(o)[0] for o in run(big, prompts, params=params)]
-    small = spec(2, enable_prefix_caching=False, kv_cache_memory=_budget_for_pages(small_pages=10), max_num_seqs=6)
+    small = spec(2, enable_prefix_caching=False, kv_cache_memory=_budget_for_pages(small_pages=10) + _log_bytes(6, 2),
+                 max_num_seqs=6)
     small.engine.drafter = ScriptedDrafter({tuple(p): r for p, r in zip(prompts, ref)}, p=0.7, vocab_size=VOCAB)
     outs, (drafted, accepted, _) = counted(small, lambda: run(small, prompts, params=params))
     assert small.engine.stats().preemptions > 0 and 0 < accepted < drafted
@@ -127,7 +142,7 @@ def test_preempted_with_caching_resumes_bit_exactly():
     prompts = [random_tokens(rng, 150 + 30 * i) for i in range(5)]
     params = greedy(max_tokens=100)
     ref = [signature(run(make_llm(), [p], params=params)[0]) for p in prompts]
-    small = spec(3, kv_cache_memory=_budget_for_pages(small_pages=12), max_num_seqs=5)
+    small = spec(3, kv_cache_memory=_budget_for_pages(small_pages=12) + _log_bytes(5, 3), max_num_seqs=5)
     small.engine.drafter = ScriptedDrafter({tuple(p): r[0] for p, r in zip(prompts, ref)}, p=0.9, vocab_size=VOCAB)
     outs = run(small, prompts, params=params)
     assert small.engine.stats().preemptions > 0
