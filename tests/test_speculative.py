@@ -238,6 +238,21 @@ def test_mtp_layer_loads_and_its_cache_is_incremental():
     parts = torch.cat([model.mtp(model, ids[i:i + 1], hidden[i:i + 1], i, cache) for i in range(n)])
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
     assert whole.abs().sum() > 0
+    # MTPDrafter: queued rows run in one call at propose(); the first draft is the head's argmax of the layer's
+    # output at the newest position, the next ones chain on the layer's own output
+    from deltaserve.engine.speculative import MTPDrafter
+
+    drafter = MTPDrafter(model)
+    tokens = [7] + ids.tolist()  # tokens[i + 1] follows position i
+    drafter.observe("r", 0, hidden[:4], tokens)
+    drafter.observe("r", 4, hidden[4:], tokens)
+    assert drafter.propose("r", tokens[:5], 0) == [] and "r" in drafter.queued
+    d = drafter.propose("r", tokens, 3)
+    assert d[0] == int(torch.argmax(model.compute_logits(whole[-1:])[0])) and len(d) == 3
+    drafter.observe("r", 2, hidden[2:5], tokens)  # recomputed from position 2 (after a preemption)
+    assert drafter.queued["r"][0] == 2 and drafter.queued["r"][1][-1].shape[0] == 3
+    drafter.forget("r")
+    assert not drafter.queued and not drafter.caches
 
 
 def test_a_model_without_mtp_layers_is_refused_for_mtp(tmp_path):

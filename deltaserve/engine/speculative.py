@@ -35,18 +35,53 @@ class Drafter(Protocol):
 
 
 class MTPDrafter:
-    """Drafts with the model's MTP layer(s) (model.mtp). Each request keeps the layer's K/V (MTPCache) and the layer's
-    output at the newest position it saw; a draft chains on the layer's own output (docs/speculative.md)."""
+    """Drafts with the model's MTP layer(s) (model.mtp). Each request keeps the layer's K/V (MTPCache), the model's
+    outputs the layer has not run on yet, and the layer's output at the newest position it ran on; a draft chains on
+    the layer's own output (docs/speculative.md).
+
+    The layer runs lazily: observe() only queues the model's outputs, and propose() runs the layer over everything
+    queued in one call before drafting. A request whose drafts are off (speculative.Acceptance) costs no MTP call
+    until its next probe. Queued rows are flushed early past FLUSH rows (a long prompt), or when a request jumps
+    ahead of its queue (a prefix hit after a preemption)."""
+
+    FLUSH = 512
 
     def __init__(self, model):
         assert model.mtp is not None, "MTPDrafter needs a model loaded with its MTP layers"
         self.model = model
         self.caches: dict[str, object] = {}
+        self.queued: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request -> (first position, rows)
         self.last: dict[str, tuple[int, torch.Tensor]] = {}  # request -> (position, the layer's output there)
 
-    @torch.inference_mode()
     def observe(self, request_id: str, start: int, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
-        n = min(hidden.shape[0], len(tokens) - 1 - start)  # positions whose next token is known
+        if hidden.shape[0] == 0:
+            return
+        q = self.queued.get(request_id)
+        if q is not None:
+            first, rows = q
+            end = first + sum(r.shape[0] for r in rows)
+            if start > end:  # positions skipped: the queue is run first
+                self._run(request_id, tokens)
+                q = None
+            elif start < end:  # recomputed positions (after a preemption): the older rows from start on go
+                keep = torch.cat(rows)[: max(0, start - first)]
+                q = (first, [keep]) if keep.shape[0] else None
+        first, rows = q if q is not None else (start, [])
+        self.queued[request_id] = (first, rows + [hidden.clone()])  # its own copy: the step's buffer may be reused
+        if sum(r.shape[0] for r in rows) + hidden.shape[0] >= self.FLUSH:
+            self._run(request_id, tokens)
+
+    @torch.inference_mode()
+    def _run(self, request_id: str, tokens: Sequence[int]) -> None:
+        """The layer over the queued rows whose next token is known; the rest stay queued."""
+        q = self.queued.pop(request_id, None)
+        if q is None:
+            return
+        start, rows = q
+        hidden = torch.cat(rows) if len(rows) > 1 else rows[0]
+        n = min(hidden.shape[0], len(tokens) - 1 - start)
+        if n < hidden.shape[0]:
+            self.queued[request_id] = (start + max(n, 0), [hidden[max(n, 0):]])
         if n <= 0:
             return
         cache = self.caches.get(request_id)
@@ -58,8 +93,11 @@ class MTPDrafter:
 
     @torch.inference_mode()
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        self._run(request_id, tokens)
         last = self.last.get(request_id)
-        if k <= 0 or last is None or last[0] != len(tokens) - 2:  # the layer has not seen the newest token
+        if last is None or last[0] != len(tokens) - 2:  # the layer has not seen the newest token
             return []
         pos, h = last
         cache = self.caches[request_id]
@@ -72,6 +110,7 @@ class MTPDrafter:
 
     def forget(self, request_id: str) -> None:
         self.caches.pop(request_id, None)
+        self.queued.pop(request_id, None)
         self.last.pop(request_id, None)
 
 
