@@ -67,6 +67,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    mtp_num_hidden_layers: int = 0  # the multi-token-prediction layers the checkpoint carries (mtp.*)
 
     # ---- derived geometry ----
     @property
@@ -154,6 +155,7 @@ class ModelConfig:
             eos_token_id=eos,
             bos_token_id=hf.get("bos_token_id"),
             pad_token_id=hf.get("pad_token_id"),
+            mtp_num_hidden_layers=int(hf.get("mtp_num_hidden_layers") or hf.get("num_nextn_predict_layers") or 0),
         )
 
     @classmethod
@@ -234,6 +236,55 @@ QUANTIZE_HEAD_CHOICES = ("none", "fp8")
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config, as vLLM spells it: {"method": "mtp", "num_speculative_tokens": k}. The model's own
+    multi-token-prediction layer drafts k tokens a step; the target verifies them in one pass (docs/speculative.md).
+    Unknown keys are errors."""
+
+    method: str = "mtp"
+    num_speculative_tokens: int = 1
+
+    METHODS = ("mtp",)
+
+    def __post_init__(self) -> None:
+        if self.method not in self.METHODS:
+            raise ConfigError(f"--speculative-config: method must be one of {', '.join(self.METHODS)}, not "
+                              f"{self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], not {k!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A JSON object (the flag's text), a dict or a SpeculativeConfig; None / "" / "null" = off."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            if value.strip() in ("", "null", "none", "None"):
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"--speculative-config is not a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError("--speculative-config must be a JSON object, e.g. "
+                              '\'{"method": "mtp", "num_speculative_tokens": 2}\'')
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"--speculative-config: unknown key(s) {', '.join(map(repr, unknown))} (known: "
+                              f"{', '.join(sorted(known))})")
+        return cls(**value)
+
+
+def _speculative(text: str) -> "SpeculativeConfig | None":
+    try:
+        return SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # whole-number flags with a floor, in the order they are checked: (field, least value, what the floor means)
 _AT_LEAST = (("max_num_seqs", 1, ""), ("max_num_batched_tokens", 1, ""), ("prefill_merge_tokens", 0, " (0 = no limit)"),
              ("block_size", 1, ""), ("checkpoint_grid", 0, " (0 = off)"), ("reprefill_job_tokens", 1, ""),
@@ -303,6 +354,10 @@ class EngineConfig:
     cpu_isa: str = _flag("auto", "instruction set of the compiled CPU kernels: auto = the fastest this CPU executes "
                          "(amx, then avx512bf16, avx512, avx2); a set it cannot execute is an error",
                          choices=CPU_ISA_CHOICES)
+    speculative_config: SpeculativeConfig | None = _flag(
+        None, 'speculative decoding, as vLLM spells it: \'{"method": "mtp", "num_speculative_tokens": K}\' (the '
+        "model's MTP layer drafts K tokens a step, the model verifies them in one pass; the outputs are plain "
+        "decoding's, bit for bit; docs/speculative.md)", _speculative, metavar="JSON")
     # tensor parallelism (deltaserve/parallel/, docs/parallel.md): torchrun's rendezvous names
     tensor_parallel_size: int = _flag(1, "ranks the model is sharded over (torch.distributed: gloo on CPU, nccl on "
                                       "CUDA); rank 0 schedules and samples", int, metavar="N", aliases=("-tp",))
@@ -316,6 +371,9 @@ class EngineConfig:
                                        "error", float, metavar="SECONDS")
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        if self.speculative_config is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("--speculative-config runs on one rank only: drop it or --tensor-parallel-size")
         if self.dtype not in MODEL_DTYPE_CHOICES:
             raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.cache_layout not in LAYOUT_NAMES:

@@ -3,7 +3,8 @@ import json
 
 import pytest
 
-from deltaserve.config import ENGINE_DEFAULTS, ENGINE_FLAGS, REPLICA_FLAGS, ConfigError, EngineConfig, engine_args
+from deltaserve.config import (ENGINE_DEFAULTS, ENGINE_FLAGS, REPLICA_FLAGS, ConfigError, EngineConfig,
+                               SpeculativeConfig, engine_args)
 
 # one value per flag, as a user types it, and what every command must make of it
 SAMPLES = {
@@ -38,6 +39,7 @@ SAMPLES = {
     "master_addr": ("10.0.0.1", "10.0.0.1"),
     "master_port": ("29500", 29500),
     "distributed_timeout": ("30", 30.0),
+    "speculative_config": ('{"method": "mtp", "num_speculative_tokens": 2}', SpeculativeConfig("mtp", 2)),
 }
 
 
@@ -133,3 +135,15 @@ def test_defaults_agree_everywhere():
     assert ENGINE_DEFAULTS["cache_layout"] == "runs"
     assert plan_parser().parse_args([]).layout == ENGINE_DEFAULTS["cache_layout"]
     assert ReplicaConfig().engine == EngineConfig()
+
+
+def test_speculative_config_is_vllms_json_and_refuses_unknown_keys():
+    assert EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).speculative_config == \
+        SpeculativeConfig("mtp", 3)
+    assert EngineConfig().speculative_config is None
+    for bad, match in (('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
+                       ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"method": "mtp", "num_speculative_tokens": 2, "draft_tp": 1}', "unknown key"),
+                       ("mtp", "not a JSON object")):
+        with pytest.raises(ConfigError, match=match):
+            EngineConfig(speculative_config=bad)

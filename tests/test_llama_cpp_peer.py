@@ -37,7 +37,8 @@ def test_server_command_assembly():
 
 def test_convert_command(tiny_dir, tmp_path):
     cmd = lc.convert_command(tiny_dir, "q8_0", "/o/t.gguf", tree="/tree", python="/py")
-    assert cmd == ["/py", lc.CONVERTER, "/tree", tiny_dir, "--outtype", "q8_0", "--outfile", "/o/t.gguf", "--no-mtp"]
+    # the tiny preset stores one MTP layer (speculative decoding runs on it): converted with it
+    assert cmd == ["/py", lc.CONVERTER, "/tree", tiny_dir, "--outtype", "q8_0", "--outfile", "/o/t.gguf"]
     assert os.path.exists(lc.CONVERTER)
     # MTP tensors decide, not the config's mtp_num_hidden_layers (the 0.8B shape declares one, stores none)
     import torch
@@ -49,7 +50,7 @@ def test_convert_command(tiny_dir, tmp_path):
         (d / "config.json").write_text(json.dumps({"mtp_num_hidden_layers": 1}))
         save_file({k: torch.zeros(2) for k in keys}, str(d / "model.safetensors"))
     assert lc.has_mtp_layers(str(tmp_path / "mtp")) and not lc.has_mtp_layers(str(tmp_path / "declared"))
-    assert not lc.has_mtp_layers(tiny_dir)
+    assert lc.has_mtp_layers(tiny_dir)
     d = tmp_path / "mtp"
     assert "--no-mtp" not in lc.convert_command(str(d), "bf16", "o", tree="t")
     with pytest.raises(ValueError, match="choose from bf16, f32, q8_0"):

@@ -59,13 +59,14 @@ class DeltaservePeer:
     name = "deltaserve"
 
     def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
-                 cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none"):
+                 cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none",
+                 speculative_config: dict | None = None):
         from ..engine.llm import LLM  # imports torch: only once main has set OMP_WAIT_POLICY
 
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa,
-                       quantize_head=quantize_head)
+                       quantize_head=quantize_head, speculative_config=speculative_config)
         self.engine = self.llm.engine
         self._n = 0
         self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)
@@ -109,6 +110,39 @@ class DeltaservePeer:
 
     def close(self) -> None:
         self.llm = self.engine = None
+
+
+class SpeculativePeer(DeltaservePeer):
+    """deltaserve with --speculative-config (docs/speculative.md) and a drafter of a known acceptance: p None drafts
+    with the model's MTP layer; p in [0, 1] drafts plain greedy decoding's own continuation, each draft right with
+    probability p (engine/speculative.py ScriptedDrafter; 1 = forced acceptance). The continuation is decoded plainly
+    first, untimed. info gets the measured acceptance (accepted / drafted) of the latest decode."""
+
+    def __init__(self, model_dir: str, k: int, p: float | None, **kw):
+        super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+        self.p = p
+        self.mtp = self.engine.drafter
+
+    def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        from ..engine.speculative import ScriptedDrafter
+
+        eng = self.engine
+        if self.p is not None:
+            eng.drafter = None  # plain decoding: the continuation the drafts are taken from
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(max_tokens),
+                                     use_tqdm=False)
+            eng.drafter = ScriptedDrafter({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)},
+                                          p=self.p, vocab_size=eng.model_config.vocab_size, seed=self._n)
+        else:
+            eng.drafter = self.mtp
+        before = eng.stats()
+        out = super().decode(prompts, max_tokens)
+        after = eng.stats()
+        drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+        accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+        self.info["acceptance"] = round(accepted / drafted, 3) if drafted else None
+        self.info["drafts_per_step"] = round(drafted / max(1, after.spec_decode_num_drafts - before.spec_decode_num_drafts), 2)
+        return out
 
 
 # --------------------------------------------------------------------------- roofline
@@ -344,7 +378,30 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
             res.arm_info[(grid.preset, name)] = arms[-1].info
         except Exception as e:  # noqa: BLE001
             _cannot_start(res, grid.preset, name, e)
+    for p in (args.draft_accept if args.speculative else ()):  # one speculative arm per drafter acceptance
+        name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}")
+        try:
+            arms.append(SpeculativePeer(grid.model_dir, args.speculative, p, max_num_seqs=grid.max_seqs,
+                                        max_num_batched_tokens=grid.max_num_batched_tokens,
+                                        kv_cache_memory=grid.kv_cache_memory, name=name))
+            res.arm_info[(grid.preset, name)] = arms[-1].info
+        except Exception as e:  # noqa: BLE001
+            _cannot_start(res, grid.preset, name, e)
     return arms
+
+
+def _accepts(s: str) -> list[float | None]:
+    """--draft-accept: comma-separated probabilities in [0, 1], or "mtp" (the model's own MTP layer)."""
+    out: list[float | None] = []
+    for x in s.split(","):
+        if x.strip() == "mtp":
+            out.append(None)
+            continue
+        v = float(x)
+        if not 0 <= v <= 1:
+            raise argparse.ArgumentTypeError(f"a draft acceptance is in [0, 1], not {v}")
+        out.append(v)
+    return out
 
 
 def _fp8_arms(args, res: Results, grid: Grid) -> list:
@@ -537,6 +594,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8", action="store_true",
                    help="one more arm, deltaserve-fp8: the preset's weights as a block-FP8 checkpoint (make-model "
                         "--quantize fp8) on the first --cpu-isas set, its roofline counted at the bytes it streams")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="also run deltaserve with --speculative-config (MTP, K drafts a step): one arm per "
+                        "--draft-accept value (docs/speculative.md)")
+    p.add_argument("--draft-accept", type=_accepts, default=[1.0, 0.7, 0.4, 0.0, None], metavar="P,..",
+                   help="the speculative arms' drafters: each draft right with probability P (plain greedy's own "
+                        "continuation; 1 = forced acceptance), or 'mtp' (the model's MTP layer) (default 1,0.7,0.4,0,mtp)")
     p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
     p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
     p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")

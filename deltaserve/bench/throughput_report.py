@@ -96,6 +96,10 @@ def _columns(res: Results) -> Columns:
     for arm in ("deltaserve-fp8-head", "deltaserve-fp8"):
         if any(e == arm for (_, e) in res.arm_info) or any(e == arm for (_, e) in res.unavailable):
             engines.insert(1, arm)
+    # the speculative arms (--speculative K, one per drafter acceptance), after plain deltaserve, in run order
+    spec = list(dict.fromkeys(e for (_, e) in list(res.arm_info) + list(res.unavailable)
+                              if e.startswith("deltaserve-mtp")))
+    engines[1:1] = spec
     ratio_pairs = []
     if "llama.cpp" in res.info.get("peers", []):
         ran = {e for (_, e) in res.arm_info}
@@ -173,7 +177,19 @@ def _roofline_row(res: Results, cols: Columns, preset: str) -> list[str]:
 # --------------------------------------------------------------------------- the footnote and the reasons
 def _footnote(res: Results) -> list[str]:
     """The run's conditions, then what each kind of arm ran as."""
-    return [_conditions(res)] + _kernel_line(res) + _vllm_line(res) + _llama_cpp_line(res)
+    return [_conditions(res)] + _kernel_line(res) + _spec_line(res) + _vllm_line(res) + _llama_cpp_line(res)
+
+
+def _spec_line(res: Results) -> list[str]:
+    """The speculative arms' drafters: deltaserve-mtpK-pP drafts plain greedy's continuation, right with probability
+    P; deltaserve-mtpK drafts with the model's MTP layer; each with the acceptance of its latest decode row."""
+    arms = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("deltaserve-mtp")]
+    if not arms:
+        return []
+    parts = [f"{p} {e} accepted {v.get('acceptance')} of its drafts ({v.get('drafts_per_step')} a step)"
+             for p, e, v in arms]
+    return ["speculative arms (docs/speculative.md): -pP drafts plain greedy's own continuation, each draft right "
+            "with probability P; without -pP the model's MTP layer drafts; latest decode row: " + ", ".join(parts) + "."]
 
 
 def _conditions(res: Results) -> str:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from ..config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from .inputs import EngineInputError, check_request
 from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from .speculative import Acceptance, SpecStats, verify
 
 log = logging.getLogger("deltaserve")
 
@@ -58,6 +59,11 @@ class EngineStats:
     disk_evictions: int = 0
     disk_hit_tokens: int = 0  # hit tokens whose K/V came back from disk (of prefix_cache_hits)
     cpu_kernels: str = ""  # the compiled CPU kernels' instruction set (avx512bf16 / avx512 / avx2), or "torch"
+    # speculative decoding (engine/speculative.py SpecStats; vLLM's vllm:spec_decode_* counters)
+    spec_decode_num_drafts: int = 0  # verify steps
+    spec_decode_num_draft_tokens: int = 0  # drafts verified
+    spec_decode_num_accepted_tokens: int = 0  # drafts accepted
+    spec_decode_accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position 0, 1, ...
 
 
 @dataclass
@@ -130,7 +136,8 @@ class LLMEngine:
             self.parallel = TensorParallel.start(config, path, self.dtype, self.device)  # loads shard 0
             self.model = self.parallel.model
         else:
-            self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head)
+            self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head,
+                                    mtp=config.speculative_config is not None)
         self.tokenizer = load_tokenizer(path)
         kern = self.model.decode_kernels
         self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers
@@ -155,6 +162,16 @@ class LLMEngine:
                                   EVICTION_POLICIES[config.eviction]())
         if self.parallel:
             self.runner = self.parallel.attach(self.runner, pool)  # every step runs on every rank
+        # speculative decoding (--speculative-config; engine/speculative.py, docs/speculative.md)
+        self.spec = config.speculative_config
+        self.drafter = None  # proposes drafts after each step (MTPDrafter; tests put a ScriptedDrafter here)
+        self.spec_stats = SpecStats()
+        self._acceptance: dict[str, Acceptance] = {}
+        if self.spec is not None:
+            from .speculative import MTPDrafter
+            self.store.enable_state_log(self.spec.num_speculative_tokens)
+            self.runner.keep_hidden = True
+            self.drafter = MTPDrafter(self.model)
         self.last_plan = None  # the plan of the latest step (the profiler and the validation read it)
         self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece, argmax=kern.argmax if kern is not None else None)
         self._live: dict[str, _Live] = {}
@@ -213,6 +230,9 @@ class LLMEngine:
 
         if request_id in self._live:
             raise EngineInputError(f"request id {request_id!r} is already in use")
+        if self.drafter is not None:  # a reused id must not find the drafts of its namesake
+            self.drafter.forget(request_id)
+            self._acceptance.pop(request_id, None)
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         text, ids = self._prompt_ids(prompt)
@@ -243,6 +263,9 @@ class LLMEngine:
         live = self._live.pop(request_id, None)
         if live is not None:
             self.scheduler.abort(request_id)
+        if self.drafter is not None:
+            self.drafter.forget(request_id)
+            self._acceptance.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._live)
@@ -260,7 +283,9 @@ class LLMEngine:
             if plan.is_empty() and self.memory.disk.busy():
                 self.disk.wait(0.01)  # only reads from disk to wait for: do not spin
         try:
-            sampled = self._sample(plan, self.runner.execute(plan))
+            logits = self.runner.execute(plan)
+            self.runner_hidden = logits.hidden
+            sampled = self._sample(plan, logits)
         except Exception as e:  # noqa: BLE001 - one failing request must not take the others down
             if getattr(e, "fatal", False):  # the engine cannot go on (a tensor-parallel rank is gone)
                 raise
@@ -303,8 +328,27 @@ class LLMEngine:
         owners = logits.owners
         if not owners:
             return {}
-        outs = self.sampler.sample(logits.sample, [self._live[r].sampling for r in owners])
-        return dict(zip(owners, outs))
+        verifying = {w.request_id: w for w in plan.work if w.num_drafts and w.sample}
+        if not verifying:
+            outs = self.sampler.sample(logits.sample, [self._live[r].sampling for r in owners])
+            return dict(zip(owners, outs))
+        plain = [i for i, r in enumerate(owners) if r not in verifying]
+        sampled: dict[str, object] = {}
+        if plain:
+            rows = logits.sample if len(plain) == len(owners) else logits.sample[plain]
+            sampled.update(zip([owners[i] for i in plain],
+                               self.sampler.sample(rows, [self._live[owners[i]].sampling for i in plain])))
+        for rid, w in verifying.items():
+            i = owners.index(rid)
+            outs = verify(self.sampler, logits.sample[i: i + w.num_drafts + 1], self._live[rid].sampling,
+                          w.token_ids[1:])
+            accepted = len(outs) - 1
+            if accepted < w.num_drafts:  # the slot's GDN state goes back to the one after the last kept token
+                self.runner.rollback(w.slot, accepted)
+            self.spec_stats.record(w.num_drafts, accepted)
+            self._acceptance.setdefault(rid, Acceptance()).record(w.num_drafts, accepted)
+            sampled[rid] = outs
+        return sampled
 
     def _prompt_logprobs(self, live: _Live, w, chunk_logits) -> None:
         """Logits at position p score token p + 1; only positions whose next token is in the prompt."""
@@ -319,7 +363,14 @@ class LLMEngine:
             live.prompt_logprobs[p + 1] = lp
 
     def _emit(self, plan, sampled: dict[str, object]) -> list[RequestOutput]:
-        tokens = {rid: s.token_id for rid, s in sampled.items() if s.error is None}
+        tokens: dict[str, object] = {}
+        for rid, s in sampled.items():
+            if isinstance(s, list):  # a verify step: the tokens it emits, up to a failed row
+                ok = [o.token_id for o in s[: next((j for j, o in enumerate(s) if o.error), len(s))]]
+                if ok:
+                    tokens[rid] = ok
+            elif s.error is None:
+                tokens[rid] = s.token_id
         self.scheduler.update(plan, tokens)
         for w in plan.work:
             if not w.is_decode and w.request_id in self._live:
@@ -330,17 +381,43 @@ class LLMEngine:
             live = self._live.get(rid)
             if live is None:
                 continue
-            if s.error is not None:
-                self.scheduler.finish(rid, "abort")
-                live.finish_reason = "abort"
-                live.stop_reason = s.error
-            else:
-                self._append(live, s, now)
+            for one in (s if isinstance(s, list) else (s,)):
+                if one.error is not None:
+                    self.scheduler.finish(rid, "abort")
+                    live.finish_reason = "abort"
+                    live.stop_reason = one.error
+                else:
+                    self._append(live, one, now)
+                if live.finish_reason is not None:  # a stop inside a verify step drops the tokens after it
+                    break
             outputs.append(self._output(live))
             if live.finish_reason is not None:
                 live.metrics.finished_time = now
                 del self._live[rid]
+        if self.drafter is not None:
+            self._draft(plan, sampled)
         return outputs
+
+    def _draft(self, plan, sampled: dict[str, object]) -> None:
+        """Show the drafter this step's kept outputs of the model, and ask it for the next step's drafts of every
+        request about to decode its last token, as many as its acceptance says pay (speculative.Acceptance)."""
+        hidden = self.runner_hidden
+        for w in plan.work:
+            req = self.scheduler.requests.get(w.request_id)
+            if w.request_id not in self._live or req is None or w.request_id not in hidden:
+                if req is None:
+                    self.drafter.forget(w.request_id)
+                    self._acceptance.pop(w.request_id, None)
+                continue
+            start, rows = hidden[w.request_id]
+            kept = req.num_computed_tokens - start  # a verify step keeps its accepted rows only
+            tokens = req.all_token_ids
+            self.drafter.observe(w.request_id, start, rows[:kept], tokens)
+            if w.request_id in sampled and req.num_computed_tokens == req.num_tokens - 1:
+                k = self._acceptance.setdefault(w.request_id, Acceptance()).next_k(self.spec.num_speculative_tokens)
+                req.draft_token_ids = self.drafter.propose(w.request_id, tokens, k) if k else []
+
+    runner_hidden: dict = {}  # the latest step's StepLogits.hidden
 
     def _append(self, live: _Live, s, now: float) -> None:
         req = self.scheduler.get(live.request_id)
@@ -371,6 +448,10 @@ class LLMEngine:
         if reason is None and (n_out >= p.max_tokens or len(live.prompt_ids) + n_out >= self.max_model_len):
             reason = "length"
         if reason is not None:
+            req = self.scheduler.get(live.request_id)
+            if req is not None and len(req.output_token_ids) > n_out:  # a verify step's tokens past the stop
+                del req.output_token_ids[n_out:]
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             if stop is None or isinstance(stop, int):
                 live.text += live.detok.flush()  # a stream ending mid-character
             live.finish_reason, live.stop_reason = reason, stop
@@ -420,4 +501,7 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens_total, generation_tokens=self.generation_tokens_total,
             checkpoints_kept=kept, checkpoint_bytes=ckpt_pages * self.pool.bytes_per_page
             + (0 if self.pool.layout.in_pool else kept * self.pool.per_page_state_bytes),
-            cpu_kernels=self.cpu_kernels, **self.scheduler.counters())
+            cpu_kernels=self.cpu_kernels, spec_decode_num_drafts=self.spec_stats.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
+            spec_decode_accepted_per_pos=list(self.spec_stats.accepted_per_pos), **self.scheduler.counters())

@@ -27,6 +27,8 @@ class Span:
     pos: int  # absolute position of the first token (= tokens of this sequence already in the caches)
     slot: int  # GDN state slot
     page_ids: torch.Tensor  # [num_pages] int64, the attention page table covering pos + length tokens
+    # decode path: every token is computed as a one-token decode step computes it, in order (a span of length L > 1
+    # is a speculative verify span: the last sampled token and L - 1 drafts; docs/speculative.md)
     is_decode: bool
     # checkpoints taken inside this prefill span: (absolute position p, location), the state of every GDN layer
     # after exactly token p - 1 (pos < p < pos + length, p on the 64-token grid) goes to Caches.save_state
@@ -74,12 +76,12 @@ class ForwardBatch:
                    decode_table=table)
 
     def check(self, block_size: int) -> None:
-        """ValueError unless: prefill spans come first; a decode span is one token, without checkpoints; a prefill
-        span's checkpoints are grid positions inside it; every page table covers its span."""
+        """ValueError unless: prefill spans come first; a decode span has at least one token and no checkpoints; a
+        prefill span's checkpoints are grid positions inside it; every page table covers its span."""
         decode_seen = False
         for s in self.spans:
-            if s.is_decode and s.length != 1:
-                raise ValueError(f"a decode span has one token, not {s.length}")
+            if s.is_decode and s.length < 1:
+                raise ValueError(f"a decode span has at least one token, not {s.length}")
             if s.saves and (s.is_decode or any(not s.pos < p < s.pos + s.length or p % 64 for p, _ in s.saves)):
                 raise ValueError(f"span at rows {s.start}..: checkpoints {[p for p, _ in s.saves]} are not grid "
                                  f"positions inside its prefill chunk {s.pos}..{s.pos + s.length}")
@@ -121,3 +123,6 @@ class Caches:
     # save_state(l, location, conv [K-1, conv_dim], ssm [Hv, dv, dk] fp32): store GDN layer l's state at a
     # checkpoint location (the runner's CacheStore.save_layer); needed by spans with saves
     save_state: Callable[[int, tuple[int, ...], torch.Tensor, torch.Tensor], None] | None = None
+    # log_state(l, j, slots [B] int64): GDN layer l's live state in `slots` after the j-th token of their verify spans
+    # (the per-position state log, CacheStore.log_states); needed by decode spans longer than one token
+    log_state: Callable[[int, int, torch.Tensor], None] | None = None

@@ -109,8 +109,8 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
     compiled call; None when the step is not one or the model does not qualify (the caller takes the op-table
     path)."""
     spans = batch.spans
-    if not spans or not spans[0].is_decode:  # prefill spans come first
-        return None
+    if not spans or not spans[0].is_decode or any(s.length != 1 for s in spans):  # prefill spans first; verify
+        return None  # spans (several tokens) take the op-table path, which steps them in waves
     program = decode_program(model)
     if program is None:
         return None

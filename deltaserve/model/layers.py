@@ -55,6 +55,10 @@ class StepContext:
     decode_lengths: torch.Tensor | None = None  # [B] int64, positions each decode token attends (pos + 1)
     decode_all: bool = False  # every row of the step is a decode row, in order (decode_rows == 0..T-1): the
     #                           gathers by decode_rows and the scatters back are identities and are skipped
+    # a step with verify spans (decode spans of several tokens): the GDN layers step the decode rows in waves,
+    # wave j holding the j-th token of every decode span that long: (rows [B_j], slots [B_j], their slot range)
+    decode_waves: list[tuple[torch.Tensor, torch.Tensor, tuple[int, int] | None]] | None = None
+    log_state: object = None  # Caches.log_state: the state after each wave's tokens, for the rollback
 
 
 class GDNMixer(nn.Module):
@@ -107,7 +111,8 @@ class GDNMixer(nn.Module):
         mixed, z = proj[:, :c], proj[:, c:c + vd]
         b, a = proj[:, c + vd:c + vd + hv], proj[:, c + vd + hv:]
         g, beta = ops.gdn_gates(b, a, self.dt_bias, self._neg_decay())  # [T, Hv] fp32, [T, Hv]
-        core = None if ctx.decode_all else torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
+        waves = ctx.decode_waves
+        core = None if ctx.decode_all and waves is None else torch.empty(T, hv, self.dv, dtype=h.dtype, device=h.device)
         for s in ctx.batch.prefill_spans:
             rows = slice(s.start, s.start + s.length)
             fresh = s.pos == 0  # a new sequence starts from zero states whatever the slot holds
@@ -126,35 +131,49 @@ class GDNMixer(nn.Module):
             ssm_cache[s.slot].copy_(state)
             for (_, location), w, st in zip(s.saves, windows if s.saves else (), states):
                 ctx.save_state(self.gdn_index, location, w, st)
-        if ctx.decode_rows is not None:
-            rows, slots = ctx.decode_rows, ctx.decode_slots
-            # compiled kernels: caches updated in place through the slot ids; torch: in place for consecutive
-            # slots, otherwise gather, step, scatter
-            fast = ctx.kernels.compiled and ssm_cache.dtype == torch.float32 and conv_cache.dtype == mixed.dtype
-            rng = ctx.decode_slot_range
-            if fast:
-                x = ops.conv1d_decode_step(mixed, rows, self.conv_weight, conv_cache, slots)  # [B, conv_dim]
-            else:
-                conv_state = conv_cache[rng[0]:rng[1]] if rng is not None else conv_cache.index_select(0, slots)
-                x = ops.causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)  # [B, conv_dim]
-                if rng is None:
-                    conv_cache.index_copy_(0, slots, conv_state)
-            q, k, v = self._split_qkv(x)
-            gd, bd = (g, beta) if ctx.decode_all else (g.index_select(0, rows), beta.index_select(0, rows))  # [B, Hv]
-            if fast:
-                o = ops.gdn_decode_step(q, k, v, gd, bd, ssm_cache, slots)
-            else:
-                in_place = rng is not None and ssm_cache.dtype == torch.float32
-                state = ssm_cache[rng[0]:rng[1]] if in_place else ssm_cache.index_select(0, slots).float()
-                o = ops.recurrent_gated_delta_rule_step(q, k, v, gd, bd, state)
-                if not in_place:
-                    ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
+        if waves is not None:
+            # verify spans: wave j is the j-th token of each, stepped exactly as a decode step steps its rows (the
+            # same ops on the same slots, one token per slot per call), so every row's bits are the decode path's;
+            # the state after each wave goes to the log, from which a rejection rolls the slot back
+            for j, (rows, slots, rng) in enumerate(waves):
+                o = self._decode(mixed, g, beta, rows, slots, rng, False, ctx, conv_cache, ssm_cache)
+                core.index_copy_(0, rows, o)
+                ctx.log_state(self.gdn_index, j, slots)
+        elif ctx.decode_rows is not None:
+            o = self._decode(mixed, g, beta, ctx.decode_rows, ctx.decode_slots, ctx.decode_slot_range,
+                             ctx.decode_all, ctx, conv_cache, ssm_cache)
             if ctx.decode_all:
                 core = o  # [T, Hv, dv]
             else:
-                core.index_copy_(0, rows, o)
+                core.index_copy_(0, ctx.decode_rows, o)
         core = ops.rms_norm_gated(core.view(T, hv, self.dv), z, self.norm_weight, self.eps)  # [T, vd]
         return ops.linear(core, self.out_proj)
+
+    def _decode(self, mixed, g, beta, rows, slots, rng, every_row: bool, ctx: StepContext, conv_cache, ssm_cache):
+        """One decode token for each of `slots` (rows: their rows of the step; every_row: rows == 0..T-1):
+        conv step and recurrent step, the slots' states updated in place. Returns core [B, Hv, dv]."""
+        ops = ctx.ops
+        # compiled kernels: caches updated in place through the slot ids; torch: in place for consecutive
+        # slots, otherwise gather, step, scatter
+        fast = ctx.kernels.compiled and ssm_cache.dtype == torch.float32 and conv_cache.dtype == mixed.dtype
+        if fast:
+            x = ops.conv1d_decode_step(mixed, rows, self.conv_weight, conv_cache, slots)  # [B, conv_dim]
+        else:
+            conv_state = conv_cache[rng[0]:rng[1]] if rng is not None else conv_cache.index_select(0, slots)
+            x = ops.causal_conv1d_step(mixed.index_select(0, rows), self.conv_weight, conv_state)  # [B, conv_dim]
+            if rng is None:
+                conv_cache.index_copy_(0, slots, conv_state)
+        q, k, v = self._split_qkv(x)
+        gd, bd = (g, beta) if every_row else (g.index_select(0, rows), beta.index_select(0, rows))  # [B, Hv]
+        if fast:
+            o = ops.gdn_decode_step(q, k, v, gd, bd, ssm_cache, slots)
+        else:
+            in_place = rng is not None and ssm_cache.dtype == torch.float32
+            state = ssm_cache[rng[0]:rng[1]] if in_place else ssm_cache.index_select(0, slots).float()
+            o = ops.recurrent_gated_delta_rule_step(q, k, v, gd, bd, state)
+            if not in_place:
+                ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
+        return o
 
 
 class AttentionMixer(nn.Module):
@@ -196,8 +215,10 @@ class AttentionMixer(nn.Module):
                 out[rows] = ops.prefill_attention(q[rows], k[rows], v[rows], 0, self.scale)
                 continue
             keys, values = ops.kv_gather(kv_cache, s.page_ids, s.pos + s.length)
-            if s.is_decode:
-                out[s.start] = ops.decode_attention(q[s.start], keys, values, self.scale)
+            if s.is_decode:  # a verify span: each token attends as its own decode step would, to pos + j + 1 keys
+                for j in range(s.length):
+                    n = s.pos + j + 1
+                    out[s.start + j] = ops.decode_attention(q[s.start + j], keys[:n], values[:n], self.scale)
             else:
                 out[rows] = ops.prefill_attention(q[rows], keys, values, s.pos, self.scale)
         if batched:  # K/V read in place through the page tables
@@ -263,9 +284,12 @@ def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, index: int, dtype: torch.dtype, kind: str | None = None):
+        """kind: the token mixer ("linear_attention" | "full_attention"), default cfg.layer_types[index]; the MTP
+        layer (index past the model's layers) is a full-attention layer."""
         super().__init__()
-        self.is_gdn = cfg.layer_types[index] == "linear_attention"
+        kind = kind or cfg.layer_types[index]
+        self.is_gdn = kind == "linear_attention"
         self.eps = cfg.rms_norm_eps
         self.input_layernorm = empty_param(cfg.hidden_size, dtype=dtype)
         self.post_attention_layernorm = empty_param(cfg.hidden_size, dtype=dtype)

@@ -5,7 +5,7 @@ Weight layouts read:
 - qwen3_5_text / qwen3_5_moe_text (Qwen3_5ForCausalLM): model.* and lm_head.weight, GDN projections
   apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a);
 - the multimodal qwen3_5 / qwen3_5_moe models Qwen publishes: the text model under
-  model.language_model.*, vision under model.visual.* (skipped, one log line), MTP under mtp.* (skipped,
+  model.language_model.*, vision under model.visual.* (skipped, one log line), MTP under mtp.* (skipped unless load_model(mtp=True),
   one log line);
 - qwen3_next: GDN projections fused and grouped per key head (in_proj_qkvz, in_proj_ba), un-interleaved
   here as transformers' Qwen3NextGatedDeltaNet.fix_query_key_value_ordering does;
@@ -124,9 +124,11 @@ def fuse_ba(b, a, hk: int) -> torch.Tensor:
 Take = Callable[[str], torch.Tensor]
 
 
-def _layer_tensors(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str], take: Take) -> dict[str, torch.Tensor]:
-    p, o = f"model.layers.{i}.", f"layers.{i}."
-    layer = model.layers[i]
+def _layer_tensors(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str], take: Take,
+                   p: str | None = None, o: str | None = None, layer=None) -> dict[str, torch.Tensor]:
+    """Layer i's parameters (ours, under o) from the stored tensors (under p); an MTP layer passes its own."""
+    p, o = p or f"model.layers.{i}.", o or f"layers.{i}."
+    layer = layer if layer is not None else model.layers[i]
     sd = {o + "input_layernorm": take(p + "input_layernorm.weight"),
           o + "post_attention_layernorm": take(p + "post_attention_layernorm.weight")}
     if layer.is_gdn:
@@ -192,8 +194,19 @@ def _check_supported(hf: dict) -> None:
         raise ConfigError("attn_output_gate=false is not supported (Qwen3.5 / Qwen3-Next gate the attention output)")
 
 
+def _mtp_tensors(cfg: ModelConfig, model: HybridModel, keys: set[str], take: Take) -> dict[str, torch.Tensor]:
+    """The MTP layers' parameters (model.mtp, model/mtp.py) from mtp.*."""
+    sd = {"mtp.fc": take("mtp.fc.weight"), "mtp.norm": take("mtp.norm.weight"),
+          "mtp.pre_fc_norm_embedding": take("mtp.pre_fc_norm_embedding.weight"),
+          "mtp.pre_fc_norm_hidden": take("mtp.pre_fc_norm_hidden.weight")}
+    for i, layer in enumerate(model.mtp.layers):
+        sd.update(_layer_tensors(cfg, model, i, keys, take, f"mtp.layers.{i}.", f"mtp.layers.{i}.", layer))
+    return sd
+
+
 def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu",
-               prepack: bool | None = None, dequantize: bool = False, quantize_head: str = "none") -> HybridModel:
+               prepack: bool | None = None, dequantize: bool = False, quantize_head: str = "none",
+               mtp: bool = False) -> HybridModel:
     """A HybridModel from a model directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
 
     prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
@@ -201,6 +214,8 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     Block-FP8 models (model/quant.py): the linears stay fp8 for the compiled linear_fp8 (bf16 on a CPU);
     dequantize=True, another dtype or device, or no compiled kernel: dequantized to the model dtype at load.
     quantize_head: "none" | "fp8" (the head quantized to block-FP8 when packed: HybridModel.prepack_linears).
+    mtp: load the multi-token-prediction layers too (model.mtp, model/mtp.py: speculative decoding); WeightsError
+    where the model has none.
     Raises ConfigError (unsupported model type or feature) or WeightsError (missing / unknown / misshapen tensor).
     """
     cfg_path = os.path.join(path, "config.json")
@@ -214,14 +229,20 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     if dtype == "auto":
         dtype = cfg.dtype
     tdtype = torch_dtype(dtype)
+    if mtp and not cfg.mtp_num_hidden_layers:
+        raise WeightsError(f"model {path} has no multi-token-prediction layers (mtp_num_hidden_layers is 0 in its "
+                           "config.json): speculative decoding with method mtp needs them")
     with torch.device("meta"):
-        model = HybridModel(cfg, tdtype)
+        model = HybridModel(cfg, tdtype, mtp=mtp)
 
     weights = _Weights(path)
     skipped: dict[str, int] = {"vision": 0, "mtp": 0}
     by_text: dict[str, str] = {}
     for key in weights.names():
         kind = _skip_kind(key)
+        if kind == "mtp" and mtp:
+            by_text[key[len("model."):] if key.startswith("model.mtp.") else key] = key
+            continue
         if kind:
             skipped[kind] += 1
             continue
@@ -244,6 +265,11 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
         sd["lm_head"] = take("lm_head.weight")
     for i in range(cfg.num_hidden_layers):
         sd.update(_layer_tensors(cfg, model, i, text_keys, take))
+    if mtp:
+        if "mtp.fc.weight" not in by_text:
+            raise WeightsError(f"model {path} stores no mtp.* tensors (its config says {cfg.mtp_num_hidden_layers} "
+                               "MTP layer(s)): speculative decoding with method mtp needs them")
+        sd.update(_mtp_tensors(cfg, model, text_keys, take))
 
     unknown = sorted(by_text[k] for k in text_keys if by_text[k] not in weights.used)
     if unknown:

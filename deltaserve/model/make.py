@@ -12,6 +12,7 @@ Initialisation: uniform with std 0.02 for projections and embeddings; conv weigh
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -87,6 +88,25 @@ def _specs(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...], st
     out.append((prefix + "norm.weight", (H,), "zeros"))
     if not cfg.tie_word_embeddings:
         out.append(("lm_head.weight", (V, H), "normal"))
+    return out + _mtp_specs(cfg, prefix)
+
+
+def _mtp_specs(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """The MTP layers (mtp.*, model/mtp.py), last: a preset that gains them keeps every other tensor's values. Each
+    is a full-attention decoder layer stored under mtp.layers.{i} with the model's MLP kind."""
+    if not cfg.mtp_num_hidden_layers:
+        return []
+    H = cfg.hidden_size
+    out = [("mtp.fc.weight", (H, 2 * H), "normal"), ("mtp.pre_fc_norm_embedding.weight", (H,), "zeros"),
+           ("mtp.pre_fc_norm_hidden.weight", (H,), "zeros")]
+    n = cfg.num_hidden_layers
+    for i in range(cfg.mtp_num_hidden_layers):
+        as_layer = dataclasses.replace(cfg, num_hidden_layers=n + i + 1, mtp_num_hidden_layers=0,
+                                       layer_types=tuple(["linear_attention"] * (n + i)) + ("full_attention",))
+        layer = [(name.replace(f"{prefix}layers.{n + i}.", f"mtp.layers.{i}."), shape, init)
+                 for name, shape, init in _specs(as_layer, prefix) if name.startswith(f"{prefix}layers.{n + i}.")]
+        out += layer
+    out.append(("mtp.norm.weight", (H,), "zeros"))
     return out
 
 

@@ -21,6 +21,7 @@ from ..config import ConfigError, ModelConfig
 from . import fused, quant
 from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, empty_param, prepack
+from .mtp import MTPHead
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
@@ -55,7 +56,7 @@ class HybridModel(nn.Module):
     dtype: the weight / activation / KV / conv-state dtype. The GDN recurrent state is always float32.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | str = torch.float32):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype | str = torch.float32, mtp: bool = False):
         super().__init__()
         if cfg.linear_num_value_heads % cfg.linear_num_key_heads:
             raise ConfigError("linear_num_value_heads must be a multiple of linear_num_key_heads")
@@ -70,6 +71,8 @@ class HybridModel(nn.Module):
         self.tied = cfg.tie_word_embeddings
         if not self.tied:
             self.lm_head = empty_param(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        # the multi-token-prediction layers (model/mtp.py), loaded for speculative decoding only: parameters mtp.*
+        self.mtp = MTPHead(cfg, dtype) if mtp else None
         # cos, sin per position (plain attributes: not weights)
         self.rotary = RotaryTable(rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta), dtype)
 
@@ -103,13 +106,16 @@ class HybridModel(nn.Module):
         cos, sin = self.rotary(batch.positions.to(dev), max((s.pos + s.length for s in batch.spans), default=0))
         bs = caches.block_size
         pages, rows = [], []
-        dec_rows, dec_slots, dec_pos = [], [], []
+        dec_rows, dec_slots, dec_pos, dec_span = [], [], [], []
         batch.check(bs)
+        longest = 1  # the longest decode span (> 1: verify spans, stepped in waves)
         for s in batch.spans:
-            if s.is_decode:  # its K/V row: one gather for all decode spans, through their page table below
-                dec_rows.append(s.start)
-                dec_slots.append(s.slot)
-                dec_pos.append(s.pos)
+            if s.is_decode:  # its K/V rows: one gather for all decode spans, through their page table below
+                longest = max(longest, s.length)
+                dec_rows.extend(range(s.start, s.start + s.length))
+                dec_slots.extend([s.slot] * s.length)
+                dec_pos.extend(range(s.pos, s.pos + s.length))
+                dec_span.extend([len(dec_span) and dec_span[-1] + 1] * s.length)
                 continue
             p = torch.arange(s.pos, s.pos + s.length, device=dev)
             pages.append(s.page_ids.to(dev)[p // bs])
@@ -119,8 +125,18 @@ class HybridModel(nn.Module):
         kernels = self.decode_kernels or self.select_decode_kernels()
         ops = ops or self.ops
         table = lengths = None
+        waves = None
+        if longest > 1:  # wave j: the j-th token of every decode span that long (distinct slots, as in a decode step)
+            dspans = [s for s in batch.spans if s.is_decode]
+            waves = []
+            for j in range(longest):
+                part = [s for s in dspans if s.length > j]
+                slots_j = [s.slot for s in part]
+                waves.append((as_index([s.start + j for s in part]), as_index(slots_j), _consecutive(slots_j)))
         if dec_rows:
             table = batch.decode_page_table().to(dev)  # [B, max pages]
+            if longest > 1:  # a row per decode token: each verify token reads its span's table
+                table = table.index_select(0, as_index(dec_span))
             dpos = as_index(dec_pos)
             pages.append(table[torch.arange(len(dec_pos), device=dev), dpos // bs])
             rows.append(dpos % bs)
@@ -133,7 +149,7 @@ class HybridModel(nn.Module):
                            save_state=caches.save_state,
                            decode_page_table=table if kernels.compiled else None,
                            decode_lengths=lengths if kernels.compiled else None,
-                           decode_all=decode_all)
+                           decode_all=decode_all, decode_waves=waves, log_state=caches.log_state)
 
     def forward(self, batch: ForwardBatch, caches: Caches, ops: Ops | None = None) -> torch.Tensor:
         """Runs every span of the step; writes K/V pages and GDN slots. Returns hidden [T, hidden] (final norm).

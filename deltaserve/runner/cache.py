@@ -50,7 +50,32 @@ class CacheStore:
             "a GDN layer state must fit its pages (hybrid block size rule, or pages_per_state in the runs layout)"
 
     def caches(self) -> Caches:
-        return Caches(kv=self.kv, conv=self.conv, ssm=self.ssm, block_size=self.block_size, save_state=self.save_layer)
+        return Caches(kv=self.kv, conv=self.conv, ssm=self.ssm, block_size=self.block_size, save_state=self.save_layer,
+                      log_state=self.log_states)
+
+    # ---- the per-position state log of speculative verify steps (docs/speculative.md) ----
+    log_conv: list[torch.Tensor] = []  # [l] [num_slots, positions, K-1, conv_dim]: slot s's state after token j
+    log_ssm: list[torch.Tensor] = []  # [l] [num_slots, positions, Hv, dv, dk] float32
+
+    def enable_state_log(self, positions: int) -> None:
+        """Room to log every GDN layer's state after each of `positions` tokens of a verify span, per slot."""
+        self.log_conv = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype, device=t.device)
+                         for t in self.conv]
+        self.log_ssm = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype, device=t.device)
+                        for t in self.ssm]
+
+    def log_states(self, l: int, j: int, slots: torch.Tensor) -> None:
+        """GDN layer l's live state in `slots`, just after the j-th token of their verify spans -> log[slots, j]."""
+        if j < self.log_conv[l].shape[1]:  # the last token's state stays in the slot: it needs no entry
+            self.log_conv[l][:, j].index_copy_(0, slots, self.conv[l].index_select(0, slots))
+            self.log_ssm[l][:, j].index_copy_(0, slots, self.ssm[l].index_select(0, slots))
+
+    def rollback(self, slot: int, j: int) -> None:
+        """The slot's state <- its logged state after the j-th token of its last verify span (bit copies): the state
+        after the last accepted token, no token recomputed."""
+        for l in range(len(self.conv)):
+            self.conv[l][slot].copy_(self.log_conv[l][slot, j])
+            self.ssm[l][slot].copy_(self.log_ssm[l][slot, j])
 
     # ---- plan execution: zeroing and bit-exact state copies ----
     def zero_pages(self, pages: tuple[int, ...]) -> None:
@@ -135,7 +160,8 @@ class CacheStore:
         return len(self.conv) * (self.conv_bytes + self.ssm_bytes)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.pool + self.conv + self.ssm + self.ckpt_conv + self.ckpt_ssm)
+        return sum(t.numel() * t.element_size() for t in self.pool + self.conv + self.ssm + self.ckpt_conv + self.ckpt_ssm
+                   + self.log_conv + self.log_ssm)
 
 
 def _copy_bytes(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

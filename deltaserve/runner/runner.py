@@ -2,7 +2,7 @@
 the engine samples from."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,9 +20,12 @@ class StepLogits:
     """The logits that sample the step's next tokens, one row per sampling request, and (if asked) those of a
     request's prompt chunk."""
 
-    owners: list[str]  # the request ids of sample's rows, in order
+    owners: list[str]  # the request ids of sample's rows, in order (a verify step's request: a row per token)
     sample: torch.Tensor | None  # [len(owners), V] float32
     prompt: dict[str, torch.Tensor]  # request id -> [len(chunk), V] float32
+    # with keep_hidden (speculative decoding): request id -> (first position, the model's output at each of its
+    # tokens this step [n, hidden]), what the MTP layer drafts from
+    hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -30,6 +33,13 @@ class ModelRunner:
         self.model = model
         self.store = store
         self.device = torch.device(device)
+        self.keep_hidden = False  # return every request's hidden rows (StepLogits.hidden): the drafter reads them
+
+    def rollback(self, slot: int, accepted: int) -> None:
+        """After a verify step: the slot's GDN state <- the one after its token `accepted` (0 = the last sampled
+        token, j = its j-th draft), from the step's state log. The K/V rows of rejected drafts stay in their page,
+        never read (attention reads positions up to its own) and rewritten by the next step's tokens."""
+        self.store.rollback(slot, accepted)
 
     def _check_copies(self, plan: StepPlan) -> None:
         bs = self.store.block_size
@@ -74,9 +84,15 @@ class ModelRunner:
             for w, s in zip(work, batch.spans):
                 if w.prompt_logprobs:
                     out.prompt[w.request_id] = self.model.compute_logits(hidden[s.start: s.start + s.length])
-                if w.sample:
+                if w.sample and w.num_drafts:  # a verify step samples after each of its tokens
+                    assert w.is_decode and s.length == w.num_drafts + 1, "a verify step is one decode span"
+                    rows.extend(range(s.start, s.start + s.length))
+                    owners.extend([w.request_id] * s.length)
+                elif w.sample:
                     rows.append(s.start + s.length - 1)
                     owners.append(w.request_id)
+                if self.keep_hidden:
+                    out.hidden[w.request_id] = (w.start_pos, hidden[s.start: s.start + s.length])
             if rows:  # a decode-only step samples every row: the head runs on hidden as it is
                 picked = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
                 out.owners, out.sample = owners, self.model.compute_logits(picked)

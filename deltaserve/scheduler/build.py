@@ -80,15 +80,28 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
                              reprefill_outputs=reprefill_outputs, job_tokens=reprefill_job_tokens)
 
 
+def state_log_bytes(shape: EngineShape, num_speculative_tokens: int) -> int:
+    """The speculative state log's bytes: every slot's GDN state after each draft position (the last token's state
+    stays in the slot)."""
+    return shape.pool.num_slots * num_speculative_tokens * shape.pool.slot_bytes
+
+
 def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
           dtype: str | None = None, tp: int | None = None) -> tuple[EngineShape, MemoryManager, Scheduler]:
     """Everything the engine (and a simulated replica) derives from its flags: the shape, then the memory
     manager and the scheduler over it. dtype overrides cfg.dtype (a simulated replica: the bundle's); tp
-    overrides cfg.tensor_parallel_size (a simulated replica: its own tp). kv_cache_memory is one rank's."""
-    shape = resolve_shape(mc, dtype=dtype or cfg.dtype, block_size=cfg.block_size, kv_cache_memory=kv_cache_memory,
-                          max_num_seqs=cfg.max_num_seqs, cache_layout=cfg.cache_layout,
-                          max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
-                          tensor_parallel_size=tp or cfg.tensor_parallel_size)
+    overrides cfg.tensor_parallel_size (a simulated replica: its own tp). kv_cache_memory is one rank's.
+    Speculative decoding: the per-position state log (num_speculative_tokens slot states per slot,
+    runner/cache.py CacheStore.enable_state_log) comes out of the budget before the pool is sized."""
+    def shape_for(budget: int) -> EngineShape:
+        return resolve_shape(mc, dtype=dtype or cfg.dtype, block_size=cfg.block_size, kv_cache_memory=budget,
+                             max_num_seqs=cfg.max_num_seqs, cache_layout=cfg.cache_layout,
+                             max_model_len=cfg.max_model_len, enable_prefix_caching=cfg.enable_prefix_caching,
+                             tensor_parallel_size=tp or cfg.tensor_parallel_size)
+
+    shape = shape_for(kv_cache_memory)
+    if cfg.speculative_config is not None:
+        shape = shape_for(kv_cache_memory - state_log_bytes(shape, cfg.speculative_config.num_speculative_tokens))
     memory, scheduler = build_scheduler(shape, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         enable_prefix_caching=cfg.enable_prefix_caching,

@@ -29,6 +29,9 @@ class SeqWork:
     is_decode: bool  # True: generated token through the decode path; False: prefill path (prompt or recompute)
     sample: bool  # the last token's logits yield the next token (prompt complete, or decode)
     prompt_logprobs: bool = False  # the request wants logits at every prompt position of this chunk
+    # a speculative verify step (docs/speculative.md): the last num_drafts of token_ids are drafts; every token takes
+    # the decode path and samples, the runner logs the GDN state after each, and the engine keeps the accepted prefix
+    num_drafts: int = 0
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,9 @@ class Request:
     disk_wait: bool = False  # its prefix hit is being read back from the disk tier (Scheduler.admit)
     fork_point: int = 0  # where a cached chain without a checkpoint ends: a checkpoint is taken there (Scheduler._saves)
     finish_reason: str | None = None
+    # speculative decoding: the drafts for the positions after the last token, set by the engine after each step; the
+    # scheduler verifies them with the last token (as many as the step allows) and clears them
+    draft_token_ids: list[int] = field(default_factory=list)
     page_ids: tuple[int, ...] = ()  # attention page table (a snapshot, refreshed every step it runs)
     slot: int | None = None  # live GDN slot while running
     _prompt_done: bool = field(default=False, repr=False)  # the whole prompt was computed once

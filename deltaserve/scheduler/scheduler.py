@@ -69,6 +69,7 @@ class _Scheduled:
     zero_slot: bool = False
     restore: tuple[int, ...] | None = None
     saves: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (position, location)
+    drafts: tuple[int, ...] = ()  # a verify step: the drafts after the last token (end - start - 1 of them)
 
 
 class Scheduler:
@@ -226,7 +227,9 @@ class Scheduler:
                 break
             if req.status is RequestStatus.RUNNING and self.in_decode(req):
                 start = req.num_computed_tokens
-                self.schedule_running(req, start, start + 1, True)
+                drafts = self._drafts(req, start)
+                if self.schedule_running(req, start, start + 1 + len(drafts), True) and drafts:
+                    self._recs[req.request_id].drafts = drafts
         for req in list(self.running):  # 2. running prefills
             if (req.status is not RequestStatus.RUNNING or req.request_id in self._recs or self.in_decode(req)
                     or req.background):
@@ -249,6 +252,23 @@ class Scheduler:
             self.jobs.schedule()
         return self._build_plan()
 
+    def _drafts(self, req: Request, start: int) -> tuple[int, ...]:
+        """The drafts req's decode step verifies (docs/speculative.md), and clears them: only for the last token (not a
+        replay after a preemption), as many as the budget leaves room for, none past max_tokens (a step emits at
+        most drafts + 1 tokens), and with caching on none that reach the block's last position, so a verify step
+        never completes a block: no checkpoint is taken and no block published from a state that may be rejected
+        (the block's last two tokens decode plainly, and the step that completes it saves as any decode)."""
+        drafts, req.draft_token_ids = tuple(req.draft_token_ids), []
+        if not drafts or start != req.num_tokens - 1 or req.background:
+            return ()
+        k = min(len(drafts), self._budget - 1, req.max_tokens - len(req.output_token_ids) - 1)
+        if self.caching:
+            k = min(k, (start // self.block_size + 1) * self.block_size - start - 2)
+        if k <= 0:
+            return ()
+        assert not self._saves(req, start, start + 1 + k), "a verify step takes no checkpoint"
+        return drafts[:k]
+
     def _prefills_full(self) -> bool:
         """The step's prefill tokens reached prefill_merge_tokens: no further waiting request joins it."""
         if not self.prefill_merge_tokens:
@@ -259,9 +279,10 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """The runner has executed `plan`: advance, publish, append sampled tokens.
 
-        sampled maps request id -> token for every SeqWork with sample=True. A request missing from it
-        (its sampling failed) gets no token and must be finished by the caller before the next
-        schedule(). Returns the requests that received a token, in plan order; those that reached
+        sampled maps request id -> token for every SeqWork with sample=True; for a verify step (num_drafts > 0) the
+        list of tokens it emits: the accepted drafts and the token after them, so it computed (kept) len(list) of its
+        tokens. A request missing from it (its sampling failed) gets no token and must be finished by the caller
+        before the next schedule(). Returns the requests that received a token, in plan order; those that reached
         max_tokens are already finished ("length"; get() still finds them until the next schedule()).
         """
         bs = self.block_size
@@ -274,6 +295,12 @@ class Scheduler:
                 raise RuntimeError(f"plan out of date for {w.request_id}: starts at {w.start_pos}, "
                                    f"request has {req.num_computed_tokens} computed tokens")
             end = w.start_pos + len(w.token_ids)
+            got = sampled.get(w.request_id) if w.sample else None
+            emitted = [] if got is None else [int(t) for t in got] if isinstance(got, (list, tuple)) else [int(got)]
+            if w.num_drafts:  # the accepted prefix: the last token and the drafts that matched
+                assert len(emitted) <= w.num_drafts + 1, "a verify step emits at most drafts + 1 tokens"
+                end = w.start_pos + max(1, len(emitted))
+                assert end // bs == w.start_pos // bs or not self.caching, "a verify step completes no block"
             req.num_computed_tokens = end
             if end >= req.num_prompt_tokens:
                 req._prompt_done = True
@@ -286,8 +313,8 @@ class Scheduler:
             if req.background:
                 self.jobs.advanced(req, w.start_pos, end)
                 continue
-            if w.sample and w.request_id in sampled:
-                req.output_token_ids.append(int(sampled[w.request_id]))
+            if emitted:
+                req.output_token_ids.extend(emitted)
                 advanced.append(req)
                 if len(req.output_token_ids) >= req.max_tokens:
                     self.finish(req.request_id, "length")
@@ -455,10 +482,11 @@ class Scheduler:
             req = rec.req
             req.page_ids = self.memory.page_table(rid)
             req.slot = slot = self.memory.slot_of(rid)
+            last = rec.end - len(rec.drafts)  # a verify step: its drafts follow the request's last token
             work.append(SeqWork(
-                request_id=rid, token_ids=tuple(req.tokens(rec.start, rec.end)), start_pos=rec.start,
+                request_id=rid, token_ids=tuple(req.tokens(rec.start, last)) + rec.drafts, start_pos=rec.start,
                 slot=slot, page_ids=req.page_ids, is_decode=rec.is_decode,
-                sample=rec.end == req.num_tokens and not req.background,
+                sample=last == req.num_tokens and not req.background, num_drafts=len(rec.drafts),
                 prompt_logprobs=req.prompt_logprobs and not rec.is_decode and rec.start < req.num_prompt_tokens
                 and not req._prompt_done))
             zero_pages.extend(rec.new_pages)

@@ -48,6 +48,14 @@ _COUNTERS = (
 )
 
 
+# Speculative decoding (--speculative-config): vLLM's counters, and the accepted drafts per draft position below
+_SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts (verify steps)."),
+    ("vllm:spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("vllm:spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+)
+
+
 # The prefix cache's disk tier (--cache-disk): gauges, then counters
 _DISK_GAUGES = (
     ("deltaserve_disk_bytes", "disk_bytes", "Bytes the disk tier's records take."),
@@ -125,6 +133,16 @@ class _EngineStatsCollector:
                 continue
             c = CounterMetricFamily(name, doc, labels=["model_name"])
             c.add_metric([self._model], float(v))
+            yield c
+        if getattr(stats, "spec_decode_num_drafts", None):  # only where the engine speculates (as vLLM)
+            for name, field, doc in _SPEC_COUNTERS:
+                c = CounterMetricFamily(name, doc, labels=["model_name"])
+                c.add_metric([self._model], float(getattr(stats, field)))
+                yield c
+            c = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for pos, v in enumerate(stats.spec_decode_accepted_per_pos):
+                c.add_metric([self._model, str(pos)], float(v))
             yield c
         for name, field, doc in _BY_KIND:
             counts = getattr(stats, field, None)
