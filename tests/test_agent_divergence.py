@@ -110,3 +110,14 @@ def test_report_sets_each_request_against_what_it_shares_most_with(tok):
     text = format_report(analyse(rows, tok, sessions=2), {"sessions": 2, "turns": 2, "model": "tiny",
                                                           "model_dir": "-", "max_output_tokens": 16})
     assert "| deltaserve | claude | 3/3 | 4 (3) |" in text and "session 1 turn 2: cached 1000" in text
+
+
+def test_report_blames_the_server_when_it_read_less_than_the_renderings_share(tok):
+    from deltaserve.bench.clis.report import analyse
+    a = len(tok.encode(render(*fixture("claude-code-3"), tok)))
+    rows = {"llama.cpp": [
+        {"client": "claude", "session": 0, "turn": 0, "rc": 0, "wall_s": 1.0, "requests": [_req("claude-code-3", 0, a)]},
+        {"client": "claude", "session": 1, "turn": 0, "rc": 0, "wall_s": 1.0, "requests": [_req("claude-code-5", 0, 0)]},
+    ]}
+    (d,) = analyse(rows, tok, sessions=2)["servers"]["llama.cpp"]["claude"]["divergences"]
+    assert d["cause"].startswith("the server did not serve the 18155 tokens both renderings share")

@@ -13,6 +13,7 @@ prefix cache could serve it. The share of a turn (its first main request) is cac
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from .divergence import explain, first_difference, render
 
@@ -95,6 +96,9 @@ def _client(crow: list[dict], ids, tok, sessions: int) -> dict:
             if qu.get("cached") is not None and qu["cached"] + 2 * SLACK < ideal:
                 d = explain(tok, ids(best), (bu.get("output") or 0) if whole else 0, bool(best.get("reasoned")),
                             ids(q))
+                if qu["cached"] + 2 * SLACK < min(d.position, shared):  # the renderings agree further than it read
+                    d = replace(d, cause=f"the server did not serve the {shared} tokens both renderings share "
+                                         f"(its cache: the rendering diverges only at token {d.position})")
                 against = "its previous request + answer" if whole else "the earlier request it shares most with"
                 divergences.append(_div(r, qu, ideal, d, against))
         turns.append(t)
