@@ -101,6 +101,8 @@ class ModelConfig:
             for k in ("tie_word_embeddings", "dtype", "torch_dtype", "eos_token_id"):
                 if k in hf and k not in text:
                     text[k] = hf[k]
+            if "tie_word_embeddings" in hf:  # the multimodal model ties (or not) by its own flag, not the text's
+                text["tie_word_embeddings"] = hf["tie_word_embeddings"]
             hf, model_type = text, text["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -159,6 +161,79 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
         """A model directory or a config.json file."""
+        f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(f) as fh:
+            return cls.from_hf(json.load(fh))
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a multimodal Qwen3.5 checkpoint (config.json's vision_config, transformers'
+    Qwen3_5VisionConfig) and the token ids the text side marks images with. None on a text-only model."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    image_token_id: int = 248056
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    mrope_section: tuple[int, ...] = (11, 11, 10)  # the text model's rotary halves per axis (t, h, w)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per merged token (one LLM token per merge_unit patches)."""
+        return self.spatial_merge_size ** 2
+
+    def num_params(self) -> int:
+        """Weights of the encoder (the planner counts them): patch embed, position table, blocks, merger."""
+        e, i, m = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
+        patch = e * self.in_channels * self.temporal_patch_size * self.patch_size ** 2 + e
+        block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * i + i) + (i * e + e)
+        merger = 2 * e + (m * m + m) + (m * self.out_hidden_size + self.out_hidden_size)
+        return patch + self.num_position_embeddings * e + self.depth * block + merger
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "VisionConfig | None":
+        """From a multimodal config.json dict (qwen3_5 / qwen3_5_moe with a vision_config); None otherwise.
+        ConfigError for what the encoder does not implement (deepstack features, non-interleaved M-RoPE)."""
+        v = hf.get("vision_config")
+        if hf.get("model_type") not in MULTIMODAL_MODEL_TYPES or not v:
+            return None
+        if v.get("deepstack_visual_indexes"):
+            raise ConfigError("vision_config.deepstack_visual_indexes is not supported (Qwen3.5 has none)")
+        text = hf.get("text_config") or {}
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("mrope_interleaved") is False:
+            raise ConfigError("mrope_interleaved=false is not supported (Qwen3.5 interleaves its M-RoPE sections)")
+        vrope = v.get("rope_parameters") or {}
+        return cls(depth=int(v["depth"]), hidden_size=int(v["hidden_size"]),
+                   intermediate_size=int(v["intermediate_size"]), num_heads=int(v["num_heads"]),
+                   out_hidden_size=int(v["out_hidden_size"]), in_channels=int(v.get("in_channels", 3)),
+                   patch_size=int(v.get("patch_size", 16)), temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+                   spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+                   num_position_embeddings=int(v.get("num_position_embeddings", 2304)),
+                   hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+                   rope_theta=float(vrope.get("rope_theta", 10000.0)),
+                   image_token_id=int(hf.get("image_token_id", 248056)),
+                   vision_start_token_id=int(hf.get("vision_start_token_id", 248053)),
+                   vision_end_token_id=int(hf.get("vision_end_token_id", 248054)),
+                   mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))))
+
+    @classmethod
+    def from_path(cls, path: str) -> "VisionConfig | None":
         f = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(f) as fh:
             return cls.from_hf(json.load(fh))
