@@ -302,6 +302,33 @@ def _optional_int(text: str) -> int | None:
     return None if str(text).lower() in ("none", "auto") else int(text)
 
 
+MM_MODALITIES = ("image", "video", "audio")  # --limit-mm-per-prompt's keys (vLLM's); deltaserve takes images only
+DEFAULT_MM_LIMITS = (("audio", 0), ("image", 16), ("video", 0))
+
+
+def parse_mm_limits(text: str) -> tuple[tuple[str, int], ...]:
+    """--limit-mm-per-prompt: vLLM's JSON ('{"image": 16, "video": 0}') or 'image=16,video=0'; modalities not
+    named keep their defaults (image 16, the others 0: not served). Sorted (modality, limit) pairs."""
+    text = str(text).strip()
+    try:
+        given = json.loads(text) if text.startswith("{") else {
+            k.strip(): int(v) for k, v in (part.split("=", 1) for part in text.split(",") if part.strip())}
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"not a limit per modality: {text!r} (e.g. '{{\"image\": 16, \"video\": 0}}')") from None
+    if not isinstance(given, dict):
+        raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt takes a JSON object, not {text!r}")
+    limits = dict(DEFAULT_MM_LIMITS)
+    for k, v in given.items():
+        if k not in MM_MODALITIES:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: unknown modality {k!r} ({', '.join(MM_MODALITIES)})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {k} needs a whole number >= 0, not {v!r}")
+        if k != "image" and v:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: deltaserve takes images only ({k} must be 0)")
+        limits[k] = v
+    return tuple(sorted(limits.items()))
+
+
 # --quantize-head: how the LM head's weights are held (HybridModel.prepack_linears)
 QUANTIZE_HEAD_CHOICES = ("none", "fp8")
 
@@ -371,6 +398,9 @@ class EngineConfig:
     max_output_tokens: int = _flag(0, "the most tokens any request generates: a larger max_tokens is lowered to it "
                                    "(finish_reason length), as llama-server's --n-predict (0 = no cap)", int,
                                    metavar="N")
+    limit_mm_per_prompt: tuple = _flag(DEFAULT_MM_LIMITS, "the most images (videos, audio: 0, not served) one "
+                                       "request may carry, vLLM's JSON: '{\"image\": 16, \"video\": 0}'; more is a "
+                                       "400 naming the limit", parse_mm_limits, metavar="JSON")
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)
@@ -390,7 +420,17 @@ class EngineConfig:
     distributed_timeout: float = _flag(120.0, "seconds a rank waits for another before the engine ends with an "
                                        "error", float, metavar="SECONDS")
 
+    def mm_limit(self, modality: str) -> int:
+        """--limit-mm-per-prompt's limit for one modality."""
+        return dict(self.limit_mm_per_prompt).get(modality, 0)
+
     def __post_init__(self) -> None:
+        if isinstance(self.limit_mm_per_prompt, (str, dict)):  # from_kwargs / LLM(**args): the flag's spellings
+            text = self.limit_mm_per_prompt if isinstance(self.limit_mm_per_prompt, str) else json.dumps(self.limit_mm_per_prompt)
+            try:
+                object.__setattr__(self, "limit_mm_per_prompt", parse_mm_limits(text))
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(str(e)) from None
         if self.dtype not in MODEL_DTYPE_CHOICES:
             raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.cache_layout not in LAYOUT_NAMES:

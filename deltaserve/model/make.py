@@ -19,7 +19,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig
+from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig, VisionConfig
 from .layers import is_moe_layer
 from .ops.fp8 import quantize_fp8
 from .qwen3_5 import torch_dtype
@@ -113,7 +113,30 @@ def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
         else:  # pragma: no cover
             raise AssertionError(init)
         sd[name] = t.contiguous()
+    vc = VisionConfig.from_hf(hf_config)
+    if vc is not None:  # drawn after the text model's tensors: those stay what they were without a vision tower
+        sd.update(_vision_tensors(vc, gen, dtype))
     return sd
+
+
+def _vision_tensors(vc: VisionConfig, gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """model.visual.* of a random vision encoder: LayerNorms neutral (1, 0), biases 0, matrices with std
+    1/sqrt(fan in) (activations keep their scale through the blocks), the position table std 0.02 and the
+    merger's last projection scaled so an image token's embedding is the size of a text token's (std 0.02)."""
+    from .vision import VisionModel
+
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in VisionModel(vc).state_dict().items()}
+    out = {}
+    for k, shape in shapes.items():
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=dtype) if "norm" in k and k.endswith("weight") else torch.zeros(shape, dtype=dtype)
+        else:
+            fan_in = math.prod(shape[1:])
+            std = 0.02 if k.startswith("pos_embed") else (0.04 if k.startswith("merger.linear_fc2") else 1.0) / math.sqrt(fan_in)
+            t = _uniform(gen, shape, std * math.sqrt(3.0), dtype)
+        out["model.visual." + k] = t.contiguous()
+    return out
 
 
 # the linears Qwen's -FP8 models quantize (by the last part of the module name); the rest stays in the

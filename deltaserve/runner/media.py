@@ -78,6 +78,7 @@ class MediaStore:
 
     def __init__(self) -> None:
         self._by_id: dict[str, RequestMedia] = {}
+        self.encoder_runs = 0  # encoder runs of the requests dropped so far (one per request with images)
 
     def add(self, request_id: str, media: RequestMedia) -> None:
         assert request_id not in self._by_id, f"media of {request_id} added twice"
@@ -87,7 +88,9 @@ class MediaStore:
         return self._by_id.get(request_id)
 
     def drop(self, request_id: str) -> None:
-        self._by_id.pop(request_id, None)
+        m = self._by_id.pop(request_id, None)
+        if m is not None:
+            self.encoder_runs += m.encodes
 
     def __len__(self) -> int:
         return len(self._by_id)
