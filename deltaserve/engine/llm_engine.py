@@ -213,7 +213,9 @@ class LLMEngine:
                                "'prompt_token_ids'", "prompt")
 
     def add_request(self, request_id: str, prompt, params=None, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> list[int]:
+        """Queue a request; returns its prompt's token ids as the engine runs them (each image placeholder
+        widened to its image's token count). EngineInputError for what it refuses."""
         from .sampler import SamplingState
         from .sampling_params import SamplingParams
         from ..scheduler import Request
@@ -254,6 +256,7 @@ class LLMEngine:
             request_id, text, ids, params, state,
             IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
             RequestMetrics(arrival_time=now), logprobs=[] if params.logprobs is not None else None)
+        return ids
 
     def _prompt_images(self, ids: list[int], data):
         """The request's images, preprocessed, its placeholders expanded (engine/images.py); None for none."""
