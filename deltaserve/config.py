@@ -210,11 +210,11 @@ class VisionConfig:
         """From a multimodal config.json dict (qwen3_5 / qwen3_5_moe with a vision_config); None otherwise.
         ConfigError for what the encoder does not implement (deepstack features, non-interleaved M-RoPE)."""
         v = hf.get("vision_config")
-        if hf.get("model_type") not in MULTIMODAL_MODEL_TYPES or not v:
-            return None
+        if not v or hf.get("model_type") not in (*MULTIMODAL_MODEL_TYPES, *MULTIMODAL_MODEL_TYPES.values()):
+            return None  # a text config with a vision_config beside it is a preset's form (make.py multimodal_form)
         if v.get("deepstack_visual_indexes"):
             raise ConfigError("vision_config.deepstack_visual_indexes is not supported (Qwen3.5 has none)")
-        text = hf.get("text_config") or {}
+        text = hf.get("text_config") or (hf if hf.get("model_type") in MULTIMODAL_MODEL_TYPES.values() else {})
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         if rope.get("mrope_interleaved") is False:
             raise ConfigError("mrope_interleaved=false is not supported (Qwen3.5 interleaves its M-RoPE sections)")

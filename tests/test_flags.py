@@ -27,6 +27,7 @@ SAMPLES = {
     "eviction": ("value", "value"),
     "cache_disk": ("/var/cache/deltaserve", "/var/cache/deltaserve"),
     "cache_disk_bytes": ("2G", 2 << 30),
+    "limit_mm_per_prompt": ('{"image": 4, "video": 0}', (("audio", 0), ("image", 4), ("video", 0))),
     "seed": ("3", 3),
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),
@@ -133,3 +134,15 @@ def test_defaults_agree_everywhere():
     assert ENGINE_DEFAULTS["cache_layout"] == "runs"
     assert plan_parser().parse_args([]).layout == ENGINE_DEFAULTS["cache_layout"]
     assert ReplicaConfig().engine == EngineConfig()
+
+
+def test_limit_mm_per_prompt_spellings():
+    from deltaserve.config import parse_mm_limits
+
+    assert parse_mm_limits('{"image": 16, "video": 0}') == parse_mm_limits("image=16,video=0") \
+        == (("audio", 0), ("image", 16), ("video", 0))
+    assert EngineConfig(limit_mm_per_prompt={"image": 2}).mm_limit("image") == 2
+    assert EngineConfig().mm_limit("image") == 16 and EngineConfig().mm_limit("video") == 0
+    for bad in ('{"video": 2}', '{"image": -1}', '{"pictures": 1}', "[1]", "image=x"):
+        with pytest.raises(ConfigError):
+            EngineConfig(limit_mm_per_prompt=bad)

@@ -216,3 +216,16 @@ def test_mrope_cos_sin_matches_transformers_formula(dtype):
     text = torch.arange(40).expand(3, 40)  # text tokens: bit-identical to the plain table
     table = RotaryTable(inv, dtype)
     assert all(torch.equal(a, b) for a, b in zip(mrope_cos_sin(table, text, (3, 3, 2)), table(text[0], 40)))
+
+
+def test_vision_param_count_is_the_encoders():
+    """VisionConfig.num_params (what the planner adds to the weights) counts VisionModel's parameters."""
+    from deltaserve.config import VisionConfig
+    from deltaserve.model.vision import VisionModel
+    from deltaserve.presets import load_preset
+
+    for vc in (VisionConfig.from_hf(load_preset("qwen3.5-0.8b-shape")),
+               VisionConfig.from_hf({"model_type": "qwen3_5", "vision_config": VISION, "text_config": TEXT})):
+        with torch.device("meta"):
+            n = sum(p.numel() for p in VisionModel(vc).parameters())
+        assert vc.num_params() == n

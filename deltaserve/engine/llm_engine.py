@@ -269,7 +269,7 @@ class LLMEngine:
         if self.vision is None:
             raise EngineInputError(f"model {self.model_name} has no vision encoder"
                                    + (" on this engine (tensor parallelism serves text only)" if self.parallel else "")
-                                   + ": it takes text only", "multi_modal_data")
+                                   + ": it takes text, not images", "multi_modal_data")
         if self._image_processor is None:
             self._image_processor = ImagePreprocessor(self.model_path)
         return prepare_images(ids, items, self._image_processor, self.vision_config.image_token_id,

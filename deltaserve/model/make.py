@@ -169,6 +169,27 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return out, qc
 
 
+MEDIA_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def multimodal_form(cfg: dict) -> dict:
+    """A text config with a vision_config beside it (a preset's form) as the multimodal config.json
+    transformers' Qwen3_5ForConditionalGeneration reads: text_config, vision_config and the token ids at the
+    top. Anything else is returned as it is."""
+    mt = cfg.get("model_type")
+    if "vision_config" not in cfg or mt not in MULTIMODAL_MODEL_TYPES.values():
+        return cfg
+    text = {k: v for k, v in cfg.items() if k not in MEDIA_KEYS}
+    top = {v: k for k, v in MULTIMODAL_MODEL_TYPES.items()}[mt]
+    arch = "Qwen3_5MoeForConditionalGeneration" if top == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    out = {k: cfg[k] for k in MEDIA_KEYS if k in cfg}
+    out.update(model_type=top, architectures=[arch], text_config=text,
+               tie_word_embeddings=text.get("tie_word_embeddings", False))
+    if "dtype" in text:
+        out["dtype"] = text["dtype"]
+    return out
+
+
 def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: str | None = None) -> None:
     """Write config.json and model.safetensors (seeded random weights) to out_dir, in the Hugging Face format
     of hf_config's model_type (qwen3_5_text, qwen3_5_moe_text, qwen3_next, or the text part of qwen3_5 /
@@ -177,7 +198,7 @@ def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: st
 
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
-    config = dict(hf_config)
+    config = multimodal_form(dict(hf_config))
     config.setdefault("dtype", "bfloat16")
     sd = random_state_dict(config, seed)
     if quantize == "fp8":
