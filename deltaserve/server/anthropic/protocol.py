@@ -1,7 +1,8 @@
 """Request schemas of the Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens).
 
 Unknown fields and block types are refused with a 400 naming them (in Anthropic's error shape, see
-errors.py), never ignored: images, documents, server tools (web search, code execution, ...), citations
+errors.py), never ignored: image url and file sources (base64 images are served), documents, server tools (web
+search, code execution, ...), citations
 and a service tier are not served, and a client learns so at once. `cache_control` is accepted on every
 block because what it asks for is always done here: deltaserve's prefix cache keeps every prompt's
 blocks, marked or not (the ttl is not promised: pages live until they are evicted).
