@@ -167,3 +167,52 @@ def test_refusals_hold_nothing(llm):
         gen(llm, image_prompt(rng, 2), [png(32, 32, 1)])
     assert held(llm) == (0, 0, 0)
     llm.engine.memory.check_integrity()
+
+
+def test_block_hashes_carry_the_images_in_them():
+    """Only the blocks holding an image's placeholders carry its hash; the chain carries it on."""
+    from deltaserve.memory.hashing import block_hash
+    from deltaserve.scheduler.request import Request
+
+    ids = list(range(10, 74)) + [IMG] * 64 + list(range(200, 264))  # block 0 text, block 1 the image, block 2 text
+    a = Request("a", ids, 4, media=((64, 64, b"A" * 32),))
+    b = Request("b", ids, 4, media=((64, 64, b"B" * 32),))
+    text = Request("t", ids, 4)
+    ha, hb, ht = (r.block_hashes(3, 64) for r in (a, b, text))
+    assert ha[0] == hb[0] == ht[0]  # the text before the image
+    assert len({ha[1], hb[1], ht[1]}) == 3 and ha[2] != hb[2]  # the image's block, and every block after
+    assert ha[1] == block_hash(ha[0], ids[64:128], False, (b"A" * 32,))
+    assert a.block_media(0, 64) == () and a.block_media(1, 64) == (b"A" * 32,) and a.block_media(2, 64) == ()
+    two = Request("c", ids, 4, media=((60, 8, b"X" * 32), (70, 4, b"Y" * 32)))
+    assert two.block_media(0, 64) == (b"X" * 32,) and two.block_media(1, 64) == (b"X" * 32, b"Y" * 32)
+
+
+def test_preemption_keeps_the_encoder_output(model_dir):
+    """A pool too small for every request at once: requests with images are preempted and recompute (through
+    the prefill path, their images' rows from the stored encoder output), the encoder still runs once per
+    request, and the greedy tokens equal each request run without interruption."""
+    from deltaserve.config import ModelConfig
+    from deltaserve.memory.layouts import layout_for
+    from deltaserve.memory.sizing import geometry, hybrid_block_size, size_pool
+
+    g = geometry(ModelConfig.from_path(model_dir), "bfloat16", "bfloat16", "float32")
+    p = size_pool(g, 1 << 30, layout_for("in-page").page_tokens(64, hybrid_block_size(g, 64)), 4, "in-page")
+    rng = random.Random(8)
+    prompts = [image_prompt(rng, 2, text=150) for _ in range(4)]
+    imgs = [[png(448, 448, 50 + k), png(97, 203, 60 + k)] for k in range(4)]
+    reqs = [{"prompt_token_ids": q, "multi_modal_data": {"image": im}} for q, im in zip(prompts, imgs)]
+    params = greedy(max_tokens=100, logprobs=None)
+    big = LLM(model=model_dir, kv_cache_memory=64 << 20, max_num_seqs=4, seed=0, enable_prefix_caching=False)
+    try:
+        ref = [o.outputs[0].token_ids for o in (big.generate([r], params, use_tqdm=False)[0] for r in reqs)]
+    finally:
+        big.close()
+    small = LLM(model=model_dir, kv_cache_memory=4 * p.slot_bytes + 8 * p.bytes_per_page, max_num_seqs=4, seed=0,
+                enable_prefix_caching=False)  # 8 pages of 128 tokens for four ~500-token sequences
+    try:
+        together = small.generate(reqs, params, use_tqdm=False)
+        assert small.engine.stats().preemptions > 0
+        assert small.engine.runner.media.encoder_runs == 4 and len(small.engine.runner.media) == 0
+    finally:
+        small.close()
+    assert [o.outputs[0].token_ids for o in together] == ref
