@@ -398,6 +398,10 @@ class EngineConfig:
     max_output_tokens: int = _flag(0, "the most tokens any request generates: a larger max_tokens is lowered to it "
                                    "(finish_reason length), as llama-server's --n-predict (0 = no cap)", int,
                                    metavar="N")
+    max_num_encoder_input_tokens: int | None = _flag(None, "image tokens the vision encoder makes in one step (a "
+                                                      "request's images are encoded together, in the step that "
+                                                      "first reaches one; the first in a step always may); "
+                                                      "default --max-num-batched-tokens", _optional_int, metavar="N")
     limit_mm_per_prompt: tuple = _flag(DEFAULT_MM_LIMITS, "the most images (videos, audio: 0, not served) one "
                                        "request may carry, vLLM's JSON: '{\"image\": 16, \"video\": 0}'; more is a "
                                        "400 naming the limit", parse_mm_limits, metavar="JSON")

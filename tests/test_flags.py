@@ -27,6 +27,7 @@ SAMPLES = {
     "eviction": ("value", "value"),
     "cache_disk": ("/var/cache/deltaserve", "/var/cache/deltaserve"),
     "cache_disk_bytes": ("2G", 2 << 30),
+    "max_num_encoder_input_tokens": ("4096", 4096),
     "limit_mm_per_prompt": ('{"image": 4, "video": 0}', (("audio", 0), ("image", 4), ("video", 0))),
     "seed": ("3", 3),
     "num_threads": ("1", 1),

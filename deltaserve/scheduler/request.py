@@ -45,6 +45,7 @@ class Request:
     # the prompt's images: (placeholder offset, placeholder count, content hash), sorted and apart; each block
     # holding placeholders of an image carries its hash (memory/hashing.py)
     media: tuple[tuple[int, int, bytes], ...] = ()
+    media_encoded: bool = False  # the runner holds its images' encoder output (a step that reached them ran)
     # blocks that hold a generated token are hashed on the decode path (memory/hashing.py): only this request's
     # resume finds them (the scheduler sets it whenever caching is on)
     tag_outputs: bool = False
