@@ -263,6 +263,7 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
             raise WeightsError(f"model {path}: vision tensors missing {missing[:5]}, unknown {extra[:5]}")
         for k, stored in vision_keys.items():
             sd["visual." + k] = weights.get(stored)
+        log.info("loaded the vision encoder: %d tensors (model.visual.*), %d blocks", len(vision_keys), vc.depth)
 
     unknown = sorted(by_text[k] for k in text_keys if by_text[k] not in weights.used)
     if unknown:
