@@ -53,6 +53,7 @@ class RequestMedia:
                                  f"placeholders")
             self.embeds = out
             self.encodes += 1
+            self.pixels = []  # the embeddings are what later chunks read: the pixels can go
         return self.embeds
 
     def span_media(self, visual, start: int, n: int) -> SpanMedia:
