@@ -216,3 +216,16 @@ def test_preemption_keeps_the_encoder_output(model_dir):
     finally:
         small.close()
     assert [o.outputs[0].token_ids for o in together] == ref
+
+
+def test_tensor_parallel_serves_the_text_of_a_multimodal_checkpoint(model_dir):
+    """Under tensor parallelism the ranks load the text model of a multimodal checkpoint (the vision tower
+    is not sharded): text requests run, a request with images is a 400 that says why."""
+    llm = LLM(model=model_dir, tensor_parallel_size=2, kv_cache_memory=32 << 20, max_num_seqs=2, seed=0)
+    try:
+        out = llm.generate([{"prompt_token_ids": list(range(10, 60))}], greedy(max_tokens=4), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 4
+        with pytest.raises(EngineInputError, match="tensor parallelism"):
+            gen(llm, image_prompt(random.Random(9), 1), [png(32, 32, 0)])
+    finally:
+        llm.engine.shutdown()
