@@ -102,6 +102,8 @@ class ModelConfig:
             for k in ("tie_word_embeddings", "dtype", "torch_dtype", "eos_token_id"):
                 if k in hf and k not in text:
                     text[k] = hf[k]
+            if "tie_word_embeddings" in hf:  # the multimodal model ties (or not) by its own flag, not the text's
+                text["tie_word_embeddings"] = hf["tie_word_embeddings"]
             hf, model_type = text, text["model_type"]
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
@@ -161,6 +163,79 @@ class ModelConfig:
     @classmethod
     def from_path(cls, path: str) -> "ModelConfig":
         """A model directory or a config.json file."""
+        f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        with open(f) as fh:
+            return cls.from_hf(json.load(fh))
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a multimodal Qwen3.5 checkpoint (config.json's vision_config, transformers'
+    Qwen3_5VisionConfig) and the token ids the text side marks images with. None on a text-only model."""
+
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    out_hidden_size: int
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    image_token_id: int = 248056
+    vision_start_token_id: int = 248053
+    vision_end_token_id: int = 248054
+    mrope_section: tuple[int, ...] = (11, 11, 10)  # the text model's rotary halves per axis (t, h, w)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per merged token (one LLM token per merge_unit patches)."""
+        return self.spatial_merge_size ** 2
+
+    def num_params(self) -> int:
+        """Weights of the encoder (the planner counts them): patch embed, position table, blocks, merger."""
+        e, i, m = self.hidden_size, self.intermediate_size, self.hidden_size * self.merge_unit
+        patch = e * self.in_channels * self.temporal_patch_size * self.patch_size ** 2 + e
+        block = 4 * e + (3 * e * e + 3 * e) + (e * e + e) + (e * i + i) + (i * e + e)
+        merger = 2 * e + (m * m + m) + (m * self.out_hidden_size + self.out_hidden_size)
+        return patch + self.num_position_embeddings * e + self.depth * block + merger
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "VisionConfig | None":
+        """From a multimodal config.json dict (qwen3_5 / qwen3_5_moe with a vision_config); None otherwise.
+        ConfigError for what the encoder does not implement (deepstack features, non-interleaved M-RoPE)."""
+        v = hf.get("vision_config")
+        if not v or hf.get("model_type") not in (*MULTIMODAL_MODEL_TYPES, *MULTIMODAL_MODEL_TYPES.values()):
+            return None  # a text config with a vision_config beside it is a preset's form (make.py multimodal_form)
+        if v.get("deepstack_visual_indexes"):
+            raise ConfigError("vision_config.deepstack_visual_indexes is not supported (Qwen3.5 has none)")
+        text = hf.get("text_config") or (hf if hf.get("model_type") in MULTIMODAL_MODEL_TYPES.values() else {})
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        if rope.get("mrope_interleaved") is False:
+            raise ConfigError("mrope_interleaved=false is not supported (Qwen3.5 interleaves its M-RoPE sections)")
+        vrope = v.get("rope_parameters") or {}
+        return cls(depth=int(v["depth"]), hidden_size=int(v["hidden_size"]),
+                   intermediate_size=int(v["intermediate_size"]), num_heads=int(v["num_heads"]),
+                   out_hidden_size=int(v["out_hidden_size"]), in_channels=int(v.get("in_channels", 3)),
+                   patch_size=int(v.get("patch_size", 16)), temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+                   spatial_merge_size=int(v.get("spatial_merge_size", 2)),
+                   num_position_embeddings=int(v.get("num_position_embeddings", 2304)),
+                   hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
+                   rope_theta=float(vrope.get("rope_theta", 10000.0)),
+                   image_token_id=int(hf.get("image_token_id", 248056)),
+                   vision_start_token_id=int(hf.get("vision_start_token_id", 248053)),
+                   vision_end_token_id=int(hf.get("vision_end_token_id", 248054)),
+                   mrope_section=tuple(int(x) for x in rope.get("mrope_section", (11, 11, 10))))
+
+    @classmethod
+    def from_path(cls, path: str) -> "VisionConfig | None":
         f = os.path.join(path, "config.json") if os.path.isdir(path) else path
         with open(f) as fh:
             return cls.from_hf(json.load(fh))
@@ -227,6 +302,33 @@ def _flag(default: Any, help: str, parse: Callable[[str], Any] | None = str, **k
 
 def _optional_int(text: str) -> int | None:
     return None if str(text).lower() in ("none", "auto") else int(text)
+
+
+MM_MODALITIES = ("image", "video", "audio")  # --limit-mm-per-prompt's keys (vLLM's); deltaserve takes images only
+DEFAULT_MM_LIMITS = (("audio", 0), ("image", 16), ("video", 0))
+
+
+def parse_mm_limits(text: str) -> tuple[tuple[str, int], ...]:
+    """--limit-mm-per-prompt: vLLM's JSON ('{"image": 16, "video": 0}') or 'image=16,video=0'; modalities not
+    named keep their defaults (image 16, the others 0: not served). Sorted (modality, limit) pairs."""
+    text = str(text).strip()
+    try:
+        given = json.loads(text) if text.startswith("{") else {
+            k.strip(): int(v) for k, v in (part.split("=", 1) for part in text.split(",") if part.strip())}
+    except (ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"not a limit per modality: {text!r} (e.g. '{{\"image\": 16, \"video\": 0}}')") from None
+    if not isinstance(given, dict):
+        raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt takes a JSON object, not {text!r}")
+    limits = dict(DEFAULT_MM_LIMITS)
+    for k, v in given.items():
+        if k not in MM_MODALITIES:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: unknown modality {k!r} ({', '.join(MM_MODALITIES)})")
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {k} needs a whole number >= 0, not {v!r}")
+        if k != "image" and v:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: deltaserve takes images only ({k} must be 0)")
+        limits[k] = v
+    return tuple(sorted(limits.items()))
 
 
 # --quantize-head: how the LM head's weights are held (HybridModel.prepack_linears)
@@ -347,6 +449,13 @@ class EngineConfig:
     max_output_tokens: int = _flag(0, "the most tokens any request generates: a larger max_tokens is lowered to it "
                                    "(finish_reason length), as llama-server's --n-predict (0 = no cap)", int,
                                    metavar="N")
+    max_num_encoder_input_tokens: int | None = _flag(None, "image tokens the vision encoder makes in one step (a "
+                                                      "request's images are encoded together, in the step that "
+                                                      "first reaches one; the first in a step always may); "
+                                                      "default --max-num-batched-tokens", _optional_int, metavar="N")
+    limit_mm_per_prompt: tuple = _flag(DEFAULT_MM_LIMITS, "the most images (videos, audio: 0, not served) one "
+                                       "request may carry, vLLM's JSON: '{\"image\": 16, \"video\": 0}'; more is a "
+                                       "400 naming the limit", parse_mm_limits, metavar="JSON")
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)
@@ -370,10 +479,20 @@ class EngineConfig:
     distributed_timeout: float = _flag(120.0, "seconds a rank waits for another before the engine ends with an "
                                        "error", float, metavar="SECONDS")
 
+    def mm_limit(self, modality: str) -> int:
+        """--limit-mm-per-prompt's limit for one modality."""
+        return dict(self.limit_mm_per_prompt).get(modality, 0)
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         if self.speculative_config is not None and self.tensor_parallel_size > 1:
             raise ConfigError("--speculative-config runs on one rank only: drop it or --tensor-parallel-size")
+        if isinstance(self.limit_mm_per_prompt, (str, dict)):  # from_kwargs / LLM(**args): the flag's spellings
+            text = self.limit_mm_per_prompt if isinstance(self.limit_mm_per_prompt, str) else json.dumps(self.limit_mm_per_prompt)
+            try:
+                object.__setattr__(self, "limit_mm_per_prompt", parse_mm_limits(text))
+            except argparse.ArgumentTypeError as e:
+                raise ConfigError(str(e)) from None
         if self.dtype not in MODEL_DTYPE_CHOICES:
             raise ConfigError(f"--dtype must be one of {', '.join(MODEL_DTYPE_CHOICES)}, not {self.dtype!r}")
         if self.cache_layout not in LAYOUT_NAMES:

@@ -28,6 +28,8 @@ SAMPLES = {
     "eviction": ("value", "value"),
     "cache_disk": ("/var/cache/deltaserve", "/var/cache/deltaserve"),
     "cache_disk_bytes": ("2G", 2 << 30),
+    "max_num_encoder_input_tokens": ("4096", 4096),
+    "limit_mm_per_prompt": ('{"image": 4, "video": 0}', (("audio", 0), ("image", 4), ("video", 0))),
     "seed": ("3", 3),
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),
@@ -147,3 +149,15 @@ def test_speculative_config_is_vllms_json_and_refuses_unknown_keys():
                        ("mtp", "not a JSON object")):
         with pytest.raises(ConfigError, match=match):
             EngineConfig(speculative_config=bad)
+
+
+def test_limit_mm_per_prompt_spellings():
+    from deltaserve.config import parse_mm_limits
+
+    assert parse_mm_limits('{"image": 16, "video": 0}') == parse_mm_limits("image=16,video=0") \
+        == (("audio", 0), ("image", 16), ("video", 0))
+    assert EngineConfig(limit_mm_per_prompt={"image": 2}).mm_limit("image") == 2
+    assert EngineConfig().mm_limit("image") == 16 and EngineConfig().mm_limit("video") == 0
+    for bad in ('{"video": 2}', '{"image": -1}', '{"pictures": 1}', "[1]", "image=x"):
+        with pytest.raises(ConfigError):
+            EngineConfig(limit_mm_per_prompt=bad)

@@ -21,7 +21,7 @@ PACKAGE = os.path.join(ROOT, "deltaserve")
 LAYERS = [
     ["errors"],
     ["config", "presets"],
-    ["memory", "model", "text"],
+    ["memory", "model", "text", "media"],
     ["scheduler", "embedded"],
     ["runner", "sim"],
     ["parallel"],

@@ -77,7 +77,8 @@ def test_sharded_checkpoint_loads(dense, tmp_path):
     assert torch.equal(logits(load_model(str(tmp_path), dtype="float32")), logits(load_model(path, dtype="float32")))
 
 
-def test_multimodal_checkpoint_skips_vision_with_one_log_line(tmp_path, caplog):
+def test_multimodal_checkpoint_loads_vision_with_one_log_line(tmp_path, caplog):
+    """The vision encoder loads beside the text model (one log line); text logits are the text model's."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     torch.manual_seed(1)
@@ -91,8 +92,8 @@ def test_multimodal_checkpoint_skips_vision_with_one_log_line(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="deltaserve.model.loader"):
         model = load_model(str(tmp_path), dtype="float32")
     vision_lines = [r for r in caplog.records if "vision" in r.getMessage()]
-    assert len(vision_lines) == 1
-    assert model.config.model_type == "qwen3_5_text"
+    assert len(vision_lines) == 1 and "loaded the vision encoder" in vision_lines[0].getMessage()
+    assert model.config.model_type == "qwen3_5_text" and model.visual is not None
     assert (logits(model) - hf_logits(hf)).abs().max().item() <= 1e-5
 
 

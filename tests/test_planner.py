@@ -185,3 +185,11 @@ def test_no_torch_import():
     code = "import sys, deltaserve.tools.planner, deltaserve.memory.sizing, deltaserve.presets; assert 'torch' not in sys.modules"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_the_vision_encoder_counts_in_the_weights(capsys):
+    """The 0.8B stand-in carries the real vision tower's geometry: its ~100M parameters join the weights."""
+    r = run_json(capsys, "--model", "qwen3.5-0.8b-shape", "--budget", "4GiB")
+    assert 100e6 < r["vision_params"] < 101e6
+    assert r["num_params"] > r["vision_params"] and "vision encoder" in r["weight_source"]
+    assert run_json(capsys, "--model", "qwen3.5-27b", "--budget", "4GiB")["vision_params"] == 0  # a text preset

@@ -465,3 +465,27 @@ def test_recover_and_isolate_after_a_failed_step():
     assert spans(step(s)) == [("a", 7, 1, True, True), ("b", 6, 1, True, True)]  # the normal mix again
     run_all(s)
     assert s.memory.num_pages_in_use == 0
+
+
+def test_encoder_budget_cuts_the_second_image_request_of_a_step():
+    """A request's images are encoded in the step its chunk first reaches one, paid from the step's encoder
+    budget: the first such request of a step always runs, a second that would go over ends its chunk at the
+    block before its image and reaches it in a later step; each request pays once."""
+    IMG = 99
+    s = Scheduler(MemoryManager(64, 4, BS, 2, True, "in-page"), 4, 64, encoder_budget=10)
+    s.memory.media_token_ids = frozenset({IMG})  # their blocks hash with the images (check_integrity knows)
+    a = Request("a", [5] * 6 + [IMG] * 8 + [6] * 2, max_tokens=2, media=((6, 8, b"A" * 32),))
+    b = Request("b", [7] * 9 + [IMG] * 4 + [8] * 3, max_tokens=2, media=((9, 4, b"B" * 32),))
+    s.add(a)
+    s.add(b)
+    plan = step(s)
+    assert spans(plan) == [("a", 0, 16, False, True), ("b", 0, 8, False, False)]  # b stops at the block before 9
+    assert a.media_encoded and not b.media_encoded
+    plan = step(s)
+    assert ("b", 8, 8, False, True) in spans(plan) and b.media_encoded  # now within the budget: b's turn
+    run_all(s)
+    solo = Scheduler(MemoryManager(64, 4, BS, 2, True, "in-page"), 4, 64, encoder_budget=2)
+    solo.memory.media_token_ids = frozenset({IMG})
+    big = Request("c", [IMG] * 12 + [1] * 4, max_tokens=1, media=((0, 12, b"C" * 32),))
+    solo.add(big)
+    assert spans(step(solo)) == [("c", 0, 16, False, True)]  # over the budget alone: the first always runs

@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from ..config import ConfigError, EngineConfig, ModelConfig, resolve_dtype
+from ..config import ConfigError, EngineConfig, ModelConfig, VisionConfig, resolve_dtype
 from .inputs import EngineInputError, check_request
 from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from .speculative import Acceptance, SpecStats, verify
@@ -175,6 +175,14 @@ class LLMEngine:
         self.last_plan = None  # the plan of the latest step (the profiler and the validation read it)
         self.sampler = Sampler(id_to_piece=self.tokenizer.id_to_piece, argmax=kern.argmax if kern is not None else None)
         self._live: dict[str, _Live] = {}
+        # images: the vision encoder (a multimodal checkpoint on one rank), the processor, the live requests' media
+        self.vision = getattr(self.model, "visual", None) if self.parallel is None else None
+        self.vision_config = VisionConfig.from_path(path) if self.vision is not None else None
+        self._image_processor = None  # made on the first image (transformers' image processor)
+        if self.vision is not None:
+            from ..runner.media import MediaStore
+            self.runner.media = MediaStore()
+            self.memory.media_token_ids = frozenset({self.vision_config.image_token_id})
         self._seed_counter = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -205,7 +213,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
             if unknown:
                 raise EngineInputError(f"unknown prompt field(s): {', '.join(sorted(unknown))}", "prompt")
             if "prompt_token_ids" in prompt:
@@ -222,7 +230,9 @@ class LLMEngine:
                                "'prompt_token_ids'", "prompt")
 
     def add_request(self, request_id: str, prompt, params=None, cache_salt: str | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None) -> list[int]:
+        """Queue a request; returns its prompt's token ids as the engine runs them (each image placeholder
+        widened to its image's token count). EngineInputError for what it refuses."""
         from .sampler import SamplingState
         from .sampling_params import SamplingParams
         from ..scheduler import Request
@@ -236,6 +246,11 @@ class LLMEngine:
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         text, ids = self._prompt_ids(prompt)
+        images = None
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            images = self._prompt_images(ids, prompt["multi_modal_data"])
+            if images is not None:
+                ids = images.token_ids
         params = check_request(ids, params if params is not None else SamplingParams(),
                                self.model_config.vocab_size, self.max_model_len, self.config.strict_max_tokens,
                                self.config.max_output_tokens)
@@ -249,20 +264,58 @@ class LLMEngine:
         state = SamplingState.create(params, ids, eos_token_ids=self.tokenizer.eos_token_ids, seed=seed)
         req = Request(request_id=request_id, prompt_token_ids=ids, max_tokens=params.max_tokens,
                       cache_salt=cache_salt, arrival_time=now,
-                      prompt_logprobs=params.prompt_logprobs is not None)
+                      prompt_logprobs=params.prompt_logprobs is not None,
+                      media=images.media_keys if images is not None else ())
         try:
             self.scheduler.add(req)
         except ValueError as e:
             raise EngineInputError(str(e)) from None
+        if images is not None:
+            self.runner.media.add(request_id, self._request_media(images))
         self._live[request_id] = _Live(
             request_id, text, ids, params, state,
             IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
             RequestMetrics(arrival_time=now), logprobs=[] if params.logprobs is not None else None)
+        return ids
+
+    def _prompt_images(self, ids: list[int], data):
+        """The request's images, preprocessed, its placeholders expanded (engine/images.py); None for none."""
+        from .images import image_items, prepare_images
+        from ..media.images import ImagePreprocessor
+
+        items = image_items(data)
+        if not items:
+            return None
+        if self.vision is None:
+            raise EngineInputError(f"model {self.model_name} has no vision encoder"
+                                   + (" on this engine (tensor parallelism serves text only)" if self.parallel else "")
+                                   + ": it takes text, not images", "multi_modal_data")
+        if self._image_processor is None:
+            self._image_processor = ImagePreprocessor(self.model_path)
+        return prepare_images(ids, items, self._image_processor, self.vision_config.image_token_id,
+                              self.config.mm_limit("image"))
+
+    def _request_media(self, images):
+        """The runner's side of a request's images (runner/media.py): pixels, grids and placeholder spans."""
+        import torch
+
+        from ..model.mrope import ImageSpan
+        from ..runner.media import RequestMedia
+
+        return RequestMedia([ImageSpan(o, r, c) for o, (r, c) in zip(images.offsets, images.grids)],
+                            [torch.from_numpy(im.pixels) for im in images.images], [im.grid for im in images.images])
+
+    def _release(self, request_id: str) -> None:
+        """A request ended (finished or aborted): its images' encoder output goes with it."""
+        media = getattr(self.runner, "media", None)
+        if media is not None:
+            media.drop(request_id)
 
     def abort_request(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
         if live is not None:
             self.scheduler.abort(request_id)
+            self._release(request_id)
         if self.drafter is not None:
             self.drafter.forget(request_id)
             self._acceptance.pop(request_id, None)
@@ -307,6 +360,7 @@ class LLMEngine:
             return []
         rid = plan.work[0].request_id
         self.scheduler.finish(rid, "abort")
+        self._release(rid)
         live = self._live.pop(rid, None)
         if live is None:
             return []
@@ -394,6 +448,7 @@ class LLMEngine:
             if live.finish_reason is not None:
                 live.metrics.finished_time = now
                 del self._live[rid]
+                self._release(rid)
         if self.drafter is not None:
             self._draft(plan, sampled)
         return outputs

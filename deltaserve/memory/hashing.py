@@ -9,6 +9,16 @@ the root, and reach every block through the chain; two requests with different s
 share a hash. Python's hash() is not used (salted per process for str/bytes). A cache hit compares the
 stored parent hash and token tuple too, so a hit never rests on the hash alone.
 
+A block that holds image placeholder tokens carries the content hash of every image whose placeholders it
+holds (vLLM's multimodal extra keys):
+
+    hash(block j)    = sha256(hash(block j-1) | "media" | n | hash of each image | token ids of block j)
+
+The placeholder ids are the same for any two images of one size; the content hashes are not, so a second
+image of the same size hits the blocks before its placeholders and none from the first holding them (the
+chain carries the difference to every block after). The same image bytes give the same hash (media/images.py
+hashes the processed pixels), hence the same chain.
+
 A block that holds a generated token was computed by decode steps, whose last bits differ from the prefill
 path's (docs/design.md): it is published under the decode path's hash, so only a lookup that asks for the
 decode path (the same request resuming after a preemption, which replays that path) finds it. A next turn
@@ -24,6 +34,7 @@ BlockHash = bytes
 
 _ROOT_TAG = b"deltaserve-root-v1"
 _DECODE_TAG = b"deltaserve-decode-path"
+_MEDIA_TAG = b"deltaserve-media"
 
 
 def _encode_key(k: object) -> bytes:
@@ -46,6 +57,10 @@ def root_hash(cache_salt: str | None, extra_keys: Iterable[object] = ()) -> Bloc
     return h.digest()
 
 
-def block_hash(parent: BlockHash, tokens: Sequence[int], decode: bool = False) -> BlockHash:
-    """Hash of one full block, chained on its parent's hash; decode: its K/V came from decode steps."""
-    return hashlib.sha256(parent + (_DECODE_TAG if decode else b"") + struct.pack(f"<{len(tokens)}q", *tokens)).digest()
+def block_hash(parent: BlockHash, tokens: Sequence[int], decode: bool = False,
+               media: Sequence[bytes] = ()) -> BlockHash:
+    """Hash of one full block, chained on its parent's hash; decode: its K/V came from decode steps; media: the
+    content hashes of the images whose placeholder tokens the block holds, in order."""
+    tag = _MEDIA_TAG + struct.pack("<Q", len(media)) + b"".join(_encode_key(m) for m in media) if media else b""
+    return hashlib.sha256(parent + (_DECODE_TAG if decode else b"") + tag
+                          + struct.pack(f"<{len(tokens)}q", *tokens)).digest()

@@ -36,20 +36,43 @@ class Span:
 
 
 @dataclass
+class SpanMedia:
+    """What images change in one span (the runner's MediaStore makes it): its rotary positions and the rows
+    whose input is an image embedding instead of a token embedding.
+
+    pos3: the (t, h, w) rotary positions of the span's tokens (model/mrope.py), or None when all three
+    axes equal token index + shift (text, generated tokens); embed_rows: rows inside the span (0-based)
+    that take `embeds` [len(embed_rows), hidden], in order."""
+
+    shift: int = 0
+    pos3: tuple[Sequence[int], Sequence[int], Sequence[int]] | None = None
+    embed_rows: Sequence[int] = ()
+    embeds: torch.Tensor | None = None
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
+    # [T] int64: the rotary position of each token: its index in the sequence (Span.pos + row) on a text-only
+    # model; on a multimodal one index + the span's M-RoPE shift (all three axes equal there)
+    positions: torch.Tensor
     spans: list[Span]  # in flat order; prefill spans first, then decode spans
     # [B, max pages] int64: the decode spans' page tables in order, padded with page 0 (never read: a span's
     # length bounds it); each decode span's page_ids is a view of its row. None: made from the spans when needed
     decode_table: torch.Tensor | None = None
+    rope_end: int = 0  # 1 + the largest rotary position (how far the rotary table must reach); 0: not known
+    mrope: torch.Tensor | None = None  # [3, T] int64 (t, h, w) positions, when some span holds image tokens
+    embed_rows: torch.Tensor | None = None  # [N] flat rows whose input is embeds[i] instead of a token embedding
+    embeds: torch.Tensor | None = None  # [N, hidden]
 
     @classmethod
-    def build(cls, seqs: list[tuple[Sequence[int], int, int, Sequence[int], bool, tuple]],
-              device: torch.device | str = "cpu") -> "ForwardBatch":
-        """seqs: (token ids, first position, slot, page ids, is_decode, saves) per span, prefill spans first. The
-        decode spans' page tables become one tensor (decode_table), not one each."""
+    def build(cls, seqs: list[tuple], device: torch.device | str = "cpu") -> "ForwardBatch":
+        """seqs: (token ids, first position, slot, page ids, is_decode, saves[, SpanMedia | None]) per span,
+        prefill spans first. The decode spans' page tables become one tensor (decode_table), not one each."""
         ids, pos, spans, start = [], [], [], 0
+        pos3: list[list[int]] | None = None
+        rows: list[int] = []
+        embeds: list[torch.Tensor] = []
         dec = [s for s in seqs if s[4]]
         table = None
         if dec:
@@ -60,10 +83,22 @@ class ForwardBatch:
                 flat.extend([0] * (width - len(s[3])))
             table = long_tensor(flat, device).view(len(dec), width)
         d = 0
-        for toks, first, slot, pages, is_decode, saves in seqs:
+        if any(len(s) > 6 and s[6] is not None and s[6].pos3 is not None for s in seqs):
+            pos3 = [[], [], []]
+        for toks, first, slot, pages, is_decode, saves, *rest in seqs:
+            media: SpanMedia | None = rest[0] if rest else None
             n = len(toks)
             ids.extend(toks)
-            pos.extend(range(first, first + n))
+            shift = media.shift if media is not None else 0
+            text = range(first + shift, first + shift + n)
+            pos.extend(text if media is None or media.pos3 is None else media.pos3[0])
+            if pos3 is not None:
+                for a in range(3):
+                    pos3[a].extend(text if media is None or media.pos3 is None else media.pos3[a])
+            if media is not None and media.embed_rows:
+                assert media.embeds is not None and media.embeds.shape[0] == len(media.embed_rows)
+                rows.extend(start + r for r in media.embed_rows)
+                embeds.append(media.embeds)
             if is_decode:
                 page_ids = table[d] if len(pages) == width else table[d, :len(pages)]
                 d += 1
@@ -72,8 +107,12 @@ class ForwardBatch:
             spans.append(Span(start=start, length=n, pos=first, slot=slot, page_ids=page_ids, is_decode=is_decode,
                               saves=saves))
             start += n
+        end = 1 + max(max(p) for p in pos3) if pos3 is not None and pos else (1 + max(pos) if pos else 0)
         return cls(input_ids=long_tensor(ids, device), positions=long_tensor(pos, device), spans=spans,
-                   decode_table=table)
+                   decode_table=table, rope_end=end,
+                   mrope=None if pos3 is None else torch.stack([long_tensor(p, device) for p in pos3]),
+                   embed_rows=long_tensor(rows, device) if rows else None,
+                   embeds=torch.cat(embeds) if embeds else None)
 
     def check(self, block_size: int) -> None:
         """ValueError unless: prefill spans come first; a decode span has at least one token and no checkpoints; a

@@ -119,6 +119,6 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
         return None
     slots = long_tensor([s.slot for s in spans])
     lengths = long_tensor([s.pos + 1 for s in spans])
-    cos, sin = model.rotary(batch.positions, max(s.pos for s in spans) + 1)
+    cos, sin = model.rotary(batch.positions, batch.rope_end or max(s.pos for s in spans) + 1)
     return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin,
                        batch.decode_page_table(), lengths)

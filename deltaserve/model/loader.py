@@ -5,7 +5,8 @@ Weight layouts read:
 - qwen3_5_text / qwen3_5_moe_text (Qwen3_5ForCausalLM): model.* and lm_head.weight, GDN projections
   apart (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a);
 - the multimodal qwen3_5 / qwen3_5_moe models Qwen publishes: the text model under
-  model.language_model.*, vision under model.visual.* (skipped, one log line), MTP under mtp.* (skipped unless load_model(mtp=True),
+  model.language_model.*, the vision encoder under model.visual.* (vision.py: loaded where config.json has
+  a vision_config, else skipped with one log line), MTP under mtp.* (skipped unless load_model(mtp=True),
   one log line);
 - qwen3_next: GDN projections fused and grouped per key head (in_proj_qkvz, in_proj_ba), un-interleaved
   here as transformers' Qwen3NextGatedDeltaNet.fix_query_key_value_ordering does;
@@ -24,11 +25,14 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, VisionConfig
 from . import fused, quant
 from .errors import WeightsError
 from .ops.fp8 import fuse
 from .qwen3_5 import HybridModel, torch_dtype
+from .vision import VisionModel
+
+VISION_PREFIXES = ("model.visual.", "visual.")
 
 log = logging.getLogger("deltaserve.model.loader")
 
@@ -232,13 +236,22 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     if mtp and not cfg.mtp_num_hidden_layers:
         raise WeightsError(f"model {path} has no multi-token-prediction layers (mtp_num_hidden_layers is 0 in its "
                            "config.json): speculative decoding with method mtp needs them")
+    vc = VisionConfig.from_hf(hf)
+    weights = _Weights(path)
+    vision_keys = {k[len(p):]: k for k in weights.names() for p in VISION_PREFIXES if k.startswith(p)}
+    if vc is not None and not vision_keys:
+        log.info("config.json has a vision_config but the checkpoint no vision tensors: serving text only")
+        vc = None
     with torch.device("meta"):
         model = HybridModel(cfg, tdtype, mtp=mtp)
+        if vc is not None:
+            model.attach_vision(VisionModel(vc, tdtype))
 
-    weights = _Weights(path)
     skipped: dict[str, int] = {"vision": 0, "mtp": 0}
     by_text: dict[str, str] = {}
     for key in weights.names():
+        if vc is not None and key in vision_keys.values():
+            continue
         kind = _skip_kind(key)
         if kind == "mtp" and mtp:
             by_text[key[len("model."):] if key.startswith("model.mtp.") else key] = key
@@ -270,6 +283,14 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
             raise WeightsError(f"model {path} stores no mtp.* tensors (its config says {cfg.mtp_num_hidden_layers} "
                                "MTP layer(s)): speculative decoding with method mtp needs them")
         sd.update(_mtp_tensors(cfg, model, text_keys, take))
+    if vc is not None:  # the encoder's names are the checkpoint's under model.visual.
+        want = {k[len("visual."):] for k in model.state_dict() if k.startswith("visual.")}
+        missing, extra = sorted(want - set(vision_keys)), sorted(set(vision_keys) - want)
+        if missing or extra:
+            raise WeightsError(f"model {path}: vision tensors missing {missing[:5]}, unknown {extra[:5]}")
+        for k, stored in vision_keys.items():
+            sd["visual." + k] = weights.get(stored)
+        log.info("loaded the vision encoder: %d tensors (model.visual.*), %d blocks", len(vision_keys), vc.depth)
 
     unknown = sorted(by_text[k] for k in text_keys if by_text[k] not in weights.used)
     if unknown:

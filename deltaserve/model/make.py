@@ -20,7 +20,7 @@ import os
 import torch
 from safetensors.torch import save_file
 
-from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig
+from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig, VisionConfig
 from .layers import is_moe_layer
 from .ops.fp8 import quantize_fp8
 from .qwen3_5 import torch_dtype
@@ -133,7 +133,30 @@ def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
         else:  # pragma: no cover
             raise AssertionError(init)
         sd[name] = t.contiguous()
+    vc = VisionConfig.from_hf(hf_config)
+    if vc is not None:  # drawn after the text model's tensors: those stay what they were without a vision tower
+        sd.update(_vision_tensors(vc, gen, dtype))
     return sd
+
+
+def _vision_tensors(vc: VisionConfig, gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """model.visual.* of a random vision encoder: LayerNorms neutral (1, 0), biases 0, matrices with std
+    1/sqrt(fan in) (activations keep their scale through the blocks), the position table std 0.02 and the
+    merger's last projection scaled so an image token's embedding is the size of a text token's (std 0.02)."""
+    from .vision import VisionModel
+
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in VisionModel(vc).state_dict().items()}
+    out = {}
+    for k, shape in shapes.items():
+        if len(shape) == 1:
+            t = torch.ones(shape, dtype=dtype) if "norm" in k and k.endswith("weight") else torch.zeros(shape, dtype=dtype)
+        else:
+            fan_in = math.prod(shape[1:])
+            std = 0.02 if k.startswith("pos_embed") else (0.04 if k.startswith("merger.linear_fc2") else 1.0) / math.sqrt(fan_in)
+            t = _uniform(gen, shape, std * math.sqrt(3.0), dtype)
+        out["model.visual." + k] = t.contiguous()
+    return out
 
 
 # the linears Qwen's -FP8 models quantize (by the last part of the module name); the rest stays in the
@@ -166,6 +189,27 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return out, qc
 
 
+MEDIA_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def multimodal_form(cfg: dict) -> dict:
+    """A text config with a vision_config beside it (a preset's form) as the multimodal config.json
+    transformers' Qwen3_5ForConditionalGeneration reads: text_config, vision_config and the token ids at the
+    top. Anything else is returned as it is."""
+    mt = cfg.get("model_type")
+    if "vision_config" not in cfg or mt not in MULTIMODAL_MODEL_TYPES.values():
+        return cfg
+    text = {k: v for k, v in cfg.items() if k not in MEDIA_KEYS}
+    top = {v: k for k, v in MULTIMODAL_MODEL_TYPES.items()}[mt]
+    arch = "Qwen3_5MoeForConditionalGeneration" if top == "qwen3_5_moe" else "Qwen3_5ForConditionalGeneration"
+    out = {k: cfg[k] for k in MEDIA_KEYS if k in cfg}
+    out.update(model_type=top, architectures=[arch], text_config=text,
+               tie_word_embeddings=text.get("tie_word_embeddings", False))
+    if "dtype" in text:
+        out["dtype"] = text["dtype"]
+    return out
+
+
 def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: str | None = None) -> None:
     """Write config.json and model.safetensors (seeded random weights) to out_dir, in the Hugging Face format
     of hf_config's model_type (qwen3_5_text, qwen3_5_moe_text, qwen3_next, or the text part of qwen3_5 /
@@ -174,7 +218,7 @@ def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: st
 
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
-    config = dict(hf_config)
+    config = multimodal_form(dict(hf_config))
     config.setdefault("dtype", "bfloat16")
     sd = random_state_dict(config, seed)
     if quantize == "fp8":

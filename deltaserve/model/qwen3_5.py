@@ -21,6 +21,7 @@ from ..config import ConfigError, ModelConfig
 from . import fused, quant
 from .batch import Caches, ForwardBatch
 from .layers import DecoderLayer, StepContext, empty_param, prepack
+from .mrope import mrope_cos_sin
 from .mtp import MTPHead
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
@@ -75,6 +76,18 @@ class HybridModel(nn.Module):
         self.mtp = MTPHead(cfg, dtype) if mtp else None
         # cos, sin per position (plain attributes: not weights)
         self.rotary = RotaryTable(rotary_inv_freq(cfg.rotary_dim, cfg.rope_theta), dtype)
+        self.visual = None  # the vision encoder (vision.py) of a multimodal checkpoint, set by attach_vision
+
+    mrope_section: tuple[int, ...] = ()
+
+    def attach_vision(self, visual) -> None:
+        """Make this a multimodal model: `visual` (vision.VisionModel) encodes images, whose placeholder rows
+        then rotate by M-RoPE positions (mrope.py) in the config's mrope_section."""
+        if visual.config.out_hidden_size != self.config.hidden_size:
+            raise ConfigError(f"vision out_hidden_size {visual.config.out_hidden_size} != text hidden_size "
+                              f"{self.config.hidden_size}")
+        self.visual = visual
+        self.mrope_section = visual.config.mrope_section
 
     # ---- what the runner allocates -------------------------------------------------------------------
     @property
@@ -103,7 +116,11 @@ class HybridModel(nn.Module):
     # ---- forward -------------------------------------------------------------------------------------
     def _context(self, batch: ForwardBatch, caches: Caches, ops: Ops | None) -> StepContext:
         dev = self.device
-        cos, sin = self.rotary(batch.positions.to(dev), max((s.pos + s.length for s in batch.spans), default=0))
+        if batch.mrope is not None:
+            cos, sin = mrope_cos_sin(self.rotary, batch.mrope.to(dev), self.mrope_section)
+        else:
+            end = batch.rope_end or max((s.pos + s.length for s in batch.spans), default=0)
+            cos, sin = self.rotary(batch.positions.to(dev), end)
         bs = caches.block_size
         pages, rows = [], []
         dec_rows, dec_slots, dec_pos, dec_span = [], [], [], []
@@ -160,6 +177,8 @@ class HybridModel(nn.Module):
                 return hidden
         ctx = self._context(batch, caches, ops)
         x = F.embedding(batch.input_ids.to(self.device), self.embed_tokens)
+        if batch.embed_rows is not None:  # image placeholders take the vision encoder's output
+            x = x.index_copy(0, batch.embed_rows.to(self.device), batch.embeds.to(self.device, x.dtype))
         gi = ai = 0
         for layer in self.layers:
             if layer.is_gdn:

@@ -34,6 +34,7 @@ class ModelRunner:
         self.store = store
         self.device = torch.device(device)
         self.keep_hidden = False  # return every request's hidden rows (StepLogits.hidden): the drafter reads them
+        self.media = None  # MediaStore (media.py) on a multimodal model: the live requests' images
 
     def rollback(self, slot: int, accepted: int) -> None:
         """After a verify step: the slot's GDN state <- the one after its token `accepted` (0 = the last sampled
@@ -63,7 +64,13 @@ class ModelRunner:
         for c in saves:
             inside.setdefault(c.slot, []).append((c.pos, c.location))
         return ForwardBatch.build([(w.token_ids, w.start_pos, w.slot, w.page_ids, w.is_decode,
-                                    tuple(sorted(inside.get(w.slot, ())))) for w in work], self.device)
+                                    tuple(sorted(inside.get(w.slot, ()))), self._span_media(w)) for w in work],
+                                  self.device)
+
+    def _span_media(self, w: SeqWork):
+        """What a request's images change in its span (positions, embedding rows), or None (text only)."""
+        m = self.media.get(w.request_id) if self.media is not None else None
+        return m.span_media(self.model.visual, w.start_pos, len(w.token_ids)) if m is not None else None
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepLogits:

@@ -67,7 +67,7 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
                     checkpoint_grid: int = 0, chunk_grid: int | None = None,
                     replay_decode: bool = True, reprefill_outputs: bool = False,
                     reprefill_job_tokens: int = ENGINE_DEFAULTS["reprefill_job_tokens"],
-                    eviction: str = "lru") -> tuple[MemoryManager, Scheduler]:
+                    eviction: str = "lru", encoder_budget: int | None = None) -> tuple[MemoryManager, Scheduler]:
     """A fresh MemoryManager and the Scheduler over it, as the engine builds them. checkpoint_grid is rounded up
     to a multiple of the page (0 = off). chunk_grid and replay_decode are the Scheduler's (defaults: the
     engine's); a simulated foreign engine passes its own (vLLM: chunk_grid 1, replay_decode False).
@@ -77,7 +77,8 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
     return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              prefill_merge_tokens=prefill_merge_tokens, checkpoint_grid=-(-checkpoint_grid // bs) * bs,
                              chunk_grid=chunk_grid, replay_decode=replay_decode,
-                             reprefill_outputs=reprefill_outputs, job_tokens=reprefill_job_tokens)
+                             reprefill_outputs=reprefill_outputs, job_tokens=reprefill_job_tokens,
+                             encoder_budget=encoder_budget)
 
 
 def state_log_bytes(shape: EngineShape, num_speculative_tokens: int) -> int:
@@ -108,5 +109,6 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
                                         prefill_merge_tokens=cfg.prefill_merge_tokens,
                                         checkpoint_grid=cfg.checkpoint_grid,
                                         reprefill_outputs=cfg.reprefill_outputs,
-                                        reprefill_job_tokens=cfg.reprefill_job_tokens, eviction=cfg.eviction)
+                                        reprefill_job_tokens=cfg.reprefill_job_tokens, eviction=cfg.eviction,
+                                        encoder_budget=cfg.max_num_encoder_input_tokens)
     return shape, memory, scheduler

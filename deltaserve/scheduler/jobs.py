@@ -66,7 +66,7 @@ class ReprefillJobs:
     def queue_for(self, req: Request) -> None:
         """req finished: a job that recomputes its prompt + outputs to their last full block through the prefill path,
         when that reaches past the prompt's last block boundary (where the prompt's checkpoint is)."""
-        if not self.enabled:
+        if not self.enabled or req.media:  # a job has no pixels: its prefix could not be recomputed with them
             return
         s = self._s
         bs, toks = s.block_size, req.all_token_ids

@@ -42,6 +42,10 @@ class Request:
     prompt_logprobs: bool = False  # wants logits at prompt positions: its first prefill skips the cache
     skip_cache_lookup: bool = False  # never look this request up in the cache (it still publishes)
     extra_keys: tuple = ()  # anything else that changes the KV (enters the block hashes)
+    # the prompt's images: (placeholder offset, placeholder count, content hash), sorted and apart; each block
+    # holding placeholders of an image carries its hash (memory/hashing.py)
+    media: tuple[tuple[int, int, bytes], ...] = ()
+    media_encoded: bool = False  # the runner holds its images' encoder output (a step that reached them ran)
     # blocks that hold a generated token are hashed on the decode path (memory/hashing.py): only this request's
     # resume finds them (the scheduler sets it whenever caching is on)
     tag_outputs: bool = False
@@ -107,8 +111,13 @@ class Request:
             j = len(hs)
             decode = self.tag_outputs and (j + 1) * block_size > self.num_prompt_tokens
             hs.append(block_hash(hs[-1] if hs else self.root_hash, self.tokens(j * block_size, (j + 1) * block_size),
-                                 decode))
+                                 decode, self.block_media(j, block_size)))
         return hs
+
+    def block_media(self, j: int, block_size: int) -> tuple[bytes, ...]:
+        """Content hashes of the images with placeholder tokens in block j."""
+        a, b = j * block_size, (j + 1) * block_size
+        return tuple(h for off, n, h in self.media if off < b and a < off + n)
 
     def block_key(self, j: int, block_size: int) -> tuple[BlockHash, BlockHash, list[int]]:
         """(hash, parent hash, tokens) of full block j."""

@@ -76,7 +76,7 @@ class Scheduler:
     def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
                  checkpoint_policy: CheckpointPolicy | None = None, chunk_grid: int | None = None,
                  replay_decode: bool = True, prefill_merge_tokens: int = 0, checkpoint_grid: int = 0,
-                 reprefill_outputs: bool = False, job_tokens: int = 256):
+                 reprefill_outputs: bool = False, job_tokens: int = 256, encoder_budget: int | None = None):
         """checkpoint_policy: default AlignEveryBlock(block_size, checkpoint_grid) with caching on,
         GridChunks(chunk_grid) with it off. checkpoint_grid: also save a checkpoint every this many tokens
         inside prefill chunks, from free pages only (0 = none; a multiple of the block size).
@@ -95,7 +95,12 @@ class Scheduler:
         stop landing their turns in the same step. Short prompts (together under the limit, where the
         step's fixed cost dominates) still share a step.
         reprefill_outputs: recompute finished requests' outputs through the prefill path in background jobs of
-        at most job_tokens tokens a step (at least a block; jobs.py)."""
+        at most job_tokens tokens a step (at least a block; jobs.py).
+        encoder_budget: image tokens the vision encoder may produce in one step (default max_num_batched_tokens).
+        The runner encodes all of a request's images in the step whose chunk first reaches one of them
+        (runner/media.py); that request pays their tokens from this budget. Over it, the chunk ends at the block
+        boundary before that image (or waits a step); the first request to encode in a step always may, so
+        a request with more image tokens than the budget still runs."""
         if max_num_seqs < 1 or max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"--max-num-batched-tokens ({max_num_batched_tokens}) must be at least "
                               f"--max-num-seqs ({max_num_seqs}) >= 1, so every running request can decode")
@@ -124,6 +129,9 @@ class Scheduler:
                                       f"{max_num_batched_tokens}")
                 checkpoint_policy = GridChunks(chunk_grid)
         self.policy = checkpoint_policy
+        self.encoder_budget = max_num_batched_tokens if encoder_budget is None else encoder_budget
+        if self.encoder_budget < 1:
+            raise ConfigError(f"--max-num-encoder-input-tokens must be >= 1, not {self.encoder_budget}")
         self.stats = SchedulerStats()
         reprefill = reprefill_outputs and memory.caching and memory.num_gdn_groups > 0
         self.jobs = ReprefillJobs(self, self.stats, reprefill, max(job_tokens, memory.block_size))
@@ -134,6 +142,7 @@ class Scheduler:
         # per-step scratch
         self._budget = 0
         self._recs: dict[str, _Scheduled] = {}
+        self._encoding: dict[str, int] = {}  # requests whose images the step encodes -> their image tokens
         self._preempted: list[str] = []
         self._recently_finished: dict[str, Request] = {}
 
@@ -216,6 +225,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self._budget = self.max_num_batched_tokens
         self._recs = {}
+        self._encoding = {}
         self._preempted = []
         self._recently_finished = {}
         if self.failed_steps.schedule():  # after a failed step: its requests one at a time
@@ -302,6 +312,8 @@ class Scheduler:
                 end = w.start_pos + max(1, len(emitted))
                 assert end // bs == w.start_pos // bs or not self.caching, "a verify step completes no block"
             req.num_computed_tokens = end
+            if w.request_id in self._encoding:
+                req.media_encoded = True  # the runner keeps the encoder's output for the request's life
             if end >= req.num_prompt_tokens:
                 req._prompt_done = True
             if self.caching:
@@ -342,9 +354,32 @@ class Scheduler:
         return req.num_prompt_tokens if self.replay_decode else req.num_tokens
 
     def chunk_end(self, req: Request, start: int, budget: int | None = None) -> int:
-        """Where req's prefill chunk from start ends with `budget` tokens (default what is left in the step)."""
-        return self.policy.chunk_end(start, start + (self._budget if budget is None else budget),
-                                     self._prefill_target(req))
+        """Where req's prefill chunk from start ends with `budget` tokens (default what is left in the step), and
+        within the step's encoder budget (encoder_budget)."""
+        end = self.policy.chunk_end(start, start + (self._budget if budget is None else budget),
+                                    self._prefill_target(req))
+        first = self._first_image(req, start, end)
+        if first is None or not self._encoding or sum(self._encoding.values()) + self._image_tokens(req) \
+                <= self.encoder_budget:
+            return end
+        cut = first // self.block_size * self.block_size  # chunks end on block boundaries (the policy's grid too)
+        return cut if cut > start else start
+
+    @staticmethod
+    def _image_tokens(req: Request) -> int:
+        return sum(n for _, n, _ in req.media)
+
+    def _first_image(self, req: Request, start: int, end: int) -> int | None:
+        """Where the first image [start, end) reaches starts, when computing that chunk runs the encoder (req's
+        images not encoded yet, nor in this step); None otherwise."""
+        if not req.media or req.media_encoded or req.request_id in self._encoding:
+            return None
+        return next((off for off, n, _ in req.media if off < end and start < off + n), None)
+
+    def _charge_encoder(self, req: Request, start: int, end: int) -> None:
+        """req's chunk [start, end) is planned: it pays its images' encoding if it runs the encoder."""
+        if self._first_image(req, start, end) is not None:
+            self._encoding[req.request_id] = self._image_tokens(req)
 
     def _saves(self, req: Request, start: int, end: int) -> list[tuple[int, SaveKind]]:
         """The policy's checkpoints for computing [start, end) (position, kind); none without caching or GDN.
@@ -394,6 +429,7 @@ class Scheduler:
         self._reserve(rec, saves)
         self._recs[rid] = rec
         self._budget -= end - start
+        self._charge_encoder(req, start, end)
         return True
 
     def withdraw(self, request_id: str) -> None:
@@ -401,6 +437,7 @@ class Scheduler:
         rec = self._recs.pop(request_id, None)
         if rec is not None:
             self._budget += rec.end - rec.start
+        self._encoding.pop(request_id, None)
 
     def preempt(self, victim: Request) -> None:
         """victim gives up its pages and slot and waits at the front of the queue; a background job is dropped."""
@@ -474,6 +511,7 @@ class Scheduler:
         self.running.append(req)
         self._recs[rid] = rec
         self._budget -= end - start
+        self._charge_encoder(req, start, end)
         return True
 
     def _build_plan(self) -> StepPlan:

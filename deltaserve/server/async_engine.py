@@ -96,12 +96,13 @@ class AsyncEngine:
     # ---------------------------------------------------------------- API (event loop thread)
     async def add_request(self, request_id: str, prompt: Any, params: Any, sink: RequestSink,
                           cache_salt: str | None = None) -> None:
-        """Queue a request; returns once the engine accepted it, raises what add_request raised."""
+        """Queue a request; returns once the engine accepted it (the prompt's token ids as the engine runs them:
+        image placeholders widened), raises what add_request raised."""
         if not self.is_ready:
             raise EngineNotReady(self.load_error or "the engine is not ready yet")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put(("add", (request_id, prompt, params, cache_salt, sink, fut, time.time())))
-        await asyncio.wrap_future(fut)
+        return await asyncio.wrap_future(fut)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (unknown or finished ids are ignored). Frees its pages and slot."""
@@ -178,12 +179,12 @@ class AsyncEngine:
                 if not fut.set_running_or_notify_cancel():
                     continue  # the caller went away before the request was queued
                 try:
-                    self.engine.add_request(rid, prompt, params, cache_salt=salt, arrival_time=arrival)
+                    ids = self.engine.add_request(rid, prompt, params, cache_salt=salt, arrival_time=arrival)
                 except BaseException as e:  # noqa: BLE001 - goes back to that caller only
                     fut.set_exception(e)
                     continue
                 self._sinks[rid] = sink
-                fut.set_result(None)
+                fut.set_result(ids)
             elif kind == "abort":
                 if self._sinks.pop(payload, None) is not None:
                     try:

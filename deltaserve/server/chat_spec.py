@@ -56,6 +56,14 @@ class ChatSpec:
     names: dict[str, str] = field(default_factory=dict)
     id_prefix: str = "chatcmpl-"  # the response id is this prefix and a uuid
 
+    @property
+    def images(self) -> list[str]:
+        """The conversation's images in order of appearance: the {"type": "image", "image": data} parts of the
+        messages' contents (image_content), which the chat template renders as <|vision_start|><|image_pad|>
+        <|vision_end|>, one placeholder each."""
+        return [p["image"] for m in self.messages if isinstance(m.get("content"), list)
+                for p in m["content"] if isinstance(p, dict) and p.get("type") == "image"]
+
     def name(self, engine_field: str) -> str:
         return self.names.get(engine_field, engine_field)
 
@@ -68,6 +76,20 @@ class ChatSpec:
         """The tools the model is shown (none with tool_choice "none")."""
         choice = self.tool_choice or ("auto" if self.tools else "none")
         return self.tools if self.tools and choice != "none" else None
+
+
+def image_content(parts: list[tuple[str, str]], role: str, where: str, sep: str = "\n") -> str | list[dict]:
+    """A message's content from its parts in order, ("text", text) or ("image", data URL / base64). Without
+    images: the texts joined by sep (a plain string, as every template takes). With images: the template's
+    part list, {"type": "text", "text": ...} and {"type": "image", "image": data} (the Qwen3.5 template renders
+    an image part as <|vision_start|><|image_pad|><|vision_end|> and the texts as they are, unseparated).
+    Images go in user messages and tool results only (400 elsewhere; `where` names the field)."""
+    if not any(kind == "image" for kind, _ in parts):
+        return sep.join(text for _, text in parts)
+    if role not in ("user", "tool"):
+        raise bad_request(f"Images go in user messages and tool results, not in a {role} message.", where,
+                          "invalid_value")
+    return [{"type": "image", "image": v} if kind == "image" else {"type": "text", "text": v} for kind, v in parts]
 
 
 @dataclass
@@ -150,6 +172,7 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
     grammar = grammar_for(tok, spec)
     tools = spec.template_tools
     rid = f"{spec.id_prefix}{uuid.uuid4().hex}"
+    images = spec.images
     jobs: list[Job] = []
     for s in range(spec.n):
         seed = None if spec.seed is None else spec.seed + s
@@ -158,11 +181,12 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
                                   logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs,
                                   min_tokens=spec.min_tokens, ignore_eos=spec.ignore_eos, names=spec.names)
         j = Job(s, f"{rid}-{s}", ids, sp, prompt_text, only_first_call=not spec.parallel_tool_calls,
-                forced_tool=spec.forced)
+                forced_tool=spec.forced, images=images or None)
         j.reasoning = Qwen3ReasoningParser(thinking)
         j.tools = Qwen3CoderToolParser(tools, forced_name=spec.tool_name if spec.forced else None,
                                        forced=spec.forced) if tools else None
         jobs.append(j)
     sink = RequestSink(asyncio.get_running_loop())
-    await core.submit(jobs, sink, spec.cache_salt, names={"prompt": spec.name("prompt"), **spec.names})
-    return ChatRun(rid, jobs, sink, prompt_text, ids, thinking)
+    names = {"prompt": spec.name("prompt"), "multi_modal_data": spec.name("multi_modal_data"), **spec.names}
+    await core.submit(jobs, sink, spec.cache_salt, names=names)
+    return ChatRun(rid, jobs, sink, prompt_text, jobs[0].prompt_ids if jobs else ids, thinking)

@@ -55,6 +55,7 @@ class Job:
     forced_tool: bool = False  # a forced call cut by max_tokens is returned with the arguments so far
     reasoning_tokens: int = 0  # tokens whose text went to reasoning
     prompt_logprobs: Any = None
+    images: list | None = None  # the request's images in order (data URLs, base64 or bytes): multi_modal_data
 
     @property
     def completion_tokens(self) -> int:
@@ -182,7 +183,11 @@ class ServingCore:
         try:
             for j in jobs:
                 submitted.append(j)  # aborted on any failure below (an abort of an unknown id is a no-op)
-                await self.engine.add_request(j.request_id, j.prompt_ids, j.params, sink, cache_salt=cache_salt)
+                prompt = j.prompt_ids if not j.images else {"prompt_token_ids": j.prompt_ids,
+                                                              "multi_modal_data": {"image": j.images}}
+                ids = await self.engine.add_request(j.request_id, prompt, j.params, sink, cache_salt=cache_salt)
+                if j.images and ids is not None:
+                    j.prompt_ids = ids  # placeholders widened: what usage counts
                 j.timer = RequestTimer(self.metrics, time.monotonic())
         except EngineNotReady as e:
             self.abort(submitted)

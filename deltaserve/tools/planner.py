@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, parse_bytes, parse_count
+from ..config import ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, VisionConfig, parse_bytes, parse_count
 from ..memory import sizing as S
 from ..memory.layouts import REPORT_LAYOUTS
 from ..presets import is_preset, load_preset, preset_names, preset_source
@@ -33,6 +33,7 @@ class ModelSource:
     kind: str  # "preset", "checkpoint" (a model directory: the JSON report's word), "config"
     source: str  # preset citation or file path
     model_dir: str | None  # where safetensors may live
+    vision: VisionConfig | None = None  # the vision encoder, whose weights count too (no cache of its own)
 
 
 def resolve_model(spec: str | None) -> ModelSource:
@@ -42,14 +43,16 @@ def resolve_model(spec: str | None) -> ModelSource:
         path = os.path.join(spec, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"{spec} is a directory without a config.json")
-        return ModelSource(ModelConfig.from_path(spec), spec, "checkpoint", os.path.abspath(path), spec)
+        return ModelSource(ModelConfig.from_path(spec), spec, "checkpoint", os.path.abspath(path), spec,
+                           VisionConfig.from_path(spec))
     if os.path.isfile(spec):
         d = os.path.dirname(os.path.abspath(spec))
         has_weights = bool(glob.glob(os.path.join(d, "*.safetensors")))
         return ModelSource(ModelConfig.from_path(spec), spec, "config", os.path.abspath(spec),
-                           d if has_weights else None)
+                           d if has_weights else None, VisionConfig.from_path(spec))
     if is_preset(spec):
-        return ModelSource(ModelConfig.from_hf(load_preset(spec)), spec, "preset", preset_source(spec), None)
+        hf = load_preset(spec)
+        return ModelSource(ModelConfig.from_hf(hf), spec, "preset", preset_source(spec), None, VisionConfig.from_hf(hf))
     raise ConfigError(f"--model {spec!r} is neither a directory, a config.json nor a preset; "
                       f"presets: {', '.join(preset_names(include_aliases=True))}")
 
@@ -202,6 +205,7 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
         "weight_bytes": weights.bytes, "weight_bytes_per_rank": weight_per_rank, "weight_source": weights.source,
         "weight_quantization": quant,
         "weight_bytes_skipped": weights.skipped_bytes, "num_params": params,
+        "vision_params": src.vision.num_params() if src.vision is not None else 0,
         "budget_bytes": budget, "budget_source": budget_source,
         "max_model_len": inputs.max_model_len, "max_num_seqs": inputs.max_num_seqs,
         "num_slots": inputs.max_num_seqs, "slot_bytes": shape.geometry.gdn_state_bytes_per_seq,
@@ -283,16 +287,19 @@ def _count_weights(src: ModelSource, inputs: PlanInputs,
     quant = inputs.quantization or _config_quantization(src)
     if quant not in (None, "fp8"):
         raise ConfigError(f"--quantization must be fp8, not {quant!r}")
+    vision = src.vision.num_params() if src.vision is not None else 0  # the encoder stays in the model dtype
+    and_vision = f", the vision encoder's {vision:,} included" if vision else ""
     if weights is None and quant == "fp8" and num_params is None:
-        params = S.param_count(m)
+        params = S.param_count(m) + vision
         fp8_bytes, q = S.fp8_weight_bytes(m, model_dtype)
-        weights = WeightBytes(fp8_bytes, f"block-FP8: {q:,} linear parameters x 1 B + a fp32 scale per 128 x 128 "
-                                         f"block, the other {params - q:,} x {model_dtype} "
-                                         "(parameters from config.json)")
+        weights = WeightBytes(fp8_bytes + vision * S.dtype_bytes(model_dtype),
+                              f"block-FP8: {q:,} linear parameters x 1 B + a fp32 scale per 128 x 128 "
+                              f"block, the other {params - q:,} x {model_dtype} (parameters from config.json"
+                              f"{and_vision})")
     if weights is None:
-        params = int(num_params) if num_params is not None else S.param_count(m)
+        params = int(num_params) if num_params is not None else S.param_count(m) + vision
         wdt = S.normalize_dtype(inputs.weight_dtype) if inputs.weight_dtype else model_dtype
-        how = "--num-params" if num_params is not None else "parameters counted from config.json"
+        how = "--num-params" if num_params is not None else f"parameters counted from config.json{and_vision}"
         weights = WeightBytes(params * S.dtype_bytes(wdt), f"{how} ({params:,}) x {wdt}")
     return weights, params, quant
 

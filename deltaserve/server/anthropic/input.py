@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..chat_spec import ChatSpec
+from ..chat_spec import ChatSpec, image_content
 from ..errors import bad_request
-from .protocol import CountTokensRequest, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock, ToolUseBlock
+from .protocol import (CountTokensRequest, ImageBlock, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock,
+                       ToolUseBlock)
 
-NAMES = {"prompt": "messages", "stop": "stop_sequences"}
+NAMES = {"prompt": "messages", "stop": "stop_sequences", "multi_modal_data": "messages"}
 _CHOICES = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
 BILLING_HEADER = "x-anthropic-billing-header:"  # a system text block starting so is client telemetry: dropped
 
@@ -94,22 +95,23 @@ def conversation(req: CountTokensRequest) -> tuple[list[dict], str]:
                     calls.add(b.id)
             out.append(a)
             continue
-        text: list[str] = []
+        text: list[tuple[str, str]] = []  # ("text", text) / ("image", data URL): chat_spec.image_content
         for k, b in enumerate(m.content):
             if isinstance(b, ToolResultBlock):
                 if b.tool_use_id not in calls:
                     raise bad_request(f"tool_result block names tool_use_id {b.tool_use_id!r}, which no earlier "
                                       "tool_use block has.", f"messages.{i}.content.{k}.tool_use_id")
                 if text:
-                    out.append({"role": "user", "content": "".join(text)})
+                    out.append({"role": "user", "content": image_content(text, "user", f"messages.{i}.content", "")})
                     text = []
-                body = b.text()
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": f"Error: {body}" if b.is_error else body})
+                            "content": image_content(b.parts(), "tool", f"messages.{i}.content.{k}.content", "")})
+            elif isinstance(b, ImageBlock):
+                text.append(("image", b.source.data_url()))
             else:
-                text.append(b.text)
+                text.append(("text", b.text))
         if text:
-            out.append({"role": "user", "content": "".join(text)})
+            out.append({"role": "user", "content": image_content(text, "user", f"messages.{i}.content", "")})
     return out, prefill
 
 

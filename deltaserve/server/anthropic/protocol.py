@@ -1,7 +1,8 @@
 """Request schemas of the Anthropic Messages API (POST /v1/messages, /v1/messages/count_tokens).
 
 Unknown fields and block types are refused with a 400 naming them (in Anthropic's error shape, see
-errors.py), never ignored: images, documents, server tools (web search, code execution, ...), citations
+errors.py), never ignored: image url and file sources (base64 images are served), documents, server tools (web
+search, code execution, ...), citations
 and a service tier are not served, and a client learns so at once. `cache_control` is accepted on every
 block because what it asks for is always done here: deltaserve's prefix cache keeps every prompt's
 blocks, marked or not (the ttl is not promised: pages live until they are evicted).
@@ -52,17 +53,59 @@ class ToolUseBlock(StrictModel):
     cache_control: CacheControl | None = None
 
 
+class ImageSource(StrictModel):
+    """base64 data only: a url source is refused (this server fetches nothing), as is a file id (no file store)."""
+
+    type: Literal["base64", "url", "file"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    data: str | None = None
+    url: str | None = None
+    file_id: str | None = None
+
+    @model_validator(mode="after")
+    def _base64_only(self) -> "ImageSource":
+        if self.type == "url":
+            raise ValueError("image source type 'url' is not supported (this server has no network access): send "
+                             "the image as a base64 source")
+        if self.type == "file":
+            raise ValueError("image source type 'file' is not supported (this server keeps no files): send the "
+                             "image as a base64 source")
+        if self.media_type is None or self.data is None:
+            raise ValueError("a base64 image source needs media_type and data")
+        return self
+
+    def data_url(self) -> str:
+        return f"data:{self.media_type};base64,{self.data}"
+
+
+class ImageBlock(StrictModel):
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: CacheControl | None = None
+
+
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: str | list[TextBlock] | None = None
+    content: str | list[Annotated[Union[Annotated[TextBlock, Tag("type=text")], Annotated[ImageBlock, Tag("type=image")]],
+                                  Discriminator(lambda v: f"type={v.get('type') if isinstance(v, dict) else v.type}")]] | None = None
     is_error: bool | None = None
     cache_control: CacheControl | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
-        return self.content if isinstance(self.content, str) else "".join(b.text for b in self.content)
+        return self.content if isinstance(self.content, str) else "".join(
+            b.text for b in self.content if isinstance(b, TextBlock))
+
+    def parts(self) -> list[tuple[str, str]]:
+        """("text", text) / ("image", data URL) in order (chat_spec.image_content); an error's text is marked."""
+        blocks = [] if self.content is None else [TextBlock(type="text", text=self.content)] \
+            if isinstance(self.content, str) else self.content
+        out = [("image", b.source.data_url()) if isinstance(b, ImageBlock) else ("text", b.text) for b in blocks]
+        if self.is_error:
+            out.insert(0, ("text", "Error: "))
+        return out
 
 
 class ThinkingBlock(StrictModel):
@@ -72,7 +115,7 @@ class ThinkingBlock(StrictModel):
     cache_control: CacheControl | None = None
 
 
-_BLOCK_TYPES = ("text", "tool_use", "tool_result", "thinking")
+_BLOCK_TYPES = ("text", "image", "tool_use", "tool_result", "thinking")
 
 
 def _block_kind(v: Any) -> str | None:
@@ -87,13 +130,14 @@ class UnsupportedBlock(StrictModel):
     @classmethod
     def _refuse(cls, v):
         t = v.get("type") if isinstance(v, dict) else None
-        why = " (this server serves text models)" if t in ("image", "document", "search_result") else ""
+        why = " (this server takes text and images)" if t in ("document", "search_result") else ""
         raise ValueError(f"content block type {t!r} is not supported{why}; this server takes "
                          f"{', '.join(_BLOCK_TYPES)}")
 
 
 # tags are not identifiers, so they stay out of the field path a 400 names (messages.0.content.1.tool_use_id)
-Block = Annotated[Union[Annotated[TextBlock, Tag("type=text")], Annotated[ToolUseBlock, Tag("type=tool_use")],
+Block = Annotated[Union[Annotated[TextBlock, Tag("type=text")], Annotated[ImageBlock, Tag("type=image")],
+                        Annotated[ToolUseBlock, Tag("type=tool_use")],
                         Annotated[ToolResultBlock, Tag("type=tool_result")],
                         Annotated[ThinkingBlock, Tag("type=thinking")],
                         Annotated[UnsupportedBlock, Tag("unsupported block")]], Discriminator(_block_kind)]
@@ -122,6 +166,8 @@ class Message(StrictModel):
             raise FieldError("output_config", "output_config on a message is taken on a system message only")
         if isinstance(self.content, list):
             for b in self.content:
+                if self.role == "assistant" and isinstance(b, ImageBlock):
+                    raise ValueError("an assistant message cannot carry an image block")
                 if self.role == "user" and isinstance(b, (ToolUseBlock, ThinkingBlock)):
                     raise ValueError(f"a user message cannot carry a {b.type} block")
                 if self.role == "assistant" and isinstance(b, ToolResultBlock):

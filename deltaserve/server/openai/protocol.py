@@ -133,6 +133,16 @@ class TextPart(StrictModel):
     text: str
 
 
+class ImageURL(StrictModel):
+    url: str  # a data: URL (base64); remote URLs are refused (the server fetches nothing)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(StrictModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
 class FunctionCall(StrictModel):
     name: str
     arguments: str | dict[str, Any]
@@ -146,7 +156,7 @@ class ToolCallIn(StrictModel):
 
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: str | None = None
@@ -157,9 +167,9 @@ class ChatMessage(StrictModel):
     def _parts(cls, v):
         if isinstance(v, list):
             for i, p in enumerate(v):
-                if isinstance(p, dict) and p.get("type") not in (None, "text"):
+                if isinstance(p, dict) and p.get("type") not in (None, "text", "image_url"):
                     raise ValueError(f"content part {i}: type {p.get('type')!r} is not supported "
-                                     "(this server serves text models; only 'text' parts)")
+                                     "(only 'text' and 'image_url' parts)")
         return v
 
     @model_validator(mode="after")
@@ -178,8 +188,14 @@ class ChatMessage(StrictModel):
 
     def text(self) -> str | None:
         if isinstance(self.content, list):
-            return "\n".join(p.text for p in self.content)
+            return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
         return self.content
+
+    def parts(self) -> list[tuple[str, str]] | None:
+        """("text", text) / ("image", url) in order (chat_spec.image_content); None without content."""
+        if isinstance(self.content, list):
+            return [("text", p.text) if isinstance(p, TextPart) else ("image", p.image_url.url) for p in self.content]
+        return None if self.content is None else [("text", self.content)]
 
 
 def object_schema(v: dict | None, what: str = "function parameters") -> dict | None:

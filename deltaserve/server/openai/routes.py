@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..async_engine import EngineStepError, RequestSink
-from ..chat_spec import ChatSpec, grammar_for, guide_for, render_prompt, start_chat
+from ..chat_spec import ChatSpec, grammar_for, guide_for, image_content, render_prompt, start_chat
 from ..core import AbortingStream, Delta, Job, ServingCore
 from ..errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
 from ..state import ServerState
@@ -55,10 +55,10 @@ def _json_format(rf) -> tuple[str, Any] | None:
 def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
     """A Chat Completions request as the one internal chat request."""
     messages = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role}
-        text = m.text()
-        d["content"] = text if text is not None else ""
+        parts = m.parts()
+        d["content"] = image_content(parts, d["role"], f"messages[{i}].content") if parts is not None else ""
         if m.name is not None:
             d["name"] = m.name
         if m.tool_calls:
@@ -81,7 +81,7 @@ def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
                     min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                     response_format=_json_format(req.response_format),
                     template_kwargs=_template_kwargs(req), cache_salt=req.cache_salt,
-                    names={"prompt": "messages"}, id_prefix="chatcmpl-")
+                    names={"prompt": "messages", "multi_modal_data": "messages"}, id_prefix="chatcmpl-")
 
 
 def _template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import binascii
 import json
 from typing import Any
 
+from ..chat_spec import image_content
 from ..errors import bad_request
 from .protocol import CallFields, CustomToolCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
 from .tools import CUSTOM_INPUT, qualified
@@ -85,7 +86,8 @@ def input_messages(items: str | list, known_calls: set[str] | None = None) -> li
                 cur["content"] += it.text()
             else:
                 cur = None
-                out.append({"role": "system" if it.role in ("system", "developer") else "user", "content": it.text()})
+                role = "system" if it.role in ("system", "developer") else "user"
+                out.append({"role": role, "content": image_content(it.parts(), role, where + ".content", sep="")})
         elif isinstance(it, ReasoningItem):
             if cur is None or cur["content"] or cur.get("tool_calls") or "reasoning_content" in cur:
                 cur = assistant()
@@ -107,7 +109,8 @@ def input_messages(items: str | list, known_calls: set[str] | None = None) -> li
                 raise bad_request(f"No {call} with call_id {it.call_id!r} comes before this "
                                   f"{it.type}.", where + ".call_id", "invalid_value")
             cur = None
-            out.append({"role": "tool", "tool_call_id": it.call_id, "content": it.text()})
+            out.append({"role": "tool", "tool_call_id": it.call_id,
+                        "content": image_content(it.parts(), "tool", where + ".output", sep="")})
     return out
 
 

@@ -28,6 +28,24 @@ class InputText(StrictModel):
     text: str
 
 
+class InputImage(StrictModel):
+    """An image as a data: URL (image_url); file ids are refused (no file store), as are remote URLs (no network)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _source(self) -> "InputImage":
+        if self.file_id is not None:
+            raise ValueError("input_image file_id is not supported (this server keeps no files): send image_url "
+                             "as a data: URL")
+        if not self.image_url:
+            raise ValueError("input_image needs image_url (a data: URL)")
+        return self
+
+
 class OutputText(StrictModel):
     """An assistant message's text as this server (or OpenAI) returned it, sent back as input."""
 
@@ -59,9 +77,8 @@ class Unsupported(StrictModel):
         raise ValueError(f"type {t!r} is not supported{_WHY.get(t, '')}")
 
 
-_WHY = {"input_image": " (this server serves text models)", "input_file": " (this server serves text models)",
-        "input_audio": " (this server serves text models)"}
-_PARTS = ("input_text", "output_text", "refusal")
+_WHY = {"input_file": " (this server takes text and images)", "input_audio": " (this server takes text and images)"}
+_PARTS = ("input_text", "input_image", "output_text", "refusal")
 
 
 def _part_kind(v: Any) -> str | None:
@@ -71,6 +88,7 @@ def _part_kind(v: Any) -> str | None:
 
 # tags are not identifiers, so they stay out of the field path a 400 names (input.0.content.1.text)
 ContentPart = Annotated[Union[Annotated[InputText, Tag("type=input_text")],
+                              Annotated[InputImage, Tag("type=input_image")],
                               Annotated[OutputText, Tag("type=output_text")], Annotated[Refusal, Tag("type=refusal")],
                               Annotated[Unsupported, Tag("unsupported type")]], Discriminator(_part_kind)]
 
@@ -85,7 +103,15 @@ class MessageItem(StrictModel):
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content)
+        return "".join(p.refusal if isinstance(p, Refusal) else p.text for p in self.content
+                       if not isinstance(p, InputImage))
+
+    def parts(self) -> list[tuple[str, str]]:
+        """("text", text) / ("image", data URL) in order (chat_spec.image_content)."""
+        if isinstance(self.content, str):
+            return [("text", self.content)]
+        return [("image", p.image_url) if isinstance(p, InputImage) else
+                ("text", p.refusal if isinstance(p, Refusal) else p.text) for p in self.content]
 
 
 class CallFields(StrictModel):
@@ -110,14 +136,23 @@ class FunctionCallOutputItem(StrictModel):
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
-    output: str | list[InputText]
+    output: str | list[Annotated[Union[Annotated[InputText, Tag("type=input_text")],
+                                       Annotated[InputImage, Tag("type=input_image")],
+                                       Annotated[Unsupported, Tag("unsupported type")]], Discriminator(_part_kind)]]
     name: str | None = None
     namespace: str | None = None
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.text for p in self.output)
+        return self.output if isinstance(self.output, str) else "".join(
+            p.text for p in self.output if isinstance(p, InputText))
+
+    def parts(self) -> list[tuple[str, str]]:
+        """("text", text) / ("image", data URL) in order (chat_spec.image_content)."""
+        if isinstance(self.output, str):
+            return [("text", self.output)]
+        return [("image", p.image_url) if isinstance(p, InputImage) else ("text", p.text) for p in self.output]
 
 
 class CustomToolCallItem(CallFields):

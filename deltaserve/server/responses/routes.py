@@ -30,7 +30,8 @@ from .protocol import CustomChoice, FunctionChoice, ResponsesRequest
 from .store import ResponseStore, StoredResponse
 from .tools import ToolSet, collect_tools
 
-NAMES = {"prompt": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
+NAMES = {"prompt": "input", "max_tokens": "max_output_tokens", "response_format": "text.format",
+         "multi_modal_data": "input"}
 
 
 def responses_spec(req: ResponsesRequest, messages: list[dict], tools: ToolSet | None = None) -> ChatSpec:
