@@ -5,17 +5,15 @@ leaving nothing held. A small multimodal model: the tiny preset's text model wit
 from __future__ import annotations
 
 import base64
-import io
 import json
 import random
 
-import numpy as np
 import pytest
 
 from deltaserve import LLM
 from deltaserve.engine.inputs import EngineInputError
 from deltaserve.presets import load_preset
-from util import greedy, random_tokens, signature
+from util import greedy, png, random_tokens, signature
 
 IMG, START, END = 4000, 4001, 4002
 VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
@@ -51,16 +49,6 @@ def model_dir(tmp_path_factory):
 def llm(model_dir):
     return LLM(model=model_dir, kv_cache_memory=64 << 20, max_num_seqs=4, max_num_batched_tokens=512, seed=0,
                limit_mm_per_prompt='{"image": 16, "video": 0}')
-
-
-def png(h: int, w: int, seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 256, (max(h // 8, 2), max(w // 8, 2), 3), dtype=np.uint8)).resize((w, h))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def data_url(raw: bytes) -> str:

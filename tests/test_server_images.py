@@ -9,18 +9,16 @@ prefix cache past its images."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import os
 import sys
 
 import httpx
-import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from server_support import RealServer
-from util import qwen35_dir
+from util import png, qwen35_dir
 
 VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
           "patch_size": 4, "temporal_patch_size": 2, "spatial_merge_size": 2, "num_position_embeddings": 64,
@@ -57,16 +55,6 @@ def server(tmp_path_factory):
 def client(server):
     with httpx.Client(base_url=server.base, timeout=300) as c:
         yield c
-
-
-def png(h: int, w: int, seed: int) -> bytes:
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    img = Image.fromarray(rng.integers(0, 256, (max(h // 8, 2), max(w // 8, 2), 3), dtype=np.uint8)).resize((w, h))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def b64(raw: bytes) -> str:

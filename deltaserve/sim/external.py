@@ -80,15 +80,15 @@ HEADERS = {
 SKEW_AXES = ("n", "skew_rate", "kv_big", "kp")  # bucket_axes.<axis>_bins / <axis>_labels in meta.yaml
 
 
-def read_csv(path: str) -> list[dict]:
-    """Rows of one of the bundle's tables; the header must be exactly the format's."""
+def read_csv(path: str, headers: dict[str, tuple[str, ...]] = HEADERS) -> list[dict]:
+    """Rows of one of the bundle's tables; the header must be exactly the format's (headers: file -> columns)."""
     name = os.path.basename(path)
     if not os.path.exists(path):
-        raise ConfigError(f"{path}: missing (an LLMServingSim bundle has {', '.join(HEADERS)} per TP degree)")
+        raise ConfigError(f"{path}: missing (an LLMServingSim bundle has {', '.join(headers)} per TP degree)")
     with open(path, newline="") as f:
         r = csv.DictReader(f)
-        if tuple(r.fieldnames or ()) != HEADERS[name]:
-            raise ConfigError(f"{path}: columns {r.fieldnames}, expected {list(HEADERS[name])}")
+        if tuple(r.fieldnames or ()) != headers[name]:
+            raise ConfigError(f"{path}: columns {r.fieldnames}, expected {list(headers[name])}")
         return list(r)
 
 

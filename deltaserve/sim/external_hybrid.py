@@ -36,13 +36,12 @@ pages) are not in the tables and cost nothing here. TP 1 only is priced (no coll
 """
 from __future__ import annotations
 
-import csv
 import os
 
 import yaml
 
 from ..errors import ConfigError
-from .external import ScatteredGrid
+from .external import ScatteredGrid, read_csv
 from .latency import Interp1D, StepShape
 
 HYBRID_HEADERS = {
@@ -65,14 +64,7 @@ HYBRID_ARCHS = ("qwen3_5",)
 
 
 def _rows(path: str) -> list[dict]:
-    name = os.path.basename(path)
-    if not os.path.exists(path):
-        raise ConfigError(f"{path}: missing (a hybrid bundle has {', '.join(HYBRID_HEADERS)} per TP degree)")
-    with open(path, newline="") as f:
-        r = csv.DictReader(f)
-        if tuple(r.fieldnames or ()) != HYBRID_HEADERS[name]:
-            raise ConfigError(f"{path}: columns {r.fieldnames}, expected {list(HYBRID_HEADERS[name])}")
-        return list(r)
+    return read_csv(path, HYBRID_HEADERS)
 
 
 class HybridBundle:
