@@ -36,7 +36,7 @@ def test_first_difference():
 
 
 def test_a_continued_turn_re_sends_its_prompt_whole(tok, first):
-    path, _, prev = first
+    _, _, prev = first
     nxt = tok.encode(render(*fixture("claude-code-4"), tok))
     d = explain(tok, prev, prev_output=12, prev_reasoned=False, nxt=nxt)
     assert d.position == len(prev) and d.where == "previous answer"

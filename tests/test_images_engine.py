@@ -9,11 +9,11 @@ import json
 import random
 
 import pytest
+from util import greedy, png, random_tokens, signature
 
 from deltaserve import LLM
 from deltaserve.engine.inputs import EngineInputError
 from deltaserve.presets import load_preset
-from util import greedy, png, random_tokens, signature
 
 IMG, START, END = 4000, 4001, 4002
 VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
