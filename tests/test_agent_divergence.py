@@ -81,7 +81,7 @@ def test_a_prompt_re_sent_as_it_was_blames_the_cache(tok, first):
 
 def _req(name: str, cached: int, prompt: int, output: int = 16, ttft: float = 0.5) -> dict:
     path, body = fixture(name)
-    return {"file": name, "method": "POST", "path": path, "body": body, "first_content_s": ttft,
+    return {"file": name, "method": "POST", "path": path, "body": body, "first_content_s": ttft, "status": 200,
             "usage": {"prompt": prompt, "cached": cached, "output": output}, "reasoned": False}
 
 
@@ -121,3 +121,15 @@ def test_report_blames_the_server_when_it_read_less_than_the_renderings_share(to
     ]}
     (d,) = analyse(rows, tok, sessions=2)["servers"]["llama.cpp"]["claude"]["divergences"]
     assert d["cause"].startswith("the server did not serve the 18155 tokens both renderings share")
+
+
+def test_a_failed_request_has_no_first_token_time(tok):
+    from deltaserve.bench.clis.report import analyse, format_report
+    bad = {**_req("claude-code-3", 0, 0, ttft=0.01), "status": 500, "usage": {},
+           "response_body": {"error": {"message": "System message must be at the beginning."}}}
+    rows = {"llama.cpp": [{"client": "claude", "session": 0, "turn": 0, "rc": 1, "wall_s": 1.0, "requests": [bad]}]}
+    result = analyse(rows, tok, sessions=1)
+    t = result["servers"]["llama.cpp"]["claude"]["turns"][0]
+    assert t["ttft_s"] is None and t["error"].startswith("500: ") and "System message" in t["error"]
+    text = format_report(result, {"sessions": 1, "turns": 1, "model": "m", "model_dir": "-", "max_output_tokens": 16})
+    assert "## Turns whose first main request failed" in text and "| 0/1 |" in text

@@ -75,12 +75,14 @@ def _client(crow: list[dict], ids, tok, sessions: int) -> dict:
     for r in sorted(crow, key=lambda r: (r["turn"], r["session"])):  # the order the bench ran them in
         mains = [q for q in r["requests"] if is_main(q)]
         head = mains[0] if mains else None
+        answered = head is not None and head.get("status") == 200  # an error's last byte is no first token
         u = (head or {}).get("usage") or {}
         t = {"session": r["session"], "turn": r["turn"], "rc": r["rc"], "wall_s": r["wall_s"],
              "requests": len(r["requests"]), "main": len(mains), "prompt": u.get("prompt"),
              "cached": u.get("cached"), "output": u.get("output"),
-             "ttft_s": round(head["first_content_s"], 3) if head and head.get("first_content_s") is not None else None,
-             "share": None, "base": None}
+             "ttft_s": round(head["first_content_s"], 3) if answered and head.get("first_content_s") is not None
+             else None, "share": None, "base": None,
+             "error": None if answered or head is None else f"{head.get('status')}: {str(head.get('response_body'))[-160:]}"}
         for q in mains:
             qu = q.get("usage") or {}
             best, shared = _best(earlier, q, ids)
@@ -168,6 +170,12 @@ def format_report(result: dict, args: dict) -> str:
                 lines.append(f"| {server} | {client} | {t['session'] + 1} | {t['turn'] + 1} | {t['rc']} | "
                              f"{_f(t['prompt'])} | {_f(t['cached'])} | {_f(t['share'], True)} | {_f(t['ttft_s'])} | "
                              f"{t['requests']} |")
+    errors = [(server, client, t) for server, clients in result["servers"].items() for client, s in clients.items()
+              for t in s["turns"] if t.get("error")]
+    if errors:
+        lines += ["", "## Turns whose first main request failed", ""]
+        lines += [f"- {server} / {client}, session {t['session'] + 1} turn {t['turn'] + 1}: {t['error']!r}"
+                  for server, client, t in errors]
     lines += ["", "## Where a request read less than it could", ""]
     any_div = False
     for server, clients in result["servers"].items():
