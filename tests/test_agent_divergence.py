@@ -73,6 +73,16 @@ def test_a_changed_date_is_named(tok):
     assert d.where == "message 0 (system)" and d.cause == "a date or number in the text changed"
 
 
+def test_a_changed_path_is_named(tok):
+    """Two sessions whose system text names their own working directory (the bench's session0, session1)."""
+    path, body = fixture("claude-code-3")
+    homed = [copy.deepcopy(body) for _ in range(2)]
+    for b, n in zip(homed, (0, 1)):
+        b["system"][-1]["text"] += f"\nPrimary working directory: /tmp/runs/session{n}/work"
+    prev, nxt = (tok.encode(render(path, b, tok)) for b in homed)
+    assert explain(tok, prev, 0, False, nxt).cause == "a path in the text changed"
+
+
 def test_a_prompt_re_sent_as_it_was_blames_the_cache(tok, first):
     _, _, prev = first
     d = explain(tok, prev, prev_output=0, prev_reasoned=False, nxt=list(prev))

@@ -69,6 +69,14 @@ def _segment(tok, ids: list[int], pos: int) -> tuple[str, int]:
     return ("tools" if in_tools else role), k
 
 
+def _word_at(tok, ids: list[int], pos: int) -> str:
+    """The whitespace-delimited word of the rendering that holds token pos."""
+    left = tok.decode(ids[max(0, pos - 24):pos], skip_special_tokens=False)
+    right = tok.decode(ids[pos:pos + 24], skip_special_tokens=False)
+    return (left.split()[-1] if left.strip() and not left[-1].isspace() else "") + \
+        (right.split()[0] if right.strip() and not right[0].isspace() else "")
+
+
 def explain(tok, prev: list[int], prev_output: int, prev_reasoned: bool, nxt: list[int]) -> Divergence:
     """Why nxt does not continue prev (+ its prev_output generated tokens) further than it does."""
     d = first_difference(prev, nxt)
@@ -78,7 +86,8 @@ def explain(tok, prev: list[int], prev_output: int, prev_reasoned: bool, nxt: li
     if d < len(prev):
         where, k = _segment(tok, prev, d)
         if DIGITS.search(before[:16]) and DIGITS.search(after[:16]):
-            cause = "a date or number in the text changed"
+            cause = ("a path in the text changed" if "/" in _word_at(tok, prev, d)
+                     else "a date or number in the text changed")
         elif where == "tools":
             cause = "the tool list changed"
         elif where == "system":
