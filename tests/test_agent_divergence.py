@@ -109,7 +109,7 @@ def test_report_sets_each_request_against_what_it_shares_most_with(tok):
         {"client": "claude", "session": 0, "turn": 1, "rc": 0, "wall_s": 1.0,
          "requests": [_req("claude-code-4", 1000, c, ttft=2.0)]},  # a poor hit: reported with its cause
     ]}
-    r = analyse(rows, tok, sessions=2)["servers"]["deltaserve"]["claude"]
+    r = analyse(rows, tok)["servers"]["deltaserve"]["claude"]
     t0, t1, t2 = r["turns"]
     assert (t0["share"], t1["base"], t1["share"]) == (None, 18155, round(18048 / 18155, 4))
     assert t2["base"] == a and t2["share"] == round(1000 / a, 4)
@@ -117,7 +117,7 @@ def test_report_sets_each_request_against_what_it_shares_most_with(tok):
     assert r["first_turn_share_min"] == t1["share"] and r["later_turn_ttft_s"] == 2.0
     (d,) = r["divergences"]  # session 2 read all it could; the continued turn did not
     assert (d["session"], d["turn"], d["could"], d["where"]) == (0, 1, a + 16, "previous answer")
-    text = format_report(analyse(rows, tok, sessions=2), {"sessions": 2, "turns": 2, "model": "tiny",
+    text = format_report(analyse(rows, tok), {"sessions": 2, "turns": 2, "model": "tiny",
                                                           "model_dir": "-", "max_output_tokens": 16})
     assert "| deltaserve | claude | 3/3 | 4 (3) |" in text and "session 1 turn 2: cached 1000" in text
 
@@ -129,7 +129,7 @@ def test_report_blames_the_server_when_it_read_less_than_the_renderings_share(to
         {"client": "claude", "session": 0, "turn": 0, "rc": 0, "wall_s": 1.0, "requests": [_req("claude-code-3", 0, a)]},
         {"client": "claude", "session": 1, "turn": 0, "rc": 0, "wall_s": 1.0, "requests": [_req("claude-code-5", 0, 0)]},
     ]}
-    (d,) = analyse(rows, tok, sessions=2)["servers"]["llama.cpp"]["claude"]["divergences"]
+    (d,) = analyse(rows, tok)["servers"]["llama.cpp"]["claude"]["divergences"]
     assert d["cause"].startswith("the server did not serve the 18155 tokens both renderings share")
 
 
@@ -138,7 +138,7 @@ def test_a_failed_request_has_no_first_token_time(tok):
     bad = {**_req("claude-code-3", 0, 0, ttft=0.01), "status": 500, "usage": {},
            "response_body": {"error": {"message": "System message must be at the beginning."}}}
     rows = {"llama.cpp": [{"client": "claude", "session": 0, "turn": 0, "rc": 1, "wall_s": 1.0, "requests": [bad]}]}
-    result = analyse(rows, tok, sessions=1)
+    result = analyse(rows, tok)
     t = result["servers"]["llama.cpp"]["claude"]["turns"][0]
     assert t["ttft_s"] is None and t["error"].startswith("500: ") and "System message" in t["error"]
     text = format_report(result, {"sessions": 1, "turns": 1, "model": "m", "model_dir": "-", "max_output_tokens": 16})

@@ -19,10 +19,9 @@ import argparse
 import random
 import shutil
 import tempfile
-import time
 
-from ..config import ENGINE_DEFAULTS, EngineConfig, add_engine_args, engine_args
-from ..engine.llm_engine import LLMEngine
+from ..config import ENGINE_DEFAULTS, add_engine_args, engine_args
+from ..engine.llm import LLM
 from ..engine.sampling_params import SamplingParams
 from .progress import progress_for
 
@@ -43,21 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _serve(flags: dict, prompt: list[int], params: SamplingParams):
-    """One request on a fresh engine: its output, seconds to first token, the engine's stats; the engine closed."""
-    engine = LLMEngine(EngineConfig.from_kwargs(**flags))
+    """One request on a fresh engine: its output, its time to first token (the engine's own request metrics), the
+    engine's stats; the engine closed (which ends its disk writes)."""
+    llm = LLM(**flags)
     try:
-        t0 = time.perf_counter()
-        engine.add_request("r", prompt, params)
-        ttft, out = None, None
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if ttft is None and o.outputs[0].token_ids:
-                    ttft = time.perf_counter() - t0
-                if o.finished:
-                    out = o
-        return out, ttft, engine.stats()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        return out, out.metrics.first_token_time - out.metrics.arrival_time, llm.engine.stats()
     finally:
-        engine.shutdown()
+        llm.close()
 
 
 def _signature(out) -> tuple:

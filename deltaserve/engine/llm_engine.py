@@ -337,13 +337,15 @@ class LLMEngine:
                 self.disk.wait(0.01)  # only reads from disk to wait for: do not spin
         try:
             logits = self.runner.execute(plan)
-            self.runner_hidden = logits.hidden
             sampled = self._sample(plan, logits)
         except Exception as e:  # noqa: BLE001 - one failing request must not take the others down
             if getattr(e, "fatal", False):  # the engine cannot go on (a tensor-parallel rank is gone)
                 raise
             return self._recover(plan, e)
-        return self._emit(plan, sampled)
+        outputs = self._emit(plan, sampled)
+        if self.drafter is not None:
+            self._draft(plan, sampled, logits.hidden)
+        return outputs
 
     def _recover(self, plan, error: Exception) -> list[RequestOutput]:
         """A step failed (the model, a kernel, the sampler). Alone in its step, a request is the cause: it is
@@ -449,14 +451,12 @@ class LLMEngine:
                 live.metrics.finished_time = now
                 del self._live[rid]
                 self._release(rid)
-        if self.drafter is not None:
-            self._draft(plan, sampled)
         return outputs
 
-    def _draft(self, plan, sampled: dict[str, object]) -> None:
+    def _draft(self, plan, sampled: dict[str, object], hidden: dict) -> None:
         """Show the drafter this step's kept outputs of the model, and ask it for the next step's drafts of every
-        request about to decode its last token, as many as its acceptance says pay (speculative.Acceptance)."""
-        hidden = self.runner_hidden
+        request about to decode its last token, as many as its acceptance says pay (speculative.Acceptance).
+        hidden: the step's StepLogits.hidden (request id -> first position, the model's output rows)."""
         for w in plan.work:
             req = self.scheduler.requests.get(w.request_id)
             if w.request_id not in self._live or req is None or w.request_id not in hidden:
@@ -471,8 +471,6 @@ class LLMEngine:
             if w.request_id in sampled and req.num_computed_tokens == req.num_tokens - 1:
                 k = self._acceptance.setdefault(w.request_id, Acceptance()).next_k(self.spec.num_speculative_tokens)
                 req.draft_token_ids = self.drafter.propose(w.request_id, tokens, k) if k else []
-
-    runner_hidden: dict = {}  # the latest step's StepLogits.hidden
 
     def _append(self, live: _Live, s, now: float) -> None:
         req = self.scheduler.get(live.request_id)

@@ -192,15 +192,20 @@ class AttentionMixer(nn.Module):
         self.k_norm = empty_param(self.d, dtype=dtype)
         self.o_proj = empty_param(cfg.hidden_size, self.hq * self.d, dtype=dtype)
 
+    def project(self, h: torch.Tensor, ops) -> tuple[torch.Tensor, ...]:
+        """One fused projection of h [T, H] split into q [T, Hq, D], the output gate [T, Hq*D], k and v [T, Hkv, D]."""
+        T, hq, hkv, d = h.shape[0], self.hq, self.hkv, self.d
+        proj = ops.linear(h, self.qkv_proj)
+        qg = proj[:, :2 * hq * d].view(T, hq, 2 * d)
+        k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
+        v = proj[:, (2 * hq + hkv) * d:].view(T, hkv, d)
+        return qg[..., :d], qg[..., d:].reshape(T, hq * d), k, v
+
     def forward(self, h: torch.Tensor, ctx: StepContext, kv_cache: torch.Tensor) -> torch.Tensor:
         """h [T, H] (normed); kv_cache [pages, 2, block_size, Hkv, D]."""
         T, ops = h.shape[0], ctx.ops
-        hq, hkv, d = self.hq, self.hkv, self.d
-        proj = ops.linear(h, self.qkv_proj)
-        qg = proj[:, :2 * hq * d].view(T, hq, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)
-        k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
-        v = proj[:, (2 * hq + hkv) * d:].view(T, hkv, d)
+        hq, d = self.hq, self.d
+        q, gate, k, v = self.project(h, ops)
         q = ops.qk_norm_rope(q, self.q_norm, self.eps, ctx.cos, ctx.sin)
         k = ops.qk_norm_rope(k, self.k_norm, self.eps, ctx.cos, ctx.sin)
         ops.kv_write(kv_cache, ctx.kv_pages, ctx.kv_rows, k, v)

@@ -94,12 +94,7 @@ def _attention(m: AttentionMixer, ops: Ops, model, h: torch.Tensor, start: int, 
     """The gated attention of AttentionMixer over a dense cache: positions start .. start + n - 1 attend to
     0 .. their own (the same projections, norms, rotary and gate as the model's attention layers)."""
     T = h.shape[0]
-    hq, hkv, d = m.hq, m.hkv, m.d
-    proj = ops.linear(h, m.qkv_proj)
-    qg = proj[:, :2 * hq * d].view(T, hq, 2 * d)
-    q, gate = qg[..., :d], qg[..., d:].reshape(T, hq * d)
-    k = proj[:, 2 * hq * d:(2 * hq + hkv) * d].view(T, hkv, d)
-    v = proj[:, (2 * hq + hkv) * d:].view(T, hkv, d)
+    q, gate, k, v = m.project(h, ops)
     positions = torch.arange(start, start + T, device=h.device)
     cos, sin = model.rotary(positions, start + T)
     q = ops.qk_norm_rope(q, m.q_norm, m.eps, cos, sin)
@@ -108,5 +103,5 @@ def _attention(m: AttentionMixer, ops: Ops, model, h: torch.Tensor, start: int, 
     cache.k[li, start:start + T] = k.to(cache.k.dtype)
     cache.v[li, start:start + T] = v.to(cache.v.dtype)
     out = ops.prefill_attention(q, cache.k[li], cache.v[li], start, m.scale)
-    out = ops.gate_output(out.reshape(T, hq * d), gate)
+    out = ops.gate_output(out.reshape(T, m.hq * m.d), gate)
     return ops.linear(out, m.o_proj)

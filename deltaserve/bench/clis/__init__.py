@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             metered.close()
             proc.close()
-    result = analyse(rows, tok, sessions=a.sessions)
+    result = analyse(rows, tok)
     text = format_report(result, vars(a) | {"model_dir": model_dir})
     (out / "report.md").write_text(text)
     slim = {s: [{k: v for k, v in r.items() if k != "requests"} | {"requests": len(r["requests"])} for r in rs]

@@ -37,7 +37,7 @@ def _min(xs: list[float]) -> float | None:
     return round(min(xs), 4) if xs else None
 
 
-def analyse(rows: dict[str, list[dict]], tok, sessions: int) -> dict:
+def analyse(rows: dict[str, list[dict]], tok) -> dict:
     """{server: {client: summary}} plus the side-by-side TTFT ratios (llama.cpp / deltaserve) per client."""
     ids_of: dict[str, list[int] | None] = {}
 
@@ -54,7 +54,7 @@ def analyse(rows: dict[str, list[dict]], tok, sessions: int) -> dict:
     for server, srows in rows.items():
         for client in dict.fromkeys(r["client"] for r in srows):
             crow = [r for r in srows if r["client"] == client]
-            out.setdefault(server, {})[client] = _client(crow, ids, tok, sessions)
+            out.setdefault(server, {})[client] = _client(crow, ids, tok)
     sides = {}
     if "deltaserve" in out and "llama.cpp" in out:
         for client, ours in out["deltaserve"].items():
@@ -66,7 +66,7 @@ def analyse(rows: dict[str, list[dict]], tok, sessions: int) -> dict:
     return {"servers": out, "llama_over_deltaserve_ttft": sides}
 
 
-def _client(crow: list[dict], ids, tok, sessions: int) -> dict:
+def _client(crow: list[dict], ids, tok) -> dict:
     """Each main request against the earlier main request (any session) its rendering shares the most with:
     what the prefix cache could serve it. A turn's row is its first main request."""
     turns = []
