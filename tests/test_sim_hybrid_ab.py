@@ -1,20 +1,28 @@
 """`deltaserve simulate hybrid-ab`: the hybrid bundle reader (sim/external_hybrid.py), the closed-loop agent sessions
 (sim/sessions.py) and the cache-layout A/B (sim/hybrid_ab.py), on the trimmed excerpt of LLMServingSim's Qwen3.8-27B
-tables (tests/fixtures/llmservingsim/qwen3.8-27b, MIT). Expected figures are the tables' rows summed by hand."""
+tables (deltaserve/sim/tables/qwen3.8-27b, MIT). Expected figures are the tables' rows summed by hand."""
 from __future__ import annotations
 
-import os
 import shutil
 
 import pytest
 
 from deltaserve.errors import ConfigError
 from deltaserve.sim.external_hybrid import HybridBundle, HybridLatency
-from deltaserve.sim.hybrid_ab import SCENARIOS, Arm, Scenario, main, model_config, pool_bytes, run_scenario
+from deltaserve.sim.hybrid_ab import (
+    DEFAULT_BUNDLE,
+    SCENARIOS,
+    Arm,
+    Scenario,
+    main,
+    model_config,
+    pool_bytes,
+    run_scenario,
+)
 from deltaserve.sim.latency import StepShape
 from deltaserve.sim.sessions import SessionSpec
 
-FIX = os.path.join(os.path.dirname(__file__), "fixtures", "llmservingsim", "qwen3.8-27b")
+FIX = DEFAULT_BUNDLE
 
 
 @pytest.fixture(scope="module")

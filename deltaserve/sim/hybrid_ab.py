@@ -39,8 +39,7 @@ from ..scheduler.build import build_scheduler, resolve_shape
 from .external_hybrid import HybridBundle, HybridLatency
 from .sessions import SessionRun, SessionSpec, run_sessions
 
-DEFAULT_BUNDLE = os.path.join(os.path.dirname(__file__), "..", "..", "tests", "fixtures", "llmservingsim",
-                              "qwen3.8-27b")
+DEFAULT_BUNDLE = os.path.join(os.path.dirname(__file__), "tables", "qwen3.8-27b")  # shipped with the package
 ARM_KINDS = ("off", "in-page", "per-block", "runs")
 TOLERANCE = 0.25  # a simulated ratio within 25% of the measured one reproduces it
 
@@ -287,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "printed beside the real A/Bs' figures")
     p.add_argument("--bundle", default=DEFAULT_BUNDLE,
                    help="a qwen3_5 bundle directory (meta.yaml, tp1/); default: the trimmed excerpt in "
-                        "tests/fixtures/llmservingsim/qwen3.8-27b")
+                        "deltaserve/sim/tables/qwen3.8-27b")
     p.add_argument("--scenario", action="append", choices=[s.name for s in SCENARIOS],
                    help="run only these (repeatable); default: all")
     p.add_argument("--step-scale", default=None, metavar="PREFILL,DECODE",

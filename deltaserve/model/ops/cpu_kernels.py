@@ -87,6 +87,13 @@ ISA_WHAT = {"amx": "AMX tiles for the bf16 linear at every row count, AVX-512 de
 # The build's name carries the source folder's: torch keys its extension cache by name, and two checkouts (git
 # worktrees, a CI checkout beside a dev one) under one name would rebuild over each other at every load.
 _TREE = hashlib.sha1(str(Path(__file__).resolve().parent).encode()).hexdigest()[:8]
+
+
+def build_name(stem: str, build: str) -> str:
+    """The extension-cache name of one compiled build: stem, instruction-set build, this checkout's tag."""
+    return f"{stem}_{build}_{_TREE}"
+
+
 _SOURCES = [Path(__file__).with_name("csrc") / f
             for f in ("decode_kernels.cpp", "linear_bf16.cpp", "linear_bf16_amx.cpp", "norm.cpp", "pointwise.cpp",
                       "decode_layers.cpp", "argmax.cpp", "prefill_attention.cpp", "gdn_prefill.cpp",
@@ -197,7 +204,7 @@ def load_extension(isa: str | None = None):
             t0 = time.perf_counter()
             try:
                 ext = cpp_extension.load(
-                    name=f"deltaserve_kernels_{build}_{_TREE}",
+                    name=build_name("deltaserve_kernels", build),
                     sources=[str(p) for p in _SOURCES],
                     extra_cflags=["-O3", *ISA_FLAGS[build], "-mtune=native", "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"],  # resolves to the libgomp.so.1 torch already loaded

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_kernels import cpu_flags  # one reading of /proc/cpuinfo for every compiled kernel
+from .cpu_kernels import build_name, cpu_flags  # one reading of /proc/cpuinfo for every compiled kernel
 from .packed import PackedWeight, linear_packed
 
 log = logging.getLogger("deltaserve")
@@ -136,7 +136,7 @@ def load_fp8_extension(build: str | None = None):
             t0 = time.perf_counter()
             try:
                 _exts[build] = cpp_extension.load(
-                    name=f"deltaserve_fp8_kernels_{build}", sources=[str(_SOURCE)],
+                    name=build_name("deltaserve_fp8_kernels", build), sources=[str(_SOURCE)],
                     extra_cflags=["-O3", *BUILDS[build][0], "-ffp-contract=off", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
                 log.info("fp8 linear: compiled kernel %s, path %s, built or loaded in %.1f s", build,
