@@ -57,6 +57,7 @@ def _make_model(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per HTTP request drowns the benches' progress
     cmds = {
         "serve": lambda r: __import__("deltaserve.server", fromlist=["main"]).main(r),
         "generate": _generate,

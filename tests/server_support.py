@@ -119,6 +119,10 @@ class FakeEngine:
         from deltaserve.engine.inputs import EngineInputError, check_request
         from deltaserve.text.tokenizer import IncrementalDetokenizer
 
+        if isinstance(prompt, dict):  # the engine's prompt dict: token ids with cache hints (no images here)
+            assert set(prompt) <= {"prompt_token_ids", "cache_hints"}, prompt
+            assert all(0 < h < len(prompt["prompt_token_ids"]) for h in prompt["cache_hints"]), prompt["cache_hints"]
+            prompt = prompt["prompt_token_ids"]
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         params = check_request(ids, params, self.model_config.vocab_size, self.max_model_len)  # as the engine does
         if request_id in self._live:

@@ -134,8 +134,8 @@ def test_mutant_fork_save_on_the_wrong_side_is_caught(monkeypatch):
 
     saves = AlignEveryBlock.saves
 
-    def shifted(self, start, end, prompt_end, fork):
-        return saves(self, start, end, prompt_end, fork + self.block_size if fork else 0)
+    def shifted(self, start, end, prompt_end, fork, hints=()):
+        return saves(self, start, end, prompt_end, fork + self.block_size if fork else 0, hints)
     monkeypatch.setattr(AlignEveryBlock, "saves", shifted)
     rng = random.Random(21)
     system = random_tokens(rng, 1500)

@@ -67,3 +67,29 @@ def test_claude_code_sessions_read_what_they_share_from_the_cache(served):
         u = usage(served, n)
         assert u["cache_read_input_tokens"] == len(prev) // PAGE * PAGE >= 0.95 * len(prev)
         assert u["cache_read_input_tokens"] + u["input_tokens"] == len(now)
+
+
+def test_the_system_prefix_is_checkpointed_without_the_grid():
+    """With the checkpoint grid off (as under a full pool, where grid checkpoints are not taken), session B's first
+    request still reads the tools and the whole system text: the route hints the end of the system prefix
+    (system_prefix_end) and the engine checkpoints it (SaveKind.HINT) on the page grid."""
+    from deltaserve.server.chat_spec import system_prefix_end
+
+    tok = load_tokenizer(None)
+    spec_a = messages_spec(MessagesRequest.model_validate(body(3)))
+    a1 = tok.encode(render_prompt(tok, spec_a))
+    user = tok.encode("<|im_start|>user")
+    system = next(i for i in range(len(a1)) if a1[i:i + len(user)] == user)
+    end = system_prefix_end(tok, spec_a, a1)
+    assert system < end <= system + 4  # the user turn's opening tokens are shared too
+    srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
+    try:
+        wait_healthy(srv.base, timeout=240)
+        assert usage(srv, 3)["cache_read_input_tokens"] == 0
+        u = usage(srv, 5)
+        assert u["cache_read_input_tokens"] == end // PAGE * PAGE >= system - PAGE
+        metrics = httpx.get(f"{srv.base}/metrics", timeout=30).text
+        saved = [ln for ln in metrics.splitlines() if ln.startswith('deltaserve_checkpoints_saved_by_kind_total{kind="hint"')]
+        assert len(saved) == 1 and saved[0].endswith(" 1.0"), saved
+    finally:
+        srv.stop()

@@ -147,3 +147,34 @@ def test_poison_in_freed_pages_and_slots_never_reaches_output():
         t.fill_(float("nan"))  # every slot is free now
     outs = run(llm, prompts, salt="x")
     assert [signature(o) for o in outs] == ref
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hinted_system_prefix_is_checkpointed(layout):
+    """A request's cache hint (the end of its system prefix, as the chat routes pass it) takes a checkpoint at the
+    block boundary at or before it, from any allocatable page (a grid checkpoint takes free pages only, so a
+    full pool, as agent traffic leaves it, has none): session 2 hits the whole hinted prefix (640 of 700
+    tokens), bit for bit as cold. Without the hint and the grid, session 2 hits nothing (the fork checkpoint it
+    leaves serves session 3)."""
+    rng = random.Random(12)
+    system = random_tokens(rng, 700)
+    prompts = [system + random_tokens(rng, 200 + 37 * i) for i in range(3)]
+
+    def sessions(hint: bool):
+        llm = make_llm(cache_layout=layout, max_num_batched_tokens=2048, kv_cache_memory=128 << 20, checkpoint_grid=0)
+        reqs = [{"prompt_token_ids": p, "cache_salt": "shared", **({"cache_hints": [700, 5000, -1]} if hint else {})}
+                for p in prompts]
+        hits = [llm.generate([r], greedy(), use_tqdm=False)[0] for r in reqs]
+        colds = run(llm, prompts, salt=[f"cold-{i}" for i in range(len(prompts))])
+        assert [signature(h) for h in hits] == [signature(c) for c in colds]
+        return [h.num_cached_tokens for h in hits], llm.engine.memory.stats.checkpoints_saved_by_kind["hint"]
+
+    assert sessions(hint=True) == ([0, 640, 640], 1)
+    assert sessions(hint=False) == ([0, 0, 640], 0)
+
+
+def test_cache_hints_must_be_positions():
+    llm = make_llm()
+    with pytest.raises(Exception, match="cache_hints"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7], "cache_hints": "end"}], greedy(), use_tqdm=False)
+    assert llm.engine.stats().pages_used == 0

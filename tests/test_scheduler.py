@@ -53,7 +53,8 @@ def test_align_mode_floors_prefill_chunks_and_saves_on_boundaries():
     assert spans(p4) == [("a", 23, 1, True, True)] and [c.pos for c in p4.saves] == [24]  # a decode completes a block
     assert spans(p5) == [("a", 24, 1, True, True)] and not p5.saves
     assert s.memory.stats.checkpoints_saved == 4
-    assert s.memory.stats.checkpoints_saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0, "generated": 0}
+    assert s.memory.stats.checkpoints_saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0, "hint": 0,
+                                                         "generated": 0}
 
 
 def test_caching_off_chunks_are_not_floored():
@@ -401,6 +402,11 @@ def test_align_policy_chunk_ends():
     g2 = AlignEveryBlock(128, grid=256)
     assert g2.saves(0, 1000, 1000, 640) == [(256, "grid"), (512, "grid"), (640, "fork"), (768, "grid"),
                                             (896, "prompt")]
+    # a hint takes the block boundary at or before it; one the step does not pass, or at the step's end, adds none
+    assert g2.saves(0, 1000, 1000, 0, (700,)) == [(256, "grid"), (512, "grid"), (640, "hint"), (768, "grid"),
+                                                  (896, "prompt")]
+    assert a.saves(0, 384, 1000, 0, (100, 383, 900)) == [(256, "hint"), (384, "step")]
+    assert a.saves(0, 300, 300, 0, (270,)) == [(256, "prompt")]  # the prompt's own boundary keeps its kind
     with pytest.raises(ValueError):
         AlignEveryBlock(128, grid=200)
     g = GridChunks(64)

@@ -23,6 +23,22 @@ class PromptImages:
     images: list[ProcessedImage]
     grids: list[tuple[int, int]]
     offsets: list[int]
+    runs: tuple[tuple[int, int], ...] = ()  # each placeholder run before expansion: (start, length)
+
+    def widen(self, positions: tuple[int, ...]) -> tuple[int, ...]:
+        """Positions in the prompt before expansion -> the same places after it (one inside a placeholder run ->
+        the start of its image's tokens)."""
+        out = []
+        for p in positions:
+            shift, at = 0, p
+            for (start, n), o, (r, c) in zip(self.runs, self.offsets, self.grids):
+                if p >= start + n:
+                    shift += r * c - n
+                elif p > start:
+                    at, shift = o, 0
+                    break
+            out.append(at + shift)
+        return tuple(out)
 
     @property
     def media_keys(self) -> tuple[tuple[int, int, bytes], ...]:
@@ -89,4 +105,4 @@ def prepare_images(ids: list[int], items: list, processor: ImagePreprocessor, im
         grids.append((im.grid[1] // processor.merge, im.grid[2] // processor.merge))
         prev = start + n
     out.extend(ids[prev:])
-    return PromptImages(out, images, grids, offsets)
+    return PromptImages(out, images, grids, offsets, tuple(runs))

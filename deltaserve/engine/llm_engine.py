@@ -213,7 +213,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data", "cache_hints"}
             if unknown:
                 raise EngineInputError(f"unknown prompt field(s): {', '.join(sorted(unknown))}", "prompt")
             if "prompt_token_ids" in prompt:
@@ -246,11 +246,13 @@ class LLMEngine:
         if isinstance(prompt, dict) and cache_salt is None:
             cache_salt = prompt.get("cache_salt")
         text, ids = self._prompt_ids(prompt)
+        hints = _cache_hints(prompt.get("cache_hints") if isinstance(prompt, dict) else None, len(ids))
         images = None
         if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
             images = self._prompt_images(ids, prompt["multi_modal_data"])
             if images is not None:
                 ids = images.token_ids
+                hints = images.widen(hints)
         params = check_request(ids, params if params is not None else SamplingParams(),
                                self.model_config.vocab_size, self.max_model_len, self.config.strict_max_tokens,
                                self.config.max_output_tokens)
@@ -265,7 +267,7 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_token_ids=ids, max_tokens=params.max_tokens,
                       cache_salt=cache_salt, arrival_time=now,
                       prompt_logprobs=params.prompt_logprobs is not None,
-                      media=images.media_keys if images is not None else ())
+                      media=images.media_keys if images is not None else (), cache_hints=hints)
         try:
             self.scheduler.add(req)
         except ValueError as e:
@@ -558,3 +560,14 @@ class LLMEngine:
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
             spec_decode_accepted_per_pos=list(self.spec_stats.accepted_per_pos), **self.scheduler.counters())
+
+
+def _cache_hints(hints, n: int) -> tuple[int, ...]:
+    """A prompt dict's "cache_hints": token positions in (0, n) where the caller expects later requests to share the
+    prompt's prefix up to (the scheduler checkpoints the block boundary at or before each: SaveKind.HINT). A hint
+    changes no output, only what is kept, so positions outside the prompt are dropped rather than refused."""
+    if hints is None:
+        return ()
+    if not isinstance(hints, (list, tuple)) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hints):
+        raise EngineInputError("cache_hints is a list of token positions", "cache_hints")
+    return tuple(sorted({h for h in hints if 0 < h < n}))

@@ -699,12 +699,13 @@ class MemoryManager:
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: SaveKind | None) -> None:
         old, old_kind = seq.ckpt, seq.ckpt_kind
         seq.ckpt, seq.ckpt_block, seq.ckpt_kind = loc, k, kind
-        if old is not None:  # replaced: low value unless some request has hit it, or it is the prompt's
+        if old is not None:  # replaced: low value unless some request has hit it, or it is the prompt's (or a hint's:
+            # the request said that prefix will be re-sent)
             # the prompt's checkpoint is replaced only by a decode's, on a block of generated tokens that only
             # this request can find (tag_outputs); a conversation's next turn re-sends those tokens as prompt,
             # hashed apart, so the prompt's checkpoint is the deepest point that turn can resume from
             h = self._role.get(old[0])
-            low = (h is None or self._cache[h].hits == 0) and old_kind is not SaveKind.PROMPT
+            low = (h is None or self._cache[h].hits == 0) and old_kind not in (SaveKind.PROMPT, SaveKind.HINT)
             for q in old:
                 self._release(q, low)
 

@@ -12,13 +12,14 @@ from enum import StrEnum
 class SaveKind(StrEnum):
     """The kinds, in the order the by-kind counters list them. STEP and GENERATED are mandatory (MANDATORY_KINDS):
     the scheduler counts their pages in what a step needs, preempts for them like for attention pages, and reserves
-    them first. The others are optional, taken only while the pool has room: PROMPT and FORK from any allocatable
-    page, GRID from free pages only (it evicts nothing)."""
+    them first. The others are optional, taken only while the pool has room: PROMPT, FORK and HINT from any
+    allocatable page, GRID from free pages only (it evicts nothing)."""
 
     STEP = "step"  # the end of a step's work on a block boundary: the resume point after a preemption
     PROMPT = "prompt"  # the prompt's last block boundary: what the next turn of a conversation hits
     FORK = "fork"  # where a prompt leaves a cached chain that has no checkpoint at its end (scheduler: fork point)
     GRID = "grid"  # every --checkpoint-grid tokens inside a prefill chunk, so later sharers hit near a prefix's end
+    HINT = "hint"  # where the request says its prefix will be reused: the end of the system prefix (tools + system text)
     GENERATED = "generated"  # the end of a finished request's outputs, recomputed by prefill (scheduler/jobs.py)
 
 

@@ -4,7 +4,7 @@ The scheduler asks the policy two things:
   chunk_end(start, limit, total): where a prefill chunk that starts at `start` ends, given it may run
       to `limit` (start + token budget left) and the sequence has `total` tokens to compute. Returning
       `start` means "not this step".
-  saves(start, end, prompt_end, fork): the checkpoints a step computing [start, end) takes, as
+  saves(start, end, prompt_end, fork, hints): the checkpoints a step computing [start, end) takes, as
       (position, kind) in position order, each position a block boundary in (start, end]. A save before
       `end` is taken inside the chunk, by the GDN layers as their chunked kernel passes that boundary
       (docs/design.md), so a chunk never has to stop early for one. Kinds (memory/save_kind.py):
@@ -15,11 +15,14 @@ The scheduler asks the policy two things:
                 (another sequence computed that shared prefix inside a chunk): the next sequence that shares
                 it hits all of it;
         GRID    every `grid` tokens, so that a prefix someone else will share later (a system prompt, a tool
-                list) has a checkpoint near its end.
+                list) has a checkpoint near its end;
+        HINT    the last block boundary at or before each of the request's hint positions: where the request
+                itself says a prefix will be reused (the chat routes pass the end of the system prefix, the
+                tools and system text that every session of an agent re-sends).
 A policy never returns GENERATED: the scheduler relabels the save at a background job's end with it (jobs.py).
 The scheduler treats STEP and GENERATED as mandatory: their pages count in what the step needs (it preempts for
-them as for attention pages) and they are reserved first. PROMPT, FORK and GRID are optional, taken only while
-the pool has room for them: PROMPT and FORK from any allocatable page, GRID from free pages only (it evicts
+them as for attention pages) and they are reserved first. PROMPT, FORK, HINT and GRID are optional, taken only
+while the pool has room for them: PROMPT, FORK and HINT from any allocatable page, GRID from free pages only (it evicts
 nothing; such checkpoints are the first evicted). The memory manager refuses any save that is not at the end of a
 full, unpublished block of the chunk.
 """
@@ -32,7 +35,8 @@ from ..memory.save_kind import SaveKind
 
 class CheckpointPolicy(Protocol):
     def chunk_end(self, start: int, limit: int, total: int) -> int: ...
-    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, SaveKind]]: ...
+    def saves(self, start: int, end: int, prompt_end: int, fork: int,
+              hints: tuple[int, ...] = ()) -> list[tuple[int, SaveKind]]: ...
 
 
 class AlignEveryBlock:
@@ -55,7 +59,8 @@ class AlignEveryBlock:
         end = limit // self.block_size * self.block_size  # a middle chunk ends on a block boundary
         return end if end > start else start  # or waits for more budget
 
-    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, SaveKind]]:
+    def saves(self, start: int, end: int, prompt_end: int, fork: int,
+              hints: tuple[int, ...] = ()) -> list[tuple[int, SaveKind]]:
         bs = self.block_size
         out: dict[int, SaveKind] = {}
         if end % bs == 0:
@@ -65,6 +70,9 @@ class AlignEveryBlock:
             out.setdefault(last, SaveKind.PROMPT)
         if start < fork < end:
             out.setdefault(fork, SaveKind.FORK)
+        for h in hints:
+            if start < h // bs * bs < end:
+                out.setdefault(h // bs * bs, SaveKind.HINT)
         if self.grid:
             for p in range((start // self.grid + 1) * self.grid, end, self.grid):
                 out.setdefault(p, SaveKind.GRID)
@@ -91,7 +99,8 @@ class GridChunks:
         end = limit // self.grid * self.grid
         return end if end > start else start
 
-    def saves(self, start: int, end: int, prompt_end: int, fork: int) -> list[tuple[int, SaveKind]]:
+    def saves(self, start: int, end: int, prompt_end: int, fork: int,
+              hints: tuple[int, ...] = ()) -> list[tuple[int, SaveKind]]:
         return []
 
 

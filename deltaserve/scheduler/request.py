@@ -55,6 +55,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the cache when first scheduled (a block multiple)
     num_preemptions: int = 0
     disk_wait: bool = False  # its prefix hit is being read back from the disk tier (Scheduler.admit)
+    # prompt positions the client says a later request will share a prefix up to (the end of the system prefix): a
+    # checkpoint is taken at the last block boundary at or before each (SaveKind.HINT)
+    cache_hints: tuple[int, ...] = ()
     fork_point: int = 0  # where a cached chain without a checkpoint ends: a checkpoint is taken there (Scheduler._saves)
     finish_reason: str | None = None
     # speculative decoding: the drafts for the positions after the last token, set by the engine after each step; the

@@ -391,7 +391,7 @@ class Scheduler:
         (docs/design.md, the 64-token grid)."""
         if not (self.caching and self.memory.num_gdn_groups):
             return []
-        saves = self.policy.saves(start, end, self._prefill_target(req), req.fork_point)
+        saves = self.policy.saves(start, end, self._prefill_target(req), req.fork_point, req.cache_hints)
         if req.background:  # the job's end is the checkpoint it exists for
             saves = [(p, SaveKind.GENERATED if p == req.num_tokens else kind) for p, kind in saves]
         return saves
@@ -405,8 +405,8 @@ class Scheduler:
         return sum(1 for _, kind in saves if kind in MANDATORY_KINDS)
 
     def _reserve(self, rec: _Scheduled, saves: list[tuple[int, SaveKind]]) -> None:
-        """Reserve the mandatory saves (their pages were counted), then the optional ones while they fit: prompt and
-        fork checkpoints from any allocatable page, grid ones from free pages only (they evict nothing)."""
+        """Reserve the mandatory saves (their pages were counted), then the optional ones while they fit: prompt, fork
+        and hint checkpoints from any allocatable page, grid ones from free pages only (they evict nothing)."""
         mem, rid, per = self.memory, rec.req.request_id, self.memory.checkpoint_pages
         for pos, kind in sorted(saves, key=lambda s: s[1] not in MANDATORY_KINDS):
             room = mem.num_free_pages() if kind == SaveKind.GRID else mem.num_allocatable()

@@ -10,6 +10,7 @@ The route formats the resulting delta stream (core.ServingCore.deltas) in its ow
 from __future__ import annotations
 
 import asyncio
+import functools
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,6 +122,46 @@ def render_prompt(tok, spec: ChatSpec) -> str:
     return text + spec.prefill
 
 
+# the first user message's content in the probe of system_prefix_end: no real message starts with it
+_PROBE = "\x00\x01"
+
+
+def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
+    """Where the prompt's system prefix ends, in tokens: the tools and the leading system messages, rendered, up
+    to the first token that depends on what follows them. That prefix is what every session of an agent re-sends
+    (its tools and its instructions), so the engine checkpoints it (SaveKind.HINT) even when the pool is too full
+    for grid checkpoints: the next session hits all of it. Found by rendering the same tools and system messages
+    before a probe user message and taking the tokens the probe and the prompt share; None when they share
+    nothing or the template refuses the probe."""
+    k = 0
+    while k < len(spec.messages) and spec.messages[k].get("role") in ("system", "developer"):
+        k += 1
+    if k == 0 and not spec.template_tools:
+        return None
+    probe = [*spec.messages[:k], {"role": "user", "content": _PROBE}]
+    try:
+        text = tok.apply_chat_template(probe, tools=spec.template_tools, add_generation_prompt=False,
+                                       **spec.template_kwargs)
+    except (TokenizerError, TypeError):
+        return None
+    shared = _shared_tokens(_probe_ids(tok, text), ids)
+    return shared if 0 < shared < len(ids) else None
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_ids(tok, text: str) -> tuple[int, ...]:
+    """The probe's tokens, cached: an agent sends the same tools and system text on every turn."""
+    return tuple(tok.encode(text))
+
+
+def _shared_tokens(a: tuple[int, ...], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
 def grammar_for(tok, spec: ChatSpec) -> str | None:
     """The grammar of a forced tool call or a JSON response format (None: unconstrained)."""
     if not spec.forced and spec.response_format is None:
@@ -173,6 +214,8 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
     tools = spec.template_tools
     rid = f"{spec.id_prefix}{uuid.uuid4().hex}"
     images = spec.images
+    end = system_prefix_end(tok, spec, ids)
+    hints = (end,) if end is not None else ()
     jobs: list[Job] = []
     for s in range(spec.n):
         seed = None if spec.seed is None else spec.seed + s
@@ -181,7 +224,7 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
                                   logprobs=spec.logprobs, prompt_logprobs=spec.prompt_logprobs,
                                   min_tokens=spec.min_tokens, ignore_eos=spec.ignore_eos, names=spec.names)
         j = Job(s, f"{rid}-{s}", ids, sp, prompt_text, only_first_call=not spec.parallel_tool_calls,
-                forced_tool=spec.forced, images=images or None)
+                forced_tool=spec.forced, images=images or None, cache_hints=hints)
         j.reasoning = Qwen3ReasoningParser(thinking)
         j.tools = Qwen3CoderToolParser(tools, forced_name=spec.tool_name if spec.forced else None,
                                        forced=spec.forced) if tools else None

@@ -56,6 +56,7 @@ class Job:
     reasoning_tokens: int = 0  # tokens whose text went to reasoning
     prompt_logprobs: Any = None
     images: list | None = None  # the request's images in order (data URLs, base64 or bytes): multi_modal_data
+    cache_hints: tuple[int, ...] = ()  # prompt positions later requests will share a prefix up to (chat_spec)
 
     @property
     def completion_tokens(self) -> int:
@@ -183,8 +184,11 @@ class ServingCore:
         try:
             for j in jobs:
                 submitted.append(j)  # aborted on any failure below (an abort of an unknown id is a no-op)
-                prompt = j.prompt_ids if not j.images else {"prompt_token_ids": j.prompt_ids,
-                                                              "multi_modal_data": {"image": j.images}}
+                prompt: Any = j.prompt_ids
+                if j.images or j.cache_hints:
+                    prompt = {"prompt_token_ids": j.prompt_ids, "cache_hints": list(j.cache_hints)}
+                    if j.images:
+                        prompt["multi_modal_data"] = {"image": j.images}
                 ids = await self.engine.add_request(j.request_id, prompt, j.params, sink, cache_salt=cache_salt)
                 if j.images and ids is not None:
                     j.prompt_ids = ids  # placeholders widened: what usage counts

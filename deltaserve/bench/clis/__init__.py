@@ -20,7 +20,9 @@ weights never stop on their own, and the proxy presents each budget-cut answer a
 
 Servers:
   deltaserve   `python -m deltaserve serve` on the checkpoint, --accept-any-model-name, --max-output-tokens
-  llama.cpp    llama-server (scripts/setup_llama_cpp.sh) on the checkpoint's GGUF, --jinja, one slot per
+  llama.cpp    llama-server (scripts/setup_llama_cpp.sh) on the checkpoint's GGUF, --jinja (the checkpoint's
+               template; where it refuses a system message that is not first, a copy that renders it as a user
+               turn, as deltaserve does: bench/clis/peer_template.py), one slot per
                session (-np), -n; its prompt cache as it ships
 """
 from __future__ import annotations
@@ -43,6 +45,7 @@ from ...text.tokenizer import load_tokenizer
 from ..capture import Recorder, make_handler
 from ..peers import PeerUnavailable, stop_group
 from ..peers.llama_cpp import LlamaServer, ensure_gguf, free_port
+from .peer_template import write_peer_template
 from ..progress import progress_for
 from .clients import CLIENTS, MODEL
 from .report import analyse, format_report
@@ -129,8 +132,13 @@ def _start(server: str, model_dir: str, a, out: Path):
         return DeltaserveServer(model_dir, a, log)
     gguf = ensure_gguf(model_dir, a.llama_cpp_type, log_path=log)
     threads = a.threads or os.cpu_count() or 1
+    template = write_peer_template(model_dir, out)
+    if template is not None:
+        _say(f"llama-server: the model's chat template with a later system message rendered as a user turn "
+             f"(as deltaserve does; as shipped it raises): {template}")
     return LlamaServer(gguf, ctx=a.sessions * a.llama_cpp_ctx_per_slot, slots=a.sessions, threads=threads,
-                       log_path=log, extra=("--jinja", "-n", str(a.max_output_tokens)))
+                       log_path=log, extra=("--jinja", "-n", str(a.max_output_tokens),
+                                            *(("--chat-template-file", str(template)) if template else ())))
 
 
 def _install(names: list[str], no_install: bool) -> list[str]:
