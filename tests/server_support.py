@@ -60,6 +60,8 @@ class RealServer:
             raise
 
     def log(self) -> str:
+        if not os.path.exists(self.log_path):  # stop() removed it: the server wrote nothing
+            return ""
         with open(self.log_path) as f:
             return f.read()
 
@@ -72,6 +74,8 @@ class RealServer:
                 self.proc.kill()
                 self.proc.wait(5)
         self._log.close()
+        if os.path.exists(self.log_path) and os.path.getsize(self.log_path) == 0:  # kept only when it says something
+            os.remove(self.log_path)
 
 
 class InProcessServer:

@@ -164,6 +164,25 @@ def test_a_prompt_checkpoint_replaced_by_a_decode_keeps_its_place():
     m.check_integrity()
 
 
+@pytest.mark.parametrize("kind", ["fork", "hint"])
+def test_fork_and_hint_checkpoints_replaced_keep_their_place(kind):
+    """A fork checkpoint (a second sequence shares the prefix it ends) and a hint checkpoint (the request says the
+    prefix will be re-sent) are taken for a later request: replaced by the sequence's next checkpoint before
+    anyone hit them, they are released in LRU order like the prompt's, not as low value."""
+    m = MemoryManager(12, 3, BS, 1, caching=True, layout="in-page")
+    m.admit("old")
+    compute(m, "old", [9] * 10, 4)  # page 0, checkpoint (1,)
+    m.free("old")  # LRU: 0, 1
+    m.admit("a")
+    m.append_pages("a", 8)  # pages 2, 3
+    m.reserve_checkpoint("a", 4, kind)  # (4,): inside the chunk
+    m.reserve_checkpoint("a", 8, "step")  # (5,): the chunk's end replaces it
+    m.publish("a", keys(T1[:8])[1])
+    m.commit_checkpoints("a")
+    assert list(m._evictor) == [0, 1, 4]
+    m.check_integrity()
+
+
 @pytest.mark.parametrize("layout", ["in-page", "per-block"])
 def test_salt_isolation(layout):
     m = MemoryManager(16, 3, BS, 2, caching=True, layout=layout)

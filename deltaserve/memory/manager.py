@@ -65,7 +65,7 @@ from .eviction import EvictionPolicy, LRUEviction
 from .disk_tier import CKPT, KV, DiskRecord, DiskStats, DiskTier
 from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, CacheRecord
 from .hashing import BlockHash, block_hash
-from .save_kind import SaveKind, zero_by_kind
+from .save_kind import KEPT_WHEN_REPLACED, SaveKind, zero_by_kind
 from .sizing import Pool
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
@@ -699,13 +699,14 @@ class MemoryManager:
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: SaveKind | None) -> None:
         old, old_kind = seq.ckpt, seq.ckpt_kind
         seq.ckpt, seq.ckpt_block, seq.ckpt_kind = loc, k, kind
-        if old is not None:  # replaced: low value unless some request has hit it, or it is the prompt's (or a hint's:
-            # the request said that prefix will be re-sent)
+        if old is not None:  # replaced: low value unless some request has hit it, or it is the prompt's, a hint's
+            # (the request said that prefix will be re-sent) or a fork's (a second sequence shares the prefix it ends:
+            # the next one that does hits it, so evicting it first would waste the save it was taken for)
             # the prompt's checkpoint is replaced only by a decode's, on a block of generated tokens that only
             # this request can find (tag_outputs); a conversation's next turn re-sends those tokens as prompt,
             # hashed apart, so the prompt's checkpoint is the deepest point that turn can resume from
             h = self._role.get(old[0])
-            low = (h is None or self._cache[h].hits == 0) and old_kind not in (SaveKind.PROMPT, SaveKind.HINT)
+            low = (h is None or self._cache[h].hits == 0) and old_kind not in KEPT_WHEN_REPLACED
             for q in old:
                 self._release(q, low)
 

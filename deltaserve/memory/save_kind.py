@@ -24,6 +24,9 @@ class SaveKind(StrEnum):
 
 
 MANDATORY_KINDS = frozenset({SaveKind.STEP, SaveKind.GENERATED})
+# a sequence's checkpoint replaced by a newer one goes to the front of the eviction order unless it was hit or is one
+# of these, taken where a later request is expected to resume (memory/manager.py _hold_ckpt)
+KEPT_WHEN_REPLACED = frozenset({SaveKind.PROMPT, SaveKind.FORK, SaveKind.HINT})
 
 
 def zero_by_kind() -> dict[str, int]:
