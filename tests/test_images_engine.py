@@ -13,7 +13,7 @@ from util import greedy, png, random_tokens, signature
 
 from deltaserve import LLM
 from deltaserve.engine.inputs import EngineInputError
-from deltaserve.presets import load_preset
+from deltaserve.presets import text_preset
 
 IMG, START, END = 4000, 4001, 4002
 VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
@@ -25,7 +25,7 @@ PROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "image_
 
 
 def multimodal_config() -> dict:
-    text = {k: v for k, v in load_preset("tiny").items() if not k.startswith("_")}
+    text = text_preset("tiny")
     text["architectures"] = ["Qwen3_5ForConditionalGeneration"]
     return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
             "vision_config": VISION, "image_token_id": IMG, "vision_start_token_id": START,
