@@ -87,6 +87,26 @@ def test_placeholders_expand_and_encoder_runs_once(llm):
     assert held(llm) == (0, 0, 0)
 
 
+def test_requests_with_the_same_images_share_one_encoder_run(llm):
+    """Live requests with the same images (n choices, or different prompts around the same pictures) encode
+    them once; each one's tokens and logprobs are what it gets alone, and nothing is held after."""
+    rng = random.Random(12)
+    imgs = [png(448, 448, 70), png(97, 203, 71)]
+    prompts = [image_prompt(rng, 2) for _ in range(3)]
+    media = llm.engine.runner.media
+    runs = media.encoder_runs
+    reqs = [{"prompt_token_ids": q, "multi_modal_data": {"image": imgs}, "cache_salt": f"share-{k}"}
+            for k, q in enumerate(prompts)]
+    together = llm.generate(reqs, greedy(max_tokens=6), use_tqdm=False)
+    assert media.encoder_runs == runs + 1 and held(llm) == (0, 0, 0) and not media._shared
+    alone = [gen(llm, q, imgs, salt=f"alone-{k}", max_tokens=6) for k, q in enumerate(prompts)]
+    assert media.encoder_runs == runs + 4
+    assert [signature(o) for o in together] == [signature(o) for o in alone]
+    n3 = llm.generate([{"prompt_token_ids": prompts[0], "multi_modal_data": {"image": imgs}, "cache_salt": "n3"}],
+                      greedy(max_tokens=4, n=3), use_tqdm=False)[0]
+    assert len(n3.outputs) == 3 and media.encoder_runs == runs + 5  # n = 3: one encoder run
+
+
 def test_image_changes_the_output(llm):
     rng = random.Random(2)
     ids = image_prompt(rng, 1)

@@ -319,7 +319,8 @@ class LLMEngine:
         from ..runner.media import RequestMedia
 
         return RequestMedia([ImageSpan(o, r, c) for o, (r, c) in zip(images.offsets, images.grids)],
-                            [torch.from_numpy(im.pixels) for im in images.images], [im.grid for im in images.images])
+                            [torch.from_numpy(im.pixels) for im in images.images], [im.grid for im in images.images],
+                            key=tuple(im.hash for im in images.images))
 
     def _release(self, request_id: str) -> None:
         """A request ended (finished or aborted): its images' encoder output goes with it."""
