@@ -255,5 +255,6 @@ def render(res) -> list[str]:
         elif v["unit"] == "s":
             lines.append(f"| {preset} | {label} | {engine} | {1000 * v['value']:,.0f} ms | {v['note']} |")
         else:
-            lines.append(f"| {preset} | {label} | {engine} | {v['value']:,.1f} {v['unit']} | {v['note']} |")
+            lines.append(f"| {preset} | {label} | {engine} | {v['value']:,.{1 if v['value'] >= 10 else 2}f} {v['unit']} "
+                         f"| {v['note']} |")
     return lines
