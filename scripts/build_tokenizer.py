@@ -14,7 +14,8 @@ Layout (total vocab <= 4096, the `tiny` preset's vocab_size):
     3..8  <think> </think> <tool_call> </tool_call> <tool_response> </tool_response>
           added tokens that are NOT special (like Qwen3): decode(skip_special_tokens=True) keeps them,
           so reasoning and tool-call parsers see them in the text
-    9..264   the 256 byte-level symbols
+    9..264   the 256 byte-level symbols, but for 186..189: <|vision_start|> <|vision_end|> <|image_pad|>
+             <|video_pad|>, special, on the ids of bytes 0xF5..0xF8, which UTF-8 never contains
     265..    merges
 The qwen3_coder tool-call pieces (<function=NAME>, <parameter=NAME>, </parameter>, </function>) are
 plain text; the corpus contains them often enough that they become short runs of merged tokens.
@@ -40,6 +41,10 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_end|>", "<|im_start|>"]
 REASONING_TOOL_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 ALL_ADDED = SPECIAL_TOKENS + REASONING_TOOL_TOKENS
 EOS_TOKENS = ["<|im_end|>", "<|endoftext|>"]
+# Qwen3.5's image tokens (special, as in Qwen's tokenizer), on the ids of bytes that never occur in UTF-8
+# (0xF5..0xF8), so no text's tokenization changes (_add_image_tokens)
+IMAGE_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+UNUSED_BYTES = [0xF5, 0xF6, 0xF7, 0xF8]
 
 # Qwen2's pre-tokenizer split: contractions, letter runs with one leading non-letter, single digits,
 # punctuation runs, newlines, whitespace.
@@ -47,7 +52,8 @@ SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 # A Qwen3.5-style chat template (qwen3_coder XML tools), written for deltaserve.
-CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
+CHAT_TEMPLATE = r"""{%- set image_count = namespace(value=0) -%}
+{%- macro render_content(content) -%}
     {%- if content is none -%}
     {%- elif content is string -%}
         {{- content -}}
@@ -55,6 +61,12 @@ CHAT_TEMPLATE = r"""{%- macro render_content(content) -%}
         {%- for part in content -%}
             {%- if part is string -%}
                 {{- part -}}
+            {%- elif part is mapping and (part.type == 'image' or 'image' in part or 'image_url' in part) -%}
+                {%- set image_count.value = image_count.value + 1 -%}
+                {%- if add_vision_id is defined and add_vision_id -%}
+                    {{- 'Picture ' ~ image_count.value ~ ': ' -}}
+                {%- endif -%}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
             {%- elif part is mapping and part.text is defined -%}
                 {{- part.text -}}
             {%- endif -%}
@@ -370,6 +382,7 @@ def build(out_dir: str) -> None:
     # the byte-level post-processor (offsets only) as in Qwen's tokenizer.json
     data["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                               "use_regex": False}
+    _add_image_tokens(data)
     ids = {t["content"]: t["id"] for t in data["added_tokens"]}
     assert [ids[t] for t in ALL_ADDED] == list(range(len(ALL_ADDED))), ids
     assert len(data["model"]["vocab"]) <= VOCAB_SIZE
@@ -396,6 +409,44 @@ def build(out_dir: str) -> None:
     _write_json(os.path.join(out_dir, "tokenizer.json"), data, indent=None)
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), config, indent=2)
     _write_json(os.path.join(out_dir, "special_tokens_map.json"), special_map, indent=2)
+
+
+def _add_image_tokens(data: dict) -> None:
+    """Give the image tokens the ids of byte symbols no text can produce (UNUSED_BYTES), in place.
+
+    The vocabulary is full (4,096, the tiny preset's vocab_size), and growing it would change the model's
+    embedding and head and so every output's logprobs. The byte-level pre-tokenizer maps a string's UTF-8
+    bytes to symbols, and UTF-8 never contains these bytes, so their symbols are never produced, no merge
+    uses them (checked), and taking their ids changes the tokenization of no text. The model keeps its
+    embedding rows; only decoding those ids changes (a stray U+FFFD before, a special token now)."""
+    enc = {b: c for c, b in _byte_symbols().items()}
+    vocab = data["model"]["vocab"]
+    unused = {enc[b] for b in UNUSED_BYTES}
+    assert not any(set(a) & unused or set(b) & unused for a, b in map(_merge_pair, data["model"]["merges"]))
+    for token, byte in zip(IMAGE_TOKENS, UNUSED_BYTES):
+        tid = vocab.pop(enc[byte])
+        vocab[token] = tid
+        data["added_tokens"].append({"id": tid, "content": token, "single_word": False, "lstrip": False,
+                                     "rstrip": False, "normalized": False, "special": True})
+    data["model"]["vocab"] = dict(sorted(vocab.items(), key=lambda kv: kv[1]))
+
+
+def _merge_pair(m) -> tuple[str, str]:
+    return tuple(m) if isinstance(m, list) else tuple(m.split(" ", 1))
+
+
+def _byte_symbols() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: {symbol: byte} (deltaserve.text.tokenizer.byte_decoder, without importing
+    the package)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
 
 
 def _write_json(path: str, obj, indent) -> None:

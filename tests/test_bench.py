@@ -26,6 +26,21 @@ def test_throughput_smoke(tmp_path, capsys):
     assert rows[0].startswith("preset,row,engine") and any(",best," in r for r in rows)
 
 
+def test_throughput_image_rows(tmp_path, capsys):
+    """--images alone (no throughput rows): the encoder's images/s, and TTFT with 1 and 2 images cold and hit,
+    the hit served from the prefix cache without running the encoder, its token and logprobs the cold run's."""
+    rc = main(["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens=", "--streams=", "--images", "1,2",
+               "--image-size", "64", "--repeats", "1", "--bandwidth-gib", "0", "--log-dir", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Images (--images" in text and "| tiny | encoder@64 | deltaserve |" in text, text
+    for n in (1, 2):
+        cold = next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | ttft@{n} cold | deltaserve |"))
+        hit = next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | ttft@{n} hit | deltaserve |"))
+        assert "encoder ran 1x" in cold and "encoder ran 0x" in hit and "bit-identical to cold" in hit, text
+    assert "failed" not in text, text
+
+
 def test_weight_bytes_per_token_counts_tied_head_once():
     from deltaserve.embedded.model import ensure_model
 

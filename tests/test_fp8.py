@@ -203,14 +203,15 @@ def test_writer_format(fp8_dir):
         qc = json.load(f)["quantization_config"]
     assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
                   "modules_to_not_convert": qc["modules_to_not_convert"]}
-    assert "lm_head" in qc["modules_to_not_convert"] and "model.layers.0.linear_attn.in_proj_a" in qc["modules_to_not_convert"]
+    assert "lm_head" in qc["modules_to_not_convert"] and "model.language_model.layers.0.linear_attn.in_proj_a" in qc["modules_to_not_convert"]
+    assert "model.visual" in qc["modules_to_not_convert"]  # the vision tower stays bf16
     with safe_open(os.path.join(fp8_dir, "model.safetensors"), "pt") as f:
-        w = f.get_tensor("model.layers.0.mlp.down_proj.weight")
-        s = f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv")
+        w = f.get_tensor("model.language_model.layers.0.mlp.down_proj.weight")
+        s = f.get_tensor("model.language_model.layers.0.mlp.down_proj.weight_scale_inv")
         assert w.dtype == torch.float8_e4m3fn and w.shape == (256, 512)
         assert s.dtype == torch.float32 and s.shape == (2, 4)
-        assert f.get_tensor("model.layers.0.linear_attn.in_proj_b.weight").dtype == torch.bfloat16
-        assert "model.layers.0.linear_attn.in_proj_b.weight_scale_inv" not in f.keys()
+        assert f.get_tensor("model.language_model.layers.0.linear_attn.in_proj_b.weight").dtype == torch.bfloat16
+        assert "model.language_model.layers.0.linear_attn.in_proj_b.weight_scale_inv" not in f.keys()
 
 
 def test_transformers_loads_our_checkpoint_with_our_weights(fp8_dir):
@@ -227,9 +228,10 @@ def test_transformers_loads_our_checkpoint_with_our_weights(fp8_dir):
     mtp = [k for k in quantized if k.startswith("mtp.")]  # the MTP layer's linears (transformers skips mtp.*)
     quantized = [k for k in quantized if not k.startswith("mtp.")]
     assert len(quantized) == 50 and len(mtp) == 7
-    for k in quantized:
-        assert theirs[k].dtype == torch.bfloat16
-        assert torch.equal(fp8.dequantize_fp8(ck[k], ck[k + "_scale_inv"], torch.bfloat16), theirs[k]), k
+    for k in quantized:  # their causal LM names the multimodal checkpoint's text model model.*
+        t = theirs[k.replace("model.language_model.", "model.", 1)]
+        assert t.dtype == torch.bfloat16
+        assert torch.equal(fp8.dequantize_fp8(ck[k], ck[k + "_scale_inv"], torch.bfloat16), t), k
 
 
 def _logits(model, ids):
@@ -292,9 +294,9 @@ def _rewrite(src, dst, config=None, tensors=None):
     (lambda c: c["quantization_config"].update(activation_scheme="static"), "activation_scheme 'static'"),
     (lambda c: c["quantization_config"].update(scale_fmt="ue8m0"), "scale_fmt 'ue8m0'"),
     (lambda c: c["quantization_config"].update(bits=4), "key 'bits'"),
-    (lambda c: c["quantization_config"]["modules_to_not_convert"].append("model.layers.0.mlp.down_proj"),
+    (lambda c: c["quantization_config"]["modules_to_not_convert"].append("model.language_model.layers.0.mlp.down_proj"),
      "down_proj is quantized but quantization_config.modules_to_not_convert lists it"),
-    (lambda c: c["quantization_config"]["modules_to_not_convert"].append("model.layers.*.mlp"),
+    (lambda c: c["quantization_config"]["modules_to_not_convert"].append("model.language_model.layers.*.mlp"),
      "mlp.gate_proj is quantized but"),
     (lambda c: c.pop("quantization_config"), "float8_e4m3fn but config.json has no quantization_config"),
 ])
@@ -307,16 +309,16 @@ def test_refusals_config(fp8_dir, tmp_path, change, match):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda sd: sd.pop("model.layers.0.mlp.down_proj.weight_scale_inv"), "float8_e4m3fn without .*down_proj.weight_scale_inv"),
-    (lambda sd: sd.update({"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(2, 3)}),
+    (lambda sd: sd.pop("model.language_model.layers.0.mlp.down_proj.weight_scale_inv"), "float8_e4m3fn without .*down_proj.weight_scale_inv"),
+    (lambda sd: sd.update({"model.language_model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(2, 3)}),
      r"weight_scale_inv has shape \(2, 3\).*needs \(2, 4\)"),
-    (lambda sd: sd.update({"model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(2, 4, dtype=torch.float16)}),
+    (lambda sd: sd.update({"model.language_model.layers.0.mlp.down_proj.weight_scale_inv": torch.ones(2, 4, dtype=torch.float16)}),
      "weight_scale_inv is torch.float16"),
-    (lambda sd: sd.update({"model.layers.0.linear_attn.in_proj_a.weight_scale_inv": torch.ones(1, 2)}),
+    (lambda sd: sd.update({"model.language_model.layers.0.linear_attn.in_proj_a.weight_scale_inv": torch.ones(1, 2)}),
      "in_proj_a.weight is torch.bfloat16 but has a weight_scale_inv"),
-    (lambda sd: sd.update({"model.layers.0.mlp.down_proj.weight": torch.full((256, 512), 0x7F, dtype=torch.uint8)
+    (lambda sd: sd.update({"model.language_model.layers.0.mlp.down_proj.weight": torch.full((256, 512), 0x7F, dtype=torch.uint8)
                            .view(torch.float8_e4m3fn)}), "131072 NaN codes"),
-    (lambda sd: sd.update({"model.layers.0.mlp.up_proj.weight": sd["model.layers.0.mlp.up_proj.weight"]
+    (lambda sd: sd.update({"model.language_model.layers.0.mlp.up_proj.weight": sd["model.language_model.layers.0.mlp.up_proj.weight"]
                            .to(torch.float8_e5m2)}), "float8_e5m2"),
 ])
 def test_refusals_tensors(fp8_dir, tmp_path, change, match):
@@ -346,10 +348,11 @@ def test_planner_counts_fp8_weight_bytes(fp8_dir):
     m = resolve_model("tiny").config
     fp32_extra = 2 * 2 * m.linear_num_value_heads * len(m.gdn_layers)  # A_log + dt_bias at 4 B, not 2
     counted, q = S.fp8_weight_bytes(m, "bfloat16")
-    assert counted + fp32_extra == model_weight_bytes(fp8_dir).bytes
+    vision = 2 * resolve_model("tiny").vision.num_params()  # the vision tower, bf16
+    assert counted + fp32_extra + vision == model_weight_bytes(fp8_dir).bytes
     assert q == sum(n * k for n, k in S.fp8_linear_shapes(m))
     r = plan("tiny", quantization="fp8", budget_bytes=1 << 28)
-    assert r["weight_bytes"] == counted and r["weight_quantization"] == "fp8"
+    assert r["weight_bytes"] == counted + vision and r["weight_quantization"] == "fp8"
     assert plan(fp8_dir, budget_bytes=1 << 28)["weight_quantization"] == "fp8"
     big = plan("qwen3.5-27b", quantization="fp8", budget_bytes=1 << 34)["weight_bytes"]
     bf16 = plan("qwen3.5-27b", budget_bytes=1 << 34)["weight_bytes"]

@@ -13,7 +13,7 @@ from util import greedy, png, random_tokens, signature
 
 from deltaserve import LLM
 from deltaserve.engine.inputs import EngineInputError
-from deltaserve.presets import load_preset
+from deltaserve.presets import text_preset
 
 IMG, START, END = 4000, 4001, 4002
 VISION = {"depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2, "out_hidden_size": 256,
@@ -25,7 +25,7 @@ PROCESSOR = {"patch_size": 4, "temporal_patch_size": 2, "merge_size": 2, "image_
 
 
 def multimodal_config() -> dict:
-    text = {k: v for k, v in load_preset("tiny").items() if not k.startswith("_")}
+    text = text_preset("tiny")
     text["architectures"] = ["Qwen3_5ForConditionalGeneration"]
     return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": text,
             "vision_config": VISION, "image_token_id": IMG, "vision_start_token_id": START,
@@ -85,6 +85,26 @@ def test_placeholders_expand_and_encoder_runs_once(llm):
     assert n == len(out.prompt_token_ids) - len(ids) + 2 and n > 64
     assert llm.engine.runner.media.encoder_runs == runs + 1  # one encoder run for both images, the whole request
     assert held(llm) == (0, 0, 0)
+
+
+def test_requests_with_the_same_images_share_one_encoder_run(llm):
+    """Live requests with the same images (n choices, or different prompts around the same pictures) encode
+    them once; each one's tokens and logprobs are what it gets alone, and nothing is held after."""
+    rng = random.Random(12)
+    imgs = [png(448, 448, 70), png(97, 203, 71)]
+    prompts = [image_prompt(rng, 2) for _ in range(3)]
+    media = llm.engine.runner.media
+    runs = media.encoder_runs
+    reqs = [{"prompt_token_ids": q, "multi_modal_data": {"image": imgs}, "cache_salt": f"share-{k}"}
+            for k, q in enumerate(prompts)]
+    together = llm.generate(reqs, greedy(max_tokens=6), use_tqdm=False)
+    assert media.encoder_runs == runs + 1 and held(llm) == (0, 0, 0) and not media._shared
+    alone = [gen(llm, q, imgs, salt=f"alone-{k}", max_tokens=6) for k, q in enumerate(prompts)]
+    assert media.encoder_runs == runs + 4
+    assert [signature(o) for o in together] == [signature(o) for o in alone]
+    n3 = llm.generate([{"prompt_token_ids": prompts[0], "multi_modal_data": {"image": imgs}, "cache_salt": "n3"}],
+                      greedy(max_tokens=4, n=3), use_tqdm=False)[0]
+    assert len(n3.outputs) == 3 and media.encoder_runs == runs + 5  # n = 3: one encoder run
 
 
 def test_image_changes_the_output(llm):

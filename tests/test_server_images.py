@@ -32,12 +32,12 @@ LIMIT = '{"image": 16, "video": 0}'
 def server(tmp_path_factory):
     from deltaserve.embedded.model import write_preset_tokenizer
     from deltaserve.model.make import make_random_model
-    from deltaserve.presets import load_preset
+    from deltaserve.presets import text_preset
 
     qwen35_dir()  # skips where the Qwen3.5 tokenizer's sources cannot be fetched
     path = tmp_path_factory.mktemp("qwen35-vl-small")
     write_preset_tokenizer(True, str(path))
-    text = {k: v for k, v in load_preset("tiny").items() if not k.startswith("_")}
+    text = text_preset("tiny")
     text.update(vocab_size=248320, eos_token_id=248046)
     make_random_model({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
                        "text_config": text, "vision_config": VISION, "image_token_id": 248056,

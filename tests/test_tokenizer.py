@@ -29,11 +29,44 @@ def test_embedded_layout(tok):
     assert tok.vocab_size == len(tok) <= 4096
     assert [tok.token_to_id(s) for s in SPECIALS] == list(range(9))
     assert tok.eos_token_ids == frozenset({0, 1}) and tok.eos_token_id == 1 and tok.pad_token_id == 0
-    assert tok.special_token_ids == frozenset({0, 1, 2})
+    assert tok.special_token_ids == frozenset({0, 1, 2, 186, 187, 188, 189})
     assert tok.is_byte_level and tok.token_to_id("<not-a-token>") is None
     total = sum(os.path.getsize(EMBEDDED_TOKENIZER_DIR / f) for f in os.listdir(EMBEDDED_TOKENIZER_DIR))
     assert total < 2_000_000
     assert load_tokenizer(None) is tok  # cached
+
+
+def test_image_tokens_take_bytes_no_text_has(tok):
+    """Qwen3.5's image tokens sit on the ids of the byte symbols of 0xF5..0xF8, which UTF-8 never contains:
+    the tokenization of any text is what it was before they came, as the byte symbols' ids were unreachable."""
+    from deltaserve.text.tokenizer import byte_decoder
+
+    ids = [tok.token_to_id(t) for t in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")]
+    assert ids == [186, 187, 188, 189]
+    sym = {b: c for c, b in byte_decoder().items()}
+    assert all(tok.token_to_id(sym[b]) is None for b in (0xF5, 0xF6, 0xF7, 0xF8))
+    assert tok.token_to_id(sym[0xF4]) == 185 and tok.token_to_id(sym[0xF9]) == 190  # their neighbours stay
+    rng = random.Random(5)
+    planes = [(32, 127), (128, 0x800), (0x800, 0xD800), (0xE000, 0x10000), (0x10000, 0x110000)]
+    for _ in range(300):
+        text = "".join(chr(rng.randrange(*rng.choice(planes))) for _ in range(rng.randrange(1, 30)))
+        assert not set(tok.encode(text)) & set(ids), text
+    assert tok.encode("a<|vision_start|><|image_pad|><|vision_end|>b")[1:4] == [186, 188, 187]
+
+
+def test_chat_template_renders_images_as_qwen35(tok):
+    """An image part (the servers' {"type": "image"}, or Qwen's own image / image_url keys) renders as Qwen3.5's
+    template renders it, with add_vision_id's "Picture N: " when asked; text-only chats are unchanged."""
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "A"}, {"type": "image", "image": "x"},
+                                         {"type": "image_url", "image_url": {"url": "u"}}, {"type": "text", "text": "B"}]},
+            {"role": "assistant", "content": "ok"},
+            {"role": "tool", "content": [{"type": "image", "image": "y"}]}]
+    pic = "<|vision_start|><|image_pad|><|vision_end|>"
+    s = tok.apply_chat_template(msgs, add_generation_prompt=False)
+    assert s.startswith(f"<|im_start|>user\nA{pic}{pic}B<|im_end|>\n")
+    assert s.endswith(f"<|im_start|>user\n<tool_response>\n{pic}\n</tool_response><|im_end|>\n")
+    s = tok.apply_chat_template(msgs, add_generation_prompt=False, add_vision_id=True)
+    assert f"A Picture 1: {pic}Picture 2: {pic}B".replace("A ", "A") in s and f"Picture 3: {pic}" in s
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -188,11 +221,14 @@ def test_incremental_multibyte(tok, byte_mode):
 
 def test_incremental_matches_decode_on_random_streams(tok):
     """Any id stream, invalid UTF-8 and special tokens included: deltas + flush == decode()."""
-    byte_ids = {tok.id_to_bytes(i)[0]: i for i in range(9, 265)}
+    # the byte symbols (ids 9..264 but the image tokens' 186..189, whose bytes UTF-8 never has)
+    byte_ids = {tok.id_to_bytes(i)[0]: i for i in range(9, 265) if i not in range(186, 190)}
+    assert len(byte_ids) == 252
+    high, every = [i for b, i in byte_ids.items() if b >= 128], list(byte_ids.values())
     rng = random.Random(0)
     for _ in range(300):
-        ids = [rng.choice([rng.randrange(tok.vocab_size), byte_ids[rng.randrange(128, 256)],
-                           byte_ids[rng.randrange(256)], rng.randrange(9)]) for _ in range(rng.randint(1, 24))]
+        ids = [rng.choice([rng.randrange(tok.vocab_size), rng.choice(high), rng.choice(every), rng.randrange(9),
+                           rng.randrange(186, 190)]) for _ in range(rng.randint(1, 24))]
         for skip in (True, False):
             det = IncrementalDetokenizer(tok, [], skip_special_tokens=skip)
             got = "".join(det.add(i) for i in ids) + det.flush()
@@ -200,7 +236,7 @@ def test_incremental_matches_decode_on_random_streams(tok):
 
 
 def test_incremental_holds_incomplete_then_flushes(tok):
-    byte_ids = {tok.id_to_bytes(i)[0]: i for i in range(9, 265)}
+    byte_ids = {tok.id_to_bytes(i)[0]: i for i in range(9, 265) if i not in range(186, 190)}
     det = IncrementalDetokenizer(tok, [])
     euro = "€".encode()  # 3 bytes
     assert det.add(byte_ids[euro[0]]) == "" and det.add(byte_ids[euro[1]]) == ""

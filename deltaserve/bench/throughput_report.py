@@ -34,6 +34,7 @@ class Results:
     info: dict = field(default_factory=dict)  # run-level facts
     arm_info: dict = field(default_factory=dict)  # (preset, engine) -> dict
     step_s: dict = field(default_factory=dict)  # (preset, decode label, deltaserve arm) -> median step seconds
+    vision: dict = field(default_factory=dict)  # (preset, image row, engine) -> {"value", "unit", "note"} or {"error"}
 
 
 @dataclass(frozen=True)
@@ -53,8 +54,13 @@ class Columns:
 def render(res: Results) -> str:
     """The markdown table and its footnote, the bars, the targets vs llama.cpp, and the reasons of arms that
     could not run (¹) or failed a row (²)."""
+    from .vision import render as vision_rows
+
     cols = _columns(res)
     out = "\n".join(_table(res, cols)) + "\n\n" + "\n".join(_footnote(res))
+    images = vision_rows(res)
+    if images:
+        out += "\n\nImages (--images; bench/vision.py):\n" + "\n".join(images)
     bars = [bar for preset, labels in res.info["rows"].items() for bar in _bars(res, cols, preset, labels)]
     if bars:
         out += "\n\nBars (throughput):\n" + "\n".join(bars)

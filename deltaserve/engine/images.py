@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..media.images import ImagePreprocessor, MediaError, ProcessedImage, decode_base64, decode_data_url, open_image
+from ..media.images import (ImagePreprocessor, MediaError, ProcessedImage, decode_base64, decode_data_url, image_size,
+                            open_image)
 from .inputs import EngineInputError
 
 
@@ -70,6 +71,57 @@ def load_item(item, what: str):
     raise MediaError(f"{what}: expected an image (PIL image, bytes, data: URL or base64), not {type(item).__name__}")
 
 
+def item_size(item, what: str) -> tuple[int, int]:
+    """(height, width) of an item load_item takes, from the header alone where it is encoded."""
+    if hasattr(item, "convert") and hasattr(item, "size"):
+        return item.size[1], item.size[0]
+    if isinstance(item, (bytes, bytearray)):
+        return image_size(bytes(item), what)
+    if isinstance(item, str):
+        return image_size(decode_data_url(item, what) if ":" in item[:16] else decode_base64(item, what), what)
+    raise MediaError(f"{what}: expected an image (PIL image, bytes, data: URL or base64), not {type(item).__name__}")
+
+
+def placeholder_runs(ids: list[int], image_token_id: int) -> list[tuple[int, int]]:
+    """(start, length) of each run of image placeholder tokens in ids."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == image_token_id:
+            j = i
+            while j < len(ids) and ids[j] == image_token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    return runs
+
+
+def widened_ids(ids: list[int], items: list, processor: ImagePreprocessor, image_token_id: int,
+                limit: int) -> list[int]:
+    """The prompt prepare_images would make (each placeholder widened to its image's token count), from the
+    images' sizes alone, no pixels decoded or processed: what token counting reports. The same refusals as
+    prepare_images, but for damage past a readable header."""
+    if len(items) > limit:
+        raise EngineInputError(f"{len(items)} images in one request; --limit-mm-per-prompt allows at most {limit} "
+                               f"image{'s' if limit != 1 else ''}", "multi_modal_data")
+    try:
+        counts = [processor.num_tokens(*item_size(item, f"image {k}")) for k, item in enumerate(items)]
+    except MediaError as e:
+        raise EngineInputError(str(e), "multi_modal_data") from None
+    runs = placeholder_runs(ids, image_token_id)
+    if len(runs) != len(counts):
+        raise EngineInputError(f"the prompt has {len(runs)} image placeholder(s) for {len(counts)} image(s)",
+                               "multi_modal_data")
+    out, prev = [], 0
+    for (start, n), c in zip(runs, counts):
+        if n not in (1, c):
+            raise EngineInputError(f"an image placeholder run of {n} tokens for an image of {c}", "multi_modal_data")
+        out += ids[prev:start] + [image_token_id] * c
+        prev = start + n
+    return out + ids[prev:]
+
+
 def prepare_images(ids: list[int], items: list, processor: ImagePreprocessor, image_token_id: int,
                    limit: int) -> PromptImages:
     if len(items) > limit:
@@ -81,16 +133,7 @@ def prepare_images(ids: list[int], items: list, processor: ImagePreprocessor, im
             images.append(processor(load_item(item, f"image {k}")))
         except MediaError as e:
             raise EngineInputError(str(e), "multi_modal_data") from None
-    runs, i = [], 0
-    while i < len(ids):
-        if ids[i] == image_token_id:
-            j = i
-            while j < len(ids) and ids[j] == image_token_id:
-                j += 1
-            runs.append((i, j - i))
-            i = j
-        else:
-            i += 1
+    runs = placeholder_runs(ids, image_token_id)
     if len(runs) != len(images):
         raise EngineInputError(f"the prompt has {len(runs)} image placeholder(s) for {len(images)} image(s)",
                                "multi_modal_data")

@@ -283,19 +283,35 @@ class LLMEngine:
     def _prompt_images(self, ids: list[int], data):
         """The request's images, preprocessed, its placeholders expanded (engine/images.py); None for none."""
         from .images import image_items, prepare_images
-        from ..media.images import ImagePreprocessor
 
         items = image_items(data)
         if not items:
             return None
+        return prepare_images(ids, items, self._images_processor(), self.vision_config.image_token_id,
+                              self.config.mm_limit("image"))
+
+    def prompt_token_ids(self, ids: list[int], images: list | None) -> list[int]:
+        """The prompt as add_request would run it, each image placeholder widened to its image's token count,
+        from the images' sizes alone (token counting: nothing is preprocessed or queued). Safe beside the
+        engine's steps: it reads the processor's settings only. EngineInputError as add_request refuses."""
+        from .images import widened_ids
+
+        if not images:
+            return list(ids)
+        return widened_ids(ids, list(images), self._images_processor(), self.vision_config.image_token_id,
+                           self.config.mm_limit("image"))
+
+    def _images_processor(self):
+        """The image processor (made on first use); EngineInputError where the model takes no images."""
+        from ..media.images import ImagePreprocessor
+
         if self.vision is None:
             raise EngineInputError(f"model {self.model_name} has no vision encoder"
                                    + (" on this engine (tensor parallelism serves text only)" if self.parallel else "")
                                    + ": it takes text, not images", "multi_modal_data")
         if self._image_processor is None:
             self._image_processor = ImagePreprocessor(self.model_path)
-        return prepare_images(ids, items, self._image_processor, self.vision_config.image_token_id,
-                              self.config.mm_limit("image"))
+        return self._image_processor
 
     def _request_media(self, images):
         """The runner's side of a request's images (runner/media.py): pixels, grids and placeholder spans."""
@@ -305,7 +321,8 @@ class LLMEngine:
         from ..runner.media import RequestMedia
 
         return RequestMedia([ImageSpan(o, r, c) for o, (r, c) in zip(images.offsets, images.grids)],
-                            [torch.from_numpy(im.pixels) for im in images.images], [im.grid for im in images.images])
+                            [torch.from_numpy(im.pixels) for im in images.images], [im.grid for im in images.images],
+                            key=tuple(im.hash for im in images.images))
 
     def _release(self, request_id: str) -> None:
         """A request ended (finished or aborted): its images' encoder output goes with it."""

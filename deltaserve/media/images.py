@@ -1,6 +1,7 @@
 """From what an API request carries to what the vision encoder reads: decode, preprocess, hash.
 
-decode_data_url / decode_base64 -> bytes; open_image(bytes) -> an RGB PIL image; ImagePreprocessor(path)
+decode_data_url / decode_base64 -> bytes; open_image(bytes) -> an RGB PIL image (image_size(bytes): its height
+and width from the header alone); ImagePreprocessor(path)
 runs transformers' image processor for Qwen3.5 (Qwen2VLImageProcessorPil, the PIL backend AutoImageProcessor
 picks for qwen3_5 without torchvision): resize to a multiple of patch_size * merge_size with the pixel count
 inside [shortest_edge, longest_edge], rescale, normalise, cut into patches in merge-block order. Its
@@ -79,6 +80,17 @@ def open_image(raw: bytes, what: str = "image"):
     return img.convert("RGB")
 
 
+def image_size(raw: bytes, what: str = "image") -> tuple[int, int]:
+    """(height, width) from an encoded image's header, without decoding its pixels (counting tokens)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        w, h = Image.open(io.BytesIO(raw)).size
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
+        raise MediaError(f"{what}: not a readable image ({type(e).__name__})") from None
+    return h, w
+
+
 @dataclass(frozen=True)
 class ProcessedImage:
     """pixels [t*h*w, C*Tp*P*P] float32 in merge-block order; grid (t, h, w) in patches; num_tokens the
@@ -122,6 +134,15 @@ class ImagePreprocessor:
         h_.update(np.array([t, h, w], dtype="<i8").tobytes())
         h_.update(pixels.astype("<f4").tobytes())
         return ProcessedImage(pixels, (t, h, w), t * h * w // self.merge ** 2, h_.digest())
+
+    def num_tokens(self, height: int, width: int) -> int:
+        """The placeholder tokens an image of height x width pixels fills: the processor's own resize arithmetic
+        (get_number_of_image_patches, what vLLM counts with), no pixels touched; equals __call__'s num_tokens."""
+        try:
+            patches = self._proc.get_number_of_image_patches(height, width, {})
+        except ValueError as e:  # an aspect ratio beyond 200:1, as __call__ says
+            raise MediaError(f"image: {e}") from None
+        return int(patches) // self.merge ** 2
 
     def merged_grid(self, p: ProcessedImage) -> tuple[int, int]:
         """(rows, cols) of p's placeholder tokens on the merged grid."""

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig, VisionConfig
+from ..presets import MEDIA_KEYS
 from .layers import is_moe_layer
 from .ops.fp8 import quantize_fp8
 from .qwen3_5 import torch_dtype
@@ -168,9 +169,10 @@ QUANTIZE = ("fp8",)
 
 
 def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Block-FP8 (ops/fp8.py quantize_fp8) of every FP8_LINEARS weight: X.weight becomes float8_e4m3fn codes
-    beside X.weight_scale_inv (fp32, one per 128 x 128 block). Returns the tensors and the quantization_config,
-    whose modules_to_not_convert names every other linear module (as transformers matches them)."""
+    """Block-FP8 (ops/fp8.py quantize_fp8) of every FP8_LINEARS weight of the text model: X.weight becomes
+    float8_e4m3fn codes beside X.weight_scale_inv (fp32, one per 128 x 128 block). Returns the tensors and the
+    quantization_config, whose modules_to_not_convert names every other linear module (as transformers matches
+    them), the vision tower (model.visual) as a whole."""
 
     out: dict[str, torch.Tensor] = {}
     keep: list[str] = ["lm_head"]
@@ -181,7 +183,9 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
             out[name], out[module + ".weight_scale_inv"] = quantize_fp8(t)
             continue
         out[name] = t
-        if leaf == "weight" and t.dim() == 2 and kind in ("in_proj_a", "in_proj_b", "in_proj_ba", "gate",
+        if name.startswith("model.visual.") and "model.visual" not in keep:  # the vision tower stays unquantized
+            keep.append("model.visual")
+        elif leaf == "weight" and t.dim() == 2 and kind in ("in_proj_a", "in_proj_b", "in_proj_ba", "gate",
                                                           "shared_expert_gate", "embed_tokens"):
             keep.append(module)
     qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
@@ -189,7 +193,6 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return out, qc
 
 
-MEDIA_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def multimodal_form(cfg: dict) -> dict:

@@ -98,6 +98,17 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out.to(x.dtype)
 
 
+def _runs(lengths: list[int]) -> list[tuple[int, int]]:
+    """(length, count) of each run of equal consecutive lengths."""
+    out: list[tuple[int, int]] = []
+    for ln in lengths:
+        if out and out[-1][0] == ln:
+            out[-1] = (ln, out[-1][1] + 1)
+        else:
+            out.append((ln, 1))
+    return out
+
+
 class VisionBlock(nn.Module):
     def __init__(self, vc: VisionConfig, dtype: torch.dtype):
         super().__init__()
@@ -115,11 +126,18 @@ class VisionBlock(nn.Module):
         qkv = F.linear(h, self.attn["qkv"]["weight"], self.attn["qkv"]["bias"]).view(n, 3, self.heads, -1)
         q, k, v = _rotate(qkv[:, 0], cos, sin), _rotate(qkv[:, 1], cos, sin), qkv[:, 2]
         out, start = [], 0
-        for ln in lengths:  # each image attends only to itself, in both directions
-            s = slice(start, start + ln)
-            o = F.scaled_dot_product_attention(q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1))
-            out.append(o.transpose(0, 1).reshape(ln, e))
-            start += ln
+        # each image attends only to itself, in both directions; a run of images of one size is one call. The
+        # inputs are 4-D and contiguous: torch's CPU attention takes its flash kernel then (5-8x faster at
+        # 784 patches than the 3-D strided call, which falls back to the math path)
+        for ln, count in _runs(lengths):
+            s = slice(start, start + ln * count)
+
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t[s].reshape(count, ln, self.heads, -1).transpose(1, 2).contiguous()
+
+            o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))
+            out.append(o.transpose(1, 2).reshape(ln * count, e))
+            start += ln * count
         x = x + F.linear(torch.cat(out), self.attn["proj"]["weight"], self.attn["proj"]["bias"])
         h = F.layer_norm(x, (e,), self.norm2["weight"], self.norm2["bias"], 1e-6)
         h = self.act(F.linear(h, self.mlp["linear_fc1"]["weight"], self.mlp["linear_fc1"]["bias"]))
@@ -142,6 +160,7 @@ class VisionModel(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(vc, dtype) for _ in range(vc.depth))
         self.merger = nn.ModuleDict({"norm": _norm(e, dtype), "linear_fc1": _linear(m, m, dtype),
                                      "linear_fc2": _linear(vc.out_hidden_size, m, dtype)})
+        self._table_cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def patch_dim(self) -> int:
@@ -152,6 +171,20 @@ class VisionModel(nn.Module):
         """LLM tokens an image of patch grid (t, h, w) becomes."""
         t, h, w = grid
         return t * h * w // self.config.merge_unit
+
+    def _tables(self, h: int, w: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The position embedding and rotary cos / sin of an h x w patch grid, kept per grid size and position
+        table (the key has the table's storage and version, so a table replaced or changed in place is
+        resampled): the same sizes recur, and resampling the table costs as much as a small block."""
+        table = self.pos_embed["weight"]
+        key = (h, w, table.data_ptr(), table._version)
+        if key not in self._table_cache:
+            if len(self._table_cache) >= 64:
+                self._table_cache.pop(next(iter(self._table_cache)))
+            vc, m = self.config, self.config.spatial_merge_size
+            c, s = vision_rotary(h, w, m, vc.head_dim, vc.rope_theta)
+            self._table_cache[key] = (pos_embed(self.pos_embed["weight"], h, w, m), c, s)
+        return self._table_cache[key]
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -169,8 +202,8 @@ class VisionModel(nn.Module):
         x = F.linear(pixel_values.to(dev, self.dtype), proj["weight"].reshape(proj["weight"].shape[0], -1), proj["bias"])
         pos, cos, sin = [], [], []
         for t, h, w in grids:  # a video's frames would share one frame's tables; images have t == 1
-            pos.append(pos_embed(self.pos_embed["weight"], h, w, m).repeat(t, 1))
-            c, s = vision_rotary(h, w, m, vc.head_dim, vc.rope_theta)
+            p, c, s = self._tables(h, w)
+            pos.append(p.repeat(t, 1))
             cos.append(c.repeat(t, 1))
             sin.append(s.repeat(t, 1))
         x = x + torch.cat(pos).to(dev, x.dtype)

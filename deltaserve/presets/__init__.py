@@ -47,6 +47,16 @@ def load_preset(name: str) -> dict[str, Any]:
     return {k: copy.deepcopy(v) for k, v in _raw(_canonical(name)).items() if not k.startswith("_")}
 
 
+# A preset's keys that describe its vision tower (model/make.py writes them beside text_config)
+MEDIA_KEYS = ("vision_config", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def text_preset(name: str) -> dict[str, Any]:
+    """The preset's text model alone (load_preset without its vision tower's keys): a text config to build
+    another model on."""
+    return {k: v for k, v in load_preset(name).items() if k not in MEDIA_KEYS}
+
+
 def preset_source(name: str) -> str:
     """Where the preset's geometry comes from (its "_source" key)."""
     return _raw(_canonical(name)).get("_source", "")

@@ -30,6 +30,8 @@ class RequestMedia:
     grids: list[tuple[int, int, int]]
     embeds: torch.Tensor | None = None  # [sum of span lengths, hidden], once encoded
     encodes: int = 0  # how many times the encoder ran for this request (1 at most: asserted by the tests)
+    key: tuple = ()  # the images' content hashes in order: requests with the same key share one encoder output
+    on_encoded: object = None  # MediaStore's callback: the output, for the live requests of the same key
     _starts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -54,6 +56,8 @@ class RequestMedia:
             self.embeds = out
             self.encodes += 1
             self.pixels = []  # the embeddings are what later chunks read: the pixels can go
+            if self.on_encoded is not None:
+                self.on_encoded(self)
         return self.embeds
 
     def span_media(self, visual, start: int, n: int) -> SpanMedia:
@@ -75,15 +79,35 @@ class RequestMedia:
 
 
 class MediaStore:
-    """request id -> RequestMedia for the requests alive in the engine."""
+    """request id -> RequestMedia for the requests alive in the engine.
+
+    Live requests with the same images (the same content hashes in the same order: the n choices of one API
+    request, or one conversation sent twice at once) share one encoder output: the encoder's input is the
+    same, so its output would be the same bits. It is kept while any of them lives."""
 
     def __init__(self) -> None:
         self._by_id: dict[str, RequestMedia] = {}
-        self.encoder_runs = 0  # encoder runs of the requests dropped so far (one per request with images)
+        self._shared: dict[tuple, list] = {}  # key -> [live requests with it, the encoder output or None]
+        self.encoder_runs = 0  # encoder runs of the requests dropped so far (one per set of images in flight)
 
     def add(self, request_id: str, media: RequestMedia) -> None:
         assert request_id not in self._by_id, f"media of {request_id} added twice"
         self._by_id[request_id] = media
+        if not media.key:
+            return
+        entry = self._shared.setdefault(media.key, [0, None])
+        entry[0] += 1
+        if entry[1] is not None:  # already encoded for a live request with the same images
+            media.embeds, media.pixels = entry[1], []
+        media.on_encoded = self._encoded
+
+    def _encoded(self, media: RequestMedia) -> None:
+        entry = self._shared.get(media.key)
+        if entry is not None:
+            entry[1] = media.embeds
+            for other in self._by_id.values():  # the same images' requests waiting to be reached
+                if other.key == media.key and other.embeds is None:
+                    other.embeds, other.pixels = media.embeds, []
 
     def get(self, request_id: str) -> RequestMedia | None:
         return self._by_id.get(request_id)
@@ -92,6 +116,11 @@ class MediaStore:
         m = self._by_id.pop(request_id, None)
         if m is not None:
             self.encoder_runs += m.encodes
+            entry = self._shared.get(m.key) if m.key else None
+            if entry is not None:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del self._shared[m.key]
 
     def __len__(self) -> int:
         return len(self._by_id)

@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..engine.inputs import EngineInputError
 from ..text.parsers import Qwen3CoderToolParser, Qwen3ReasoningParser, prompt_opens_thinking
 from ..text.structured import GrammarError, GuideFactory, ThinkingBudgetGuide
 from ..text.tokenizer import TokenizerError
@@ -160,6 +161,18 @@ def _shared_tokens(a: tuple[int, ...], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def prompt_token_ids(eng, ids: list[int], images: list | None, where: str = "messages") -> list[int]:
+    """The prompt's ids as the engine runs them (token counting): each image has its real placeholder tokens
+    (its merged grid, e.g. 196 for 448x448), not the one <|image_pad|> the template writes. A 400 for what
+    the engine would refuse (no vision encoder, too many images, an unreadable one); `where` names the field."""
+    if not images:
+        return ids
+    try:
+        return eng.prompt_token_ids(ids, images)
+    except EngineInputError as e:
+        raise bad_request(str(e), where) from None
 
 
 def grammar_for(tok, spec: ChatSpec) -> str | None:

@@ -9,7 +9,9 @@
 
 The embedded tokenizer is a Qwen-style byte-level BPE (4,096 ids) built by scripts/build_tokenizer.py;
 its ids: <|endoftext|> 0, <|im_end|> 1, <|im_start|> 2, <think> 3, </think> 4, <tool_call> 5,
-</tool_call> 6, <tool_response> 7, </tool_response> 8. eos = {<|im_end|>, <|endoftext|>}.
+</tool_call> 6, <tool_response> 7, </tool_response> 8; the image tokens <|vision_start|> 186, <|vision_end|>
+187, <|image_pad|> 188, <|video_pad|> 189 (on byte symbols UTF-8 never produces: docs/images.md).
+eos = {<|im_end|>, <|endoftext|>}.
 The qwen3.5-0.8b-shape preset gets the real Qwen3.5 tokenizer and chat template instead (built by
 deltaserve/embedded/qwen35_tokenizer.py from the published sources); both load through load_tokenizer(dir).
 """

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -103,6 +104,51 @@ def ensure_gguf(model_dir: str, outtype: str, *, root: str | None = None, log_pa
         if os.path.exists(tmp):
             os.remove(tmp)
         raise PeerUnavailable(f"GGUF conversion ({outtype}) failed with exit {r.returncode} (log: {log_path})")
+    os.replace(tmp, out)
+    return out
+
+
+def mmproj_path(model_dir: str) -> str:
+    """Cache path of a checkpoint's vision tower as llama.cpp's multimodal projector (mmproj) GGUF, bf16."""
+    name = os.path.basename(os.path.normpath(model_dir))
+    return os.path.join(home(), "gguf", f"{name}-mmproj-bf16-{BUILD}.gguf")
+
+
+def ensure_mmproj(model_dir: str, *, root: str | None = None, log_path: str | None = None,
+                  timeout: float = 3600.0) -> str:
+    """The checkpoint's vision tower converted once by the converter's --mmproj (Qwen3_5ForConditionalGeneration
+    is one of its vision models). The converter reads the image processor's settings from preprocessor_config.json,
+    which a checkpoint without one (the embedded ones: Qwen3.5's published settings) lacks: it then converts a
+    directory of links to the checkpoint's files plus that file, with the settings the engine uses."""
+    from ...media.images import QWEN35_PROCESSOR
+
+    root = root or default_dir()
+    out = mmproj_path(model_dir)
+    if os.path.exists(out):
+        return out
+    tree = os.path.join(root, "src")
+    if not os.path.exists(os.path.join(tree, "convert_hf_to_gguf.py")):
+        raise PeerUnavailable(f"no llama.cpp tree at {tree} (run scripts/setup_llama_cpp.sh)")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.tmp{os.getpid()}"
+    with tempfile.TemporaryDirectory() as d:
+        src = model_dir
+        if not os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
+            src = os.path.join(d, os.path.basename(os.path.normpath(model_dir)))
+            os.makedirs(src)
+            for name in os.listdir(model_dir):
+                os.symlink(os.path.join(os.path.abspath(model_dir), name), os.path.join(src, name))
+            with open(os.path.join(src, "preprocessor_config.json"), "w") as f:
+                json.dump({**QWEN35_PROCESSOR, "image_processor_type": "Qwen2VLImageProcessorFast"}, f)
+        cmd = [sys.executable, CONVERTER, tree, src, "--mmproj", "--outtype", "bf16", "--outfile", tmp]
+        with open(log_path or os.devnull, "a") as log:
+            log.write(f"\n===== {time.strftime('%F %T')} {' '.join(cmd)}\n")
+            log.flush()
+            r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
+    if r.returncode != 0 or not os.path.exists(tmp):
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise PeerUnavailable(f"mmproj conversion failed with exit {r.returncode} (log: {log_path})")
     os.replace(tmp, out)
     return out
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..async_engine import EngineStepError
-from ..chat_spec import ChatRun, render_prompt, start_chat
+from ..chat_spec import ChatRun, prompt_token_ids, render_prompt, start_chat
 from ..core import AbortingStream, Job, ServingCore, engine_failed
 from ..errors import anthropic_error_body
 from ..state import ServerState
@@ -54,8 +54,9 @@ class MessagesServing(ServingCore):
 
     async def count_tokens(self, req: CountTokensRequest) -> dict:
         self.check_model(req.model)
-        _, tok = self.ready()
-        return {"input_tokens": len(tok.encode(render_prompt(tok, messages_spec(req))))}
+        eng, tok = self.ready()
+        spec = messages_spec(req)
+        return {"input_tokens": len(prompt_token_ids(eng, tok.encode(render_prompt(tok, spec)), spec.images))}
 
     # ---------------------------------------------------------------- shapes
     def _message(self, run: ChatRun, blocks: list[dict]) -> dict:

@@ -20,7 +20,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..async_engine import EngineStepError, RequestSink
-from ..chat_spec import ChatSpec, grammar_for, guide_for, image_content, render_prompt, start_chat
+from ..chat_spec import (ChatSpec, grammar_for, guide_for, image_content, prompt_token_ids, render_prompt,
+                         start_chat)
 from ..core import AbortingStream, Delta, Job, ServingCore
 from ..errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
 from ..state import ServerState
@@ -213,6 +214,7 @@ class OpenAIServing(ServingCore):
             spec = chat_spec(ChatCompletionRequest(messages=req.messages, tools=req.tools,
                                                    chat_template_kwargs=req.chat_template_kwargs))
             ids = tok.encode(render_prompt(tok, spec), add_special_tokens=bool(req.add_special_tokens))
+            ids = prompt_token_ids(eng, ids, spec.images)  # each image's placeholder widened, as the engine runs it
         else:
             ids = tok.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens))
         body: dict[str, Any] = {"count": len(ids), "max_model_len": int(eng.max_model_len), "tokens": ids,

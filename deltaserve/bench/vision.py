@@ -1,0 +1,260 @@
+"""The image rows of `deltaserve bench throughput` (`--images 4,16`): the vision encoder's throughput and the
+time to first token of a prompt with images, cold and hit.
+
+  encoder@S     the vision encoder alone (the model's `visual`), BATCH S x S images a call, as the runner
+                calls it (all of a request's images at once): images/s
+  ttft@N cold   one request (max_tokens 1) with N S x S images, images never seen: decode, preprocess,
+                encode, prefill; seconds from submitting to the first token
+  ttft@N hit    the same request again: the prefix cache serves every block up to the text after the last
+                image (that text is longer than a block, so every placeholder sits in a cached block), the
+                encoder must not run (checked: the runner's encoder-run count), and the token and its
+                logprobs must be the cold run's, bit for bit (checked)
+
+The images are seeded random colour blocks (PNG), new ones for every cold run. The arm is its own engine
+(prefix caching on, --limit-mm-per-prompt at the largest N), run after the throughput arms have closed. A hit
+still decodes, preprocesses and hashes every image (the content hash its blocks are keyed by): that is most
+of a hit's time.
+
+With --peers llama.cpp, the ttft rows also run on llama.cpp's multimodal server (mtmd: llama-server with the
+vision tower converted by its own converter to an mmproj GGUF), its prompt cache on.
+"""
+from __future__ import annotations
+
+import io
+import json
+import random
+import time
+
+BATCH = 4  # images per encoder call in the encoder@S row
+
+
+def png(size: int, seed: int) -> bytes:
+    """A size x size PNG of seeded random colour blocks (something the processor resizes and normalises)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(rng.integers(0, 256, (size // 8, size // 8, 3), dtype=np.uint8)).resize((size, size))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+class ImageArm:
+    """deltaserve with prefix caching on and room for `max_images` images a request."""
+
+    name = "deltaserve"
+    size = 448  # the images' side (--image-size)
+
+    def __init__(self, model_dir: str, *, max_images: int, max_num_batched_tokens: int, kv_cache_memory: int,
+                 lo: int, hi: int):
+        from ..engine.llm import LLM
+
+        self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=1,
+                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True,
+                       limit_mm_per_prompt=json.dumps({"image": max_images, "video": 0}))
+        self.engine = self.llm.engine
+        if self.engine.vision is None:
+            raise RuntimeError(f"{model_dir} has no vision encoder")
+        vc = self.engine.vision_config
+        self.ids = vc.vision_start_token_id, vc.image_token_id, vc.vision_end_token_id
+        self.lo, self.hi = lo, hi
+        self.model_dir = model_dir
+
+    def _text(self, rng: random.Random, n: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < n:
+            t = rng.randrange(self.lo, self.hi)
+            if t not in self.ids:
+                out.append(t)
+        return out
+
+    def prompt(self, n_images: int, seed: int) -> tuple[list[int], list[bytes], int]:
+        """(ids, images, size): 32 text tokens, then per image its three template tokens and 8 text tokens, then
+        a block and 8 tokens of text, so that a hit serves every image's placeholders."""
+        rng = random.Random(seed)
+        start, pad, end = self.ids
+        ids = self._text(rng, 32)
+        for _ in range(n_images):
+            ids += [start, pad, end] + self._text(rng, 8)
+        ids += self._text(rng, self.engine.block_size + 8)
+        return ids, [png(self.size, seed * 1000 + k) for k in range(n_images)], self.size
+
+    def encoder(self, n: int, seed: int) -> float:
+        """Seconds of one encoder call over n size x size images (preprocessed before the clock starts)."""
+        import torch
+
+        from ..media.images import ImagePreprocessor, open_image
+
+        proc = ImagePreprocessor(self.model_dir)
+        done = [proc(open_image(png(self.size, seed + k))) for k in range(n)]
+        pixels = torch.cat([torch.from_numpy(p.pixels) for p in done])
+        grids = [p.grid for p in done]
+        with torch.inference_mode():
+            t = time.perf_counter()
+            self.engine.vision(pixels, grids)
+            return time.perf_counter() - t
+
+    def ttft(self, ids: list[int], images: list[bytes]) -> tuple[float, dict]:
+        """Seconds to the first token of one request, and what it did: cached tokens, encoder runs, its token
+        and logprobs."""
+        from ..engine.sampling_params import SamplingParams
+
+        media = self.engine.runner.media
+        runs = media.encoder_runs
+        t = time.perf_counter()
+        out = self.llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
+                                SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
+        dt = time.perf_counter() - t
+        o = out.outputs[0]
+        return dt, {"cached": out.num_cached_tokens, "prompt": len(out.prompt_token_ids or ()),
+                    "encoder_runs": media.encoder_runs - runs, "token": list(o.token_ids), "logprobs": repr(o.logprobs)}
+
+    def close(self) -> None:
+        self.llm.close()
+        self.llm = self.engine = None
+
+
+class LlamaCppImageArm:
+    """llama.cpp's multimodal server (mtmd): llama-server on the checkpoint's bf16 GGUF with its vision tower as
+    an mmproj GGUF (peers/llama_cpp.py ensure_mmproj), one slot, its prompt cache on (what a hit needs). A request
+    is a chat of the same shape as ours (text, each image with 8 words after it, then a block's worth of words),
+    rendered by its own template; TTFT is the wall time of a max_tokens=1 request, as ours."""
+
+    name = "llama.cpp-bf16"
+
+    def __init__(self, model_dir: str, *, args, block: int, log_dir: str, progress):
+        import os
+
+        from .peers.llama_cpp import LlamaServer, ensure_gguf, ensure_mmproj
+
+        log = os.path.join(log_dir, f"llama.cpp-{os.path.basename(os.path.normpath(model_dir))}-mtmd.log")
+        progress(f"{self.name}: converting the checkpoint and its vision tower to GGUF (cached)")
+        gguf = ensure_gguf(model_dir, "bf16", root=args.llama_cpp_dir, log_path=log)
+        self.mmproj = ensure_mmproj(model_dir, root=args.llama_cpp_dir, log_path=log)
+        self.server = LlamaServer(gguf, ctx=8192 + 256 * max(args.images), slots=1, threads=args.llama_cpp_threads,
+                                  log_path=log, root=args.llama_cpp_dir, extra=("--mmproj", self.mmproj))
+        self.block, self.size = block, args.image_size
+
+    def request(self, n_images: int, seed: int) -> dict:
+        import base64
+
+        rng = random.Random(seed)
+        words = lambda k: " ".join(f"w{rng.randrange(1000)}" for _ in range(k))  # noqa: E731
+        parts = [{"type": "text", "text": words(16)}]
+        for k in range(n_images):
+            url = "data:image/png;base64," + base64.b64encode(png(self.size, seed * 1000 + k)).decode()
+            parts += [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": words(4)}]
+        parts.append({"type": "text", "text": words(self.block // 2 + 8)})
+        return {"messages": [{"role": "user", "content": parts}], "max_tokens": 1, "temperature": 0.0,
+                "cache_prompt": True}
+
+    def ttft(self, body: dict) -> tuple[float, dict]:
+        t = time.perf_counter()
+        r = self.server.post("/v1/chat/completions", body)
+        dt = time.perf_counter() - t
+        tm = r.get("timings") or {}
+        return dt, {"cached": int(tm.get("cache_n", 0)), "prompt": int((r.get("usage") or {}).get("prompt_tokens", 0))}
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def measure_llama_cpp(args, res, grid, progress) -> None:
+    """The ttft rows on llama.cpp's multimodal server (no encoder row: it has no call for the encoder alone)."""
+    import os
+
+    from .peers import PeerUnavailable
+
+    try:
+        arm = LlamaCppImageArm(grid.model_dir, args=args, block=128, log_dir=args.log_dir, progress=progress)
+    except (PeerUnavailable, OSError, RuntimeError) as e:
+        res.vision[(grid.preset, "images", "llama.cpp-bf16")] = {"error": str(e)[:300]}
+        progress(f"{grid.preset}: llama.cpp's multimodal server could not start: {e}")
+        return
+    res.arm_info[(grid.preset, "llama.cpp-mtmd")] = {"mmproj": arm.mmproj, "mmproj_bytes": os.path.getsize(arm.mmproj),
+                                                     "startup_s": arm.server.startup_s}
+    try:
+        arm.ttft(arm.request(1, 999))  # warm-up
+        for rep in range(args.repeats):
+            for n in sorted(set(args.images)):
+                body = arm.request(n, 10_000 * (rep + 1) + n)
+                cold_s, cold = arm.ttft(body)
+                hit_s, hit = arm.ttft(body)
+                for label, s, what in ((f"ttft@{n} cold", cold_s, cold), (f"ttft@{n} hit", hit_s, hit)):
+                    key = (grid.preset, label, "llama.cpp-bf16")
+                    if key not in res.vision or s < res.vision[key]["value"]:
+                        res.vision[key] = {"value": s, "unit": "s", "note": f"{what['cached']} of {what['prompt']} "
+                                           "prompt tokens from its cache (llama-server bf16 + mmproj bf16)"}
+                progress(f"{grid.preset} llama.cpp ttft@{n}: cold {cold_s:.3f}s, hit {hit_s:.3f}s ({hit['cached']} cached)")
+    except Exception as e:  # noqa: BLE001
+        res.vision[(grid.preset, "images", "llama.cpp-bf16")] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        progress(f"{grid.preset}: llama.cpp's image rows failed: {e}")
+    finally:
+        arm.close()
+
+
+def measure(args, res, grid, progress) -> None:
+    """The image rows of one preset into res.vision: (preset, label) -> {"value", "unit", "note"}, best of the
+    repeats (images/s highest, seconds lowest); a row that failed gets its reason."""
+    counts = sorted(set(args.images))
+    try:
+        arm = ImageArm(grid.model_dir, max_images=max(counts), max_num_batched_tokens=grid.max_num_batched_tokens,
+                       kv_cache_memory=grid.kv_cache_memory, lo=grid.lo, hi=grid.hi)
+    except Exception as e:  # noqa: BLE001
+        res.vision[(grid.preset, "images", "deltaserve")] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        progress(f"{grid.preset}: the image arm could not start: {e}")
+        return
+    arm.size = args.image_size
+    S = arm.size
+
+    def best(rep: int, label: str, value: float, unit: str, note: str, higher: bool) -> None:
+        old = res.vision.get((grid.preset, label, "deltaserve"))
+        if old is None or (value > old["value"] if higher else value < old["value"]):
+            res.vision[(grid.preset, label, "deltaserve")] = {"value": value, "unit": unit, "note": note}
+        res.samples.append({"preset": grid.preset, "row": label, "engine": "deltaserve", "repeat": rep,
+                            "tokens": "", "seconds": round(value if unit == "s" else BATCH / value, 4),
+                            "tok_s": "", "load1": ""})
+
+    try:
+        progress(f"{grid.preset}: warming up the image arm")
+        arm.encoder(1, 999)
+        arm.ttft(*arm.prompt(1, 999)[:2])
+        for rep in range(args.repeats):
+            dt = arm.encoder(BATCH, 100 * rep)
+            best(rep, f"encoder@{S}", BATCH / dt, "images/s", f"{BATCH} images a call", True)
+            progress(f"{grid.preset} encoder@{S}: {BATCH / dt:.1f} images/s")
+            for n in counts:
+                ids, images, _ = arm.prompt(n, 10_000 * (rep + 1) + n)
+                cold_s, cold = arm.ttft(ids, images)
+                hit_s, hit = arm.ttft(ids, images)
+                same = hit["token"] == cold["token"] and hit["logprobs"] == cold["logprobs"]
+                if hit["encoder_runs"] != 0 or not same or hit["cached"] == 0:
+                    raise AssertionError(f"ttft@{n} hit: encoder runs {hit['encoder_runs']}, cached {hit['cached']}, "
+                                         f"bit-identical {same}")
+                best(rep, f"ttft@{n} cold", cold_s, "s", f"{cold['prompt']} prompt tokens, encoder ran "
+                     f"{cold['encoder_runs']}x", False)
+                best(rep, f"ttft@{n} hit", hit_s, "s", f"{hit['cached']} of {hit['prompt']} tokens cached, encoder ran "
+                     f"{hit['encoder_runs']}x, token and logprobs bit-identical to cold", False)
+                progress(f"{grid.preset} ttft@{n}: cold {cold_s:.3f}s, hit {hit_s:.3f}s ({hit['cached']} cached)")
+    except Exception as e:  # noqa: BLE001
+        res.vision[(grid.preset, "images", "deltaserve")] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        progress(f"{grid.preset}: the image rows failed: {e}")
+    finally:
+        arm.close()
+
+
+def render(res) -> list[str]:
+    """The image rows' table (none without --images): a row per (preset, row, engine), in the order measured."""
+    if not res.vision:
+        return []
+    lines = ["| preset | image row | engine | value | what it did |", "|---|---|---|---|---|"]
+    for (preset, label, engine), v in res.vision.items():
+        if "error" in v:
+            lines.append(f"| {preset} | {label} | {engine} | failed | {v['error']} |")
+        elif v["unit"] == "s":
+            lines.append(f"| {preset} | {label} | {engine} | {1000 * v['value']:,.0f} ms | {v['note']} |")
+        else:
+            lines.append(f"| {preset} | {label} | {engine} | {v['value']:,.{1 if v['value'] >= 10 else 2}f} {v['unit']} "
+                         f"| {v['note']} |")
+    return lines
