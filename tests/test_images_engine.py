@@ -237,3 +237,13 @@ def test_tensor_parallel_serves_the_text_of_a_multimodal_checkpoint(model_dir):
             gen(llm, image_prompt(random.Random(9), 1), [png(32, 32, 0)])
     finally:
         llm.engine.shutdown()
+
+
+def test_cache_hints_move_with_the_widened_placeholders():
+    """A hint (a position in the prompt the client sent, one placeholder per image) lands on the same place after
+    each placeholder run is widened to its image's tokens; one inside a run lands on its image's first token."""
+    from deltaserve.engine.images import PromptImages
+
+    # ids: 0..4 text, a 1-token run at 5, text 6..9, a 4-token run (already wide) at 10, text after
+    p = PromptImages(token_ids=[], images=[], grids=[(2, 3), (2, 2)], offsets=[5, 15], runs=((5, 1), (10, 4)))
+    assert p.widen((3, 5, 6, 9, 10, 12, 14, 20)) == (3, 5, 11, 14, 15, 15, 19, 25)
