@@ -695,6 +695,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("weights"), py::arg("projections"), py::arg("dims"), py::arg("eps"), py::arg("scale"))
       .def("run", &DecodeModel::run, py::arg("ids"), py::arg("conv"), py::arg("ssm"), py::arg("kv"), py::arg("slots"),
            py::arg("cos"), py::arg("sin"), py::arg("page_table"), py::arg("lengths"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("run_verify", &DecodeModel::run_verify, py::arg("ids"), py::arg("conv"), py::arg("ssm"), py::arg("kv"),
+           py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("page_table"), py::arg("lengths"),
+           py::arg("waves"), py::arg("order"), py::arg("log_conv"), py::arg("log_ssm"),
            py::call_guard<py::gil_scoped_release>());
   m.def("bf16_linear_available", &bf16_linear_available, "linear_bf16 usable (built with AVX2 + FMA or AVX-512)");
   m.def("kernel_isa", &kernel_isa, "the instruction set this build targets: avx512bf16, avx512, avx2 or none");
