@@ -118,8 +118,9 @@ class SpeculativePeer(DeltaservePeer):
     probability p (engine/speculative.py ScriptedDrafter; 1 = forced acceptance). The continuation is decoded plainly
     first, untimed. info gets the measured acceptance (accepted / drafted) of the latest decode."""
 
-    def __init__(self, model_dir: str, k: int, p: float | None, **kw):
-        super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+    def __init__(self, model_dir: str, k: int, p: float | None, adaptive: bool = True, **kw):
+        super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                                                        "adaptive": adaptive}, **kw)
         self.p = p
         self.mtp = self.engine.drafter
 
@@ -381,7 +382,9 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
     for p in (args.draft_accept if args.speculative else ()):  # one speculative arm per drafter acceptance
         name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}")
         try:
-            arms.append(SpeculativePeer(grid.model_dir, args.speculative, p, max_num_seqs=grid.max_seqs,
+            arms.append(SpeculativePeer(grid.model_dir, args.speculative, p,
+                                        adaptive=not getattr(args, "fixed_drafts", False),
+                                        max_num_seqs=grid.max_seqs,
                                         max_num_batched_tokens=grid.max_num_batched_tokens,
                                         kv_cache_memory=grid.kv_cache_memory, name=name))
             res.arm_info[(grid.preset, name)] = arms[-1].info
@@ -600,6 +603,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-accept", type=_accepts, default=[1.0, 0.7, 0.4, 0.0, None], metavar="P,..",
                    help="the speculative arms' drafters: each draft right with probability P (plain greedy's own "
                         "continuation; 1 = forced acceptance), or 'mtp' (the model's MTP layer) (default 1,0.7,0.4,0,mtp)")
+    p.add_argument("--fixed-drafts", action="store_true",
+                   help="the speculative arms draft K tokens every step (speculative_config adaptive false): "
+                        "at P = 0 the cost of verifying drafts that are all wrong, not of turning drafting off")
     p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
     p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
     p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")
