@@ -220,6 +220,28 @@ def test_verify_rule_matches_the_target_distribution_on_a_small_vocabulary():
     assert abs(accepted / n - p0[draft]) < 4 * (p0[draft] * (1 - p0[draft]) / n) ** 0.5
 
 
+def test_verify_of_plain_greedy_rows_in_one_argmax_is_row_by_row_sampling():
+    """verify() samples a plain greedy request without logprobs by one argmax over all its rows: the same tokens and
+    commits as sampling row by row (and a request with logprobs still samples row by row)."""
+    from deltaserve.engine.sampler import Sampler, SamplingState
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    best = torch.argmax(logits, dim=-1).tolist()
+    sampler = Sampler()
+    for drafts in ([best[0], best[1], best[2]], [best[0], (best[1] + 1) % 50, best[2]], [(best[0] + 1) % 50, 0, 0]):
+        for logprobs in (None, 2):
+            params = SamplingParams(temperature=0.0, max_tokens=100, logprobs=logprobs)
+            fast, slow = SamplingState.create(params), SamplingState.create(params)
+            outs = verify(sampler, logits, fast, drafts)
+            ref = []
+            for j in range(4):
+                ref.append(sampler.sample(logits[j: j + 1], [slow])[0])
+                if j == 3 or ref[-1].token_id != drafts[j]:
+                    break
+            assert outs == ref and fast.output_token_ids == slow.output_token_ids
+
+
 def test_adaptive_drafts_stop_when_they_do_not_pay_and_probe_back():
     a = Acceptance()
     assert a.next_k(3) == 3
