@@ -8,9 +8,10 @@
 // A speculative verify step (run_verify: decode spans of several tokens, docs/speculative.md) runs here too: a row
 // per token, every row with its own page-table row and length, so the linears, norms, MLP and attention are the
 // one-token step's calls over more rows (each row's bits its own: the kernels are row-wise batch-invariant). Its
-// GDN layers step the rows in waves as GDNMixer.forward does, the same conv_step / gdn_step calls on the same slots
-// in the same order, and copy each wave's states into the state log. Its rows come in wave order, so that a wave is
-// a block of rows of every buffer (views, nothing gathered); the result goes back to the step's order at the end.
+// GDN layers step each token as GDNMixer.forward's waves do, the same conv and recurrent arithmetic on the same slots
+// in each slot's token order, and copy the states after each token into the state log. Its rows come in wave order,
+// so that a wave is a block of rows of every buffer (views, nothing gathered); the result goes back to the step's
+// order at the end.
 //
 // Projections are lists of parts (DecodeModel::Part): packed bf16 weights (pack_bf16_weight), multiplied by
 // linear_bf16 or, where amx is set (the amx instruction set), linear_bf16_amx, as ops/linear.py does; packed fp8
@@ -144,12 +145,12 @@ struct DecodeModel::Views {
   std::vector<LayerViews> layers;
 };
 
-// A verify step's rows lie in wave order, so wave j is the rows [at_j, at_j + waves[j]) of every buffer: its GDN
+// A verify step's rows lie in wave order, so wave j is the rows [at_j, at_j + waves[j]) of every buffer: its conv
 // step reads and writes views of the step's buffers, with nothing gathered or scattered.
 struct DecodeModel::Waves {
   struct Wave {
     int64_t at, n;
-    at::Tensor rows, xc, q, k, v, g, beta, o;  // the wave's rows of a GDN layer's tensors (LayerViews')
+    at::Tensor rows, xc;  // the wave's rows of the step (indices) and of a GDN layer's conv output
   };
   std::vector<std::vector<Wave>> layers;  // [layer][wave]: empty for an attention layer
 };
@@ -252,9 +253,7 @@ DecodeModel::Waves& DecodeModel::waves(int64_t B, const std::vector<int64_t>& si
       const LayerViews& lv = v.layers[li];
       int64_t at = 0;
       for (int64_t n : sizes) {
-        layer.push_back({at, n, v.rows.narrow(0, at, n), lv.xc.narrow(0, at, n), lv.q.narrow(0, at, n),
-                         lv.k.narrow(0, at, n), lv.v.narrow(0, at, n), lv.g.narrow(0, at, n),
-                         lv.beta.narrow(0, at, n), lv.o.narrow(0, at, n)});
+        layer.push_back({at, n, v.rows.narrow(0, at, n), lv.xc.narrow(0, at, n)});
         at += n;
       }
     }
@@ -383,9 +382,21 @@ at::Tensor DecodeModel::step(const at::Tensor& ids, const std::vector<at::Tensor
   Views& v = views(B);
   Waves* ws = verify != nullptr ? &waves(B, verify->waves) : nullptr;
   std::vector<at::Tensor> wave_slots;  // each wave's slots, made once for every GDN layer
-  if (ws != nullptr)
-    for (int64_t at = 0, j = 0; j < int64_t(verify->waves.size()); at += verify->waves[j++])
+  ds::GdnSpans spans;                   // each span's rows in token order (wave order: a slot's rows come in order)
+  if (ws != nullptr) {
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    std::map<int64_t, std::vector<int64_t>> by_slot;
+    for (int64_t at = 0, j = 0; j < int64_t(verify->waves.size()); at += verify->waves[j++]) {
       wave_slots.push_back(slots.narrow(0, at, verify->waves[j]));
+      for (int64_t i = at; i < at + verify->waves[j]; ++i) by_slot[sl[i]].push_back(i);
+    }
+    spans.at.push_back(0);
+    for (const auto& [slot, rows] : by_slot) {
+      spans.slot.push_back(slot);
+      spans.rows.insert(spans.rows.end(), rows.begin(), rows.end());
+      spans.at.push_back(int64_t(spans.rows.size()));
+    }
+  }
   const auto* ep = embed_.data_ptr<at::BFloat16>();  // F.embedding: a row copy
   auto* xp = v.x.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < B; ++i) std::memcpy(xp + i * H, ep + ip[i] * H, H * sizeof(at::BFloat16));
@@ -401,27 +412,26 @@ at::Tensor DecodeModel::step(const at::Tensor& ids, const std::vector<at::Tensor
       if (ws == nullptr) {
         ds::conv_step_into(lv.conv_in, v.rows, l.w[2], conv_state, slots, lv.xc);
         ds::gdn_step_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, slots, lv.o);
-      } else {  // GDNMixer.forward's waves: each a decode step of its rows, then its states into the log
-        const at::Tensor &log_conv = verify->conv[gi], &log_ssm = verify->ssm[gi];
+      } else {
+        // GDNMixer.forward's waves: each a decode step of its rows, then its states into the log. The conv steps
+        // run wave by wave; the recurrent steps run span by span (gdn_span_into: a head's state block stays in
+        // cache through its span's tokens instead of crossing memory once per wave). The conv and recurrent
+        // states are apart, so the order between their steps changes no bits; each token's are the wave's.
+        const at::Tensor& log_conv = verify->conv[gi];
         const int64_t positions = log_conv.size(1);
-        const int64_t cb = conv_state.stride(0) * conv_state.element_size(), sb = state.stride(0) * 4;  // a slot's
+        const int64_t cb = conv_state.stride(0) * conv_state.element_size();  // a slot's bytes
         const auto* cp = static_cast<const char*>(conv_state.data_ptr());
-        const auto* spp = static_cast<const char*>(state.data_ptr());
         auto* lcp = static_cast<char*>(log_conv.data_ptr());
-        auto* lsp = static_cast<char*>(log_ssm.data_ptr());
         const int64_t* sl = slots.data_ptr<int64_t>();
         for (size_t j = 0; j < ws->layers[li].size(); ++j) {
           Waves::Wave& w = ws->layers[li][j];
-          const at::Tensor& wslots = wave_slots[j];
-          ds::conv_step_into(lv.conv_in, w.rows, l.w[2], conv_state, wslots, w.xc);
-          ds::gdn_step_into(w.q, w.k, w.v, w.g, w.beta, state, wslots, w.o);
+          ds::conv_step_into(lv.conv_in, w.rows, l.w[2], conv_state, wave_slots[j], w.xc);
           if (int64_t(j) < positions)  // the last token's state stays in the slot: it needs no entry
-            for (int64_t i = w.at; i < w.at + w.n; ++i) {
-              const int64_t e = sl[i] * positions + int64_t(j);  // log[slot, j]
-              std::memcpy(lcp + e * cb, cp + sl[i] * cb, cb);
-              std::memcpy(lsp + e * sb, spp + sl[i] * sb, sb);
-            }
+            for (int64_t i = w.at; i < w.at + w.n; ++i)
+              std::memcpy(lcp + (sl[i] * positions + int64_t(j)) * cb, cp + sl[i] * cb, cb);  // log[slot, j]
         }
+        spans.log = &verify->ssm[gi];
+        ds::gdn_span_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, spans, lv.o);
       }
       gated_rms_norm_into(lv.o, lv.z, l.w[5], l.eps, lv.core);
       ++gi;

@@ -236,6 +236,15 @@ void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::T
                           const at::Tensor& lengths, double scale, at::Tensor& out);
 void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                    const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out);
+// The tokens of verify spans (rows of q, k, v, g, beta, out): span s is rows[at[s] .. at[s + 1]) in token order, on
+// state slot slot[s]; log (may be null): [S, positions, H, dv, dk] fp32, the state after the span's t-th token
+// copied to [slot, t] for t < positions. Each token's bits are gdn_step_into's for that token alone.
+struct GdnSpans {
+  std::vector<int64_t> at, rows, slot;
+  const at::Tensor* log = nullptr;
+};
+void gdn_span_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, at::Tensor& state, const GdnSpans& spans, at::Tensor& out);
 void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
                     const at::Tensor& slots, at::Tensor& out);
 }  // namespace ds
