@@ -15,10 +15,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's deltaserve
 
-import torch  # noqa: E402
-from deltaserve import LLM, SamplingParams  # noqa: E402
-from deltaserve.embedded.model import ensure_model  # noqa: E402
-from deltaserve.engine.speculative import ScriptedDrafter  # noqa: E402
+import torch
+
+from deltaserve import LLM, SamplingParams
+from deltaserve.embedded.model import ensure_model
+from deltaserve.engine.speculative import ScriptedDrafter
 
 preset, ntok, reps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = LLM(ensure_model(preset), dtype="bfloat16", kv_cache_memory=512 << 20, max_num_seqs=1,
