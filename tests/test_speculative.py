@@ -374,3 +374,17 @@ def test_drafted_equals_plain_on_block_fp8_weights(compiled_verify):
     got, (drafted, accepted, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts, params=params)])
     assert got == ref and 0 < accepted < drafted
     assert compiled_verify and all(compiled_verify)
+
+
+def test_fixed_drafts_draft_k_every_step():
+    """"adaptive": false: K drafts every step even when none is ever accepted (the rule would turn them off), the
+    outputs still plain decoding's."""
+    rng = random.Random(12)
+    prompt = random_tokens(rng, 40)
+    params = greedy(max_tokens=20, logprobs=None)
+    ref = signature(run(make_llm(enable_prefix_caching=False), [prompt], params=params)[0])
+    llm = make_llm(enable_prefix_caching=False,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
+    llm.engine.drafter = ScriptedDrafter({tuple(prompt): ref[0]}, p=0.0, vocab_size=VOCAB)
+    out, (drafted, accepted, steps) = counted(llm, lambda: signature(run(llm, [prompt], params=params)[0]))
+    assert out == ref and accepted == 0 and steps >= 15 and drafted >= 3 * (steps - 2)  # max_tokens caps the last
