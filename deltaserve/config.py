@@ -346,6 +346,9 @@ class SpeculativeConfig:
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
+    # drafts per step by each request's acceptance (engine/speculative.py Acceptance); false: always
+    # num_speculative_tokens (the worst case of a drafter that is always wrong, as a benchmark measures it)
+    adaptive: bool = True
 
     METHODS = ("mtp",)
 
@@ -356,6 +359,8 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], not {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"--speculative-config: adaptive must be true or false, not {self.adaptive!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

@@ -143,8 +143,11 @@ def test_speculative_config_is_vllms_json_and_refuses_unknown_keys():
     assert EngineConfig(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).speculative_config == \
         SpeculativeConfig("mtp", 3)
     assert EngineConfig().speculative_config is None
+    assert SpeculativeConfig.parse('{"num_speculative_tokens": 3, "adaptive": false}').adaptive is False
+    assert SpeculativeConfig.parse('{"num_speculative_tokens": 3}').adaptive is True
     for bad, match in (('{"method": "eagle", "num_speculative_tokens": 2}', "method"),
                        ('{"method": "mtp", "num_speculative_tokens": 0}', "num_speculative_tokens"),
+                       ('{"method": "mtp", "adaptive": "no"}', "adaptive"),
                        ('{"method": "mtp", "num_speculative_tokens": 2, "draft_tp": 1}', "unknown key"),
                        ("mtp", "not a JSON object")):
         with pytest.raises(ConfigError, match=match):

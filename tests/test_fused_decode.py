@@ -127,3 +127,86 @@ def test_the_program_follows_weights_changed_in_place(model, monkeypatch):
     finally:
         mixer.A_log.copy_(keep[0])
         mixer.conv_weight.copy_(keep[1])
+
+
+# ---- verify spans (speculative decoding: docs/speculative.md) ----------------------------------------------------
+
+def _with_state_log(caches, positions: int):
+    """caches with the runner's state log: log tensors beside conv / ssm, written by CacheStore.log_states (the
+    op-table path's writer) or by the compiled verify step itself."""
+    import functools
+    from types import SimpleNamespace
+
+    from deltaserve.runner.cache import CacheStore
+
+    caches.log_conv = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype) for t in caches.conv]
+    caches.log_ssm = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype) for t in caches.ssm]
+    store = SimpleNamespace(conv=caches.conv, ssm=caches.ssm, log_conv=caches.log_conv, log_ssm=caches.log_ssm)
+    caches.log_state = functools.partial(CacheStore.log_states, store)
+    return caches
+
+
+def _verify_run(model, fused: bool, monkeypatch, drafts: tuple[tuple[int, ...], ...], positions: int = 3):
+    """Three sequences prefilled, then verify steps: at step t sequence i decodes its last token and drafts[t][i]
+    draft tokens (0: a plain one-token span; None: it waits), every draft kept (the next step goes on after it).
+    Returns the logits of every step's rows, the caches, a copy of the state log after each step and which steps
+    the compiled call computed."""
+    from model_driver import Sequence, make_caches, step
+
+    calls = []
+    real = program.decode_step
+
+    def spy(*a):
+        out = real(*a) if fused else None
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(program, "decode_step", spy)
+    caches = _with_state_log(make_caches(model, num_slots=5, num_pages=16, block_size=64), positions)
+    seqs = [Sequence(slot=4, pages=[5, 1]), Sequence(slot=0, pages=[0, 7]), Sequence(slot=2, pages=[4, 2, 9])]
+    ids = list(range(100, 170))
+    out = step(model, caches, [(s, ids[:n], False) for s, n in zip(seqs, (70, 61, 62))])  # 61, 62: page edges next
+    toks = [int(o[-1].argmax()) for o in out]
+    logits, logs = [], []
+    for t, ks in enumerate(drafts):
+        work = [(s, [tok] + [(tok * 7 + 13 * j + t) % 4000 for j in range(1, k + 1)], True)
+                for s, tok, k in zip(seqs, toks, ks) if k is not None]
+        out = step(model, caches, work)
+        logits.append(torch.cat(out))
+        logs.append([t.clone() for t in caches.log_conv + caches.log_ssm])
+        j = 0
+        for i, k in enumerate(ks):
+            if k is not None:
+                toks[i] = int(out[j][-1].argmax())
+                j += 1
+    monkeypatch.setattr(program, "decode_step", real)
+    return torch.cat(logits), caches, logs, calls
+
+
+@pytest.mark.parametrize("drafts", [
+    ((1,), (2,), (3,), (3,)),  # batch 1, k = 1, 2, 3
+    ((3, 1, 2), (2, None, 3), (0, 3, 1), (3, 3, 3), (1, 0, None)),  # mixed span lengths, plain spans among them
+], ids=["batch1", "mixed"])
+def test_the_compiled_verify_step_has_the_op_table_bits(model, monkeypatch, drafts):
+    """Verify spans in the compiled call (DecodeModel.run_verify): every row's logits, the KV pages, the conv and GDN
+    slots and the state log after every step are the op-table path's bits; the steps really took the call."""
+    fused, fc, flog, calls = _verify_run(model, True, monkeypatch, drafts)
+    plain, pc, plog, _ = _verify_run(model, False, monkeypatch, drafts)
+    assert calls == [False] + [True] * len(drafts)
+    assert torch.equal(fused, plain)
+    for a, b in zip(fc.kv + fc.conv + fc.ssm, pc.kv + pc.conv + pc.ssm):
+        assert torch.equal(a, b)
+    for step_f, step_p in zip(flog, plog):
+        for a, b in zip(step_f, step_p):
+            assert torch.equal(a, b)
+    assert any(t.abs().sum() > 0 for t in flog[-1])  # the log was written
+
+
+def test_a_verify_step_without_a_state_log_takes_the_op_table_path(model):
+    """No log tensors (a caller that logs through log_state alone): the compiled call declines the step."""
+    from deltaserve.model.batch import ForwardBatch
+    from model_driver import make_caches
+
+    caches = make_caches(model, num_slots=2, num_pages=4, block_size=64)
+    batch = ForwardBatch.build([([5, 6, 7], 10, 1, [0], True, ())])
+    assert program.decode_step(model, batch, caches) is None

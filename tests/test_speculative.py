@@ -31,6 +31,23 @@ def counted(llm, fn):
                  b.spec_decode_num_drafts - a.spec_decode_num_drafts)
 
 
+@pytest.fixture
+def compiled_verify(monkeypatch):
+    """Whether each verify step ran in the model's compiled decode call (model/fused.py), appended as it runs: the
+    gates below assert they all did, so they hold for that path and not only for the op table's."""
+    from deltaserve.model import fused
+
+    taken, real = [], fused._verify_step
+
+    def spy(*a):
+        out = real(*a)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(fused, "_verify_step", spy)
+    return taken
+
+
 @pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(11)
@@ -49,7 +66,7 @@ def plain_ref(prompts):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_drafted_equals_plain_mtp_and_controls(k, prompts, plain_ref):
+def test_drafted_equals_plain_mtp_and_controls(k, prompts, plain_ref, compiled_verify):
     llm = spec(k, enable_prefix_caching=False)
     params = greedy(max_tokens=MAX_TOKENS)
     cont = {tuple(p): r[0] for p, r in zip(prompts, plain_ref)}
@@ -77,9 +94,10 @@ def test_drafted_equals_plain_mtp_and_controls(k, prompts, plain_ref):
     assert len(st.spec_decode_accepted_per_pos) == k and sum(st.spec_decode_accepted_per_pos) == \
         st.spec_decode_num_accepted_tokens
     assert st.pages_used == 0 and st.slots_used == 0
+    assert compiled_verify and all(compiled_verify)
 
 
-def test_drafted_equals_plain_across_block_ends_with_caching_and_a_prefix_hit():
+def test_drafted_equals_plain_across_block_ends_with_caching_and_a_prefix_hit(compiled_verify):
     """Caching on: verify steps stop short of each block's end (no checkpoint or block from a draft), blocks published
     by the steps that complete them; a second turn hits the first turn's prompt and re-prefilled outputs."""
     rng = random.Random(5)
@@ -102,6 +120,7 @@ def test_drafted_equals_plain_across_block_ends_with_caching_and_a_prefix_hit():
     assert signature(out) == ref2
     assert llm.engine.stats().prefix_cache_hits - hits >= 256 and 0 < accepted < drafted
     assert out.num_cached_tokens >= 256
+    assert compiled_verify and all(compiled_verify)
 
 
 def _log_bytes(slots: int, k: int) -> int:
@@ -118,7 +137,7 @@ def test_the_state_log_comes_out_of_the_cache_budget():
     assert drafted.engine.pool.num_pages < plain.engine.pool.num_pages
 
 
-def test_preempted_while_speculating_equals_uninterrupted():
+def test_preempted_while_speculating_equals_uninterrupted(compiled_verify):
     from test_engine import _budget_for_pages
 
     rng = random.Random(3)
@@ -133,6 +152,7 @@ def test_preempted_while_speculating_equals_uninterrupted():
     assert small.engine.stats().preemptions > 0 and 0 < accepted < drafted
     assert [signature(o)[0] for o in outs] == ref
     assert small.engine.stats().pages_used == 0 and small.engine.stats().slots_used == 0
+    assert compiled_verify and all(compiled_verify)
 
 
 def test_preempted_with_caching_resumes_bit_exactly():
@@ -149,7 +169,7 @@ def test_preempted_with_caching_resumes_bit_exactly():
     assert [signature(o) for o in outs] == ref
 
 
-def test_seeded_sampling_with_drafts_is_plain_sampling_bit_for_bit():
+def test_seeded_sampling_with_drafts_is_plain_sampling_bit_for_bit(compiled_verify):
     rng = random.Random(7)
     prompts = [random_tokens(rng, n) for n in (10, 90, 200)]
     params = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, max_tokens=30, logprobs=3, ignore_eos=True)
@@ -161,6 +181,7 @@ def test_seeded_sampling_with_drafts_is_plain_sampling_bit_for_bit():
     assert got == ref and 0 < accepted < drafted
     again = [signature(o) for o in run(llm, prompts, params=params)]  # reproducible
     assert again == ref
+    assert compiled_verify and all(compiled_verify)
     llm.engine.drafter = ScriptedDrafter({}, vocab_size=VOCAB)  # no drafts at all
     assert [signature(o) for o in run(llm, prompts, params=params)] == ref
 
@@ -197,6 +218,28 @@ def test_verify_rule_matches_the_target_distribution_on_a_small_vocabulary():
     assert _chi_square(first, p0) < 24.3
     assert _chi_square(second, p1) < 24.3
     assert abs(accepted / n - p0[draft]) < 4 * (p0[draft] * (1 - p0[draft]) / n) ** 0.5
+
+
+def test_verify_of_plain_greedy_rows_in_one_argmax_is_row_by_row_sampling():
+    """verify() samples a plain greedy request without logprobs by one argmax over all its rows: the same tokens and
+    commits as sampling row by row (and a request with logprobs still samples row by row)."""
+    from deltaserve.engine.sampler import Sampler, SamplingState
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 50, generator=g)
+    best = torch.argmax(logits, dim=-1).tolist()
+    sampler = Sampler()
+    for drafts in ([best[0], best[1], best[2]], [best[0], (best[1] + 1) % 50, best[2]], [(best[0] + 1) % 50, 0, 0]):
+        for logprobs in (None, 2):
+            params = SamplingParams(temperature=0.0, max_tokens=100, logprobs=logprobs)
+            fast, slow = SamplingState.create(params), SamplingState.create(params)
+            outs = verify(sampler, logits, fast, drafts)
+            ref = []
+            for j in range(4):
+                ref.append(sampler.sample(logits[j: j + 1], [slow])[0])
+                if j == 3 or ref[-1].token_id != drafts[j]:
+                    break
+            assert outs == ref and fast.output_token_ids == slow.output_token_ids
 
 
 def test_adaptive_drafts_stop_when_they_do_not_pay_and_probe_back():
@@ -316,7 +359,7 @@ def test_a_stop_inside_a_verify_step_drops_the_tokens_after_it():
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
-def test_drafted_equals_plain_on_block_fp8_weights():
+def test_drafted_equals_plain_on_block_fp8_weights(compiled_verify):
     """A -FP8 checkpoint: its MTP layer's linears are block-FP8 too (model/make.py quantize_state_dict)."""
     from deltaserve.embedded.model import ensure_model
 
@@ -330,3 +373,18 @@ def test_drafted_equals_plain_on_block_fp8_weights():
     llm.engine.drafter = ScriptedDrafter({tuple(p): r[0] for p, r in zip(prompts, ref)}, p=0.7, vocab_size=VOCAB)
     got, (drafted, accepted, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts, params=params)])
     assert got == ref and 0 < accepted < drafted
+    assert compiled_verify and all(compiled_verify)
+
+
+def test_fixed_drafts_draft_k_every_step():
+    """"adaptive": false: K drafts every step even when none is ever accepted (the rule would turn them off), the
+    outputs still plain decoding's."""
+    rng = random.Random(12)
+    prompt = random_tokens(rng, 40)
+    params = greedy(max_tokens=20, logprobs=None)
+    ref = signature(run(make_llm(enable_prefix_caching=False), [prompt], params=params)[0])
+    llm = make_llm(enable_prefix_caching=False,
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 3, "adaptive": False})
+    llm.engine.drafter = ScriptedDrafter({tuple(prompt): ref[0]}, p=0.0, vocab_size=VOCAB)
+    out, (drafted, accepted, steps) = counted(llm, lambda: signature(run(llm, [prompt], params=params)[0]))
+    assert out == ref and accepted == 0 and steps >= 15 and drafted >= 3 * (steps - 2)  # max_tokens caps the last

@@ -122,10 +122,21 @@ class SpeculativePeer(DeltaservePeer):
     probability p (engine/speculative.py ScriptedDrafter; 1 = forced acceptance). The continuation is decoded plainly
     first, untimed. info gets the measured acceptance (accepted / drafted) of the latest decode."""
 
-    def __init__(self, model_dir: str, k: int, p: float | None, **kw):
-        super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+    def __init__(self, model_dir: str, k: int, p: float | None, adaptive: bool = True, **kw):
+        super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                                                        "adaptive": adaptive}, **kw)
         self.p = p
         self.mtp = self.engine.drafter
+
+    @classmethod
+    def sharing(cls, other: SpeculativePeer, p: float | None, name: str, index: int) -> SpeculativePeer:
+        """An arm of another drafter acceptance on other's engine: the arms differ only by the drafter each sets
+        before it decodes, and one 0.8B engine per arm did not fit beside the peers in the VM's memory. index
+        keeps the arms' request ids apart (a request's acceptance is kept by its id)."""
+        arm = cls.__new__(cls)
+        arm.__dict__.update(other.__dict__)
+        arm.name, arm.p, arm._n, arm.step_s, arm.info = name, p, index * 10**6, [], dict(other.info)
+        return arm
 
     def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         from ..engine.speculative import ScriptedDrafter
@@ -393,12 +404,19 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
             res.arm_info[(grid.preset, name)] = arms[-1].info
         except Exception as e:  # noqa: BLE001
             _cannot_start(res, grid.preset, name, e)
-    for p in (args.draft_accept if args.speculative else ()):  # one speculative arm per drafter acceptance
+    first = None  # the speculative arms share the first one's engine
+    for i, p in enumerate(args.draft_accept if args.speculative else ()):  # an arm per drafter acceptance
         name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}")
+        if first is not None:
+            arms.append(SpeculativePeer.sharing(first, p, name, i))
+            res.arm_info[(grid.preset, name)] = arms[-1].info
+            continue
         try:
-            arms.append(SpeculativePeer(grid.model_dir, args.speculative, p, max_num_seqs=grid.max_seqs,
-                                        max_num_batched_tokens=grid.max_num_batched_tokens,
-                                        kv_cache_memory=grid.kv_cache_memory, name=name))
+            arms.append(first := SpeculativePeer(grid.model_dir, args.speculative, p,
+                                                 adaptive=not getattr(args, "fixed_drafts", False),
+                                                 max_num_seqs=grid.max_seqs,
+                                                 max_num_batched_tokens=grid.max_num_batched_tokens,
+                                                 kv_cache_memory=grid.kv_cache_memory, name=name))
             res.arm_info[(grid.preset, name)] = arms[-1].info
         except Exception as e:  # noqa: BLE001
             _cannot_start(res, grid.preset, name, e)
@@ -620,6 +638,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a prompt with N images, cold and hit (the hit must skip the encoder and match cold bit for "
                         "bit); e.g. 4,16. With --prefill-lens= --streams= only the image rows run")
     p.add_argument("--image-size", type=int, default=448, help="the images' side in pixels (default 448)")
+    p.add_argument("--fixed-drafts", action="store_true",
+                   help="the speculative arms draft K tokens every step (speculative_config adaptive false): "
+                        "at P = 0 the cost of verifying drafts that are all wrong, not of turning drafting off")
     p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
     p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
     p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")

@@ -488,7 +488,9 @@ class LLMEngine:
             tokens = req.all_token_ids
             self.drafter.observe(w.request_id, start, rows[:kept], tokens)
             if w.request_id in sampled and req.num_computed_tokens == req.num_tokens - 1:
-                k = self._acceptance.setdefault(w.request_id, Acceptance()).next_k(self.spec.num_speculative_tokens)
+                k = self.spec.num_speculative_tokens
+                if self.spec.adaptive:
+                    k = self._acceptance.setdefault(w.request_id, Acceptance()).next_k(k)
                 req.draft_token_ids = self.drafter.propose(w.request_id, tokens, k) if k else []
 
     def _append(self, live: _Live, s, now: float) -> None:

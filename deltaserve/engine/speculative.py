@@ -21,6 +21,8 @@ from typing import Protocol, Sequence
 
 import torch
 
+from .sampler import SampleOut
+
 
 class Drafter(Protocol):
     def observe(self, request_id: str, start: int, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
@@ -149,6 +151,16 @@ def verify(sampler, logits: torch.Tensor, state, drafts: Sequence[int]) -> list:
     row j - 1 equals drafts[j - 1]. logits [len(drafts) + 1, V]. Each row is sampled alone, exactly as sample() samples
     a plain decode row (the module docstring: the rule, and why it is the standard one)."""
     assert logits.shape[0] == len(drafts) + 1, "a row per token of the verify span"
+    if sampler._plain_greedy(state) and state.params.logprobs is None:
+        # every row is then plain greedy too (accepting tokens adds no penalty, guide or min_tokens stop): one argmax
+        # over all rows gives the ids sample() gives row by row, and commits them as it does
+        outs = []
+        for j, token in enumerate(sampler.argmax(logits).tolist()):
+            state.accept(token)
+            outs.append(SampleOut(token_id=token))
+            if j == len(drafts) or token != drafts[j]:
+                break
+        return outs
     outs = []
     for j in range(len(drafts) + 1):
         out = sampler.sample(logits[j: j + 1], [state])[0]

@@ -5,7 +5,7 @@ Built by the model runner from a StepPlan; consumed by the model's forward.
 from __future__ import annotations
 
 import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
@@ -165,3 +165,7 @@ class Caches:
     # log_state(l, j, slots [B] int64): GDN layer l's live state in `slots` after the j-th token of their verify spans
     # (the per-position state log, CacheStore.log_states); needed by decode spans longer than one token
     log_state: Callable[[int, int, torch.Tensor], None] | None = None
+    # the tensors log_state writes (CacheStore.log_conv / log_ssm: [l] [num_slots, positions, ...] beside conv[l] /
+    # ssm[l]), which the compiled verify step (model/fused.py) writes itself; empty: that step takes the op table
+    log_conv: list[torch.Tensor] = field(default_factory=list)
+    log_ssm: list[torch.Tensor] = field(default_factory=list)

@@ -105,12 +105,14 @@ def decode_program(model):
 
 
 def decode_step(model, batch, caches) -> torch.Tensor | None:
-    """hidden [B, H] (final norm applied) for a step whose every span is a decode span, its rows in order, in one
-    compiled call; None when the step is not one or the model does not qualify (the caller takes the op-table
-    path)."""
+    """hidden [T, H] (final norm applied) for a step whose every span is a decode span (of one token, or a verify
+    span of several), its rows in order, in one compiled call; None when the step is not one or the model does not
+    qualify (the caller takes the op-table path)."""
     spans = batch.spans
-    if not spans or not spans[0].is_decode or any(s.length != 1 for s in spans):  # prefill spans first; verify
-        return None  # spans (several tokens) take the op-table path, which steps them in waves
+    if not spans or not spans[0].is_decode:  # prefill spans come first
+        return None
+    if any(s.length != 1 for s in spans):
+        return _verify_step(model, batch, caches)
     program = decode_program(model)
     if program is None:
         return None
@@ -122,3 +124,39 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
     cos, sin = model.rotary(batch.positions, batch.rope_end or max(s.pos for s in spans) + 1)
     return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin,
                        batch.decode_page_table(), lengths)
+
+
+def _verify_step(model, batch, caches) -> torch.Tensor | None:
+    """decode_step for a step with verify spans (docs/speculative.md): DecodeModel.run_verify over the step's rows in
+    wave order (wave j: the j-th token of every span that long, as the op-table path steps the GDN layers), each row
+    with its span's slot and page table and its own length (position + 1), the GDN states after each wave logged
+    into the caches' state log. None where the op-table path must run it (no program, no state log)."""
+    program = decode_program(model)
+    if program is None or not caches.conv or len(caches.log_conv) != len(caches.conv) \
+            or len(caches.log_ssm) != len(caches.ssm):
+        return None
+    batch.check(caches.block_size)  # every span a decode span of one token or more now
+    order, slots, pos, table_rows, waves = [], [], [], [], []
+    start = 0
+    for s in batch.spans:
+        if s.start != start:
+            return None
+        start += s.length
+    for j in range(max(s.length for s in batch.spans)):
+        n = len(order)
+        for i, s in enumerate(batch.spans):
+            if s.length > j:
+                order.append(s.start + j)
+                slots.append(s.slot)
+                pos.append(s.pos + j)
+                table_rows.append(i)
+        waves.append(len(order) - n)
+    rows = long_tensor(order)
+    if len(batch.spans) == 1:  # one span: wave order is the step's order
+        ids, positions = batch.input_ids, batch.positions
+    else:
+        ids, positions = batch.input_ids.index_select(0, rows), batch.positions.index_select(0, rows)
+    table = batch.decode_page_table().index_select(0, long_tensor(table_rows))
+    cos, sin = model.rotary(positions, batch.rope_end or max(pos) + 1)
+    return program.run_verify(ids, caches.conv, caches.ssm, caches.kv, long_tensor(slots), cos, sin, table,
+                              long_tensor([p + 1 for p in pos]), waves, rows, caches.log_conv, caches.log_ssm)

@@ -51,7 +51,7 @@ class CacheStore:
 
     def caches(self) -> Caches:
         return Caches(kv=self.kv, conv=self.conv, ssm=self.ssm, block_size=self.block_size, save_state=self.save_layer,
-                      log_state=self.log_states)
+                      log_state=self.log_states, log_conv=self.log_conv, log_ssm=self.log_ssm)
 
     # ---- the per-position state log of speculative verify steps (docs/speculative.md) ----
     log_conv: list[torch.Tensor] = []  # [l] [num_slots, positions, K-1, conv_dim]: slot s's state after token j

@@ -423,11 +423,74 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_t
 
 // ---- gated delta rule, one decode token -------------------------------------------------------------------
 
+// One (row, value head) of the gated delta rule's decode step: qr, kr [dk] (the head's key head), vr [dv], the
+// gate g (its log) and beta, the head's state S [dv, dk] fp32 updated in place, o [dv]; qn, kn: dk floats of scratch
+template <typename T>
+inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, float* S, T* o, int64_t dv, int64_t dk,
+                     float qscale, float* qn, float* kn) {
+  // l2norm (x * rsqrt(sum x^2 + 1e-6)) in fp32, then q * dk^-0.5
+  float sq = 0.f, sk = 0.f;
+  for (int64_t i = 0; i < dk; ++i) {
+    const float a = to_f(qr[i]), c = to_f(kr[i]);
+    qn[i] = a; kn[i] = c;
+    sq += a * a; sk += c * c;
+  }
+  const float rq = 1.f / std::sqrt(sq + 1e-6f), rk = 1.f / std::sqrt(sk + 1e-6f);
+  for (int64_t i = 0; i < dk; ++i) { qn[i] = (qn[i] * rq) * qscale; kn[i] = kn[i] * rk; }
+  const float kq = dot(kn, qn, dk);
+  const float e = std::exp(g);
+  for (int64_t r = 0; r < dv; ++r) {
+    float* row = S + r * dk;
+#if defined(__AVX512F__)
+    if (dk % LANES == 0) {  // S k and S q in one pass over the row, then the row update
+      __m512 ak = _mm512_setzero_ps(), aq = _mm512_setzero_ps();
+      for (int64_t j = 0; j < dk; j += LANES) {
+        const __m512 x = _mm512_loadu_ps(row + j);
+        ak = _mm512_fmadd_ps(_mm512_loadu_ps(kn + j), x, ak);
+        aq = _mm512_fmadd_ps(_mm512_loadu_ps(qn + j), x, aq);
+      }
+      const float delta = (to_f(vr[r]) - _mm512_reduce_add_ps(ak) * e) * bt;
+      o[r] = from_f<T>(_mm512_reduce_add_ps(aq) * e + delta * kq);
+      const __m512 ve = _mm512_set1_ps(e), vd = _mm512_set1_ps(delta);
+      for (int64_t j = 0; j < dk; j += LANES)
+        _mm512_storeu_ps(row + j, _mm512_fmadd_ps(vd, _mm512_loadu_ps(kn + j),
+                                                  _mm512_mul_ps(_mm512_loadu_ps(row + j), ve)));
+      continue;
+    }
+#elif defined(DS_AVX2)
+    if (dk % 8 == 0) {  // as the AVX-512 branch, 8 lanes
+      __m256 ak = _mm256_setzero_ps(), aq = _mm256_setzero_ps();
+      for (int64_t j = 0; j < dk; j += 8) {
+        const __m256 x = _mm256_loadu_ps(row + j);
+        ak = _mm256_fmadd_ps(_mm256_loadu_ps(kn + j), x, ak);
+        aq = _mm256_fmadd_ps(_mm256_loadu_ps(qn + j), x, aq);
+      }
+      const float delta = (to_f(vr[r]) - hsum8(ak) * e) * bt;
+      o[r] = from_f<T>(hsum8(aq) * e + delta * kq);
+      const __m256 ve = _mm256_set1_ps(e), vd = _mm256_set1_ps(delta);
+      for (int64_t j = 0; j < dk; j += 8)
+        _mm256_storeu_ps(row + j, _mm256_fmadd_ps(vd, _mm256_loadu_ps(kn + j),
+                                                  _mm256_mul_ps(_mm256_loadu_ps(row + j), ve)));
+      continue;
+    }
+#endif
+    const float s_k = dot(kn, row, dk), s_q = dot(qn, row, dk);
+    const float delta = (to_f(vr[r]) - s_k * e) * bt;
+    o[r] = from_f<T>(s_q * e + delta * kq);
+    for (int64_t j = 0; j < dk; ++j) row[j] = std::fma(delta, kn[j], row[j] * e);
+  }
+}
+
 // q, k [B, Hk, dk], v [B, H, dv] (inner two dims contiguous, any row stride); g [B, H] fp32; beta [B, H];
-// state [S, H, dv, dk] fp32 contiguous; slots [B] int64; out [B, H, dv] in q's dtype
+// state [S, H, dv, dk] fp32 contiguous; slots [B] int64; out [B, H, dv] in q's dtype.
+// spans (gdn_span_into): rows are the tokens of spans, span s the rows span_rows[span_at[s] .. span_at[s + 1]) in
+// token order, its state the slot span_slot[s]; slots unused. Each (span, head) steps its tokens one after the
+// other on its state block (which stays in cache), so each token's arithmetic is gdn_item's, as a decode step of
+// that token alone computes it; after its t-th token (t < log.size(1)) the block is copied to log[slot, t].
 template <typename T>
 void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-              const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
+              const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out,
+              const ds::GdnSpans* spans = nullptr) {
   const int64_t B = v.size(0), H = v.size(1), dv = v.size(2), Hk = q.size(1), dk = q.size(2);
   const int64_t rep = H / Hk;
   const T* qp = reinterpret_cast<const T*>(q.data_ptr());
@@ -436,73 +499,40 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   const T* bp = reinterpret_cast<const T*>(beta.data_ptr());
   const float* gp = g.data_ptr<float>();
   float* sp = state.data_ptr<float>();
-  const int64_t* sl = slots.data_ptr<int64_t>();
   T* op = reinterpret_cast<T*>(out.data_ptr());
   const int64_t qs0 = q.stride(0), ks0 = k.stride(0), vs0 = v.stride(0), bs0 = beta.stride(0), gs0 = g.stride(0);
   const int64_t qs1 = q.stride(1), ks1 = k.stride(1), vs1 = v.stride(1);
   const float qscale = 1.f / std::sqrt(float(dk));  // python's dk ** -0.5 rounded to fp32
+  auto token = [&](int64_t b, int64_t h, float* S, float* qn, float* kn) {
+    gdn_item<T>(qp + b * qs0 + (h / rep) * qs1, kp + b * ks0 + (h / rep) * ks1, vp + b * vs0 + h * vs1,
+                gp[b * gs0 + h], to_f(bp[b * bs0 + h]), S, op + (b * H + h) * dv, dv, dk, qscale, qn, kn);
+  };
 
   const int64_t grain = B * H * dv * dk < kSerialBelow ? B * H : 1;
-  at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-    ds::LineBuffer qn(dk), kn(dk);  // on 64-byte lines (kernels.h)
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / H, h = item % H, hk = h / rep;
-      const T* qr = qp + b * qs0 + hk * qs1;
-      const T* kr = kp + b * ks0 + hk * ks1;
-      // l2norm (x * rsqrt(sum x^2 + 1e-6)) in fp32, then q * dk^-0.5
-      float sq = 0.f, sk = 0.f;
-      for (int64_t i = 0; i < dk; ++i) {
-        const float a = to_f(qr[i]), c = to_f(kr[i]);
-        qn[i] = a; kn[i] = c;
-        sq += a * a; sk += c * c;
+  if (spans == nullptr) {
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+      ds::LineBuffer qn(dk), kn(dk);  // on 64-byte lines (kernels.h)
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / H, h = item % H;
+        token(b, h, sp + (sl[b] * H + h) * dv * dk, qn.data(), kn.data());
       }
-      const float rq = 1.f / std::sqrt(sq + 1e-6f), rk = 1.f / std::sqrt(sk + 1e-6f);
-      for (int64_t i = 0; i < dk; ++i) { qn[i] = (qn[i] * rq) * qscale; kn[i] = kn[i] * rk; }
-      const float kq = dot(kn.data(), qn.data(), dk);
-      const float e = std::exp(gp[b * gs0 + h]);
-      const float bt = to_f(bp[b * bs0 + h]);
-      const T* vr = vp + b * vs0 + h * vs1;
-      float* S = sp + (sl[b] * H + h) * dv * dk;
-      T* o = op + (b * H + h) * dv;
-      for (int64_t r = 0; r < dv; ++r) {
-        float* row = S + r * dk;
-#if defined(__AVX512F__)
-        if (dk % LANES == 0) {  // S k and S q in one pass over the row, then the row update
-          __m512 ak = _mm512_setzero_ps(), aq = _mm512_setzero_ps();
-          for (int64_t j = 0; j < dk; j += LANES) {
-            const __m512 x = _mm512_loadu_ps(row + j);
-            ak = _mm512_fmadd_ps(_mm512_loadu_ps(kn.data() + j), x, ak);
-            aq = _mm512_fmadd_ps(_mm512_loadu_ps(qn.data() + j), x, aq);
-          }
-          const float delta = (to_f(vr[r]) - _mm512_reduce_add_ps(ak) * e) * bt;
-          o[r] = from_f<T>(_mm512_reduce_add_ps(aq) * e + delta * kq);
-          const __m512 ve = _mm512_set1_ps(e), vd = _mm512_set1_ps(delta);
-          for (int64_t j = 0; j < dk; j += LANES)
-            _mm512_storeu_ps(row + j, _mm512_fmadd_ps(vd, _mm512_loadu_ps(kn.data() + j),
-                                                      _mm512_mul_ps(_mm512_loadu_ps(row + j), ve)));
-          continue;
-        }
-#elif defined(DS_AVX2)
-        if (dk % 8 == 0) {  // as the AVX-512 branch, 8 lanes
-          __m256 ak = _mm256_setzero_ps(), aq = _mm256_setzero_ps();
-          for (int64_t j = 0; j < dk; j += 8) {
-            const __m256 x = _mm256_loadu_ps(row + j);
-            ak = _mm256_fmadd_ps(_mm256_loadu_ps(kn.data() + j), x, ak);
-            aq = _mm256_fmadd_ps(_mm256_loadu_ps(qn.data() + j), x, aq);
-          }
-          const float delta = (to_f(vr[r]) - hsum8(ak) * e) * bt;
-          o[r] = from_f<T>(hsum8(aq) * e + delta * kq);
-          const __m256 ve = _mm256_set1_ps(e), vd = _mm256_set1_ps(delta);
-          for (int64_t j = 0; j < dk; j += 8)
-            _mm256_storeu_ps(row + j, _mm256_fmadd_ps(vd, _mm256_loadu_ps(kn.data() + j),
-                                                      _mm256_mul_ps(_mm256_loadu_ps(row + j), ve)));
-          continue;
-        }
-#endif
-        const float s_k = dot(kn.data(), row, dk), s_q = dot(qn.data(), row, dk);
-        const float delta = (to_f(vr[r]) - s_k * e) * bt;
-        o[r] = from_f<T>(s_q * e + delta * kq);
-        for (int64_t j = 0; j < dk; ++j) row[j] = std::fma(delta, kn[j], row[j] * e);
+    });
+    return;
+  }
+  const std::vector<int64_t>&at = spans->at, &rows = spans->rows, &slot = spans->slot;
+  const int64_t n = int64_t(slot.size());
+  float* lp = spans->log != nullptr ? spans->log->data_ptr<float>() : nullptr;
+  const int64_t P = lp != nullptr ? spans->log->size(1) : 0, block = dv * dk;
+  at::parallel_for(0, n * H, n * H * block < kSerialBelow ? n * H : 1, [&](int64_t begin, int64_t end) {
+    ds::LineBuffer qn(dk), kn(dk);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t s = item / H, h = item % H;
+      float* S = sp + (slot[s] * H + h) * block;
+      for (int64_t t = at[s]; t < at[s + 1]; ++t) {
+        token(rows[t], h, S, qn.data(), kn.data());
+        if (t - at[s] < P)  // the last token's state stays in the slot: it needs no entry
+          std::memcpy(lp + ((slot[s] * P + (t - at[s])) * H + h) * block, S, block * sizeof(float));
       }
     }
   });
@@ -589,8 +619,10 @@ void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::T
   }
 }
 
-void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
+namespace {
+void gdn_checked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                 const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out,
+                 const GdnSpans* spans) {
   TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == q.size(0),
               "q, k [B, Hk, dk] and v [B, H, dv] expected");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "q, k, v: last dim must be contiguous");
@@ -603,21 +635,53 @@ void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   TORCH_CHECK(g.size(0) == B && g.size(1) == H && beta.size(0) == B && beta.size(1) == H, "g, beta shapes");
   TORCH_CHECK(state.scalar_type() == at::kFloat && state.is_contiguous() && state.dim() == 4 &&
               state.size(1) == H && state.size(2) == dv && state.size(3) == dk, "state must be fp32 [S, H, dv, dk]");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "slots must be int64 [B]");
-  {
+  if (spans == nullptr) {
+    TORCH_CHECK(slots.dim() == 1 && slots.size(0) == B && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+                "slots must be int64 [B]");
     const int64_t* sl = slots.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b) TORCH_CHECK(sl[b] >= 0 && sl[b] < state.size(0), "slot out of range");
+  } else {  // every row once, each span a slot of its own
+    const int64_t n = int64_t(spans->slot.size());
+    TORCH_CHECK(int64_t(spans->at.size()) == n + 1 && spans->at[0] == 0 && spans->at[n] == B &&
+                int64_t(spans->rows.size()) == B, "gdn spans: ", n, " spans over ", B, " rows");
+    std::vector<char> row_seen(B, 0), slot_seen(state.size(0), 0);
+    for (int64_t s = 0; s < n; ++s) {
+      TORCH_CHECK(spans->slot[s] >= 0 && spans->slot[s] < state.size(0) && !slot_seen[spans->slot[s]],
+                  "gdn spans: slot out of range or twice");
+      slot_seen[spans->slot[s]] = 1;
+      TORCH_CHECK(spans->at[s] < spans->at[s + 1], "gdn spans: an empty span");
+    }
+    for (int64_t r : spans->rows) {
+      TORCH_CHECK(r >= 0 && r < B && !row_seen[r], "gdn spans: rows are not a permutation");
+      row_seen[r] = 1;
+    }
+    if (spans->log != nullptr) {
+      const at::Tensor& log = *spans->log;
+      TORCH_CHECK(log.dim() == 5 && log.is_contiguous() && log.scalar_type() == at::kFloat &&
+                  log.size(0) == state.size(0) && log.size(2) == H && log.size(3) == dv && log.size(4) == dk,
+                  "the state log must be a contiguous fp32 [S, positions, H, dv, dk]");
+    }
   }
   TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == H && out.size(2) == dv && out.is_contiguous() &&
               out.scalar_type() == q.scalar_type(), "out must be a contiguous [B, H, dv] in q's dtype");
   if (q.scalar_type() == at::kFloat) {
-    gdn_impl<float>(q, k, v, g, beta, state, slots, out);
+    gdn_impl<float>(q, k, v, g, beta, state, slots, out, spans);
   } else if (q.scalar_type() == at::kBFloat16) {
-    gdn_impl<bf16_bits>(q, k, v, g, beta, state, slots, out);
+    gdn_impl<bf16_bits>(q, k, v, g, beta, state, slots, out, spans);
   } else {
     TORCH_CHECK(false, "gdn_decode_step: float32 or bfloat16 only");
   }
+}
+}  // namespace
+
+void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out) {
+  gdn_checked(q, k, v, g, beta, state, slots, out, nullptr);
+}
+
+void gdn_span_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                   const at::Tensor& beta, at::Tensor& state, const GdnSpans& spans, at::Tensor& out) {
+  gdn_checked(q, k, v, g, beta, state, at::Tensor(), out, &spans);
 }
 
 // out [B, C] in x's dtype, contiguous
@@ -695,6 +759,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("weights"), py::arg("projections"), py::arg("dims"), py::arg("eps"), py::arg("scale"))
       .def("run", &DecodeModel::run, py::arg("ids"), py::arg("conv"), py::arg("ssm"), py::arg("kv"), py::arg("slots"),
            py::arg("cos"), py::arg("sin"), py::arg("page_table"), py::arg("lengths"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("run_verify", &DecodeModel::run_verify, py::arg("ids"), py::arg("conv"), py::arg("ssm"), py::arg("kv"),
+           py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("page_table"), py::arg("lengths"),
+           py::arg("waves"), py::arg("order"), py::arg("log_conv"), py::arg("log_ssm"),
            py::call_guard<py::gil_scoped_release>());
   m.def("bf16_linear_available", &bf16_linear_available, "linear_bf16 usable (built with AVX2 + FMA or AVX-512)");
   m.def("kernel_isa", &kernel_isa, "the instruction set this build targets: avx512bf16, avx512, avx2 or none");

@@ -5,6 +5,14 @@
 // the op-table path (qwen3_5.py, layers.py), so the bits are that path's exactly (tests/test_fused_decode.py),
 // and a decode row computed in a mixed step equals the same row computed here.
 //
+// A speculative verify step (run_verify: decode spans of several tokens, docs/speculative.md) runs here too: a row
+// per token, every row with its own page-table row and length, so the linears, norms, MLP and attention are the
+// one-token step's calls over more rows (each row's bits its own: the kernels are row-wise batch-invariant). Its
+// GDN layers step each token as GDNMixer.forward's waves do, the same conv and recurrent arithmetic on the same slots
+// in each slot's token order, and copy the states after each token into the state log. Its rows come in wave order,
+// so that a wave is a block of rows of every buffer (views, nothing gathered); the result goes back to the step's
+// order at the end.
+//
 // Projections are lists of parts (DecodeModel::Part): packed bf16 weights (pack_bf16_weight), multiplied by
 // linear_bf16 or, where amx is set (the amx instruction set), linear_bf16_amx, as ops/linear.py does; packed fp8
 // weights, multiplied by linear_fp8 of the fp8 extension (ops/fp8.py); several parts are concatenated as
@@ -137,11 +145,22 @@ struct DecodeModel::Views {
   std::vector<LayerViews> layers;
 };
 
+// A verify step's rows lie in wave order, so wave j is the rows [at_j, at_j + waves[j]) of every buffer: its conv
+// step reads and writes views of the step's buffers, with nothing gathered or scattered.
+struct DecodeModel::Waves {
+  struct Wave {
+    int64_t at, n;
+    at::Tensor rows, xc;  // the wave's rows of the step (indices) and of a GDN layer's conv output
+  };
+  std::vector<std::vector<Wave>> layers;  // [layer][wave]: empty for an attention layer
+};
+
 struct DecodeModel::Work {
   int64_t cap = 0;  // rows the buffers hold
   // flat buffers, each cap x (the widest row any layer needs)
   at::Tensor x, h, y, proj, g, beta, xc, o, gate, qn, kn, core, mixed, gu, act, m, rows;
   std::map<int64_t, Views> views;  // by row count
+  std::map<std::vector<int64_t>, Waves> waves;  // by the waves' row counts
 };
 
 DecodeModel::Views& DecodeModel::views(int64_t B) const {
@@ -223,6 +242,26 @@ DecodeModel::Views& DecodeModel::views(int64_t B) const {
   return w.views.emplace(B, std::move(v)).first->second;
 }
 
+DecodeModel::Waves& DecodeModel::waves(int64_t B, const std::vector<int64_t>& sizes) const {
+  Views& v = views(B);  // first: it may make the buffers (and the map of waves) again
+  auto found = work_->waves.find(sizes);
+  if (found != work_->waves.end()) return found->second;
+  Waves ws;
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    std::vector<Waves::Wave> layer;
+    if (layers_[li].gdn) {
+      const LayerViews& lv = v.layers[li];
+      int64_t at = 0;
+      for (int64_t n : sizes) {
+        layer.push_back({at, n, v.rows.narrow(0, at, n), lv.xc.narrow(0, at, n)});
+        at += n;
+      }
+    }
+    ws.layers.push_back(std::move(layer));
+  }
+  return work_->waves.emplace(sizes, std::move(ws)).first->second;
+}
+
 DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8)
     : embed_(std::move(embed)), norm_(std::move(norm)), eps_(eps), amx_(amx), fp8_(fp8) {
   TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous() && embed_.scalar_type() == at::kBFloat16,
@@ -265,6 +304,63 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
                             const std::vector<at::Tensor>& ssm, const std::vector<at::Tensor>& kv,
                             const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
                             const at::Tensor& page_table, const at::Tensor& lengths) const {
+  return step(ids, conv, ssm, kv, slots, cos, sin, page_table, lengths, nullptr);
+}
+
+at::Tensor DecodeModel::run_verify(const at::Tensor& ids, const std::vector<at::Tensor>& conv,
+                                   const std::vector<at::Tensor>& ssm, const std::vector<at::Tensor>& kv,
+                                   const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
+                                   const at::Tensor& page_table, const at::Tensor& lengths,
+                                   const std::vector<int64_t>& waves, const at::Tensor& order,
+                                   const std::vector<at::Tensor>& log_conv,
+                                   const std::vector<at::Tensor>& log_ssm) const {
+  const int64_t B = ids.numel();
+  check_index(order, 1, B, "order");
+  check_index(slots, 1, B, "slots");
+  TORCH_CHECK(int64_t(conv.size()) == n_gdn_ && int64_t(ssm.size()) == n_gdn_, "DecodeModel.run_verify: ", n_gdn_,
+              " conv and ssm caches");
+  TORCH_CHECK(int64_t(log_conv.size()) == n_gdn_ && int64_t(log_ssm.size()) == n_gdn_, "DecodeModel.run_verify: ",
+              n_gdn_, " conv and ssm state logs");
+  for (int64_t l = 0; l < n_gdn_; ++l) {
+    const at::Tensor &lc = log_conv[l], &ls = log_ssm[l];
+    TORCH_CHECK(lc.dim() == 4 && lc.is_contiguous() && lc.scalar_type() == conv[l].scalar_type() &&
+                    lc.size(0) == conv[l].size(0) && lc.size(2) == conv[l].size(1) && lc.size(3) == conv[l].size(2) &&
+                    conv[l].is_contiguous(),
+                "log_conv[", l, "] must be a contiguous [S, positions, K-1, C] beside its conv cache");
+    TORCH_CHECK(ls.dim() == 5 && ls.is_contiguous() && ls.scalar_type() == ssm[l].scalar_type() &&
+                    ls.size(0) == ssm[l].size(0) && ls.size(1) == lc.size(1) && ls.size(2) == ssm[l].size(1) &&
+                    ls.size(3) == ssm[l].size(2) && ls.size(4) == ssm[l].size(3) && ssm[l].is_contiguous(),
+                "log_ssm[", l, "] must be a contiguous [S, positions, Hv, dv, dk] beside its state cache");
+  }
+  // every row once, in waves of distinct slots (a wave is stepped as one decode step: a slot once)
+  int64_t total = 0;
+  const int64_t S = n_gdn_ ? conv[0].size(0) : 0;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  std::vector<int64_t> seen(std::max<int64_t>(S, 0), -1);
+  for (size_t j = 0; j < waves.size(); ++j) {
+    TORCH_CHECK(waves[j] >= 1, "DecodeModel.run_verify: an empty wave");
+    for (int64_t i = total; i < total + waves[j] && S > 0; ++i) {
+      TORCH_CHECK(sl[i] >= 0 && sl[i] < S, "slot ", sl[i], " is out of range");
+      TORCH_CHECK(seen[sl[i]] != int64_t(j), "DecodeModel.run_verify: slot ", sl[i], " twice in wave ", j);
+      seen[sl[i]] = int64_t(j);
+    }
+    total += waves[j];
+  }
+  TORCH_CHECK(total == B, "DecodeModel.run_verify: the waves hold ", total, " rows, the step ", B);
+  std::vector<char> hit(B, 0);
+  const int64_t* op = order.data_ptr<int64_t>();
+  for (int64_t i = 0; i < B; ++i) {
+    TORCH_CHECK(op[i] >= 0 && op[i] < B && !hit[op[i]], "DecodeModel.run_verify: order is not a permutation");
+    hit[op[i]] = 1;
+  }
+  const Verify verify{waves, order, log_conv, log_ssm};
+  return step(ids, conv, ssm, kv, slots, cos, sin, page_table, lengths, &verify);
+}
+
+at::Tensor DecodeModel::step(const at::Tensor& ids, const std::vector<at::Tensor>& conv,
+                             const std::vector<at::Tensor>& ssm, const std::vector<at::Tensor>& kv,
+                             const at::Tensor& slots, const at::Tensor& cos, const at::Tensor& sin,
+                             const at::Tensor& page_table, const at::Tensor& lengths, const Verify* verify) const {
   const Mul mul{amx_, fp8_};
   const int64_t B = ids.numel();
   TORCH_CHECK(!layers_.empty(), "DecodeModel.run: a program without layers");
@@ -284,6 +380,23 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
   auto out = at::empty({B, H}, embed_.options());  // the result: hidden [B, H] after the final norm
   if (B == 0) return out;
   Views& v = views(B);
+  Waves* ws = verify != nullptr ? &waves(B, verify->waves) : nullptr;
+  std::vector<at::Tensor> wave_slots;  // each wave's slots, made once for every GDN layer
+  ds::GdnSpans spans;                   // each span's rows in token order (wave order: a slot's rows come in order)
+  if (ws != nullptr) {
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    std::map<int64_t, std::vector<int64_t>> by_slot;
+    for (int64_t at = 0, j = 0; j < int64_t(verify->waves.size()); at += verify->waves[j++]) {
+      wave_slots.push_back(slots.narrow(0, at, verify->waves[j]));
+      for (int64_t i = at; i < at + verify->waves[j]; ++i) by_slot[sl[i]].push_back(i);
+    }
+    spans.at.push_back(0);
+    for (const auto& [slot, rows] : by_slot) {
+      spans.slot.push_back(slot);
+      spans.rows.insert(spans.rows.end(), rows.begin(), rows.end());
+      spans.at.push_back(int64_t(spans.rows.size()));
+    }
+  }
   const auto* ep = embed_.data_ptr<at::BFloat16>();  // F.embedding: a row copy
   auto* xp = v.x.data_ptr<at::BFloat16>();
   for (int64_t i = 0; i < B; ++i) std::memcpy(xp + i * H, ep + ip[i] * H, H * sizeof(at::BFloat16));
@@ -296,8 +409,30 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
     if (l.gdn) {  // GDNMixer.forward's decode path
       at::Tensor state = ssm[gi], conv_state = conv[gi];  // updated in place
       gdn_gates_into(lv.b, lv.a, l.w[3], l.w[4], lv.g, lv.beta);
-      ds::conv_step_into(lv.conv_in, v.rows, l.w[2], conv_state, slots, lv.xc);
-      ds::gdn_step_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, slots, lv.o);
+      if (ws == nullptr) {
+        ds::conv_step_into(lv.conv_in, v.rows, l.w[2], conv_state, slots, lv.xc);
+        ds::gdn_step_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, slots, lv.o);
+      } else {
+        // GDNMixer.forward's waves: each a decode step of its rows, then its states into the log. The conv steps
+        // run wave by wave; the recurrent steps run span by span (gdn_span_into: a head's state block stays in
+        // cache through its span's tokens instead of crossing memory once per wave). The conv and recurrent
+        // states are apart, so the order between their steps changes no bits; each token's are the wave's.
+        const at::Tensor& log_conv = verify->conv[gi];
+        const int64_t positions = log_conv.size(1);
+        const int64_t cb = conv_state.stride(0) * conv_state.element_size();  // a slot's bytes
+        const auto* cp = static_cast<const char*>(conv_state.data_ptr());
+        auto* lcp = static_cast<char*>(log_conv.data_ptr());
+        const int64_t* sl = slots.data_ptr<int64_t>();
+        for (size_t j = 0; j < ws->layers[li].size(); ++j) {
+          Waves::Wave& w = ws->layers[li][j];
+          ds::conv_step_into(lv.conv_in, w.rows, l.w[2], conv_state, wave_slots[j], w.xc);
+          if (int64_t(j) < positions)  // the last token's state stays in the slot: it needs no entry
+            for (int64_t i = w.at; i < w.at + w.n; ++i)
+              std::memcpy(lcp + (sl[i] * positions + int64_t(j)) * cb, cp + sl[i] * cb, cb);  // log[slot, j]
+        }
+        spans.log = &verify->ssm[gi];
+        ds::gdn_span_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, spans, lv.o);
+      }
       gated_rms_norm_into(lv.o, lv.z, l.w[5], l.eps, lv.core);
       ++gi;
     } else {  // AttentionMixer.forward's decode path
@@ -321,7 +456,13 @@ at::Tensor DecodeModel::run(const at::Tensor& ids, const std::vector<at::Tensor>
     mul(l.proj[3], lv.act, lv.m_parts);
     const bool last = li + 1 == layers_.size();
     add_rms_norm_into(v.x, lv.m, last ? norm_ : layers_[li + 1].w[0], last ? eps_ : layers_[li + 1].eps, v.x,
-                      last ? out : v.h);
+                      last && ws == nullptr ? out : v.h);
+  }
+  if (ws != nullptr) {  // the rows back in span order
+    const auto* hp = v.h.data_ptr<at::BFloat16>();
+    auto* rp = out.data_ptr<at::BFloat16>();
+    const int64_t* op = verify->order.data_ptr<int64_t>();
+    for (int64_t i = 0; i < B; ++i) std::memcpy(rp + op[i] * H, hp + i * H, H * sizeof(at::BFloat16));
   }
   return out;
 }
