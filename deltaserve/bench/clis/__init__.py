@@ -28,6 +28,7 @@ Servers:
 from __future__ import annotations
 
 import argparse
+import signal
 import json
 import os
 import shutil
@@ -178,6 +179,9 @@ def run_client(client, metered: Metered, a, folder: Path) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
+    # the servers run in their own sessions (a CLI's Ctrl-C must not reach them): a SIGTERM to this process must
+    # still stop them, so it unwinds through the finally blocks that close them
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [n.strip() for n in a.clients.split(",") if n.strip()]
     servers = [s.strip() for s in a.servers.split(",") if s.strip()]
     bad = [n for n in names if n not in CLIENTS] + [s for s in servers if s not in ("deltaserve", "llama.cpp")]
