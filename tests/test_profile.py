@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from deltaserve.config import ModelConfig  # noqa: E402
 from deltaserve.profile import make_engine  # noqa: E402
 from deltaserve.profile.coverage import coverage, format_coverage  # noqa: E402
 from deltaserve.profile.grid import make_grid  # noqa: E402
@@ -46,7 +47,8 @@ def test_quick_bundle_has_every_table_and_the_meta(bundle_dir, engine):
     assert m["versions"]["torch"] and m["hardware"]["torch_threads"] == 1 and m["profile"]["timer"] == "cpu"
     cal = m["calibration"]
     assert cal["steps"] > 10 and cal["fixed_us"] >= 0 and cal["per_seq_us"] >= 0 and cal["wall_per_cpu"] > 0
-    assert b.config["num_hidden_layers"] == 8
+    assert b.config.get("text_config", b.config)["num_hidden_layers"] == 8  # the text model's (a multimodal config nests it)
+    assert ModelConfig.from_hf(b.config).num_hidden_layers == 8
 
 
 def test_gdn_kernels_are_kept_apart_by_regime(bundle_dir):

@@ -17,7 +17,7 @@ import json
 import sys
 import time
 
-from ..config import REPLICA_FLAGS, ConfigError, add_engine_args, engine_args
+from ..config import REPLICA_FLAGS, ConfigError, ModelConfig, add_engine_args, engine_args
 from .bundle import Bundle, load_bundle
 from .cluster import ClusterConfig, Replica, ReplicaConfig, Simulation
 from .external_compare import main as external_main
@@ -38,7 +38,8 @@ def simulate(cluster: ClusterConfig, trace: list[TraceRequest], bundle: Bundle |
     sim = Simulation(cluster, bundle)
     if num_reqs is not None:
         trace = trace[:num_reqs]
-    vocab = min(r.bundle.config.get("vocab_size", 4096) for r in sim.replicas)
+    vocab = min(ModelConfig.from_hf(r.bundle.config).vocab_size for r in sim.replicas)  # the text model's (nested
+    # in text_config where the checkpoint is multimodal)
     materialize(trace, vocab=vocab)
     return sim, sim.run(trace)
 
