@@ -10,6 +10,7 @@ import os
 import sys
 from dataclasses import replace
 
+from ...config import ModelConfig
 from ...profile import make_engine
 from ...sim.bundle import load_bundle
 from ...sim.latency import error_summary
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.sessions:
             sc = replace(sc, spec=replace(sc.spec, num_sessions=a.sessions))
         bundle = _bundle(a, preset, sc)
-        vocab = int(bundle.config.get("vocab_size", 4096))
+        vocab = ModelConfig.from_hf(bundle.config).vocab_size  # the text model's, also in a multimodal config
         base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000)))
         twin_base = agent_trace(replace(sc.spec, vocab=min(vocab, 4000), seed=sc.spec.seed + 1))  # the probe's
         warm = warmup_requests(sc.warmup, vocab)
