@@ -97,22 +97,32 @@ def placeholder_runs(ids: list[int], image_token_id: int) -> list[tuple[int, int
     return runs
 
 
+def _check_limit(items: list, limit: int) -> None:
+    if len(items) > limit:
+        raise EngineInputError(f"{len(items)} images in one request; --limit-mm-per-prompt allows at most {limit} "
+                               f"image{'s' if limit != 1 else ''}", "multi_modal_data")
+
+
+def _runs_for(ids: list[int], image_token_id: int, n_images: int) -> list[tuple[int, int]]:
+    """The prompt's placeholder runs, one per image (EngineInputError otherwise)."""
+    runs = placeholder_runs(ids, image_token_id)
+    if len(runs) != n_images:
+        raise EngineInputError(f"the prompt has {len(runs)} image placeholder(s) for {n_images} image(s)",
+                               "multi_modal_data")
+    return runs
+
+
 def widened_ids(ids: list[int], items: list, processor: ImagePreprocessor, image_token_id: int,
                 limit: int) -> list[int]:
     """The prompt prepare_images would make (each placeholder widened to its image's token count), from the
     images' sizes alone, no pixels decoded or processed: what token counting reports. The same refusals as
     prepare_images, but for damage past a readable header."""
-    if len(items) > limit:
-        raise EngineInputError(f"{len(items)} images in one request; --limit-mm-per-prompt allows at most {limit} "
-                               f"image{'s' if limit != 1 else ''}", "multi_modal_data")
+    _check_limit(items, limit)
     try:
         counts = [processor.num_tokens(*item_size(item, f"image {k}")) for k, item in enumerate(items)]
     except MediaError as e:
         raise EngineInputError(str(e), "multi_modal_data") from None
-    runs = placeholder_runs(ids, image_token_id)
-    if len(runs) != len(counts):
-        raise EngineInputError(f"the prompt has {len(runs)} image placeholder(s) for {len(counts)} image(s)",
-                               "multi_modal_data")
+    runs = _runs_for(ids, image_token_id, len(counts))
     out, prev = [], 0
     for (start, n), c in zip(runs, counts):
         if n not in (1, c):
@@ -124,19 +134,14 @@ def widened_ids(ids: list[int], items: list, processor: ImagePreprocessor, image
 
 def prepare_images(ids: list[int], items: list, processor: ImagePreprocessor, image_token_id: int,
                    limit: int) -> PromptImages:
-    if len(items) > limit:
-        raise EngineInputError(f"{len(items)} images in one request; --limit-mm-per-prompt allows at most {limit} "
-                               f"image{'s' if limit != 1 else ''}", "multi_modal_data")
+    _check_limit(items, limit)
     images = []
     for k, item in enumerate(items):
         try:
             images.append(processor(load_item(item, f"image {k}")))
         except MediaError as e:
             raise EngineInputError(str(e), "multi_modal_data") from None
-    runs = placeholder_runs(ids, image_token_id)
-    if len(runs) != len(images):
-        raise EngineInputError(f"the prompt has {len(runs)} image placeholder(s) for {len(images)} image(s)",
-                               "multi_modal_data")
+    runs = _runs_for(ids, image_token_id, len(images))
     out, offsets, grids, prev = [], [], [], 0
     for (start, n), im in zip(runs, images):
         if n not in (1, im.num_tokens):

@@ -95,7 +95,12 @@ def ensure_gguf(model_dir: str, outtype: str, *, root: str | None = None, log_pa
         raise PeerUnavailable(f"no llama.cpp tree at {tree} (run scripts/setup_llama_cpp.sh)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp{os.getpid()}"
-    cmd = convert_command(model_dir, outtype, tmp, tree=tree)
+    return _convert(convert_command(model_dir, outtype, tmp, tree=tree), tmp, out, log_path, timeout,
+                    f"GGUF conversion ({outtype})")
+
+
+def _convert(cmd: list[str], tmp: str, out: str, log_path: str | None, timeout: float, what: str) -> str:
+    """Run a converter writing tmp (logged), then rename tmp to out: a failed or killed run leaves no file at out."""
     with open(log_path or os.devnull, "a") as log:
         log.write(f"\n===== {time.strftime('%F %T')} {' '.join(cmd)}\n")
         log.flush()
@@ -103,7 +108,7 @@ def ensure_gguf(model_dir: str, outtype: str, *, root: str | None = None, log_pa
     if r.returncode != 0 or not os.path.exists(tmp):
         if os.path.exists(tmp):
             os.remove(tmp)
-        raise PeerUnavailable(f"GGUF conversion ({outtype}) failed with exit {r.returncode} (log: {log_path})")
+        raise PeerUnavailable(f"{what} failed with exit {r.returncode} (log: {log_path})")
     os.replace(tmp, out)
     return out
 
@@ -141,16 +146,7 @@ def ensure_mmproj(model_dir: str, *, root: str | None = None, log_path: str | No
             with open(os.path.join(src, "preprocessor_config.json"), "w") as f:
                 json.dump({**QWEN35_PROCESSOR, "image_processor_type": "Qwen2VLImageProcessorFast"}, f)
         cmd = [sys.executable, CONVERTER, tree, src, "--mmproj", "--outtype", "bf16", "--outfile", tmp]
-        with open(log_path or os.devnull, "a") as log:
-            log.write(f"\n===== {time.strftime('%F %T')} {' '.join(cmd)}\n")
-            log.flush()
-            r = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout, check=False)
-    if r.returncode != 0 or not os.path.exists(tmp):
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise PeerUnavailable(f"mmproj conversion failed with exit {r.returncode} (log: {log_path})")
-    os.replace(tmp, out)
-    return out
+        return _convert(cmd, tmp, out, log_path, timeout, "mmproj conversion")
 
 
 # --------------------------------------------------------------------------- the server
