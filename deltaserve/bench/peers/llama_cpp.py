@@ -90,13 +90,18 @@ def ensure_gguf(model_dir: str, outtype: str, *, root: str | None = None, log_pa
     out = gguf_path(model_dir, outtype)
     if os.path.exists(out):
         return out
+    tree, tmp = _converter(root, out)
+    return _convert(convert_command(model_dir, outtype, tmp, tree=tree), tmp, out, log_path, timeout,
+                    f"GGUF conversion ({outtype})")
+
+
+def _converter(root: str, out: str) -> tuple[str, str]:
+    """(the llama.cpp tree whose converter runs, the temporary file it writes for out); PeerUnavailable without it."""
     tree = os.path.join(root, "src")
     if not os.path.exists(os.path.join(tree, "convert_hf_to_gguf.py")):
         raise PeerUnavailable(f"no llama.cpp tree at {tree} (run scripts/setup_llama_cpp.sh)")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.tmp{os.getpid()}"
-    return _convert(convert_command(model_dir, outtype, tmp, tree=tree), tmp, out, log_path, timeout,
-                    f"GGUF conversion ({outtype})")
+    return tree, f"{out}.tmp{os.getpid()}"
 
 
 def _convert(cmd: list[str], tmp: str, out: str, log_path: str | None, timeout: float, what: str) -> str:
@@ -131,11 +136,7 @@ def ensure_mmproj(model_dir: str, *, root: str | None = None, log_path: str | No
     out = mmproj_path(model_dir)
     if os.path.exists(out):
         return out
-    tree = os.path.join(root, "src")
-    if not os.path.exists(os.path.join(tree, "convert_hf_to_gguf.py")):
-        raise PeerUnavailable(f"no llama.cpp tree at {tree} (run scripts/setup_llama_cpp.sh)")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = f"{out}.tmp{os.getpid()}"
+    tree, tmp = _converter(root, out)
     with tempfile.TemporaryDirectory() as d:
         src = model_dir
         if not os.path.exists(os.path.join(model_dir, "preprocessor_config.json")):
