@@ -9,6 +9,8 @@ import torch
 
 import deltaserve.model.fused as program
 
+DECODE_STEP = program.decode_step  # what the spies wrap (a run after another wraps this, not the earlier spy)
+
 from tests.test_cpu_kernels import kern_any  # noqa: F401 - the fixture: every instruction set this CPU executes
 
 
@@ -30,18 +32,24 @@ def model(request, kern_any):  # noqa: F811
     return m
 
 
-def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None, rows: tuple[int, ...] = (3,) * 5):
-    from model_driver import Sequence, make_caches, step
-
-    calls = []
-    real = program.decode_step
+def _spy_decode_step(monkeypatch, fused: bool) -> list[bool]:
+    """Route the model's decode_step through a spy (None, the op-table path, where not fused); the returned list
+    gets, per call, whether the compiled call computed the step."""
+    calls: list[bool] = []
 
     def spy(*a):
-        out = real(*a) if fused else None
+        out = DECODE_STEP(*a) if fused else None
         calls.append(out is not None)
         return out
 
     monkeypatch.setattr(program, "decode_step", spy)
+    return calls
+
+
+def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None, rows: tuple[int, ...] = (3,) * 5):
+    from model_driver import Sequence, make_caches, step
+
+    calls = _spy_decode_step(monkeypatch, fused)
     caches = make_caches(model, num_slots=5, num_pages=16, block_size=64)
     seqs = [Sequence(slot=4, pages=[5, 1]), Sequence(slot=0, pages=[0, 7]), Sequence(slot=2, pages=[4, 2, 9])]
     ids = list(range(100, 170))
@@ -56,7 +64,6 @@ def _run(model, fused: bool, monkeypatch, with_prefill_at: int | None = None, ro
         out = step(model, caches, work)
         logits.append(torch.cat([o[-1:] for o in out[:n]]))
         toks[:n] = [int(o[-1].argmax()) for o in out[:n]]
-    monkeypatch.setattr(program, "decode_step", real)
     return torch.cat(logits), caches, calls
 
 
@@ -153,15 +160,7 @@ def _verify_run(model, fused: bool, monkeypatch, drafts: tuple[tuple[int, ...], 
     the compiled call computed."""
     from model_driver import Sequence, make_caches, step
 
-    calls = []
-    real = program.decode_step
-
-    def spy(*a):
-        out = real(*a) if fused else None
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(program, "decode_step", spy)
+    calls = _spy_decode_step(monkeypatch, fused)
     caches = _with_state_log(make_caches(model, num_slots=5, num_pages=16, block_size=64), positions)
     seqs = [Sequence(slot=4, pages=[5, 1]), Sequence(slot=0, pages=[0, 7]), Sequence(slot=2, pages=[4, 2, 9])]
     ids = list(range(100, 170))
@@ -179,7 +178,6 @@ def _verify_run(model, fused: bool, monkeypatch, drafts: tuple[tuple[int, ...], 
             if k is not None:
                 toks[i] = int(out[j][-1].argmax())
                 j += 1
-    monkeypatch.setattr(program, "decode_step", real)
     return torch.cat(logits), caches, logs, calls
 
 

@@ -145,7 +145,7 @@ def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
                                        **spec.template_kwargs)
     except (TokenizerError, TypeError):
         return None
-    shared = _shared_tokens(_probe_ids(tok, text), ids)
+    shared = first_difference(_probe_ids(tok, text), ids)
     return shared if 0 < shared < len(ids) else None
 
 
@@ -155,12 +155,10 @@ def _probe_ids(tok, text: str) -> tuple[int, ...]:
     return tuple(tok.encode(text))
 
 
-def _shared_tokens(a: tuple[int, ...], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def first_difference(a, b) -> int:
+    """The first position where token sequences a and b differ (the shorter length when one is a prefix of the
+    other)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def prompt_token_ids(eng, ids: list[int], images: list | None, where: str = "messages") -> list[int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ...server.anthropic.input import messages_spec
 from ...server.anthropic.protocol import MessagesRequest
-from ...server.chat_spec import render_prompt
+from ...server.chat_spec import first_difference, render_prompt  # noqa: F401 - first_difference: report.py
 from ...server.openai.protocol import ChatCompletionRequest
 from ...server.openai.routes import chat_spec
 from ...server.responses.input import input_messages, with_instructions
@@ -43,11 +43,6 @@ def render(path: str, body: dict, tok) -> str:
     else:
         raise ValueError(f"no rendering for {path}")
     return render_prompt(tok, spec)
-
-
-def first_difference(a: list[int], b: list[int]) -> int:
-    """The first position where a and b differ (the shorter length when one is a prefix of the other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 @dataclass(frozen=True)
