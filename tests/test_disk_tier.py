@@ -244,6 +244,7 @@ def test_config_refuses_a_disk_tier_without_caching():
 
 def test_manager_spills_what_it_evicts_and_reads_it_back():
     from deltaserve.memory import MemoryManager, block_hash, root_hash
+    from deltaserve.memory.manager import DISK_GO, DISK_READING
     from deltaserve.memory.disk_tier import CKPT, HEADER_BYTES, KV, DiskTier
     from deltaserve.memory.events import DISK, POOL, RouterView, Stored
 
@@ -296,11 +297,11 @@ def test_manager_spills_what_it_evicts_and_reads_it_back():
         return a[j * bs:(j + 1) * bs]
 
     assert mem.find_prefix(root_hash(None), ha, tokens_of, 3).num_blocks == 0
-    assert not mem.prepare_from_disk(root_hash(None), ha, tokens_of, 3)  # reads asked for: wait
+    assert mem.prepare_from_disk(root_hash(None), ha, tokens_of, 3) == DISK_READING  # reads asked for: wait
     ops, _ = worker()
     assert sorted(arg.key for op, arg in ops if op == "read") == sorted({(KV, h) for h in ha} | {(CKPT, ha[-1])})
     mem.check_integrity()
-    assert mem.prepare_from_disk(root_hash(None), ha, tokens_of, 3)  # staged: installed in the pool
+    assert mem.prepare_from_disk(root_hash(None), ha, tokens_of, 3) == DISK_GO  # staged: installed in the pool
     hit = mem.find_prefix(root_hash(None), ha, tokens_of, 3)
     assert hit.num_blocks == 3 and tier.stats.disk_hit_tokens == 3 * bs and tier.stats.disk_reads == 4
     _, loads = worker()
@@ -408,3 +409,65 @@ def test_disk_eviction_follows_the_pools_policy():
         tier.spill(kv2, (2,), 64.0)
         assert tier.get(gone.kind, gone.hash) is None and len(tier) == 2 and tier.stats.disk_evictions == 1
         tier.check_integrity()
+
+
+def test_a_disk_hit_without_room_waits_for_it_instead_of_recomputing():
+    """The staged records need more pages than are allocatable while another request runs, though the first
+    chunk of a recomputation would fit: the request waits (FCFS: the one behind it too) until the running one
+    releases its pages, then takes the whole hit from disk. With nothing running to make room, it goes on with
+    the pool's hit."""
+    from deltaserve.memory import MemoryManager
+    from deltaserve.memory.disk_tier import HEADER_BYTES, DiskTier
+    from deltaserve.scheduler import Request, Scheduler
+
+    bs = 4
+    mem = MemoryManager(num_pages=16, num_slots=3, block_size=bs, num_gdn_groups=1, layout="runs",
+                        pages_per_state=2)
+    tier = DiskTier(80 * (HEADER_BYTES + 16), 16, 32)
+    mem.attach_disk(tier)
+    s = Scheduler(mem, 3, 5)  # a decode and a page of prefill per step
+
+    def step():
+        plan = s.schedule()
+        mem.check_integrity()
+        ops, _ = tier.take()
+        for op, arg in ops:  # every write and read lands at once
+            rec = arg.record if op == "write" else arg
+            if op in ("write", "read"):
+                tier.done.append((op, rec.key, True, 0.0, rec.nbytes))
+        s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
+        return plan
+
+    def finish(rid):
+        for _ in range(200):
+            if rid not in s.requests:
+                return
+            step()
+        raise AssertionError(f"{rid} did not finish")
+
+    a = list(range(1, 18))  # 17 tokens: four full blocks, the prompt's checkpoint at 16
+    s.add(Request("a", a, max_tokens=1))
+    finish("a")
+    s.add(Request("b", list(range(100, 137)), max_tokens=1))  # fills the pool: a's blocks go to disk
+    finish("b")
+    assert tier.stats.disk_records >= 5
+    s.add(Request("d", list(range(300, 341)), max_tokens=6))  # runs on, holding most of the pool
+    while s.get("d").num_computed_tokens < 41:
+        step()
+    free_now = mem.num_allocatable()
+    s.add(Request("a2", a + [50, 51], max_tokens=1))
+    step()
+    assert s.requests["a2"].disk_wait  # its reads are in flight
+    s.add(Request("c", [200, 201], max_tokens=1))
+    plan = step()
+    assert 1 <= free_now < 4 + mem.checkpoint_pages  # a chunk fits; a's four blocks and checkpoint do not
+    assert {w.request_id for w in plan.work} == {"d"} and not s.requests["a2"].disk_wait
+    assert s.get("a2").num_computed_tokens == 0 and s.get("c").num_computed_tokens == 0
+    while "d" in s.requests:
+        plan = step()
+        assert "c" not in {w.request_id for w in plan.work}  # first come, first served
+    hit = next(w for w in step().work if w.request_id == "a2")
+    assert hit.start_pos == 16 and s.get("a2").num_cached_tokens == 16 and tier.stats.disk_hit_tokens == 16
+    finish("a2")
+    finish("c")
+    mem.check_integrity()

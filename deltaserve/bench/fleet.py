@@ -7,7 +7,9 @@ prompt, the answer the model generated (its own token ids, as a client re-sendin
 new user or tool text (--new-tokens). Sessions start staggered (session k+1 sends its first turn when session
 k's first answer is complete) and then run closed-loop. Greedy, ignore_eos, --output-tokens per answer; with
 caching on every hit is bit-identical to the cold run (tests/test_agent_cache.py), so every arm sees exactly the
-same prompts.
+same prompts. Every prompt carries the cache hint the chat routes derive for a request with a system prompt and
+tools (a position at the end of the shared prefix: docs/design.md, hint checkpoints); --no-cache-hints sends
+bare token ids, as a client of the raw completions route does.
 
 Reported per arm: wall; per turn, the cached fraction of the prompt and TTFT; the first-turn TTFT of sessions
 2..N against session 1's, and the share of the shared prefix they cached; the generated tokens recomputed through
@@ -59,7 +61,7 @@ def make_workload(sessions: int, turns: int, shared_tokens: int, new_tokens: tup
                     [[ids(rng.randint(*new_tokens)) for _ in range(turns - 1)] for _ in range(sessions)], output_tokens)
 
 
-def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.0) -> dict:
+def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.0, hints: bool = True) -> dict:
     """One arm: a fresh engine, the fleet replayed closed-loop with the staggered start; a session sends its next
     turn think_time seconds after its answer is complete (the client runs a tool meanwhile; the engine is free to
     do its background work). Returns its summary."""
@@ -82,7 +84,10 @@ def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.
 
     def send(s: int) -> None:
         rid = f"{label}-{s}-{turn[s]}"
-        eng.add_request(rid, {"prompt_token_ids": list(convo[s])}, params)
+        prompt = {"prompt_token_ids": list(convo[s])}
+        if hints:
+            prompt["cache_hints"] = [len(wl.shared)]
+        eng.add_request(rid, prompt, params)
         live[rid] = [s, time.perf_counter(), None]
 
     t0 = time.perf_counter()
@@ -170,12 +175,16 @@ def format_report(arms: list[dict], head: str) -> str:
         out += ["", "| disk arm | hit tokens from disk | reads | mean read ms | writes |", "|---|---|---|---|---|"]
         out += [f"| {a['arm']} | {a['disk_hit_tokens']:,} | {a['disk_reads']:,} | {a['disk_read_s'] * 1e3:.2f} | "
                 f"{a['disk_writes']:,} |" for a in disk]
-    out += ["", "per turn (cached fraction / TTFT s), first arm with caching:"]
-    on = next((a for a in arms if a["arm"] != "off"), None)
-    if on is not None:
-        for r in sorted(on["records"], key=lambda r: (r.session, r.turn)):
-            out.append(f"  session {r.session + 1} turn {r.turn}: {r.prompt_tokens} tokens, cached "
-                       f"{r.cached_tokens / r.prompt_tokens:.0%}, TTFT {r.ttft_s:.3f}")
+    on = [a for a in arms if a["arm"] != "off"]
+    if on:
+        out += ["", "per turn, cached share of the prompt / TTFT s:", "",
+                "| session | turn | prompt | " + " | ".join(a["arm"] for a in on) + " |",
+                "|---|---|---|" + "---|" * len(on)]
+        rows = [{(r.session, r.turn): r for r in a["records"]} for a in on]
+        for key in sorted(rows[0]):
+            cells = [f"{row[key].cached_tokens / row[key].prompt_tokens:.0%} / {row[key].ttft_s:.3f}"
+                     if key in row else "-" for row in rows]
+            out.append(f"| {key[0] + 1} | {key[1]} | {rows[0][key].prompt_tokens} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
@@ -193,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--think-time", type=float, default=0.0,
                    help="seconds a session's client takes between an answer and its next turn (a tool running)")
     p.add_argument("--workload-seed", type=int, default=0)
+    p.add_argument("--cache-hints", action=argparse.BooleanOptionalAction, default=True,
+                   help="each prompt carries the hint the chat routes give at the end of the shared system prompt "
+                        "and tools, so a checkpoint is taken there whatever the pool's pressure")
     add_engine_args(p, ("preset", "model", "kv_cache_memory", "max_num_batched_tokens", "max_num_seqs",
                         "checkpoint_grid", "reprefill_outputs", "reprefill_job_tokens", "eviction", "num_threads",
                         "cache_disk", "cache_disk_bytes"))
@@ -229,12 +241,12 @@ def main(argv: list[str] | None = None) -> int:
         if arm.endswith("+disk"):  # a fresh directory: the arm starts cold, as the others do
             cfg["cache_disk"] = os.path.join(disk_dir, f"fleet-{os.getpid()}-{i}")
         _progress(f"{arm}: {sessions} sessions x {turns} turns")
-        results.append(run_arm(cfg, wl, arm, a.think_time))
+        results.append(run_arm(cfg, wl, arm, a.think_time, a.cache_hints))
         r = results[-1]
         _progress(f"{arm}: wall {r['wall_s']:.1f}s, later TTFT {r['later_ttft_s']:.3f}s, hit rate {r['hit_rate']:.3f}")
     head = (f"fleet: {sessions} sessions x {turns} turns sharing {a.shared_tokens} tokens, {lo}-{hi} new tokens and "
             f"{out_tokens} generated per turn (re-sent), think time {a.think_time} s, {flags.get('model') or preset}, "
-            f"bf16, token budget "
+            f"bf16, cache hints {'on' if a.cache_hints else 'off'}, token budget "
             f"{base.get('max_num_batched_tokens', ENGINE_DEFAULTS['max_num_batched_tokens'])}")
     print(format_report(results, head))
     return 0

@@ -63,6 +63,8 @@ from ..errors import ConfigError
 from .layouts import CacheLayout, layout_for
 from .eviction import EvictionPolicy, LRUEviction
 from .disk_tier import CKPT, KV, DiskRecord, DiskStats, DiskTier
+
+DISK_GO, DISK_READING, DISK_ROOM = "go", "reading", "room"  # prepare_from_disk's answers
 from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, CacheRecord
 from .hashing import BlockHash, block_hash
 from .save_kind import KEPT_WHEN_REPLACED, SaveKind, zero_by_kind
@@ -320,24 +322,27 @@ class MemoryManager:
                           block_tokens: Callable[[int], Sequence[int]], max_blocks: int) -> bool:
         """Bring back from disk what makes this prefix's hit longer than the pool's (find_prefix's arguments).
 
-        True: go ahead, find_prefix now returns the longest hit both tiers give (the records were staged and are
+        DISK_GO: go ahead, find_prefix now returns the longest hit both tiers give (the records were staged and are
         installed: pool pages taken, blocks published, their bytes queued to land before the step runs), or the
-        disk cannot help (nothing there, or no room in the pool: then the pool's hit). False: wait, reads are in
-        flight (a failed read drops its record, and the next call asks for what is left)."""
+        disk cannot help (nothing there, or no room in the pool even once every running sequence is done: then the
+        pool's hit). DISK_READING: wait, reads are in flight (a failed read drops its record, and the next call asks
+        for what is left). DISK_ROOM: wait, the staged records need more pages than are allocatable now, and the
+        running sequences hold enough to make room when they release theirs: reading a prefix back costs a copy,
+        computing it again costs its prefill, and needs the same pages."""
         d = self.disk
         if d is None or d.closed:
-            return True
+            return DISK_GO
         d.poll()
         want, chain = self._disk_want(root, hashes, block_tokens, max_blocks)
         if not want:
-            return True
+            return DISK_GO
         missing = [r for r in want if r.key not in d.staged]
         for r in missing:
             d.read(r)
         if missing:
-            return False
-        self._install(want, chain)
-        return True
+            return DISK_READING
+        short = self._install(want, chain)
+        return DISK_ROOM if 0 < short <= self.num_pages_in_use else DISK_GO
 
     def _disk_want(self, root, hashes, block_tokens, max_blocks) -> tuple[list[DiskRecord], list[BlockHash]]:
         """The records to read back for the longest hit through both tiers (K/V in chain order, then the
@@ -366,9 +371,10 @@ class MemoryManager:
         want = [r for j, r in kv if j < best] + ([best_ck] if best_ck is not None else [])
         return want, list(hashes[:best])
 
-    def _install(self, want: list[DiskRecord], chain: list[BlockHash]) -> None:
+    def _install(self, want: list[DiskRecord], chain: list[BlockHash]) -> int:
         """Take pool pages for the staged records `want` and publish them; the chain's pool pages (and its
-        checkpoint's) are pinned meanwhile, so taking pages never evicts the hit being built. No room: nothing."""
+        checkpoint's) are pinned meanwhile, so taking pages never evicts the hit being built. Returns how many
+        pages it lacked: 0 when installed; no room: nothing done."""
         d = self.disk
         last = self._cache.get(chain[-1])
         pinned = [self._cache[h].page for h in chain if h in self._cache]
@@ -377,7 +383,8 @@ class MemoryManager:
             self._ref_cached(p)
         per = self.checkpoint_pages if self._pooled else 0
         ckpt_pages: list[int] = []
-        if sum(1 if r.kind == KV else per for r in want) <= self.num_allocatable():
+        short = sum(1 if r.kind == KV else per for r in want) - self.num_allocatable()
+        if short <= 0:
             for r in want:
                 if r.kind == KV:
                     p = self._take_page(ATTN)
@@ -406,6 +413,7 @@ class MemoryManager:
             self._release(p)
         for q in pinned_ckpt + ckpt_pages:
             self._release(q)
+        return max(0, short)
 
     def spill_all(self) -> None:
         """Queue a write of every cached block and checkpoint the disk lacks (at shutdown: the pool dies with

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 from ..config import ConfigError
-from ..memory.manager import CheckpointError, MemoryManager, MemoryUsage, PrefixHit
+from ..memory.manager import DISK_GO, DISK_READING, CheckpointError, MemoryManager, MemoryUsage, PrefixHit
 from ..memory.save_kind import MANDATORY_KINDS, SaveKind
 from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT as KERNEL_GRID  # the GDN chunked kernel's 64-token grid
 from .jobs import FailedSteps, ReprefillJobs
@@ -470,9 +470,11 @@ class Scheduler:
             def block_tokens(j: int):
                 return req.tokens(j * bs, (j + 1) * bs)
 
-            # the disk tier: a longer hit there is read back first (the request waits, the step goes on)
-            req.disk_wait = not req.background and not mem.prepare_from_disk(req.root_hash, hashes, block_tokens, nb)
-            if req.disk_wait:
+            # the disk tier: a longer hit there is read back first (the request waits, the step goes on; those
+            # behind it go on while its reads are in flight, not while it waits for the pages to put them in)
+            disk = DISK_GO if req.background else mem.prepare_from_disk(req.root_hash, hashes, block_tokens, nb)
+            req.disk_wait = disk == DISK_READING
+            if disk != DISK_GO:
                 return False
             hit = mem.find_prefix(req.root_hash, hashes, block_tokens, nb)
         start = hit.num_tokens if hit is not None else 0

@@ -1,12 +1,12 @@
 """`deltaserve bench agents`: the real coding-agent CLIs (Claude Code, Codex CLI, Qwen Code, opencode), headless,
 N sessions x K turns each, against deltaserve and llama-server on the same checkpoint, side by side.
 
-Each server runs behind a metering proxy (bench/capture.py + bench/stream_meter.py), which sees every request
-as the CLI sent it and times the first generated content the same way for both servers. Each session is a
-fresh working directory and home; its first turn is `<cli> <first prompt>` (every session its own), its later
-turns continue the session (`claude -c -p`, `codex exec resume --last`, `qwen -c`, `opencode run -c`). Turns
-are sent in rounds (every session's turn 1, then every session's turn 2, ...), one CLI at a time, so a server
-holds N live sessions.
+Each server runs behind a metering proxy (bench/capture.py + bench/stream_meter.py), which sees every request as
+the CLI sent it and times the first generated content the same way for both servers. Each session is a fresh
+working directory (the sessions of a client share its home, as one user's do: bench/clis/clients.py); its first
+turn is `<cli> <first prompt>` (every session its own), its later turns continue the session (`claude -c -p`,
+`codex exec resume --last`, `qwen -c`, `opencode run -c`). Turns are sent in rounds (every session's turn 1, then
+every session's turn 2, ...), one CLI at a time, so a server holds N live sessions.
 
 Reported per client and server: turns that exited 0; per turn its first main request (one with tools; side
 requests such as title generation are counted, not measured): prompt tokens, cached tokens, time to first
@@ -157,7 +157,8 @@ def _install(names: list[str], no_install: bool) -> list[str]:
 def run_client(client, metered: Metered, a, folder: Path) -> list[dict]:
     """N sessions x K turns of one CLI through the metered server: one row per turn with its requests."""
     rows = []
-    envs = {s: client.prepare(metered.base, str(folder / f"session{s}")) for s in range(a.sessions)}
+    home_dir = str(folder / "home") if client.shares_home else None
+    envs = {s: client.prepare(metered.base, str(folder / f"session{s}"), home_dir) for s in range(a.sessions)}
     for t in range(a.turns):
         for s in range(a.sessions):
             prompt = FIRST[s % len(FIRST)] if t == 0 else LATER[(t - 1) % len(LATER)]

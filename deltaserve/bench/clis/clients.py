@@ -2,8 +2,12 @@
 scripts/setup_agents.sh installs each, the settings and files that aim it at a base URL, and the command of a
 session's first and of its continued turns.
 
-A session is a working directory and a home of its own (the CLIs keep their sessions, settings and caches under
-the home), so sessions never share client state, only the server. The model is asked for as `deltaserve`.
+A session is a working directory of its own. The sessions of one client share a home, as one user's sessions do
+(the CLIs keep their settings, caches and conversations there, and some write paths under it into the system
+prompt: a home per session would make every session's prompt differ there), where the CLI's "continue" picks the
+newest conversation of the working directory (`claude -c`, `codex exec resume --last`, `qwen -c`); opencode's
+`run -c` continues the newest conversation of the project, and a folder outside git is one global project, so its
+sessions keep a home each. The model is asked for as `deltaserve`.
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ class Client:
     name: str  # the command: claude, codex, qwen, opencode
     label: str  # what users call it
     api: str  # the path of its main requests
+    shares_home: bool  # its sessions share one home (its "continue" is scoped by working directory)
 
     def command(self) -> str:
         return os.path.join(agents_bin(), self.name)
@@ -41,17 +46,17 @@ class Client:
     def installed(self) -> bool:
         return os.access(self.command(), os.X_OK)
 
-    def prepare(self, base: str, session: str) -> dict[str, str]:
-        """Write the client's settings for a session folder (its home and work/ below it) aimed at base (no
-        trailing slash); the environment to run it with."""
-        work, home_dir = os.path.join(session, "work"), os.path.join(session, "home")
+    def prepare(self, base: str, session: str, home_dir: str | None = None) -> dict[str, str]:
+        """Write the client's settings for a session folder (work/ below it) aimed at base (no trailing slash), with
+        home_dir as its home (default: home/ in the session folder); the environment to run it with."""
+        work, home_dir = os.path.join(session, "work"), home_dir or os.path.join(session, "home")
         os.makedirs(work, exist_ok=True)
         os.makedirs(home_dir, exist_ok=True)
         env = {"PATH": os.environ.get("PATH", ""), "HOME": home_dir}
         if self.name == "claude":
             return env | {"ANTHROPIC_BASE_URL": base, "ANTHROPIC_API_KEY": "x", "ANTHROPIC_MODEL": MODEL}
         if self.name == "codex":
-            codex_home = os.path.join(session, "codex")
+            codex_home = os.path.join(home_dir, ".codex")
             os.makedirs(codex_home, exist_ok=True)
             with open(os.path.join(codex_home, "config.toml"), "w") as f:
                 f.write(CODEX_CONFIG.format(model=MODEL, base=base))
@@ -79,7 +84,7 @@ class Client:
         return [cmd, "run", *(["-c"] if continued else []), prompt]
 
 
-CLIENTS = {c.name: c for c in (Client("claude", "Claude Code", "/v1/messages"),
-                               Client("codex", "Codex CLI", "/v1/responses"),
-                               Client("qwen", "Qwen Code", "/v1/chat/completions"),
-                               Client("opencode", "opencode", "/v1/chat/completions"))}
+CLIENTS = {c.name: c for c in (Client("claude", "Claude Code", "/v1/messages", True),
+                               Client("codex", "Codex CLI", "/v1/responses", True),
+                               Client("qwen", "Qwen Code", "/v1/chat/completions", True),
+                               Client("opencode", "opencode", "/v1/chat/completions", False))}
