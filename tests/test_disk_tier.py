@@ -471,3 +471,44 @@ def test_a_disk_hit_without_room_waits_for_it_instead_of_recomputing():
     finish("a2")
     finish("c")
     mem.check_integrity()
+
+
+@pytest.mark.parametrize("with_disk", [False, True])
+def test_with_a_disk_tier_a_request_waits_for_room_for_its_prompt_checkpoint(with_disk):
+    """Its prompt fits the pool beside a running request, its prompt checkpoint does not. Without a disk tier it runs
+    at once without that checkpoint (optional, taken where it fits); with one it waits for the running request's
+    pages, and its next turn could then resume from disk at the prompt's end."""
+    from deltaserve.memory import MemoryManager
+    from deltaserve.memory.disk_tier import HEADER_BYTES, DiskTier
+    from deltaserve.scheduler import Request, Scheduler
+
+    bs = 4
+    mem = MemoryManager(num_pages=16, num_slots=3, block_size=bs, num_gdn_groups=1, layout="runs",
+                        pages_per_state=2)
+    tier = DiskTier(80 * (HEADER_BYTES + 16), 16, 32)
+    if with_disk:
+        mem.attach_disk(tier)
+    s = Scheduler(mem, 3, 16)
+
+    def step():
+        plan = s.schedule()
+        mem.check_integrity()
+        ops, _ = tier.take()
+        for op, arg in ops:
+            if op == "write":
+                tier.done.append((op, arg.record.key, True, 0.0, arg.record.nbytes))
+        s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
+        return plan
+
+    s.add(Request("d", list(range(300, 333)), max_tokens=6))  # 33 tokens: nine pages, and decodes on
+    while s.get("d").num_computed_tokens < 33:
+        step()
+    room = mem.num_allocatable()
+    s.add(Request("e", list(range(1, 14)), max_tokens=1))  # 13 tokens: four pages, its prompt checkpoint at 12
+    assert 4 <= room < 4 + mem.checkpoint_pages
+    saved = mem.stats.checkpoints_saved_by_kind["prompt"]
+    ran_beside_d = False
+    while "e" in s.requests:
+        ran_beside_d |= "e" in {w.request_id for w in step().work} and "d" in s.requests
+    assert ran_beside_d != with_disk
+    assert (mem.stats.checkpoints_saved_by_kind["prompt"] > saved) == with_disk

@@ -13,7 +13,9 @@ class SaveKind(StrEnum):
     """The kinds, in the order the by-kind counters list them. STEP and GENERATED are mandatory (MANDATORY_KINDS):
     the scheduler counts their pages in what a step needs, preempts for them like for attention pages, and reserves
     them first. The others are optional, taken only while the pool has room: PROMPT, FORK and HINT from any
-    allocatable page, GRID from free pages only (it evicts nothing)."""
+    allocatable page, GRID from free pages only (it evicts nothing). With a disk tier a request waits at admission
+    for room for its PROMPT and HINT checkpoints (DISK_KEPT_KINDS) while running requests hold pages: what leaves
+    the pool then goes to disk instead of away, so a checkpoint a later request resumes from is worth the wait."""
 
     STEP = "step"  # the end of a step's work on a block boundary: the resume point after a preemption
     PROMPT = "prompt"  # the prompt's last block boundary: what the next turn of a conversation hits
@@ -24,6 +26,7 @@ class SaveKind(StrEnum):
 
 
 MANDATORY_KINDS = frozenset({SaveKind.STEP, SaveKind.GENERATED})
+DISK_KEPT_KINDS = frozenset({SaveKind.PROMPT, SaveKind.HINT})
 # a sequence's checkpoint replaced by a newer one goes to the front of the eviction order unless it was hit or is one
 # of these, taken where a later request is expected to resume (memory/manager.py _hold_ckpt)
 KEPT_WHEN_REPLACED = frozenset({SaveKind.PROMPT, SaveKind.FORK, SaveKind.HINT})

@@ -50,7 +50,7 @@ from typing import Mapping
 
 from ..config import ConfigError
 from ..memory.manager import DISK_GO, DISK_READING, CheckpointError, MemoryManager, MemoryUsage, PrefixHit
-from ..memory.save_kind import MANDATORY_KINDS, SaveKind
+from ..memory.save_kind import DISK_KEPT_KINDS, MANDATORY_KINDS, SaveKind
 from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT as KERNEL_GRID  # the GDN chunked kernel's 64-token grid
 from .jobs import FailedSteps, ReprefillJobs
 from .plan import SeqWork, StateCopy, StepPlan
@@ -404,6 +404,14 @@ class Scheduler:
     def _mandatory(saves: list[tuple[int, SaveKind]]) -> int:
         return sum(1 for _, kind in saves if kind in MANDATORY_KINDS)
 
+    def _worth_waiting_for(self, saves: list[tuple[int, SaveKind]]) -> int:
+        """With a disk tier, the optional saves a request waits at admission to have room for (memory/save_kind.py:
+        what leaves the pool then goes to disk, not away), while running requests hold pages that will make room;
+        a running prefill takes them only where they fit, as without the tier (no preemption for them)."""
+        if self.memory.disk is None or not self.running:
+            return 0
+        return sum(1 for _, kind in saves if kind in DISK_KEPT_KINDS)
+
     def _reserve(self, rec: _Scheduled, saves: list[tuple[int, SaveKind]]) -> None:
         """Reserve the mandatory saves (their pages were counted), then the optional ones while they fit: prompt, fork
         and hint checkpoints from any allocatable page, grid ones from free pages only (they evict nothing)."""
@@ -489,7 +497,7 @@ class Scheduler:
             return False
         saves = self._saves(req, start, end)
         need = (mem.pages_for(end) - (hit.num_blocks if hit else 0)
-                + mem.checkpoint_pages * self._mandatory(saves) + mem.pin_cost(hit))
+                + mem.checkpoint_pages * (self._mandatory(saves) + self._worth_waiting_for(saves)) + mem.pin_cost(hit))
         if need > mem.num_allocatable():
             return False
         rid = req.request_id
