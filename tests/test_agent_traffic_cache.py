@@ -93,3 +93,59 @@ def test_the_system_prefix_is_checkpointed_without_the_grid():
         assert len(saved) == 1 and saved[0].endswith(" 1.0"), saved
     finally:
         srv.stop()
+
+
+def qwen_body(n: int) -> dict:
+    with open(os.path.join(FIXTURES, f"qwen-code-{n}.json")) as f:
+        sent = json.load(f)["body"]
+    sent.pop("stream_options", None)
+    return {**sent, "stream": False, "max_tokens": 1}
+
+
+def test_the_newest_user_turns_part_boundaries_are_checkpointed():
+    """Qwen Code sends its first user message as parts (reminders of skills, tools and the date, then what was
+    typed) and, a request later, re-sends that message without the date reminder. The first request hinted where
+    the message's last two parts begin (part_hints), so with the grid off the second reads up to the reminder, not
+    only the system prefix."""
+    from deltaserve.server.chat_spec import first_difference, part_hints, system_prefix_end
+    from deltaserve.server.openai.protocol import ChatCompletionRequest
+    from deltaserve.server.openai.routes import chat_spec
+
+    tok = load_tokenizer(None)
+    specs = [chat_spec(ChatCompletionRequest.model_validate(qwen_body(n))) for n in (2, 3)]
+    texts = [render_prompt(tok, s) for s in specs]
+    (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
+    hints = part_hints(tok, specs[0], texts[0], a, ends)
+    cut = part_hints(tok, specs[0], texts[0], a, None)  # without offsets: the prompt against its text cut there
+    date = texts[0].index("<system-reminder>\nThe current date")
+    assert len(hints) == 2 and cut[0] == first_difference(tok.encode(texts[0][:date]), a)
+    assert all(c - 2 <= h <= c for h, c in zip(hints, cut))
+    parted = first_difference(a, b)  # where the second request leaves the first: at the date reminder
+    assert parted - PAGE < hints[0] <= parted
+    assert system_prefix_end(tok, specs[0], a) < parted - 2 * PAGE  # the date reminder is well past the system
+
+
+@pytest.mark.slow
+def test_the_next_request_reads_up_to_the_part_boundary():
+    """The engine's side of the above, on the embedded model with the grid off: the second request reads up to the
+    date reminder's page, from the part-boundary checkpoint the first request left."""
+    from deltaserve.server.chat_spec import first_difference, part_hints
+    from deltaserve.server.openai.protocol import ChatCompletionRequest
+    from deltaserve.server.openai.routes import chat_spec
+
+    tok = load_tokenizer(None)
+    spec = chat_spec(ChatCompletionRequest.model_validate(qwen_body(2)))
+    text = render_prompt(tok, spec)
+    hints = part_hints(tok, spec, text, *tok.encode_with_ends(text))
+    srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
+    try:
+        wait_healthy(srv.base, timeout=240)
+        got = []
+        for n in (2, 3):
+            r = httpx.post(f"{srv.base}/v1/chat/completions", json=qwen_body(n), timeout=600)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["usage"])
+        cached = (got[1].get("prompt_tokens_details") or {}).get("cached_tokens")
+        assert cached == hints[0] // PAGE * PAGE, (cached, hints)
+    finally:
+        srv.stop()

@@ -180,37 +180,41 @@ def _err(r, param=None):
 
 def test_bad_input_is_400_naming_the_field(server):
     url = server.base + "/v1/responses"
-    e = _err(httpx.post(url, json={"input": "x", "background": True}), "background")
+
+    def post(*args, **kw):  # the first image request waits for the engine's start-up work on a loaded machine
+        return httpx.post(*args, timeout=60, **kw)
+
+    e = _err(post(url, json={"input": "x", "background": True}), "background")
     assert "refused" in e["message"]
-    _err(httpx.post(url, json={"input": "x", "service_tier": "flex"}), "service_tier")
-    _err(httpx.post(url, json={"input": "x", "tools": [{"type": "bogus_tool"}]}), "tools")
+    _err(post(url, json={"input": "x", "service_tier": "flex"}), "service_tier")
+    _err(post(url, json={"input": "x", "tools": [{"type": "bogus_tool"}]}), "tools")
     # a built-in tool merely offered is left out of the prompt (a warning header says so); forced, it is refused
-    _err(httpx.post(url, json={"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}),
+    _err(post(url, json={"input": "x", "tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}),
          "tool_choice")
-    _err(httpx.post(url, json={"input": "x", "include": ["message.output_text.logprobs"]}), "include")
-    _err(httpx.post(url, json={"input": "x", "truncation": "auto"}), "truncation")
-    _err(httpx.post(url, json={"input": []}), "input")
-    _err(httpx.post(url, json={"input": [{"type": "item_reference", "id": "x"}]}), "input")
-    _err(httpx.post(url, json={"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
+    _err(post(url, json={"input": "x", "include": ["message.output_text.logprobs"]}), "include")
+    _err(post(url, json={"input": "x", "truncation": "auto"}), "truncation")
+    _err(post(url, json={"input": []}), "input")
+    _err(post(url, json={"input": [{"type": "item_reference", "id": "x"}]}), "input")
+    _err(post(url, json={"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}),
          "input")
-    _err(httpx.post(url, json={"input": "x", "temperature": -1}), "temperature")
-    _err(httpx.post(url, json={"input": "x", "max_output_tokens": 0}), "max_output_tokens")
-    e = _err(httpx.post(url, json={"input": "x", "max_output_tokens": 10 ** 7}), "max_output_tokens")
+    _err(post(url, json={"input": "x", "temperature": -1}), "temperature")
+    _err(post(url, json={"input": "x", "max_output_tokens": 0}), "max_output_tokens")
+    e = _err(post(url, json={"input": "x", "max_output_tokens": 10 ** 7}), "max_output_tokens")
     assert "maximum context length" in e["message"]
-    _err(httpx.post(url, json={"input": "x", "tool_choice": "required"}), "tool_choice")
-    _err(httpx.post(url, json={"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "no"}}),
+    _err(post(url, json={"input": "x", "tool_choice": "required"}), "tool_choice")
+    _err(post(url, json={"input": "x", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "no"}}),
          "tool_choice")
-    _err(httpx.post(url, json={"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}),
+    _err(post(url, json={"input": [{"type": "function_call_output", "call_id": "c9", "output": "x"}]}),
          "input[0].call_id")
-    _err(httpx.post(url, json={"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c",
+    _err(post(url, json={"input": [{"role": "user", "content": "q"}, {"type": "function_call", "call_id": "c",
                                                                             "name": "f", "arguments": "[1]"}]}),
          "input[1].arguments")
-    _err(httpx.post(url, json={"input": "x", "text": {"format": {"type": "json_schema", "name": "b",
+    _err(post(url, json={"input": "x", "text": {"format": {"type": "json_schema", "name": "b",
                                                                  "schema": {"type": "nonsense"}}}}), "text.format")
-    assert httpx.post(url, json={"input": "x", "model": "gpt-5"}).status_code == 404
+    assert post(url, json={"input": "x", "model": "gpt-5"}).status_code == 404
     # the engine and other requests carry on
     assert httpx.get(server.base + "/health").status_code == 200
-    assert httpx.post(url, json={"input": "still fine", "max_output_tokens": 2}).json()["usage"]["output_tokens"] == 2
+    assert post(url, json={"input": "still fine", "max_output_tokens": 2}).json()["usage"]["output_tokens"] == 2
 
 
 def test_agents_sdk_runner_calls_the_tool_and_finishes(server):

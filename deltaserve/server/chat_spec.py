@@ -10,7 +10,9 @@ The route formats the resulting delta stream (core.ServingCore.deltas) in its ow
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,25 @@ class ChatSpec:
         return self.tools if self.tools and choice != "none" else None
 
 
+class PartedText(str):
+    """A message's text made of the parts the client sent, joined: a plain string to the template, which also
+    knows where each part after the first begins (`starts`, in characters), for part_hints."""
+
+    starts: tuple[int, ...] = ()
+
+
+def parted(texts: list[str], sep: str) -> str:
+    """texts joined by sep, a PartedText when there are several."""
+    if len(texts) < 2:
+        return sep.join(texts)
+    out, starts, at = PartedText(sep.join(texts)), [], 0
+    for t in texts[:-1]:
+        at += len(t) + len(sep)
+        starts.append(at)
+    out.starts = tuple(starts)
+    return out
+
+
 def image_content(parts: list[tuple[str, str]], role: str, where: str, sep: str = "\n") -> str | list[dict]:
     """A message's content from its parts in order, ("text", text) or ("image", data URL / base64). Without
     images: the texts joined by sep (a plain string, as every template takes). With images: the template's
@@ -87,7 +108,7 @@ def image_content(parts: list[tuple[str, str]], role: str, where: str, sep: str 
     an image part as <|vision_start|><|image_pad|><|vision_end|> and the texts as they are, unseparated).
     Images go in user messages and tool results only (400 elsewhere; `where` names the field)."""
     if not any(kind == "image" for kind, _ in parts):
-        return sep.join(text for _, text in parts)
+        return parted([text for _, text in parts], sep)
     if role not in ("user", "tool"):
         raise bad_request(f"Images go in user messages and tool results, not in a {role} message.", where,
                           "invalid_value")
@@ -139,19 +160,55 @@ def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
         k += 1
     if k == 0 and not spec.template_tools:
         return None
-    probe = [*spec.messages[:k], {"role": "user", "content": _PROBE}]
-    try:
-        text = tok.apply_chat_template(probe, tools=spec.template_tools, add_generation_prompt=False,
-                                       **spec.template_kwargs)
-    except (TokenizerError, TypeError):
+    key = json.dumps([spec.messages[:k], spec.template_tools, spec.template_kwargs], default=str)  # key order kept
+    probe = _probe_ids(tok, key)
+    if probe is None:
         return None
-    shared = first_difference(_probe_ids(tok, text), ids)
+    shared = first_difference(probe, ids)
     return shared if 0 < shared < len(ids) else None
 
 
+PART_HINTS = 2  # the last part boundaries of the newest user message that get a hint
+
+
+def part_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
+    """Where the newest user message's last parts begin, in tokens (at most PART_HINTS, each the tokens the prompt
+    shares with its own text cut there). Agents send a user turn as several parts, reminders the client generates
+    (a date, a file list, the skills it offers) before what the user typed, and the next request may re-send that
+    message without one of them (Qwen Code moves its date reminder to the newest message): a checkpoint at a part
+    boundary is where the next request can resume. The rendered content is found as the template writes it; none
+    when it is not there verbatim. A boundary's position is the count of tokens that end before it, less one (a
+    token that ends there may merge with what follows in another request); without the tokenizer's offsets, the
+    tokens the prompt shares with its own text cut there."""
+    i = next((k for k in range(len(spec.messages) - 1, -1, -1) if spec.messages[k].get("role") == "user"), None)
+    content = spec.messages[i].get("content") if i is not None else None
+    starts = getattr(content, "starts", ())[-PART_HINTS:]
+    base = prompt_text.rfind(content) if starts else -1
+    if base < 0:
+        return ()
+    if ends is not None and len(ends) != len(ids):
+        return ()
+    out = []
+    for st in starts:
+        cut = base + st
+        n = (bisect.bisect_right(ends, cut) - 1 if ends is not None
+             else first_difference(tok.encode(prompt_text[:cut]), ids))
+        if 0 < n < len(ids):
+            out.append(n)
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=64)
-def _probe_ids(tok, text: str) -> tuple[int, ...]:
-    """The probe's tokens, cached: an agent sends the same tools and system text on every turn."""
+def _probe_ids(tok, key: str) -> tuple[int, ...] | None:
+    """The probe's tokens for the system messages, tools and template arguments in key (JSON), rendered before a
+    probe user message; cached, since an agent sends the same tools and system text on every turn and the render
+    is most of the cost. None when the template refuses the probe."""
+    messages, tools, kwargs = json.loads(key)
+    try:
+        text = tok.apply_chat_template([*messages, {"role": "user", "content": _PROBE}], tools=tools,
+                                       add_generation_prompt=False, **kwargs)
+    except (TokenizerError, TypeError):
+        return None
     return tuple(tok.encode(text))
 
 
@@ -219,14 +276,14 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
     """Render, compile, make one job per sample and submit them (every 400 is raised before the engine runs)."""
     _, tok = core.ready()
     prompt_text = render_prompt(tok, spec)
-    ids = tok.encode(prompt_text)
+    ids, ends = tok.encode_with_ends(prompt_text)
     thinking = prompt_opens_thinking(prompt_text)
     grammar = grammar_for(tok, spec)
     tools = spec.template_tools
     rid = f"{spec.id_prefix}{uuid.uuid4().hex}"
     images = spec.images
     end = system_prefix_end(tok, spec, ids)
-    hints = (end,) if end is not None else ()
+    hints = ((end,) if end is not None else ()) + part_hints(tok, spec, prompt_text, ids, ends)
     jobs: list[Job] = []
     for s in range(spec.n):
         seed = None if spec.seed is None else spec.seed + s

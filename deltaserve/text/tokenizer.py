@@ -139,6 +139,13 @@ class Tokenizer:
             return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int] | None]:
+        """encode(text) and where each of its tokens ends in text (characters; None without a fast backend)."""
+        if self._backend is None:
+            return self.encode(text), None
+        enc = self._backend.encode(text, add_special_tokens=False)
+        return list(enc.ids), [end for _, end in enc.offsets]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = [int(i) for i in ids]
         if self._backend is not None:

@@ -99,8 +99,11 @@ def _client(crow: list[dict], ids, tok) -> dict:
                 d = explain(tok, ids(best), (bu.get("output") or 0) if whole else 0, bool(best.get("reasoned")),
                             ids(q))
                 if qu["cached"] + 2 * SLACK < min(d.position, shared):  # the renderings agree further than it read
+                    why = d.cause if d.where in d.cause else f"{d.cause} in {d.where}"
                     d = replace(d, cause=f"the server did not serve the {shared} tokens both renderings share "
-                                         f"(its cache: the rendering diverges only at token {d.position})")
+                                         f"(they part at token {d.position}: {why}; it held no "
+                                         f"recurrent state nearer to there than token {qu['cached']}, and a hybrid "
+                                         f"model's hit ends where one was taken)")
                 against = "its previous request + answer" if whole else "the earlier request it shares most with"
                 divergences.append(_div(r, qu, ideal, d, against))
         turns.append(t)
