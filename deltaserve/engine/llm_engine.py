@@ -179,6 +179,11 @@ class LLMEngine:
         self.vision = getattr(self.model, "visual", None) if self.parallel is None else None
         self.vision_config = VisionConfig.from_path(path) if self.vision is not None else None
         self._image_processor = None  # made on the first image (transformers' image processor)
+        # encoded image -> processed image, for that processor (--mm-processor-cache-gb; media/images.py)
+        self.image_cache = None
+        if self.vision is not None:
+            from ..media.images import ProcessedImageCache
+            self.image_cache = ProcessedImageCache(int(config.mm_processor_cache_gb * (1 << 30)))
         if self.vision is not None:
             from ..runner.media import MediaStore
             self.runner.media = MediaStore()
@@ -288,7 +293,7 @@ class LLMEngine:
         if not items:
             return None
         return prepare_images(ids, items, self._images_processor(), self.vision_config.image_token_id,
-                              self.config.mm_limit("image"))
+                              self.config.mm_limit("image"), self.image_cache)
 
     def prompt_token_ids(self, ids: list[int], images: list | None) -> list[int]:
         """The prompt as add_request would run it, each image placeholder widened to its image's token count,
