@@ -13,7 +13,9 @@ time to first token of a prompt with images, cold and hit.
                 digest each
   ttft@N hit, images reprocessed
                 the same hit with the processed-image cache emptied first: every image decoded, preprocessed
-                and hashed again (what a hit cost without that cache), the same checks
+                and hashed again (what a hit cost without that cache), the same checks. The two hits
+                alternate HIT_PAIRS times after each cold run, each row the best of them (a hit is short
+                beside the noise of a shared machine)
 
 The images are seeded random colour blocks (PNG), new ones for every cold run. The arm is its own engine
 (prefix caching on, --limit-mm-per-prompt at the largest N), run after the throughput arms have closed.
@@ -29,6 +31,7 @@ import random
 import time
 
 BATCH = 4  # images per encoder call in the encoder@S row
+HIT_PAIRS = 3  # (hit, hit with the images reprocessed) pairs after each cold run; each row keeps its best
 
 
 def png(size: int, seed: int) -> bytes:
@@ -223,7 +226,9 @@ def measure(args, res, grid, progress) -> None:
     try:
         progress(f"{grid.preset}: warming up the image arm")
         arm.encoder(1, 999)
-        arm.ttft(*arm.prompt(1, 999)[:2])
+        warm = arm.prompt(1, 999)[:2]
+        for _ in range(2):  # cold, then a hit: an engine's first hit pays once for what later hits reuse
+            arm.ttft(*warm)
         for rep in range(args.repeats):
             dt = arm.encoder(BATCH, 100 * rep)
             best(rep, f"encoder@{S}", BATCH / dt, "images/s", f"{BATCH} images a call", True)
@@ -231,14 +236,18 @@ def measure(args, res, grid, progress) -> None:
             for n in counts:
                 ids, images, _ = arm.prompt(n, 10_000 * (rep + 1) + n)
                 cold_s, cold = arm.ttft(ids, images)
-                hit_s, hit = arm.ttft(ids, images)
-                arm.engine.image_cache.clear()  # the same hit, every image processed again
-                again_s, again = arm.ttft(ids, images)
-                for what, h, image_hits in (("hit", hit, n), ("hit, images reprocessed", again, 0)):
-                    same = h["token"] == cold["token"] and h["logprobs"] == cold["logprobs"]
-                    if h["encoder_runs"] != 0 or not same or h["cached"] == 0 or h["image_hits"] != image_hits:
-                        raise AssertionError(f"ttft@{n} {what}: encoder runs {h['encoder_runs']}, cached {h['cached']}, "
-                                             f"processed-image cache hits {h['image_hits']}, bit-identical {same}")
+                hit_s = again_s = float("inf")
+                for _ in range(HIT_PAIRS):  # hits are short: alternate the two kinds, keep the best of each
+                    s, hit = arm.ttft(ids, images)
+                    arm.engine.image_cache.clear()  # the same hit, every image processed again
+                    s2, again = arm.ttft(ids, images)
+                    hit_s, again_s = min(hit_s, s), min(again_s, s2)
+                    for what, h, image_hits in (("hit", hit, n), ("hit, images reprocessed", again, 0)):
+                        same = h["token"] == cold["token"] and h["logprobs"] == cold["logprobs"]
+                        if h["encoder_runs"] != 0 or not same or h["cached"] == 0 or h["image_hits"] != image_hits:
+                            raise AssertionError(f"ttft@{n} {what}: encoder runs {h['encoder_runs']}, cached "
+                                                 f"{h['cached']}, processed-image cache hits {h['image_hits']}, "
+                                                 f"bit-identical {same}")
                 best(rep, f"ttft@{n} cold", cold_s, "s", f"{cold['prompt']} prompt tokens, encoder ran "
                      f"{cold['encoder_runs']}x", False)
                 best(rep, f"ttft@{n} hit", hit_s, "s", f"{hit['cached']} of {hit['prompt']} tokens cached, encoder ran "
