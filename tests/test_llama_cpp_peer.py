@@ -1,5 +1,6 @@
 """llama.cpp as a benchmark peer: the pieces that need no llama.cpp binary
-(command lines, the converter wrapper's pre-tokenizer choice, timings parsing, the table), and an end-to-end
+(command lines, the converter wrapper's pre-tokenizer choice, the mmproj conversion's link directory and cache,
+timings parsing, the table), and an end-to-end
 run of the real llama-server on the tiny model, which skips unless scripts/setup_llama_cpp.sh has built it."""
 from __future__ import annotations
 
