@@ -254,10 +254,12 @@ def test_ensure_mmproj_links_the_checkpoint_beside_the_processor_settings(tmp_pa
 
     def convert(cmd, tmp, out, log_path, timeout, what):
         src = cmd[3]
+        with open(os.path.join(src, "preprocessor_config.json")) as f:
+            processor = json.load(f)
         seen.update(cmd=cmd, src=src, what=what, files=sorted(os.listdir(src)),
                     links={n: os.readlink(os.path.join(src, n)) for n in os.listdir(src)
                            if os.path.islink(os.path.join(src, n))},
-                    processor=json.load(open(os.path.join(src, "preprocessor_config.json"))))
+                    processor=processor)
         with open(out, "w") as f:
             f.write("gguf")
         return out

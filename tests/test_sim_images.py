@@ -82,7 +82,7 @@ def test_simulation_charges_the_encoder_once_and_not_on_a_hit(bundles):
     it and encodes nothing; another picture at the same place encodes again and hits only before it."""
     enc, plain = bundles
     ids = list(range(10, 1010))
-    img = lambda key: [{"offset": 300, "tokens": 196, "id": key}, {"offset": 600, "tokens": 64, "id": key + "2"}]  # noqa: E731
+    img = lambda key: [{"offset": 300, "tokens": 196, "id": key}, {"offset": 600, "tokens": 64, "id": key + "2"}]
     trace = [parse_line({"request_id": rid, "arrival_time": t, "prompt_token_ids": ids, "output_length": 2,
                          "images": img(key)}, k)
              for k, (rid, t, key) in enumerate((("a", 0.0, "cat"), ("b", 10.0, "cat"), ("c", 20.0, "dog")))]
@@ -92,7 +92,7 @@ def test_simulation_charges_the_encoder_once_and_not_on_a_hit(bundles):
     assert recs["b"].cached_tokens >= 896 and recs["c"].cached_tokens <= 256  # c hits only the blocks before 300
     text = [TraceRequest(r.request_id, r.arrival_time, r.output_length, prompt_token_ids=ids) for r in trace]
     plain_recs, _ = _run(plain, text, max_num_batched_tokens=256)
-    ttft = lambda rs, rid: rs[rid].first_token - rs[rid].arrival  # noqa: E731
+    ttft = lambda rs, rid: rs[rid].first_token - rs[rid].arrival
     extra = encoder_us(196) + encoder_us(64)
     assert ttft(recs, "a") - ttft(plain_recs, "a") == pytest.approx(extra * 1e-6, rel=1e-6)
     assert ttft(recs, "c") - ttft(plain_recs, "c") > extra * 1e-6  # encodes again, and hits less than text did

@@ -132,7 +132,8 @@ def widened_ids(ids: list[int], items: list, processor: ImagePreprocessor, image
     return out + ids[prev:]
 
 
-def process_item(item, processor: ImagePreprocessor, what: str, cache: ProcessedImageCache | None = None) -> ProcessedImage:
+def process_item(item, processor: ImagePreprocessor, what: str,
+                 cache: ProcessedImageCache | None = None) -> ProcessedImage:
     """item decoded and preprocessed; with a cache (made for this processor), encoded bytes seen before are one
     digest and a lookup. A refused item is never cached, so the same bytes are refused again the same way."""
     key = cache.key(item) if cache is not None else None

@@ -179,13 +179,11 @@ class LLMEngine:
         self.vision = getattr(self.model, "visual", None) if self.parallel is None else None
         self.vision_config = VisionConfig.from_path(path) if self.vision is not None else None
         self._image_processor = None  # made on the first image (transformers' image processor)
-        # encoded image -> processed image, for that processor (--mm-processor-cache-gb; media/images.py)
-        self.image_cache = None
+        self.image_cache = None  # encoded image -> processed image, for that processor (--mm-processor-cache-gb)
         if self.vision is not None:
             from ..media.images import ProcessedImageCache
-            self.image_cache = ProcessedImageCache(int(config.mm_processor_cache_gb * (1 << 30)))
-        if self.vision is not None:
             from ..runner.media import MediaStore
+            self.image_cache = ProcessedImageCache(int(config.mm_processor_cache_gb * (1 << 30)))
             self.runner.media = MediaStore()
             self.memory.media_token_ids = frozenset({self.vision_config.image_token_id})
         self._seed_counter = 0
