@@ -64,6 +64,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0  # drafts verified
     spec_decode_num_accepted_tokens: int = 0  # drafts accepted
     spec_decode_accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position 0, 1, ...
+    # the processed-image cache (--mm-processor-cache-gb), in images: vLLM's vllm:mm_cache_queries / _hits
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 @dataclass
@@ -569,7 +572,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
-        m = self.memory
+        m, ic = self.memory, self.image_cache
         kept, ckpt_pages = m.num_checkpoints()
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
@@ -581,7 +584,9 @@ class LLMEngine:
             cpu_kernels=self.cpu_kernels, spec_decode_num_drafts=self.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_decode_accepted_per_pos=list(self.spec_stats.accepted_per_pos), **self.scheduler.counters())
+            spec_decode_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            mm_cache_queries=ic.hits + ic.misses if ic is not None else 0, mm_cache_hits=ic.hits if ic is not None else 0,
+            **self.scheduler.counters())
 
 
 def _cache_hints(hints, n: int) -> tuple[int, ...]:
