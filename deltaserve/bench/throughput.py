@@ -637,7 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=_ints, default=[], metavar="N,..",
                    help="image rows (bench/vision.py): the vision encoder's images/s, and the time to first token of "
                         "a prompt with N images, cold and hit (the hit must skip the encoder and match cold bit for "
-                        "bit); e.g. 4,16. With --prefill-lens= --streams= only the image rows run")
+                        "bit), and the hit with its images processed anew; e.g. 4,16. With --prefill-lens= "
+                        "--streams= only the image rows run")
     p.add_argument("--image-size", type=int, default=448, help="the images' side in pixels (default 448)")
     p.add_argument("--fixed-drafts", action="store_true",
                    help="the speculative arms draft K tokens every step (speculative_config adaptive false): "
