@@ -461,6 +461,10 @@ class EngineConfig:
     limit_mm_per_prompt: tuple = _flag(DEFAULT_MM_LIMITS, "the most images (videos, audio: 0, not served) one "
                                        "request may carry, vLLM's JSON: '{\"image\": 16, \"video\": 0}'; more is a "
                                        "400 naming the limit", parse_mm_limits, metavar="JSON")
+    mm_processor_cache_gb: float = _flag(1.0, "GiB of preprocessed images kept by a digest of their encoded bytes "
+                                         "(the data URL, base64 or file a request sends), least recently used out "
+                                         "first, so an image sent again skips decoding, resizing and hashing; 0 = "
+                                         "off (vLLM's name; its default is 4)", float, metavar="GIB")
     seed: int = _flag(0, "seed of the embedded model's weights and of unseeded sampling", int, metavar="N")
     num_threads: int | None = _flag(None, "torch CPU threads (default: torch's)", _optional_int, metavar="N",
                                     replica=True)
@@ -528,6 +532,8 @@ class EngineConfig:
             raise ConfigError("--nnodes > 1 needs --master-port (and --master-addr) so the machines can meet")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise ConfigError(f"--master-port {self.master_port} is not a port number")
+        if not self.mm_processor_cache_gb >= 0:  # NaN too
+            raise ConfigError("--mm-processor-cache-gb must be >= 0 (0 = off)")
         if self.cache_disk_bytes <= 0:
             raise ConfigError("--cache-disk-bytes must be a positive number of bytes")
         if self.cache_disk and (not self.enable_prefix_caching or self.tensor_parallel_size > 1):

@@ -28,7 +28,8 @@ def test_throughput_smoke(tmp_path, capsys):
 
 def test_throughput_image_rows(tmp_path, capsys):
     """--images alone (no throughput rows): the encoder's images/s, and TTFT with 1 and 2 images cold and hit,
-    the hit served from the prefix cache without running the encoder, its token and logprobs the cold run's."""
+    the hit served from the prefix cache without running the encoder, its token and logprobs the cold run's;
+    the hit's images from the processed-image cache, and the same hit with them processed anew."""
     rc = main(["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens=", "--streams=", "--images", "1,2",
                "--image-size", "64", "--repeats", "1", "--bandwidth-gib", "0", "--log-dir", str(tmp_path)])
     assert rc == 0
@@ -37,7 +38,11 @@ def test_throughput_image_rows(tmp_path, capsys):
     for n in (1, 2):
         cold = next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | ttft@{n} cold | deltaserve |"))
         hit = next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | ttft@{n} hit | deltaserve |"))
+        again = next(ln for ln in text.splitlines()
+                     if ln.startswith(f"| tiny | ttft@{n} hit, images reprocessed | deltaserve |"))
         assert "encoder ran 1x" in cold and "encoder ran 0x" in hit and "bit-identical to cold" in hit, text
+        assert f"{n} of {n} images from the processed-image cache" in hit, text
+        assert "encoder ran 0x" in again and "decoded, preprocessed and hashed again" in again, text
     assert "failed" not in text, text
 
 

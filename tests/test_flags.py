@@ -30,6 +30,7 @@ SAMPLES = {
     "cache_disk_bytes": ("2G", 2 << 30),
     "max_num_encoder_input_tokens": ("4096", 4096),
     "limit_mm_per_prompt": ('{"image": 4, "video": 0}', (("audio", 0), ("image", 4), ("video", 0))),
+    "mm_processor_cache_gb": ("0.5", 0.5),
     "seed": ("3", 3),
     "num_threads": ("1", 1),
     "device": ("cpu", "cpu"),
@@ -164,3 +165,10 @@ def test_limit_mm_per_prompt_spellings():
     for bad in ('{"video": 2}', '{"image": -1}', '{"pictures": 1}', "[1]", "image=x"):
         with pytest.raises(ConfigError):
             EngineConfig(limit_mm_per_prompt=bad)
+
+
+def test_mm_processor_cache_gb_is_a_size():
+    assert EngineConfig().mm_processor_cache_gb == 1.0 and EngineConfig(mm_processor_cache_gb=0).mm_processor_cache_gb == 0
+    for bad in (-1, float("nan")):
+        with pytest.raises(ConfigError, match="mm-processor-cache-gb"):
+            EngineConfig(mm_processor_cache_gb=bad)

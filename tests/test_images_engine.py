@@ -247,3 +247,82 @@ def test_cache_hints_move_with_the_widened_placeholders():
     # ids: 0..4 text, a 1-token run at 5, text 6..9, a 4-token run (already wide) at 10, text after
     p = PromptImages(token_ids=[], images=[], grids=[(2, 3), (2, 2)], offsets=[5, 15], runs=((5, 1), (10, 4)))
     assert p.widen((3, 5, 6, 9, 10, 12, 14, 20)) == (3, 5, 11, 14, 15, 15, 19, 25)
+
+
+def test_processed_image_cache_hit_is_the_processors_output(model_dir, llm):
+    """An image sent again is one digest: the engine's processed-image cache hands back what the processor (the
+    reference) makes of those bytes, bit for bit, and the request's output is the first one's; another image of
+    the same size misses; the same picture as bytes instead of a data URL is another key, with the same hash."""
+    import numpy as np
+
+    from deltaserve.media.images import ImagePreprocessor, open_image
+
+    cache = llm.engine.image_cache
+    rng = random.Random(13)
+    ids = image_prompt(rng, 1)
+    raw = png(448, 448, 80)
+    hits, misses = cache.hits, cache.misses
+    first = gen(llm, ids, [data_url(raw)], salt="pc-1", max_tokens=6)
+    assert (cache.hits, cache.misses) == (hits, misses + 1)
+    again = gen(llm, ids, [data_url(raw)], salt="pc-2", max_tokens=6)
+    assert (cache.hits, cache.misses) == (hits + 1, misses + 1)
+    assert signature(again) == signature(first)
+    got = cache.get(cache.key(data_url(raw)))
+    ref = ImagePreprocessor(model_dir)(open_image(raw))
+    assert got.grid == ref.grid and got.num_tokens == ref.num_tokens and got.hash == ref.hash
+    assert got.pixels.dtype == ref.pixels.dtype and np.array_equal(got.pixels, ref.pixels)
+    other = png(448, 448, 81)  # same size, other pixels: another key, another content hash
+    gen(llm, ids, [data_url(other)], salt="pc-3", max_tokens=2)
+    assert cache.misses == misses + 2  # the lookup above hit
+    assert cache.get(cache.key(data_url(other))).hash != ref.hash
+    assert cache.key(raw) != cache.key(data_url(raw)) != cache.key(base64.b64encode(raw).decode())
+    gen(llm, ids, [raw], salt="pc-4", max_tokens=2)  # bytes: a miss, processed to the same content hash
+    assert cache.get(cache.key(raw)).hash == ref.hash
+    assert held(llm) == (0, 0, 0)
+
+
+def test_processed_image_cache_keeps_refusals_out(llm):
+    """A refused image is refused again the same way: nothing of it was cached."""
+    cache = llm.engine.image_cache
+    rng = random.Random(14)
+    bad = data_url(b"not an image at all")
+    n = len(cache)
+    for _ in range(2):
+        with pytest.raises(EngineInputError, match="not a readable image"):
+            gen(llm, image_prompt(rng, 1), [bad])
+    assert len(cache) == n and cache.key(bad) not in cache
+
+
+def test_processed_image_cache_is_lru_within_its_budget(model_dir):
+    """Least recently used out first, never over the budget; an entry over the whole budget is not kept; a
+    budget of 0 keeps nothing; prepare_images with the cache gives prepare_images without it."""
+    import numpy as np
+
+    from deltaserve.engine.images import prepare_images
+    from deltaserve.media.images import ImagePreprocessor, ProcessedImageCache, open_image
+
+    proc = ImagePreprocessor(model_dir)
+    raws = [png(448, 448, 90 + k) for k in range(4)]  # 64 tokens each: 256 patches of 96 floats
+    size = ProcessedImageCache.size_of(proc(open_image(raws[0])))
+    cache = ProcessedImageCache(3 * size)
+    ids = [1, 2, START, IMG, END, 3]
+    ref = [prepare_images(ids, [r], proc, IMG, 16) for r in raws]
+    for r in raws[:3]:
+        prepare_images(ids, [r], proc, IMG, 16, cache)
+    assert len(cache) == 3 and cache.bytes == 3 * size and (cache.hits, cache.misses) == (0, 3)
+    assert cache.get(cache.key(raws[0])) is not None  # raws[0] is now the most recent
+    got = prepare_images(ids, [raws[3]], proc, IMG, 16, cache)  # over the budget: raws[1] goes
+    assert cache.evictions == 1 and cache.bytes <= cache.budget_bytes
+    assert cache.key(raws[1]) not in cache and all(cache.key(raws[k]) in cache for k in (0, 2, 3))
+    for k in (0, 2, 3):  # hits and the fresh processing agree
+        hit = prepare_images(ids, [raws[k]], proc, IMG, 16, cache)
+        assert hit.token_ids == ref[k].token_ids and hit.media_keys == ref[k].media_keys
+        assert np.array_equal(hit.images[0].pixels, ref[k].images[0].pixels)
+    assert got.media_keys == ref[3].media_keys
+    small = ProcessedImageCache(size - 1)
+    small.put(small.key(raws[0]), ref[0].images[0])
+    assert len(small) == 0 and small.bytes == 0
+    off = ProcessedImageCache(0)
+    prepare_images(ids, [raws[0]], proc, IMG, 16, off)
+    assert len(off) == 0 and off.get(off.key(raws[0])) is None
+    assert ProcessedImageCache.key(object()) is None  # a PIL image (no encoded form) is not cached

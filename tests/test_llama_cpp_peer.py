@@ -1,5 +1,6 @@
 """llama.cpp as a benchmark peer: the pieces that need no llama.cpp binary
-(command lines, the converter wrapper's pre-tokenizer choice, timings parsing, the table), and an end-to-end
+(command lines, the converter wrapper's pre-tokenizer choice, the mmproj conversion's link directory and cache,
+timings parsing, the table), and an end-to-end
 run of the real llama-server on the tiny model, which skips unless scripts/setup_llama_cpp.sh has built it."""
 from __future__ import annotations
 
@@ -221,3 +222,98 @@ def test_llama_cpp_targets_lines():
     assert llama_cpp_targets(r)[2:] == [
         "- tiny decode@1: deltaserve-fp8 / llama.cpp-q8_0 0.96x (missed, target >= 1.0x)",
         "- tiny decode@1: deltaserve-fp8-head / llama.cpp-q8_0 1.20x (met, target >= 1.0x)"]
+
+
+# --------------------------------------------------------------------------- the vision tower as an mmproj GGUF
+def _checkpoint(path, processor: dict | None = None) -> str:
+    """A stand-in checkpoint directory (ensure_mmproj only lists, links and hands it to the converter)."""
+    path.mkdir()
+    for name, text in (("config.json", "{}"), ("model.safetensors", "weights"), ("tokenizer.json", "{}")):
+        (path / name).write_text(text)
+    if processor is not None:
+        (path / "preprocessor_config.json").write_text(json.dumps(processor))
+    return str(path)
+
+
+def _tree(root) -> str:
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "convert_hf_to_gguf.py").write_text("")
+    return str(root)
+
+
+def test_ensure_mmproj_links_the_checkpoint_beside_the_processor_settings(tmp_path, monkeypatch):
+    """Without preprocessor_config.json the converter gets a directory of the checkpoint's own name holding a link
+    to each of its files (absolute: the directory is elsewhere) plus the settings the engine uses; the link
+    directory is gone after; the result is cached under $DELTASERVE_HOME by checkpoint and build, and a second
+    call converts nothing."""
+    from deltaserve.media.images import QWEN35_PROCESSOR
+
+    monkeypatch.setenv("DELTASERVE_HOME", str(tmp_path / "home"))
+    model = _checkpoint(tmp_path / "vl-abc123")
+    root, seen = _tree(tmp_path / "llama"), {}
+
+    def convert(cmd, tmp, out, log_path, timeout, what):
+        src = cmd[3]
+        with open(os.path.join(src, "preprocessor_config.json")) as f:
+            processor = json.load(f)
+        seen.update(cmd=cmd, src=src, what=what, files=sorted(os.listdir(src)),
+                    links={n: os.readlink(os.path.join(src, n)) for n in os.listdir(src)
+                           if os.path.islink(os.path.join(src, n))},
+                    processor=processor)
+        with open(out, "w") as f:
+            f.write("gguf")
+        return out
+
+    monkeypatch.setattr(lc, "_convert", convert)
+    out = lc.ensure_mmproj(model, root=root)
+    assert out == lc.mmproj_path(model) == str(tmp_path / "home" / "gguf" / f"vl-abc123-mmproj-bf16-{lc.BUILD}.gguf")
+    assert os.path.exists(out) and "mmproj" in seen["what"]
+    src = seen["src"]
+    assert src != model and os.path.basename(src) == "vl-abc123" and not os.path.exists(src)  # a temporary copy
+    assert seen["files"] == ["config.json", "model.safetensors", "preprocessor_config.json", "tokenizer.json"]
+    assert seen["links"] == {n: os.path.join(model, n) for n in ("config.json", "model.safetensors", "tokenizer.json")}
+    assert seen["processor"] == {**QWEN35_PROCESSOR, "image_processor_type": "Qwen2VLImageProcessorFast"}
+    cmd = seen["cmd"]
+    assert cmd[:4] == [sys.executable, lc.CONVERTER, os.path.join(root, "src"), src]
+    assert cmd[4:] == ["--mmproj", "--outtype", "bf16", "--outfile", f"{out}.tmp{os.getpid()}"]
+    assert not os.path.exists(os.path.join(model, "preprocessor_config.json"))  # the checkpoint is untouched
+
+    def fail(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(lc, "_convert", fail)
+    assert lc.ensure_mmproj(model, root=root) == out  # cached: no converter run, no tree needed
+    assert lc.ensure_mmproj(model, root=str(tmp_path / "no-tree")) == out
+
+
+def test_ensure_mmproj_converts_a_checkpoint_with_its_own_processor_settings_in_place(tmp_path, monkeypatch):
+    monkeypatch.setenv("DELTASERVE_HOME", str(tmp_path / "home"))
+    model = _checkpoint(tmp_path / "vl-own", processor={"patch_size": 14, "merge_size": 2})
+    seen = []
+    monkeypatch.setattr(lc, "_convert", lambda cmd, tmp, out, *a: seen.append(cmd) or out)
+    lc.ensure_mmproj(model, root=_tree(tmp_path / "llama"))
+    assert seen[0][3] == model  # its own preprocessor_config.json: no link directory
+    with pytest.raises(PeerUnavailable, match="setup_llama_cpp.sh"):  # no tree, nothing cached
+        lc.ensure_mmproj(_checkpoint(tmp_path / "vl-other"), root=str(tmp_path / "no-tree"))
+
+
+@pytest.mark.slow  # the converter in a subprocess: 15-40 s
+def test_ensure_mmproj_real_converter_on_tiny(tiny_dir, tmp_path, monkeypatch):
+    """llama.cpp's own converter (skips without its tree) writes the tiny vision tower as an mmproj GGUF with the
+    processor settings ensure_mmproj supplied, into a fresh $DELTASERVE_HOME."""
+    root = lc.default_dir()
+    if not os.path.exists(os.path.join(root, "src", "convert_hf_to_gguf.py")):
+        pytest.skip(f"no llama.cpp tree at {root} (run scripts/setup_llama_cpp.sh)")
+    monkeypatch.setenv("DELTASERVE_HOME", str(tmp_path / "home"))
+    out = lc.ensure_mmproj(tiny_dir, root=root, log_path=str(tmp_path / "convert.log"))
+    assert out.startswith(str(tmp_path / "home")) and not [n for n in os.listdir(os.path.dirname(out)) if ".tmp" in n]
+    sys.path.insert(0, os.path.join(root, "src", "gguf-py"))
+    try:
+        import gguf
+    finally:
+        sys.path.pop(0)
+    reader = gguf.GGUFReader(out)
+    fields = {k: f.contents() for k, f in reader.fields.items()}
+    assert fields["general.architecture"] == "clip" and fields["clip.has_vision_encoder"]
+    assert fields["clip.vision.patch_size"] == 16 and fields["clip.vision.image_mean"] == [0.5, 0.5, 0.5]
+    assert any(t.name.startswith("v.blk.") for t in reader.tensors)

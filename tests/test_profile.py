@@ -51,6 +51,17 @@ def test_quick_bundle_has_every_table_and_the_meta(bundle_dir, engine):
     assert ModelConfig.from_hf(b.config).num_hidden_layers == 8
 
 
+def test_vision_encoder_is_timed_per_image_by_its_patches(bundle_dir):
+    """tiny has a vision tower: one image through the encoder at each grid of the quick profile, its time growing
+    with the patches, read back by the latency model (what a simulated image request pays)."""
+    rows = load_bundle(bundle_dir).rows("vision_encoder.csv")
+    assert [r["tokens"] for r in rows] == [64, 196, 784] and all(r["patches"] == 4 * r["tokens"] for r in rows)
+    assert all(r["time_us"] > 0 for r in rows) and rows[-1]["time_us"] > rows[0]["time_us"]
+    lm = LatencyModel(load_bundle(bundle_dir))
+    shape = StepShape(prefill=[(256, 0)], decode_ctx=[], n_sample=1, encoder_images=(196,))
+    assert lm.encoder_us(shape) == pytest.approx(rows[1]["time_us"])
+
+
 def test_gdn_kernels_are_kept_apart_by_regime(bundle_dir):
     b = load_bundle(bundle_dir)
     rows = b.rows("linear_attention.csv")

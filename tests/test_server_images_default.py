@@ -101,14 +101,26 @@ def test_tokenize_counts_images_as_the_chat_request_runs_them(client):
     assert r.json()["usage"]["prompt_tokens"] == len(tokens)
 
 
+def mm_cache(client) -> tuple[float, float]:
+    """(vllm:mm_cache_queries_total, vllm:mm_cache_hits_total): the processed-image cache, in images."""
+    got = {}
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(("vllm:mm_cache_queries_total", "vllm:mm_cache_hits_total")):
+            got[line.split("{")[0]] = float(line.split()[-1])
+    return got["vllm:mm_cache_queries_total"], got["vllm:mm_cache_hits_total"]
+
+
 def test_resent_image_hits_with_the_cold_bits(client):
     """The same images sent again: the prefix cache serves past them, and the tokens and logprobs are those
-    of the cold run."""
+    of the cold run; the processed-image cache served both images of the second request (/metrics)."""
     content = [{"type": "text", "text": "Compare " * 40}, {"type": "image_url", "image_url": {"url": url(png(448, 448, 5))}},
                {"type": "text", "text": "with"}, {"type": "image_url", "image_url": {"url": url(png(250, 300, 6))}}]
     body = chat_body(content, max_tokens=8, logprobs=True, top_logprobs=3)
+    q0, h0 = mm_cache(client)
     cold = client.post("/v1/chat/completions", json=body).json()
+    q1, h1 = mm_cache(client)
     hit = client.post("/v1/chat/completions", json=body).json()
+    assert (q1 - q0, h1 - h0) == (2, 0) and mm_cache(client) == (q1 + 2, h1 + 2)
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] >= 256  # past both images (blocks of 128)
     assert hit["choices"][0]["logprobs"] == cold["choices"][0]["logprobs"]

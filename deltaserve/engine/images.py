@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..media.images import (ImagePreprocessor, MediaError, ProcessedImage, decode_base64, decode_data_url, image_size,
-                            open_image)
+from ..media.images import (ImagePreprocessor, MediaError, ProcessedImage, ProcessedImageCache, decode_base64,
+                            decode_data_url, image_size, open_image)
 from .inputs import EngineInputError
 
 
@@ -132,13 +132,27 @@ def widened_ids(ids: list[int], items: list, processor: ImagePreprocessor, image
     return out + ids[prev:]
 
 
+def process_item(item, processor: ImagePreprocessor, what: str,
+                 cache: ProcessedImageCache | None = None) -> ProcessedImage:
+    """item decoded and preprocessed; with a cache (made for this processor), encoded bytes seen before are one
+    digest and a lookup. A refused item is never cached, so the same bytes are refused again the same way."""
+    key = cache.key(item) if cache is not None else None
+    hit = cache.get(key) if key is not None else None
+    if hit is not None:
+        return hit
+    image = processor(load_item(item, what))
+    if key is not None:
+        cache.put(key, image)
+    return image
+
+
 def prepare_images(ids: list[int], items: list, processor: ImagePreprocessor, image_token_id: int,
-                   limit: int) -> PromptImages:
+                   limit: int, cache: ProcessedImageCache | None = None) -> PromptImages:
     _check_limit(items, limit)
     images = []
     for k, item in enumerate(items):
         try:
-            images.append(processor(load_item(item, f"image {k}")))
+            images.append(process_item(item, processor, f"image {k}", cache))
         except MediaError as e:
             raise EngineInputError(str(e), "multi_modal_data") from None
     runs = _runs_for(ids, image_token_id, len(images))

@@ -64,6 +64,9 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0  # drafts verified
     spec_decode_num_accepted_tokens: int = 0  # drafts accepted
     spec_decode_accepted_per_pos: list[int] = field(default_factory=list)  # accepted at draft position 0, 1, ...
+    # the processed-image cache (--mm-processor-cache-gb), in images: vLLM's vllm:mm_cache_queries / _hits
+    mm_cache_queries: int = 0
+    mm_cache_hits: int = 0
 
 
 @dataclass
@@ -179,8 +182,11 @@ class LLMEngine:
         self.vision = getattr(self.model, "visual", None) if self.parallel is None else None
         self.vision_config = VisionConfig.from_path(path) if self.vision is not None else None
         self._image_processor = None  # made on the first image (transformers' image processor)
+        self.image_cache = None  # encoded image -> processed image, for that processor (--mm-processor-cache-gb)
         if self.vision is not None:
+            from ..media.images import ProcessedImageCache
             from ..runner.media import MediaStore
+            self.image_cache = ProcessedImageCache(int(config.mm_processor_cache_gb * (1 << 30)))
             self.runner.media = MediaStore()
             self.memory.media_token_ids = frozenset({self.vision_config.image_token_id})
         self._seed_counter = 0
@@ -288,7 +294,7 @@ class LLMEngine:
         if not items:
             return None
         return prepare_images(ids, items, self._images_processor(), self.vision_config.image_token_id,
-                              self.config.mm_limit("image"))
+                              self.config.mm_limit("image"), self.image_cache)
 
     def prompt_token_ids(self, ids: list[int], images: list | None) -> list[int]:
         """The prompt as add_request would run it, each image placeholder widened to its image's token count,
@@ -566,7 +572,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> EngineStats:
-        m = self.memory
+        m, ic = self.memory, self.image_cache
         kept, ckpt_pages = m.num_checkpoints()
         return EngineStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
@@ -578,7 +584,9 @@ class LLMEngine:
             cpu_kernels=self.cpu_kernels, spec_decode_num_drafts=self.spec_stats.num_drafts,
             spec_decode_num_draft_tokens=self.spec_stats.num_draft_tokens,
             spec_decode_num_accepted_tokens=self.spec_stats.num_accepted_tokens,
-            spec_decode_accepted_per_pos=list(self.spec_stats.accepted_per_pos), **self.scheduler.counters())
+            spec_decode_accepted_per_pos=list(self.spec_stats.accepted_per_pos),
+            mm_cache_queries=ic.hits + ic.misses if ic is not None else 0, mm_cache_hits=ic.hits if ic is not None else 0,
+            **self.scheduler.counters())
 
 
 def _cache_hints(hints, n: int) -> tuple[int, ...]:

@@ -10,6 +10,9 @@ settings come from the model directory's preprocessor_config.json, else Qwen3.5'
 ProcessedImage.hash is sha256 over the processor's output (the normalised patches and the grid): two
 requests with the same hash feed the encoder the same input, so its output (and every K/V computed from
 it) is the same. It is what the prefix cache's block hashes carry for an image's placeholder tokens.
+ProcessedImageCache maps a digest of an image's encoded form (the data URL, base64 text or file bytes a request
+carries) to its ProcessedImage, LRU within a byte budget, so an image sent again costs one digest instead of a
+decode, a resize and a content hash.
 Every failure to read an image is a MediaError (a ValueError the servers answer with 400).
 """
 from __future__ import annotations
@@ -21,6 +24,8 @@ import io
 import json
 import os
 import re
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,3 +152,81 @@ class ImagePreprocessor:
     def merged_grid(self, p: ProcessedImage) -> tuple[int, int]:
         """(rows, cols) of p's placeholder tokens on the merged grid."""
         return p.grid[1] // self.merge, p.grid[2] // self.merge
+
+
+class ProcessedImageCache:
+    """Encoded image -> ProcessedImage, for one ImagePreprocessor (its owner holds both: a processor with other
+    settings makes other pixels from the same bytes). LRU, at most budget_bytes of entries (pixels plus the
+    digest and hash); an entry larger than the budget is not kept. A hit hands back the very ProcessedImage the
+    processor made for those bytes: the processor is deterministic, so it is what processing them again would
+    give, bit for bit (tests/test_images_engine.py checks against the processor, the reference). Its pixels
+    are shared by every request that sends those bytes: nothing writes to them (the runner concatenates them
+    into a new tensor for the encoder). Lookups and inserts take a lock, so token counting on another thread
+    could share it; the engine uses it from add_request only."""
+
+    ENTRY_OVERHEAD = 256  # bytes beside the pixels an entry holds (the key, the hash, the object): a floor per entry
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"a processed-image cache of {budget_bytes} bytes")
+        self.budget_bytes = int(budget_bytes)
+        self.bytes = 0
+        self.hits = self.misses = self.evictions = 0
+        self._entries: OrderedDict[bytes, ProcessedImage] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(item) -> bytes | None:
+        """sha256 of the item's encoded form, tagged with its kind (a str is its UTF-8: a data URL or base64 text;
+        bytes are the file); None for what has no encoded form (a PIL image)."""
+        if isinstance(item, str):
+            kind, raw = b"str\0", item.encode("utf-8", "surrogatepass")
+        elif isinstance(item, (bytes, bytearray, memoryview)):
+            kind, raw = b"bytes\0", bytes(item)
+        else:
+            return None
+        h = hashlib.sha256(kind)
+        h.update(raw)
+        return h.digest()
+
+    @classmethod
+    def size_of(cls, image: ProcessedImage) -> int:
+        return image.pixels.nbytes + cls.ENTRY_OVERHEAD
+
+    def get(self, key: bytes | None) -> ProcessedImage | None:
+        if key is None or not self.budget_bytes:
+            return None
+        with self._lock:
+            image = self._entries.get(key)
+            if image is None:
+                self.misses += 1
+                return None
+            self._entries.move_to_end(key)
+            self.hits += 1
+            return image
+
+    def put(self, key: bytes | None, image: ProcessedImage) -> None:
+        size = self.size_of(image)
+        if key is None or size > self.budget_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(key, None)
+            if old is not None:
+                self.bytes -= self.size_of(old)
+            self._entries[key] = image
+            self.bytes += size
+            while self.bytes > self.budget_bytes:
+                _, gone = self._entries.popitem(last=False)
+                self.bytes -= self.size_of(gone)
+                self.evictions += 1
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries

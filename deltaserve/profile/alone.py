@@ -151,3 +151,24 @@ def scheduler_overhead(prof) -> None:
         prof.rows["overhead.csv"].append({"component": "scheduler", "n_seqs": n, "tokens": n, "time_us": med,
                                           "p10_us": p10, "p90_us": p90})
         prof.tick(f"scheduler n={n}")
+
+
+@torch.inference_mode()
+def vision_encoder(prof) -> None:
+    """One image through the whole vision encoder (the runner's call, engine.vision), by its patch count, for a
+    model with a vision tower: the simulator prices the images a step encodes with it. Random pixels: the
+    encoder's work depends on the grid, not on the values."""
+    visual = getattr(prof.engine, "vision", None)
+    if visual is None:
+        return
+    vc = visual.config
+    dim = vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2
+    m = vc.spatial_merge_size
+    prof.rows["vision_encoder.csv"] = rows = []
+    for side in prof.grid.encoder_sides:
+        grid = (1, side * m, side * m)
+        patches = grid[1] * grid[2]
+        pixels = torch.randn(patches, dim, generator=prof.gen).to(prof.device)
+        med, p10, p90 = prof.timeit(lambda px=pixels, g=grid: visual(px, [g]))
+        rows.append({"patches": patches, "tokens": patches // vc.merge_unit, "time_us": med, "p10_us": p10,
+                     "p90_us": p90})

@@ -16,6 +16,7 @@ class Grid:
     seqs: list[int]  # scheduler overhead
     mixed: list[tuple[int, int]]  # (prefill tokens, decodes) through one forward: additivity check
     repeats: int
+    encoder_sides: tuple[int, ...] = ()  # vision encoder: square images this many merged tokens on a side
 
     def num_shapes(self) -> int:
         """The shapes the phases visit (an attention shape past the pool counts too): the progress bar's total."""
@@ -34,6 +35,7 @@ def make_grid(quick: bool, max_tokens: int, max_seqs: int, max_context: int, rep
         copies = [1, 4, 16]
         seqs = [1, 4, 16, 64]
         mixed = [(256, 4)]
+        sides = (8, 14, 28)
         reps = repeats or 3
     else:
         tokens = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536,
@@ -45,6 +47,7 @@ def make_grid(quick: bool, max_tokens: int, max_seqs: int, max_context: int, rep
         copies = [1, 2, 4, 8, 16, 32, 64]
         seqs = [1, 2, 4, 8, 16, 32, 64, 128, 256]
         mixed = [(64, 1), (256, 4), (512, 8), (1024, 16)]
+        sides = (8, 14, 20, 28, 40)  # 64 to 1,600 tokens an image (256x256 .. 1280x1280 pixels at Qwen3.5's 32)
         reps = repeats or 5
     toks = cap(tokens, max_tokens)
     aq = [t for t in toks if t in (1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192) or t == max_tokens]
@@ -53,4 +56,4 @@ def make_grid(quick: bool, max_tokens: int, max_seqs: int, max_context: int, rep
                 attn_q=aq, attn_prior=[p for p in prior if p < max_context], copies=cap(copies, max_seqs),
                 seqs=cap(seqs, max_seqs),
                 mixed=[(p, d) for p, d in mixed if p <= max_tokens and d <= max_seqs] or [(min(64, max_tokens), 1)],
-                repeats=reps)
+                repeats=reps, encoder_sides=sides)

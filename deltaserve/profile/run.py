@@ -7,7 +7,8 @@ a forward add up to the forward), in phases:
 
   forward_runs.py  prefill runs (one span of T tokens), decode runs (D sequences at context c), mixed runs
   alone.py         lm head and sampler per sampled row; attention at longer prior contexts; copies; the
-                   torch-free scheduler's schedule() + update()
+                   torch-free scheduler's schedule() + update(); one image through the vision encoder by
+                   its patch count (a model with a vision tower)
   calibrate.py     real engine.step()s fitted against the tables (fit.py): the overhead they do not explain
 
 Times are medians of repeats (profiler.py); meta.calibration.wall_per_cpu records the contention seen while
@@ -41,6 +42,7 @@ def run_phases(prof: Profiler) -> None:
         alone.copies(prof)
         alone.scheduler_overhead(prof)
         forward_runs.mixed_runs(prof)
+        alone.vision_encoder(prof)  # last: the other phases' random inputs stay what they were
     finally:
         prof.bar.close()
         prof.bar = None

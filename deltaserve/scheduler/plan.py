@@ -58,6 +58,7 @@ class StepPlan:
     restores: tuple[StateCopy, ...] = ()  # before the forward: location -> slot
     saves: tuple[StateCopy, ...] = ()  # after the forward: slot -> location
     preempted: tuple[str, ...] = ()  # request ids preempted while planning this step
+    encoder_images: tuple[int, ...] = ()  # the image tokens of each image the step's encoder runs make (the simulator prices them)
 
     @property
     def num_tokens(self) -> int:

@@ -543,7 +543,9 @@ class Scheduler:
             if rec.restore is not None:
                 restores.append(StateCopy(slot, rec.restore))
             saves.extend(StateCopy(slot, loc, pos) for pos, loc in rec.saves)
+        encoder_images = tuple(n for rid, rec in self._recs.items() if rid in self._encoding for _, n, _ in rec.req.media)
         plan = StepPlan(work=tuple(work), zero_pages=tuple(zero_pages), zero_slots=tuple(zero_slots),
-                        restores=tuple(restores), saves=tuple(saves), preempted=tuple(self._preempted))
+                        restores=tuple(restores), saves=tuple(saves), preempted=tuple(self._preempted),
+                        encoder_images=encoder_images)
         self._recs = {}
         return plan

@@ -45,6 +45,8 @@ _COUNTERS = (
     ("deltaserve_reprefill_jobs", "reprefill_jobs", "Finished requests whose outputs were recomputed and cached."),
     ("deltaserve_reprefill_dropped", "reprefill_dropped", "Output recompute jobs dropped: a request needed their seat, "
      "slot or pages, or the outputs were cached already."),
+    ("vllm:mm_cache_queries", "mm_cache_queries", "Multi-modal cache queries, in terms of number of items."),
+    ("vllm:mm_cache_hits", "mm_cache_hits", "Multi-modal cache hits, in terms of number of cached items."),
 )
 
 

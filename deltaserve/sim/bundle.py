@@ -11,6 +11,8 @@ Layout of a bundle directory:
   linear_attention.csv   kernel, regime, prefill_tokens, n_decode, time_us, p10_us, p90_us, layers
   copies.csv             op, count, time_us, p10_us, p90_us                      (whole model, all layers)
   overhead.csv           component, n_seqs, tokens, time_us, p10_us, p90_us      (per step)
+  vision_encoder.csv     patches, tokens, time_us, p10_us, p90_us                (one image through the whole
+                         vision encoder, by its patch count; tokens = what it makes; a model with a vision tower)
   calibration.csv        one row per calibration step: its shape, the measured wall and CPU time, the prediction
 
 time_us is the median of the repeats. Per-layer kernels are timed inside real forwards of the model (every
@@ -36,6 +38,7 @@ TABLES = {
     "linear_attention.csv": ("kernel", "regime", "prefill_tokens", "n_decode", "time_us", "p10_us", "p90_us", "layers"),
     "copies.csv": ("op", "count", "time_us", "p10_us", "p90_us"),
     "overhead.csv": ("component", "n_seqs", "tokens", "time_us", "p10_us", "p90_us"),
+    "vision_encoder.csv": ("patches", "tokens", "time_us", "p10_us", "p90_us"),
     "calibration.csv": ("step", "n_seqs", "n_prefill", "prefill_tokens", "n_decode", "context_tokens", "n_sample",
                         "copies", "measured_us", "cpu_us", "predicted_us"),
 }

@@ -267,7 +267,7 @@ class Simulation:
             if tr.prompt_token_ids is None:
                 raise ValueError(f"request {tr.request_id} has no token ids: materialize() the trace first")
             req = Request(tr.request_id, tr.prompt_token_ids, max_tokens=tr.output_length,
-                          cache_salt=tr.cache_salt, arrival_time=tr.arrival_time)
+                          cache_salt=tr.cache_salt, arrival_time=tr.arrival_time, media=tr.media)
             k = self.router.route(req, tr.session_id, reps)
             self.router.observe(k, req, tr.session_id)
             records.append(reps[k].submit(tr, req, now))

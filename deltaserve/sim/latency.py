@@ -7,6 +7,7 @@
                            + sum over decodes       attn_decode(context) ]
               + copies: zero_pages(P) + zero_slots(Z) + restore(R) + save(W)
               + overhead: scheduler(N) + batch_prep(N) + engine_emit(S)
+              + vision encoder: sum over the images the step encodes  encoder(patches)
               + calibrated residual: fixed + per_seq * N + per_prefill * P (and two compute scales: one
                 for the prefill part of the tables, one for the decode part, see compute_parts)
     wall time = wall_per_cpu * all of it   (1 when the bundle was timed in wall time; or speed(t), a SpeedTrace
@@ -131,6 +132,7 @@ class StepShape:
     restores: int = 0
     saves: int = 0
     after_prefill: bool = False  # the engine's previous step computed prompt tokens (caches cold for a decode)
+    encoder_images: tuple[int, ...] = ()  # image tokens of each image the vision encoder makes in the step
 
     @property
     def decode_only(self) -> bool:
@@ -156,7 +158,7 @@ class StepShape:
             if w.sample:
                 sample += 1
         return cls(prefill, decode, sample, len(plan.zero_pages), len(plan.zero_slots), len(plan.restores),
-                   len(plan.saves), after_prefill)
+                   len(plan.saves), after_prefill, tuple(getattr(plan, "encoder_images", ())))
 
 
 class LatencyModel:
@@ -222,6 +224,10 @@ class LatencyModel:
             x = r["tokens"] if r["component"] == "engine_emit" else r["n_seqs"]
             ov.setdefault(r["component"], []).append((x, r["time_us"]))
         self.overhead = {k: Interp1D(v, monotone=True) for k, v in ov.items()}
+        # the vision encoder, per image by its patch count (a model without one profiles no rows)
+        enc = bundle.rows("vision_encoder.csv")
+        self.encoder = Interp1D([(r["patches"], r["time_us"]) for r in enc], monotone=True) if enc else None
+        self.patches_per_token = (enc[0]["patches"] / enc[0]["tokens"]) if enc else None
         cal = bundle.calibration
         self.fixed_us = float(cal.get("fixed_us", 0.0))
         self.per_seq_us = float(cal.get("per_seq_us", 0.0))
@@ -299,13 +305,25 @@ class LatencyModel:
                 us += f(x)
         return us
 
+    def encoder_us(self, s: StepShape) -> float:
+        """The vision encoder's runs in the step: each image priced by its patch count (image tokens x the merge
+        unit). Timed as whole encoder calls, so it takes no compute scale (those calibrate the per-kernel tables
+        to real steps). Images with a bundle that has no encoder table: an error, not a free encoder."""
+        if not s.encoder_images:
+            return 0.0
+        if self.encoder is None:
+            raise ValueError(f"{self.bundle.path}: the step encodes images but the bundle has no vision_encoder.csv "
+                             "(profile a model with a vision tower)")
+        return sum(self.encoder(n * self.patches_per_token) for n in s.encoder_images)
+
     def shape_us(self, s: StepShape, now: float = 0.0) -> float:
         if not s.n_seqs:
             return 0.0
         pre, dec = self.compute_parts(s)
         sp = self.decode_speed if s.decode_only else self.speed
         f = sp(now) if sp is not None else self.wall_per_cpu
-        return f * (self.compute_scale * pre + self.compute_scale_decode * dec + self.overhead_us(s))
+        return f * (self.compute_scale * pre + self.compute_scale_decode * dec + self.overhead_us(s)
+                    + self.encoder_us(s))
 
     def step_us(self, plan) -> float:
         return self.shape_us(StepShape.of(plan))

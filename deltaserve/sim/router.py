@@ -70,7 +70,7 @@ class PrefixAffinity(Router):
         bs = mem.block_size
         if bs not in cache:
             probe = Request(req.request_id, req.prompt_token_ids, max_tokens=1, cache_salt=req.cache_salt,
-                            extra_keys=req.extra_keys)
+                            extra_keys=req.extra_keys, media=req.media)
             nb = (probe.num_tokens - 1) // bs
             cache[bs] = (probe, nb, probe.block_hashes(nb, bs))
         probe, nb, hashes = cache[bs]

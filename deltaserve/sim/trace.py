@@ -11,7 +11,12 @@ arrival_time is in seconds from the start of the trace; session_id is optional; 
 explicit token ids or a list of block-hash ids plus a length (every hash id stands for hash_block_size
 tokens; equal ids mean equal blocks, so prefixes are shared exactly where the ids are). output_length is
 the number of tokens the request generates (the simulator and the replay finish it there: ignore_eos).
-An optional "cache_salt" enters the prefix-cache hash as in the engine.
+An optional "cache_salt" enters the prefix-cache hash as in the engine. An optional "images" lists the
+prompt's images, each {"offset": o, "tokens": n, "id": k}: its placeholder tokens are prompt positions
+o .. o + n - 1 (n = the merged grid's rows x cols, 196 for 448x448 on Qwen3.5), and k names its content (equal
+ids are the same picture: its blocks hit; the engine keys them by a content hash the same way). The step that
+first reaches a request's images runs the vision encoder over all of them, which the simulator prices from
+the bundle's vision_encoder.csv.
 
 Mooncake-style traces (FAST'25 "Mooncake" / kvcache-ai traces) are read too: a line with "timestamp"
 (milliseconds) and no "arrival_time" is one of those:
@@ -24,6 +29,7 @@ tokens unique to the request. Both the simulator and the real-engine replay see 
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -46,6 +52,12 @@ class TraceRequest:
     session_id: str | None = None
     cache_salt: str | None = None
     extra: dict = field(default_factory=dict)
+    images: list[tuple[int, int, str]] = field(default_factory=list)  # (offset, tokens, id) per image, in order
+
+    @property
+    def media(self) -> tuple[tuple[int, int, bytes], ...]:
+        """The scheduler's Request.media: (offset, tokens, a content hash standing for the image id)."""
+        return tuple((o, n, hashlib.sha256(b"trace-image\0" + k.encode()).digest()) for o, n, k in self.images)
 
     def to_json(self) -> dict:
         d: dict = {"request_id": self.request_id, "arrival_time": round(self.arrival_time, 6)}
@@ -60,6 +72,8 @@ class TraceRequest:
         d["output_length"] = self.output_length
         if self.cache_salt is not None:
             d["cache_salt"] = self.cache_salt
+        if self.images:
+            d["images"] = [{"offset": o, "tokens": n, "id": k} for o, n, k in self.images]
         d.update(self.extra)
         return d
 
@@ -84,14 +98,14 @@ def parse_line(d: dict, index: int) -> TraceRequest:
     sid = d.get("session_id", d.get("chat_id"))
     known = {"arrival_time", "timestamp", "output_length", "output_tokens", "max_tokens", "request_id", "id",
              "session_id", "chat_id", "prompt_token_ids", "hash_ids", "input_length", "hash_block_size",
-             "cache_salt"}
+             "cache_salt", "images"}
     extra = {k: v for k, v in d.items() if k not in known}
     if "prompt_token_ids" in d:
         ids = [int(x) for x in d["prompt_token_ids"]]
         if not ids:
             raise TraceError(f"line {index + 1}: empty prompt")
         return TraceRequest(rid, t, int(out), prompt_token_ids=ids, session_id=None if sid is None else str(sid),
-                            cache_salt=d.get("cache_salt"), extra=extra)
+                            cache_salt=d.get("cache_salt"), extra=extra, images=_images(d, len(ids), index))
     if "hash_ids" in d:
         hb = int(d.get("hash_block_size", MOONCAKE_BLOCK))
         hashes = [int(x) for x in d["hash_ids"]]
@@ -99,8 +113,29 @@ def parse_line(d: dict, index: int) -> TraceRequest:
         if n < 1:
             raise TraceError(f"line {index + 1}: input_length must be >= 1")
         return TraceRequest(rid, t, int(out), hash_ids=hashes, input_length=n, hash_block_size=hb,
-                            session_id=None if sid is None else str(sid), cache_salt=d.get("cache_salt"), extra=extra)
+                            session_id=None if sid is None else str(sid), cache_salt=d.get("cache_salt"), extra=extra,
+                            images=_images(d, n, index))
     raise TraceError(f"line {index + 1}: needs prompt_token_ids or hash_ids (+ input_length)")
+
+
+def _images(d: dict, prompt_len: int, index: int) -> list[tuple[int, int, str]]:
+    """A line's "images": (offset, tokens, id) each, inside the prompt, in order and apart (as the engine lays
+    out placeholder runs)."""
+    items = d.get("images") or []
+    if not isinstance(items, list):
+        raise TraceError(f"line {index + 1}: images must be a list of {{offset, tokens, id}}")
+    out, end = [], 0
+    for k, im in enumerate(items):
+        try:
+            o, n, key = int(im["offset"]), int(im["tokens"]), str(im["id"])
+        except (TypeError, KeyError, ValueError):
+            raise TraceError(f"line {index + 1}: image {k} needs offset, tokens and id") from None
+        if n < 1 or o < end or o + n > prompt_len:
+            raise TraceError(f"line {index + 1}: image {k} ({n} tokens at {o}) must lie inside the prompt of "
+                             f"{prompt_len} tokens, after the previous image, and hold at least one token")
+        out.append((o, n, key))
+        end = o + n
+    return out
 
 
 def read_trace(path: str, num_reqs: int | None = None) -> list[TraceRequest]:

@@ -207,6 +207,8 @@ def run_real(preset: str, engine_flags: dict, caching: bool, trace: list[TraceRe
 
     if probe not in PROBES:
         raise ValueError(f"probe must be one of {PROBES}, got {probe!r}")
+    if any(r.images for r in (*trace, *warmup, *(probe_trace or ()))):  # fail closed: a replay would drop them
+        raise ValueError("the real-engine replay sends token ids only, no pixels: a trace with images is simulated only")
     if probe == "interleaved" and not probe_trace:
         raise ValueError("the interleaved probe needs a probe_trace")
     cfg = EngineConfig(preset=preset, dtype="auto", enable_prefix_caching=caching, num_threads=num_threads,
