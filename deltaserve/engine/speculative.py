@@ -170,6 +170,31 @@ def verify(sampler, logits: torch.Tensor, state, drafts: Sequence[int]) -> list:
     return outs
 
 
+@torch.inference_mode()
+def verify_greedy_lazily(argmax, head, hidden: torch.Tensor, state, drafts: Sequence[int]) -> list:
+    """verify() of a plain greedy request without logprobs, with the head run lazily: row 0's logits first, and the
+    rows after it (all together) only once row 0's token equals drafts[0]. hidden [len(drafts) + 1, H]: the model's
+    outputs of the verify span; head: hidden rows -> logits rows (the model's compute_logits); argmax: the sampler's.
+    With drafts that are always wrong a step then runs the head over one row, as a plain decode step does; the head
+    over a 248k vocabulary is a third of the 0.8B shape's weight bytes and most of its arithmetic per extra row.
+
+    The tokens are verify()'s over the full head's logits bit for bit where the head is row-wise batch-invariant
+    (the compiled linears and oneDNN's, tests/test_linear.py): a row's logits are the same whether it is multiplied
+    alone or beside the span's other rows, and each row's token is the same argmax with its tie rule. The runner
+    takes this path only there (ModelRunner.execute lazy_head)."""
+    assert hidden.shape[0] == len(drafts) + 1, "a row per token of the verify span"
+    outs = []
+    for at, rows in ((0, hidden[:1]), (1, hidden[1:])):
+        if rows.shape[0] == 0:
+            break
+        for j, token in enumerate(argmax(head(rows)).tolist(), start=at):
+            state.accept(token)
+            outs.append(SampleOut(token_id=token))
+            if j == len(drafts) or token != drafts[j]:
+                return outs
+    return outs
+
+
 @dataclass
 class Acceptance:
     """One request's acceptance: an exponential average of the fraction of its drafts accepted. next_k drafts j tokens
@@ -182,6 +207,11 @@ class Acceptance:
     ALPHA = 0.3
     WORTH = 0.3
     PROBE = 8
+    # verify_greedy_lazily below this rate: it saves the head's extra rows when draft 1 is wrong and costs a second
+    # pass over the head's weights when it is right. On the 0.8B shape (a 248k x 1024 head, streamed from memory)
+    # one pass costs about the same for 1 row as for 4 (27 ms on one thread): the lazy path pays only where
+    # draft 1 almost never survives, as with drafts that are always wrong
+    LAZY_BELOW = 0.1
 
     def next_k(self, k_max: int) -> int:
         k = 0
@@ -197,6 +227,10 @@ class Acceptance:
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.rate = (1 - self.ALPHA) * self.rate + self.ALPHA * accepted / drafted
+
+    def lazy_head(self) -> bool:
+        """Whether this request's next verify step runs its head lazily (LAZY_BELOW)."""
+        return self.rate < self.LAZY_BELOW
 
 
 @dataclass
