@@ -44,11 +44,22 @@ def test_throughput_speculative_arms_beside_plain(tmp_path, capsys):
     assert "Speculative arms against plain deltaserve" in text, text
     table = text.split("Speculative arms against plain deltaserve")[1]
     spec = [line for line in table.splitlines() if line.startswith("| tiny | decode@1 | ")]
-    assert [line.split(" | ")[2] for line in spec] == ["plain", "mtp2-p1", "mtp2-p0-fixed"], text
+    assert [line.split(" | ")[2] for line in spec] == ["deltaserve", "deltaserve-mtp2-p1", "deltaserve-mtp2-p0-fixed"], text
     p1, p0 = (line.split(" | ") for line in spec[1:])
     assert p1[4].endswith("x") and p1[6].endswith("x") and p1[7].strip(" |") == "1.0", text  # x plain, wall and CPU
     assert p0[7].strip(" |") == "0.0", text
     assert "n/a¹" not in text and "failed²" not in text, text
+
+
+def test_llama_cpp_speculative_flags():
+    """llama-server's own MTP speculative decoding: K drafts, a drafter P as synthetic per-position acceptance P^j."""
+    from deltaserve.bench.peers.llama_cpp import parse_timings, speculative_flags
+
+    assert speculative_flags(3, None) == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
+    assert speculative_flags(3, 0.5)[-2:] == ["--spec-synth-rates", "0.5,0.25,0.125"]
+    t = parse_timings({"timings": {"prompt_n": 8, "prompt_ms": 1.0, "predicted_n": 9, "predicted_ms": 2.0,
+                                   "draft_n": 6, "draft_n_accepted": 4}})
+    assert (t.draft_n, t.draft_n_accepted, t.cache_n) == (6, 4, 0)
 
 
 def test_throughput_image_rows(tmp_path, capsys):

