@@ -278,9 +278,9 @@ def test_verify_of_plain_greedy_rows_in_one_argmax_is_row_by_row_sampling():
 
 def test_the_lazy_head_gives_the_full_heads_tokens_and_runs_row_0_alone_on_a_rejection():
     """verify_greedy_lazily on the tiny model's packed head: the tokens and commits of verify() over the full head's
-    logits for a rejection at every position; the head runs over row 0 alone when draft 1 is wrong, else over row 0
-    and then the rest; each part's logits are the full head's rows bit for bit (the row-wise batch invariance the
-    lazy path rests on)."""
+    logits for a rejection at every position, one span and four at once; the head runs over row 0 alone when draft 1
+    is wrong, else over row 0 and then the rest, in two calls at most for all the spans together; each part's logits
+    are the full head's rows bit for bit (the row-wise batch invariance the lazy path rests on)."""
     from deltaserve.engine.sampler import Sampler, SamplingState
 
     llm = make_llm(enable_prefix_caching=False)
@@ -303,11 +303,27 @@ def test_the_lazy_head_gives_the_full_heads_tokens_and_runs_row_0_alone_on_a_rej
             return model.compute_logits(h)
 
         lazy, ref = SamplingState.create(params), SamplingState.create(params)
-        got = verify_greedy_lazily(sampler.argmax, head, hidden, lazy, drafts)
+        (got,) = verify_greedy_lazily(sampler.argmax, head, [(hidden, lazy, drafts)])
         want = verify(sampler, full, ref, drafts)
         assert got == want and lazy.output_token_ids == ref.output_token_ids
         assert [o.token_id for o in got] == best[:accept + 1]
         assert rows == ([1] if accept == 0 else [1, 3])
+    # four spans in one call: drafts right up to 0, 3, 1, 2 rows; the second call holds the last three's rows 1..3
+    patterns = [0, 3, 1, 2]
+    drafts = [[best[j] if j < a else (best[j] + 1) % VOCAB for j in range(3)] for a in patterns]
+    rows = []
+
+    def head(h):
+        rows.append(h.shape[0])
+        return model.compute_logits(h)
+
+    states = [SamplingState.create(params) for _ in patterns]
+    got = verify_greedy_lazily(sampler.argmax, head, [(hidden, s, d) for s, d in zip(states, drafts)])
+    assert rows == [4, 9]
+    for a, d, g, s in zip(patterns, drafts, got, states):
+        ref = SamplingState.create(params)
+        assert g == verify(sampler, full, ref, d) and s.output_token_ids == ref.output_token_ids
+        assert [o.token_id for o in g] == best[:a + 1]
 
 
 def test_the_gdn_replay_is_the_decode_step_token_by_token():

@@ -355,7 +355,7 @@ class LLMEngine:
             if plan.is_empty() and self.memory.disk.busy():
                 self.disk.wait(0.01)  # only reads from disk to wait for: do not spin
         try:
-            lazy = self._lazy_head(plan)
+            lazy = self._lazy_head(plan)  # only with a drafter, never under tensor parallelism (refused there)
             logits = self.runner.execute(plan, lazy) if lazy else self.runner.execute(plan)
             sampled = self._sample(plan, logits)
         except Exception as e:  # noqa: BLE001 - one failing request must not take the others down
@@ -429,10 +429,13 @@ class LLMEngine:
             rows = logits.sample if len(plain) == len(owners) else logits.sample[plain]
             sampled.update(zip([owners[i] for i in plain],
                                self.sampler.sample(rows, [self._live[owners[i]].sampling for i in plain])))
+        lazy = [rid for rid in verifying if rid in logits.lazy]  # their heads in two calls at most, all together
+        lazy_outs = dict(zip(lazy, verify_greedy_lazily(
+            self.sampler.argmax, self.model.compute_logits,
+            [(logits.lazy[rid], self._live[rid].sampling, verifying[rid].token_ids[1:]) for rid in lazy])))
         for rid, w in verifying.items():
-            if rid in logits.lazy:
-                outs = verify_greedy_lazily(self.sampler.argmax, self.model.compute_logits, logits.lazy[rid],
-                                            self._live[rid].sampling, w.token_ids[1:])
+            if rid in lazy_outs:
+                outs = lazy_outs[rid]
             else:
                 i = owners.index(rid)
                 outs = verify(self.sampler, logits.sample[i: i + w.num_drafts + 1], self._live[rid].sampling,

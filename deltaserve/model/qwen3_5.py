@@ -193,9 +193,11 @@ class HybridModel(nn.Module):
     def replay_gdn(self, l: int, ssm_cache: torch.Tensor, slot: int, x: torch.Tensor, g: torch.Tensor,
                    beta: torch.Tensor) -> None:
         """GDN layer l's recurrent state in `slot` stepped through logged tokens (CacheStore.rollback's replay)."""
-        mixer = [layer.linear_attn for layer in self.layers if layer.is_gdn][l]
+        mixers = self.__dict__.get("_gdn_mixers")  # found once: a verify step replays every GDN layer
+        if mixers is None:
+            mixers = self._gdn_mixers = [layer.linear_attn for layer in self.layers if layer.is_gdn]
         kernels = self.decode_kernels or self.select_decode_kernels()
-        mixer.replay(kernels, self.ops, ssm_cache, slot, x, g, beta)
+        mixers[l].replay(kernels, self.ops, ssm_cache, slot, x, g, beta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
