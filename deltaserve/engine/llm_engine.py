@@ -432,7 +432,8 @@ class LLMEngine:
         lazy = [rid for rid in verifying if rid in logits.lazy]  # their heads in two calls at most, all together
         lazy_outs = dict(zip(lazy, verify_greedy_lazily(
             self.sampler.argmax, self.model.compute_logits,
-            [(logits.lazy[rid], self._live[rid].sampling, verifying[rid].token_ids[1:]) for rid in lazy])))
+            [(logits.lazy[rid], self._live[rid].sampling, verifying[rid].token_ids[1:]) for rid in lazy]))) \
+            if lazy else {}
         for rid, w in verifying.items():
             if rid in lazy_outs:
                 outs = lazy_outs[rid]
