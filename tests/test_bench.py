@@ -26,6 +26,42 @@ def test_throughput_smoke(tmp_path, capsys):
     assert rows[0].startswith("preset,row,engine") and any(",best," in r for r in rows)
 
 
+def test_throughput_speculative_arms_beside_plain(tmp_path, capsys):
+    """--speculative with drafters of known acceptance, one of them with fixed drafts, in shuffled order: their own
+    table against plain deltaserve of the same run, by wall and CPU time, with each arm's acceptance; the arm names
+    say which drafts were fixed."""
+    from deltaserve.bench.throughput import _accepts
+
+    assert _accepts("1,0.8-fixed,mtp") == [(1.0, False), (0.8, True), (None, False)]
+    with pytest.raises(Exception):
+        _accepts("fixed")
+    rc = main(["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens=", "--streams", "1",
+               "--decode-tokens", "8", "--decode-prompt-len", "16", "--repeats", "2", "--bandwidth-gib", "0",
+               "--speculative", "2", "--draft-accept", "1,0-fixed", "--shuffle-arms", "--threads", "1",
+               "--log-dir", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Speculative arms against plain deltaserve" in text, text
+    table = text.split("Speculative arms against plain deltaserve")[1]
+    spec = [line for line in table.splitlines() if line.startswith("| tiny | decode@1 | ")]
+    assert [line.split(" | ")[2] for line in spec] == ["deltaserve", "deltaserve-mtp2-p1", "deltaserve-mtp2-p0-fixed"], text
+    p1, p0 = (line.split(" | ") for line in spec[1:])
+    assert p1[4].endswith("x") and p1[6].endswith("x") and p1[7].strip(" |") == "1.0", text  # x plain, wall and CPU
+    assert p0[7].strip(" |") == "0.0", text
+    assert "n/a¹" not in text and "failed²" not in text, text
+
+
+def test_llama_cpp_speculative_flags():
+    """llama-server's own MTP speculative decoding: K drafts, a drafter P as synthetic per-position acceptance P^j."""
+    from deltaserve.bench.peers.llama_cpp import parse_timings, speculative_flags
+
+    assert speculative_flags(3, None) == ["--spec-type", "draft-mtp", "--spec-draft-n-max", "3"]
+    assert speculative_flags(3, 0.5)[-2:] == ["--spec-synth-rates", "0.5,0.25,0.125"]
+    t = parse_timings({"timings": {"prompt_n": 8, "prompt_ms": 1.0, "predicted_n": 9, "predicted_ms": 2.0,
+                                   "draft_n": 6, "draft_n_accepted": 4}})
+    assert (t.draft_n, t.draft_n_accepted, t.cache_n) == (6, 4, 0)
+
+
 def test_throughput_image_rows(tmp_path, capsys):
     """--images alone (no throughput rows): the encoder's images/s, and TTFT with 1 and 2 images cold and hit,
     the hit served from the prefix cache without running the encoder, its token and logprobs the cold run's;

@@ -139,29 +139,32 @@ def test_the_program_follows_weights_changed_in_place(model, monkeypatch):
 # ---- verify spans (speculative decoding: docs/speculative.md) ----------------------------------------------------
 
 def _with_state_log(caches, positions: int):
-    """caches with the runner's state log: log tensors beside conv / ssm, written by CacheStore.log_states (the
-    op-table path's writer) or by the compiled verify step itself."""
+    """caches with the runner's state log (CacheStore.enable_state_log's tensors), written by CacheStore.log_states
+    (the op-table path's writer) or by the compiled verify step itself; and the store, for CacheStore.rollback."""
     import functools
     from types import SimpleNamespace
 
     from deltaserve.runner.cache import CacheStore
 
-    caches.log_conv = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype) for t in caches.conv]
-    caches.log_ssm = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype) for t in caches.ssm]
-    store = SimpleNamespace(conv=caches.conv, ssm=caches.ssm, log_conv=caches.log_conv, log_ssm=caches.log_ssm)
+    store = SimpleNamespace(conv=caches.conv, ssm=caches.ssm)
+    CacheStore.enable_state_log(store, positions)
+    caches.log_conv, caches.log_x, caches.log_g, caches.log_beta = store.log_conv, store.log_x, store.log_g, \
+        store.log_beta
     caches.log_state = functools.partial(CacheStore.log_states, store)
-    return caches
+    return caches, store
 
 
 def _verify_run(model, fused: bool, monkeypatch, drafts: tuple[tuple[int, ...], ...], positions: int = 3):
     """Three sequences prefilled, then verify steps: at step t sequence i decodes its last token and drafts[t][i]
-    draft tokens (0: a plain one-token span; None: it waits), every draft kept (the next step goes on after it).
+    draft tokens (0: a plain one-token span; None: it waits), every draft kept (the next step goes on after it,
+    once CacheStore.rollback has replayed the drafts into the slot, as the engine does).
     Returns the logits of every step's rows, the caches, a copy of the state log after each step and which steps
     the compiled call computed."""
+    from deltaserve.runner.cache import CacheStore
     from model_driver import Sequence, make_caches, step
 
     calls = _spy_decode_step(monkeypatch, fused)
-    caches = _with_state_log(make_caches(model, num_slots=5, num_pages=16, block_size=64), positions)
+    caches, store = _with_state_log(make_caches(model, num_slots=5, num_pages=16, block_size=64), positions)
     seqs = [Sequence(slot=4, pages=[5, 1]), Sequence(slot=0, pages=[0, 7]), Sequence(slot=2, pages=[4, 2, 9])]
     ids = list(range(100, 170))
     out = step(model, caches, [(s, ids[:n], False) for s, n in zip(seqs, (70, 61, 62))])  # 61, 62: page edges next
@@ -172,9 +175,11 @@ def _verify_run(model, fused: bool, monkeypatch, drafts: tuple[tuple[int, ...], 
                 for s, tok, k in zip(seqs, toks, ks) if k is not None]
         out = step(model, caches, work)
         logits.append(torch.cat(out))
-        logs.append([t.clone() for t in caches.log_conv + caches.log_ssm])
+        logs.append([t.clone() for t in caches.log_conv + caches.log_x + caches.log_g + caches.log_beta])
         j = 0
         for i, k in enumerate(ks):
+            if k:
+                CacheStore.rollback(store, seqs[i].slot, k, model.replay_gdn)
             if k is not None:
                 toks[i] = int(out[j][-1].argmax())
                 j += 1

@@ -4,13 +4,14 @@ wrong; drafts right with probability p), batch 1 and 8, short and long prompts, 
 after a preemption; seeded sampling with drafts equal to plain sampling; the verify rule's distribution."""
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from deltaserve import SamplingParams
-from deltaserve.engine.speculative import Acceptance, ScriptedDrafter, SpecStats, verify
+from deltaserve.engine.speculative import Acceptance, ScriptedDrafter, SpecStats, verify, verify_greedy_lazily
 
 from util import greedy, make_llm, random_tokens, run, signature
 
@@ -48,6 +49,25 @@ def compiled_verify(monkeypatch):
     return taken
 
 
+@pytest.fixture
+def lazy_verify(monkeypatch):
+    """How many verify steps ran the head lazily (speculative.verify_greedy_lazily) and how many over every row
+    (verify), counted as the engine calls them: the gates below assert both paths ran."""
+    from deltaserve.engine import llm_engine
+
+    calls = {"lazy": 0, "full": 0}
+
+    def counting(name, real):
+        def spy(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        return spy
+
+    monkeypatch.setattr(llm_engine, "verify_greedy_lazily", counting("lazy", llm_engine.verify_greedy_lazily))
+    monkeypatch.setattr(llm_engine, "verify", counting("full", llm_engine.verify))
+    return calls
+
+
 @pytest.fixture(scope="module")
 def prompts():
     rng = random.Random(11)
@@ -66,7 +86,7 @@ def plain_ref(prompts):
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_drafted_equals_plain_mtp_and_controls(k, prompts, plain_ref, compiled_verify):
+def test_drafted_equals_plain_mtp_and_controls(k, prompts, plain_ref, compiled_verify, lazy_verify):
     llm = spec(k, enable_prefix_caching=False)
     params = greedy(max_tokens=MAX_TOKENS)
     cont = {tuple(p): r[0] for p, r in zip(prompts, plain_ref)}
@@ -93,6 +113,18 @@ def test_drafted_equals_plain_mtp_and_controls(k, prompts, plain_ref, compiled_v
     st = llm.engine.stats()
     assert len(st.spec_decode_accepted_per_pos) == k and sum(st.spec_decode_accepted_per_pos) == \
         st.spec_decode_num_accepted_tokens
+    # forced rejection with K drafts every step (adaptive off), greedy without logprobs: once the acceptance rate
+    # falls low, the head runs lazily (row 0 alone), batch 8 and batch 1; the tokens stay plain decoding's
+    assert lazy_verify["lazy"] == 0 and lazy_verify["full"] > 0  # logprobs need every row's logits
+    llm.engine.spec = dataclasses.replace(llm.engine.spec, adaptive=False)
+    llm.engine.drafter = ScriptedDrafter(cont, p=0.0, vocab_size=VOCAB)
+    tokens = greedy(max_tokens=MAX_TOKENS, logprobs=None)
+    got, (drafted, accepted, _) = counted(llm, lambda: [o.outputs[0].token_ids for o in run(llm, prompts, params=tokens)])
+    assert got == [r[0] for r in plain_ref] and drafted > 0 and accepted == 0 and lazy_verify["lazy"] > 0
+    lazy = lazy_verify["lazy"]
+    assert run(llm, [prompts[3]], params=tokens)[0].outputs[0].token_ids == plain_ref[3][0]
+    assert lazy_verify["lazy"] > lazy
+    st = llm.engine.stats()
     assert st.pages_used == 0 and st.slots_used == 0
     assert compiled_verify and all(compiled_verify)
 
@@ -124,14 +156,16 @@ def test_drafted_equals_plain_across_block_ends_with_caching_and_a_prefix_hit(co
 
 
 def _log_bytes(slots: int, k: int) -> int:
-    """The state log's bytes (it comes out of the cache budget): k slot states per slot, 6 GDN layers of the tiny
-    preset's 68,608 bytes each in bf16."""
-    return slots * k * 6 * 68_608
+    """The state log's bytes (it comes out of the cache budget): per slot and draft position, 6 GDN layers of the
+    tiny preset's conv state (3 x 512 bf16) and one token's recurrence inputs (512 + 4 bf16, 4 fp32 gates); no
+    recurrent state (64 KB a layer)."""
+    return slots * k * 6 * (3 * 512 * 2 + (512 + 4) * 2 + 4 * 4)
 
 
 def test_the_state_log_comes_out_of_the_cache_budget():
     plain, drafted = make_llm(enable_prefix_caching=False), spec(3, enable_prefix_caching=False)
-    log = sum(t.numel() * t.element_size() for t in drafted.engine.store.log_conv + drafted.engine.store.log_ssm)
+    st = drafted.engine.store
+    log = sum(t.numel() * t.element_size() for t in st.log_conv + st.log_x + st.log_g + st.log_beta)
     assert log == _log_bytes(8, 3)
     assert drafted.engine.store.nbytes() <= 64 * 2**20 < plain.engine.store.nbytes() + log
     assert drafted.engine.pool.num_pages < plain.engine.pool.num_pages
@@ -240,6 +274,84 @@ def test_verify_of_plain_greedy_rows_in_one_argmax_is_row_by_row_sampling():
                 if j == 3 or ref[-1].token_id != drafts[j]:
                     break
             assert outs == ref and fast.output_token_ids == slow.output_token_ids
+
+
+def test_the_lazy_head_gives_the_full_heads_tokens_and_runs_row_0_alone_on_a_rejection():
+    """verify_greedy_lazily on the tiny model's packed head: the tokens and commits of verify() over the full head's
+    logits for a rejection at every position, one span and four at once; the head runs over row 0 alone when draft 1
+    is wrong, else over row 0 and then the rest, in two calls at most for all the spans together; each part's logits
+    are the full head's rows bit for bit (the row-wise batch invariance the lazy path rests on)."""
+    from deltaserve.engine.sampler import Sampler, SamplingState
+
+    llm = make_llm(enable_prefix_caching=False)
+    model = llm.engine.model
+    assert llm.engine.runner.lazy_head_exact()
+    g = torch.Generator().manual_seed(5)
+    hidden = (torch.randn(4, model.config.hidden_size, generator=g) * 3).to(model.dtype)
+    full = model.compute_logits(hidden)
+    assert torch.equal(model.compute_logits(hidden[:1]), full[:1])
+    assert torch.equal(model.compute_logits(hidden[1:]), full[1:])
+    best = torch.argmax(full, dim=-1).tolist()
+    sampler = Sampler(argmax=model.decode_kernels.argmax)
+    params = SamplingParams(temperature=0.0, max_tokens=100)
+    for accept in range(4):  # drafts right up to `accept`, then wrong
+        drafts = [best[j] if j < accept else (best[j] + 1) % VOCAB for j in range(3)]
+        rows = []
+
+        def head(h):
+            rows.append(h.shape[0])
+            return model.compute_logits(h)
+
+        lazy, ref = SamplingState.create(params), SamplingState.create(params)
+        (got,) = verify_greedy_lazily(sampler.argmax, head, [(hidden, lazy, drafts)])
+        want = verify(sampler, full, ref, drafts)
+        assert got == want and lazy.output_token_ids == ref.output_token_ids
+        assert [o.token_id for o in got] == best[:accept + 1]
+        assert rows == ([1] if accept == 0 else [1, 3])
+    # four spans in one call: drafts right up to 0, 3, 1, 2 rows; the second call holds the last three's rows 1..3
+    patterns = [0, 3, 1, 2]
+    drafts = [[best[j] if j < a else (best[j] + 1) % VOCAB for j in range(3)] for a in patterns]
+    rows = []
+
+    def head(h):
+        rows.append(h.shape[0])
+        return model.compute_logits(h)
+
+    states = [SamplingState.create(params) for _ in patterns]
+    got = verify_greedy_lazily(sampler.argmax, head, [(hidden, s, d) for s, d in zip(states, drafts)])
+    assert rows == [4, 9]
+    for a, d, g, s in zip(patterns, drafts, got, states):
+        ref = SamplingState.create(params)
+        assert g == verify(sampler, full, ref, d) and s.output_token_ids == ref.output_token_ids
+        assert [o.token_id for o in g] == best[:a + 1]
+
+
+def test_the_gdn_replay_is_the_decode_step_token_by_token():
+    """A rollback's replay (DecodeKernels.gdn_replay: one call through n tokens on one slot) gives the bits of the
+    compiled decode step on each token in turn, and the torch step's values (ops/gdn.py, the reference)."""
+    from deltaserve.model.ops.gdn import recurrent_gated_delta_rule_step
+
+    kernels = make_llm(enable_prefix_caching=False).engine.model.decode_kernels
+    assert kernels.compiled
+    g = torch.Generator().manual_seed(2)
+    n, H, Hk, dk, dv, S, slot = 3, 4, 2, 64, 64, 5, 3
+    q, k = (torch.randn(n, Hk, dk, generator=g).to(torch.bfloat16) for _ in range(2))
+    v = torch.randn(n, H, dv, generator=g).to(torch.bfloat16)
+    gate, beta = -torch.rand(n, H, generator=g) * 0.3, torch.rand(n, H, generator=g).to(torch.bfloat16)
+    state0 = torch.randn(S, H, dv, dk, generator=g) * 0.2
+    replayed = state0.clone()
+    out = kernels.gdn_replay(q, k, v, gate, beta, replayed, slot)
+    stepped, ref = state0.clone(), state0[slot: slot + 1].clone()
+    for i in range(n):
+        o = kernels.gdn_step(q[i: i + 1], k[i: i + 1], v[i: i + 1], gate[i: i + 1], beta[i: i + 1], stepped,
+                             torch.tensor([slot]))
+        assert torch.equal(out[i], o[0])
+        r = recurrent_gated_delta_rule_step(q[i: i + 1], k[i: i + 1], v[i: i + 1], gate[i: i + 1], beta[i: i + 1], ref)
+        torch.testing.assert_close(out[i: i + 1].float(), r.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(replayed, stepped)  # the slot's state; the other slots untouched
+    torch.testing.assert_close(replayed[slot: slot + 1], ref, atol=1e-5, rtol=1e-5)
+    others = [i for i in range(S) if i != slot]
+    assert torch.equal(replayed[others], state0[others])
 
 
 def test_adaptive_drafts_stop_when_they_do_not_pay_and_probe_back():

@@ -22,10 +22,17 @@ virtual environment (scripts/setup_vllm_cpu.sh) as a subprocess with both cores
 (`--llama-cpp-types`, default bf16 against our bf16 and q8_0 as a second arm) on the same checkpoint
 converted by its own converter, prompt caching off, timed by its own `timings` (peers/llama_cpp.py). A
 peer that cannot run gets its reason in the table.
+
+Speculative decoding (`--speculative K --draft-accept ..`): one more deltaserve arm per drafter, all on one engine
+(docs/speculative.md), beside plain deltaserve and the peers in the same run; their own table gives each arm's
+tok/s against plain deltaserve's, by wall time and by the process's CPU time (on a host shared with other jobs
+the CPU time of a one-thread run is the steadier figure), with `--shuffle-arms` running each row's arms in a
+new order every repeat.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -44,7 +51,7 @@ from ..engine.sampling_params import SamplingParams
 from ..profile.machine import cpu_model
 from .peers import PeerUnavailable
 from .peers.hf import TransformersPeer
-from .peers.llama_cpp import OUTTYPES, LlamaCppPeer
+from .peers.llama_cpp import OUTTYPES, LlamaCppPeer, speculative_flags
 from .peers.vllm_peer import VllmPeer, default_vllm_python
 from . import vision
 from .progress import progress_for
@@ -53,6 +60,7 @@ from .throughput_report import Results, render, write_csv
 PRESETS = ("tiny", "qwen3.5-0.8b-shape")
 DEFAULT_DECODE_TOKENS = {"tiny": 64, "qwen3.5-0.8b-shape": 32}
 DEFAULT_KV_BYTES = {"tiny": 512 << 20}
+WARM_STREAMS = 2  # the warm-up's concurrent decode streams: llama-server's slots cover them (_llama_cpp_arms)
 ENGINES = ("deltaserve", "transformers", "vllm-cpu", "llama.cpp")
 
 
@@ -75,6 +83,7 @@ class DeltaservePeer:
         self.engine = self.llm.engine
         self._n = 0
         self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)
+        self.cpu_s: float | None = None  # the process's CPU time over the latest decode()'s decode phase
         self.info = {"block_size": self.engine.block_size, "pool_tokens": self.engine.pool.pool_tokens,
                      "cpu_kernels": self.engine.cpu_kernels, "linear": self.engine.model.linear_kind}
 
@@ -110,7 +119,8 @@ class DeltaservePeer:
                     if out.finished:
                         done.add(out.request_id)
             if t_first is None and all(v >= 1 for v in ntok.values()):
-                t_first, n_first = time.perf_counter(), sum(ntok.values())
+                t_first, n_first, c_first = time.perf_counter(), sum(ntok.values()), time.process_time()
+        self.cpu_s = time.process_time() - c_first
         return time.perf_counter() - t_first, sum(ntok.values()) - n_first
 
     def close(self) -> None:
@@ -126,23 +136,26 @@ class SpeculativePeer(DeltaservePeer):
     def __init__(self, model_dir: str, k: int, p: float | None, adaptive: bool = True, **kw):
         super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k,
                                                         "adaptive": adaptive}, **kw)
-        self.p = p
+        self.p, self.adaptive = p, adaptive
         self.mtp = self.engine.drafter
 
     @classmethod
-    def sharing(cls, other: SpeculativePeer, p: float | None, name: str, index: int) -> SpeculativePeer:
-        """An arm of another drafter acceptance on other's engine: the arms differ only by the drafter each sets
-        before it decodes, and one 0.8B engine per arm did not fit beside the peers in the VM's memory. index
-        keeps the arms' request ids apart (a request's acceptance is kept by its id)."""
+    def sharing(cls, other: SpeculativePeer, p: float | None, name: str, index: int,
+                adaptive: bool = True) -> SpeculativePeer:
+        """An arm of another drafter acceptance (and adaptive rule) on other's engine: the arms differ only by the
+        drafter and the rule each sets before it decodes, and one 0.8B engine per arm did not fit beside the peers
+        in the VM's memory. index keeps the arms' request ids apart (a request's acceptance is kept by its id)."""
         arm = cls.__new__(cls)
         arm.__dict__.update(other.__dict__)
-        arm.name, arm.p, arm._n, arm.step_s, arm.info = name, p, index * 10**6, [], dict(other.info)
+        arm.name, arm.p, arm.adaptive, arm._n, arm.step_s, arm.info = name, p, adaptive, index * 10**6, [], \
+            dict(other.info)
         return arm
 
     def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
         from ..engine.speculative import ScriptedDrafter
 
         eng = self.engine
+        eng.spec = dataclasses.replace(eng.spec, adaptive=self.adaptive)  # this arm's rule ("-fixed": off)
         if self.p is not None:
             eng.drafter = None  # plain decoding: the continuation the drafts are taken from
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(max_tokens),
@@ -406,15 +419,15 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
         except Exception as e:  # noqa: BLE001
             _cannot_start(res, grid.preset, name, e)
     first = None  # the speculative arms share the first one's engine
-    for i, p in enumerate(args.draft_accept if args.speculative else ()):  # an arm per drafter acceptance
-        name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}")
+    for i, (p, fixed) in enumerate(args.draft_accept if args.speculative else ()):  # an arm per drafter
+        fixed = fixed or getattr(args, "fixed_drafts", False)
+        name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}") + ("-fixed" if fixed else "")
         if first is not None:
-            arms.append(SpeculativePeer.sharing(first, p, name, i))
+            arms.append(SpeculativePeer.sharing(first, p, name, i, adaptive=not fixed))
             res.arm_info[(grid.preset, name)] = arms[-1].info
             continue
         try:
-            arms.append(first := SpeculativePeer(grid.model_dir, args.speculative, p,
-                                                 adaptive=not getattr(args, "fixed_drafts", False),
+            arms.append(first := SpeculativePeer(grid.model_dir, args.speculative, p, adaptive=not fixed,
                                                  max_num_seqs=grid.max_seqs,
                                                  max_num_batched_tokens=grid.max_num_batched_tokens,
                                                  kv_cache_memory=grid.kv_cache_memory, name=name))
@@ -424,17 +437,24 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
     return arms
 
 
-def _accepts(s: str) -> list[float | None]:
-    """--draft-accept: comma-separated probabilities in [0, 1], or "mtp" (the model's own MTP layer)."""
-    out: list[float | None] = []
+def _accepts(s: str) -> list[tuple[float | None, bool]]:
+    """--draft-accept: comma-separated probabilities in [0, 1], or "mtp" (the model's own MTP layer), each with
+    "-fixed" for an arm that drafts K every step (adaptive drafting off) -> [(P or None, fixed)]."""
+    out: list[tuple[float | None, bool]] = []
     for x in s.split(","):
-        if x.strip() == "mtp":
-            out.append(None)
+        x = x.strip()
+        fixed = x.endswith("-fixed")
+        x = x.removesuffix("-fixed")
+        if x == "mtp":
+            out.append((None, fixed))
             continue
-        v = float(x)
+        try:
+            v = float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"a drafter is P in [0, 1] or mtp, each optionally -fixed; not {x!r}")
         if not 0 <= v <= 1:
             raise argparse.ArgumentTypeError(f"a draft acceptance is in [0, 1], not {v}")
-        out.append(v)
+        out.append((v, fixed))
     return out
 
 
@@ -468,21 +488,29 @@ def _transformers_arm(res: Results, grid: Grid) -> list:
 
 
 def _llama_cpp_arms(args, res: Results, grid: Grid) -> list:
-    """One llama-server per --llama-cpp-types GGUF type, `llama.cpp-<type>`."""
+    """One llama-server per --llama-cpp-types GGUF type, `llama.cpp-<type>`; with --llama-cpp-mtp (and
+    --speculative K) one more per type and --draft-accept drafter: llama-server's own MTP speculative decoding,
+    `llama.cpp-<type>-mtpK[-pP]` (peers/llama_cpp.py speculative_flags; a -fixed suffix does not apply to it)."""
     arms: list = []
+    drafters = list(dict.fromkeys(p for p, _ in args.draft_accept)) \
+        if getattr(args, "llama_cpp_mtp", False) and args.speculative else []
     for gtype in args.llama_cpp_types:
-        name = f"llama.cpp-{gtype}"
-        slots = args.llama_cpp_slots or grid.max_seqs
-        _progress(f"{grid.preset}: starting {name} (-t {args.llama_cpp_threads} -np {slots})")
-        try:
-            arms.append(LlamaCppPeer(grid.model_dir, gtype, slots=slots,
-                                     threads=args.llama_cpp_threads, ctx_per_slot=grid.max_len,
-                                     log_dir=args.log_dir, root=args.llama_cpp_dir, progress=_progress))
-            res.arm_info[(grid.preset, name)] = arms[-1].info
-        except PeerUnavailable as e:
-            _peer_unavailable(res, grid.preset, name, e)
+        variants = [(f"llama.cpp-{gtype}", [])] + [
+            (f"llama.cpp-{gtype}-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}"),
+             speculative_flags(args.speculative, p)) for p in drafters]
+        for name, extra in variants:
+            # the slots cover every row's streams and the warm-up's (_warm_up decodes WARM_STREAMS at once)
+            slots = args.llama_cpp_slots or max(grid.max_seqs, WARM_STREAMS)
+            _progress(f"{grid.preset}: starting {name} (-t {args.llama_cpp_threads} -np {slots} {' '.join(extra)})")
+            try:
+                arms.append(LlamaCppPeer(grid.model_dir, gtype, slots=slots,
+                                         threads=args.llama_cpp_threads, ctx_per_slot=grid.max_len,
+                                         log_dir=args.log_dir, root=args.llama_cpp_dir, progress=_progress,
+                                         name=name, extra=tuple(extra)))
+                res.arm_info[(grid.preset, name)] = arms[-1].info
+            except PeerUnavailable as e:
+                _peer_unavailable(res, grid.preset, name, e)
     return arms
-
 
 def _spawn_vllm(args, res: Results, grid: Grid) -> VllmPeer | None:
     """The vllm-cpu subprocess, started and not waited for (None where it cannot start)."""
@@ -538,7 +566,7 @@ def _work(args, grid: Grid) -> dict[str, list[list[list[int]]]]:
 def _warm_up(res: Results, grid: Grid, arms: list, decode_prompt_len: int) -> list:
     """The arms that passed a warm-up (first calls pay for allocator growth, weight prepacking, lazy inits); one
     that failed it is left out, its reason in res.unavailable."""
-    warm = _prompts(random.Random(7), 2, min(128, decode_prompt_len), grid.lo, grid.hi)
+    warm = _prompts(random.Random(7), WARM_STREAMS, min(128, decode_prompt_len), grid.lo, grid.hi)
     for arm in arms:
         _progress(f"{grid.preset}: warming up {arm.name}")
         try:
@@ -560,7 +588,9 @@ def _measure(args, res: Results, grid: Grid, arms: list, work: dict, t_run: floa
             prompts = work[row.label][rep]
             if row.label == "decode@1":
                 _probe_bandwidth(args, res, grid.preset)
-            for arm in arms:
+            order = random.Random(rep * 1000 + grid.rows.index(row)).sample(arms, len(arms)) \
+                if getattr(args, "shuffle_arms", False) else arms
+            for arm in order:
                 k += 1
                 if (grid.preset, row.label, arm.name) in res.errors:
                     continue
@@ -583,12 +613,16 @@ def _measure_one(res: Results, arm, row: Row, prompts: list[list[int]], dec_toke
         return
     tps = ntok / dt if dt > 0 else 0.0
     res.best[key] = max(res.best.get(key, 0.0), tps)
+    cpu = getattr(arm, "cpu_s", None) if row.kind == "decode" else None
+    if cpu:  # an in-process arm: tok/s by the process's CPU time too
+        res.best_cpu[key] = max(res.best_cpu.get(key, 0.0), ntok / cpu)
     steps = getattr(arm, "step_s", None) if row.kind == "decode" else None
     if steps:  # the fixed cost of a step: the median step of this repeat, best repeat kept
         med = statistics.median(steps)
         res.step_s[key] = min(res.step_s.get(key, med), med)
     res.samples.append({"preset": row.preset, "row": row.label, "engine": arm.name, "repeat": rep,
                         "tokens": ntok, "seconds": round(dt, 4), "tok_s": round(tps, 2),
+                        "cpu_s": round(cpu, 4) if cpu else None,
                         "load1": round(os.getloadavg()[0], 2)})
     _progress(f"[{count} {time.time() - t_run:.0f}s] {row.preset} {row.label} {arm.name}: "
               f"{tps:,.1f} tok/s ({ntok} tok in {dt:.2f}s; load {os.getloadavg()[0]:.1f})")
@@ -619,6 +653,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama-server -t (2, both cores, was its fastest here: docs/benchmarks.md)")
     p.add_argument("--llama-cpp-slots", type=int, default=None,
                    help="llama-server -np (default: the largest --streams; fewer slots than streams fails that row)")
+    p.add_argument("--llama-cpp-mtp", action="store_true",
+                   help="with --speculative K: one more llama.cpp arm per GGUF type and --draft-accept drafter, "
+                        "llama-server's own MTP speculative decoding (--spec-type draft-mtp, K drafts; a drafter P as "
+                        "its synthetic acceptance --spec-synth-rates, mtp as the MTP layer's own drafts)")
     p.add_argument("--llama-cpp-dir", default=None,
                    help="llama.cpp tree + build (default: $DELTASERVE_HOME/llama.cpp/b11434, scripts/setup_llama_cpp.sh)")
     p.add_argument("--vllm-python", default=None, help="python of the vllm-cpu venv (default: $DELTASERVE_HOME/venvs/vllm-cpu/bin/python)")
@@ -631,9 +669,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="also run deltaserve with --speculative-config (MTP, K drafts a step): one arm per "
                         "--draft-accept value (docs/speculative.md)")
-    p.add_argument("--draft-accept", type=_accepts, default=[1.0, 0.7, 0.4, 0.0, None], metavar="P,..",
+    p.add_argument("--draft-accept", type=_accepts, default=_accepts("1,0.7,0.4,0,mtp"), metavar="P,..",
                    help="the speculative arms' drafters: each draft right with probability P (plain greedy's own "
-                        "continuation; 1 = forced acceptance), or 'mtp' (the model's MTP layer) (default 1,0.7,0.4,0,mtp)")
+                        "continuation; 1 = forced acceptance), or 'mtp' (the model's MTP layer); a value ending in "
+                        "-fixed drafts K every step (adaptive drafting off), e.g. 1,0.8,0,0-fixed "
+                        "(default 1,0.7,0.4,0,mtp)")
     p.add_argument("--images", type=_ints, default=[], metavar="N,..",
                    help="image rows (bench/vision.py): the vision encoder's images/s, and the time to first token of "
                         "a prompt with N images, cold and hit (the hit must skip the encoder and match cold bit for "
@@ -643,6 +683,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fixed-drafts", action="store_true",
                    help="the speculative arms draft K tokens every step (speculative_config adaptive false): "
                         "at P = 0 the cost of verifying drafts that are all wrong, not of turning drafting off")
+    p.add_argument("--shuffle-arms", action="store_true",
+                   help="each repeat runs a row's arms in a new (seeded) order, so that no arm always follows the "
+                        "same one on a host whose load drifts (the speculative arms' comparison)")
     p.add_argument("--quick", action="store_true", help="small grid: prefill@512, decode@1,8, one repeat, fewer tokens")
     p.add_argument("--prefill-lens", type=_ints, default=None, help="default 512,2048")
     p.add_argument("--streams", type=_ints, default=None, help="default 1,8,32")

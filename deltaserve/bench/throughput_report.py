@@ -25,6 +25,7 @@ FP8_BARS = (("deltaserve-fp8", "FP8"), ("deltaserve-fp8-head", "FP8 with the hea
 @dataclass
 class Results:
     best: dict = field(default_factory=dict)  # (preset, label, engine) -> tok/s
+    best_cpu: dict = field(default_factory=dict)  # (preset, decode label, in-process arm) -> tok/s by CPU time
     samples: list = field(default_factory=list)  # dicts for the CSV
     errors: dict = field(default_factory=dict)  # (preset, label, engine) -> reason
     unavailable: dict = field(default_factory=dict)  # (preset, engine) -> reason
@@ -58,6 +59,9 @@ def render(res: Results) -> str:
 
     cols = _columns(res)
     out = "\n".join(_table(res, cols)) + "\n\n" + "\n".join(_footnote(res))
+    spec = _spec_table(res)
+    if spec:
+        out += "\n\nSpeculative arms against plain deltaserve (docs/speculative.md):\n" + "\n".join(spec)
     images = vision_rows(res)
     if images:
         out += "\n\nImages (--images; bench/vision.py):\n" + "\n".join(images)
@@ -112,6 +116,9 @@ def _columns(res: Results) -> Columns:
         for gtype in res.info.get("llama_cpp_types", []):
             peer = f"llama.cpp-{gtype}"
             engines.append(peer)
+            # llama-server's own speculative arms (--llama-cpp-mtp) right after its plain one
+            engines += list(dict.fromkeys(e for (_, e) in list(res.arm_info) + list(res.unavailable)
+                                          if e.startswith(f"{peer}-mtp")))
             base = RATIO_BASE.get(peer, "deltaserve")
             ratio_pairs.append((base if base in ran else "deltaserve", peer))
             if peer == "llama.cpp-q8_0" and "deltaserve-fp8-head" in ran:  # q8_0 quantizes its head too
@@ -184,6 +191,28 @@ def _roofline_row(res: Results, cols: Columns, preset: str) -> list[str]:
 def _footnote(res: Results) -> list[str]:
     """The run's conditions, then what each kind of arm ran as."""
     return [_conditions(res)] + _kernel_line(res) + _spec_line(res) + _vllm_line(res) + _llama_cpp_line(res)
+
+
+def _spec_table(res: Results) -> list[str]:
+    """Each speculative arm's decode rows beside its engine's plain arm of the same run (deltaserve-mtpK-.. beside
+    deltaserve, llama.cpp-<type>-mtpK-.. beside llama.cpp-<type>): tok/s by wall time and by the process's CPU time
+    (in-process arms), each as a multiple of plain's, and the drafts it accepted."""
+    arms = list(dict.fromkeys(e for (_, e) in res.arm_info if "-mtp" in e))
+    if not arms:
+        return []
+    lines = ["| preset | row | arm | tok/s | x plain | CPU-time tok/s | x plain | drafts accepted |",
+             "|---|---|---|---|---|---|---|---|"]
+    for preset, labels in res.info["rows"].items():
+        for label in (lab for lab in labels if lab.startswith("decode@")):
+            for plain in dict.fromkeys(e.split("-mtp")[0] for e in arms):
+                base, base_cpu = res.best.get((preset, label, plain)), res.best_cpu.get((preset, label, plain))
+                lines.append(f"| {preset} | {label} | {plain} | {_fmt(base)} | | {_fmt(base_cpu)} | | |")
+                for e in (a for a in arms if a.split("-mtp")[0] == plain and (preset, a) in res.arm_info):
+                    v, c = res.best.get((preset, label, e)), res.best_cpu.get((preset, label, e))
+                    acc = res.arm_info[(preset, e)].get("acceptance")
+                    lines.append(f"| {preset} | {label} | {e} | {_fmt(v)} | {_ratio(v, base)} "
+                                 f"| {_fmt(c)} | {_ratio(c, base_cpu)} | {'' if acc is None else acc} |")
+    return lines
 
 
 def _spec_line(res: Results) -> list[str]:
@@ -318,7 +347,8 @@ def llama_cpp_targets(res: Results) -> list[str]:
 
 def write_csv(res: Results, path: str) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["preset", "row", "engine", "repeat", "tokens", "seconds", "tok_s", "load1"])
+        w = csv.DictWriter(f, fieldnames=["preset", "row", "engine", "repeat", "tokens", "seconds", "tok_s", "cpu_s",
+                                          "load1"])
         w.writeheader()
         for s in res.samples:
             w.writerow(s)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..config import ConfigError, EngineConfig, ModelConfig, VisionConfig, resolve_dtype
 from .inputs import EngineInputError, check_request
 from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from .speculative import Acceptance, SpecStats, verify
+from .speculative import Acceptance, SpecStats, verify, verify_greedy_lazily
 
 log = logging.getLogger("deltaserve")
 
@@ -361,7 +361,8 @@ class LLMEngine:
             if plan.is_empty() and self.memory.disk.busy():
                 self.disk.wait(0.01)  # only reads from disk to wait for: do not spin
         try:
-            logits = self.runner.execute(plan)
+            lazy = self._lazy_head(plan)  # only with a drafter, never under tensor parallelism (refused there)
+            logits = self.runner.execute(plan, lazy) if lazy else self.runner.execute(plan)
             sampled = self._sample(plan, logits)
         except Exception as e:  # noqa: BLE001 - one failing request must not take the others down
             if getattr(e, "fatal", False):  # the engine cannot go on (a tensor-parallel rank is gone)
@@ -396,6 +397,21 @@ class LLMEngine:
         live.metrics.finished_time = time.time()
         return [self._output(live)]
 
+    def _lazy_head(self, plan) -> set[str]:
+        """The verify steps whose head runs lazily (speculative.verify_greedy_lazily): plain greedy without logprobs
+        (the tokens then need only each row's argmax) and drafts accepted seldom enough that row 0 alone usually
+        decides the step (Acceptance.lazy_head); a sampled row or logprobs need every row's logits."""
+        if self.drafter is None:
+            return set()
+        lazy = set()
+        for w in plan.work:
+            live = self._live.get(w.request_id)
+            if w.num_drafts and w.sample and live is not None and live.params.logprobs is None \
+                    and self.sampler._plain_greedy(live.sampling) \
+                    and self._acceptance.setdefault(w.request_id, Acceptance()).lazy_head():
+                lazy.add(w.request_id)
+        return lazy
+
     def _sample(self, plan, logits) -> dict[str, object]:
         now = time.time()
         for w in plan.work:
@@ -407,7 +423,7 @@ class LLMEngine:
             if w.request_id in logits.prompt and live.params.prompt_logprobs is not None:
                 self._prompt_logprobs(live, w, logits.prompt[w.request_id])
         owners = logits.owners
-        if not owners:
+        if not owners and not logits.lazy:
             return {}
         verifying = {w.request_id: w for w in plan.work if w.num_drafts and w.sample}
         if not verifying:
@@ -419,13 +435,22 @@ class LLMEngine:
             rows = logits.sample if len(plain) == len(owners) else logits.sample[plain]
             sampled.update(zip([owners[i] for i in plain],
                                self.sampler.sample(rows, [self._live[owners[i]].sampling for i in plain])))
+        lazy = [rid for rid in verifying if rid in logits.lazy]  # their heads in two calls at most, all together
+        lazy_outs = dict(zip(lazy, verify_greedy_lazily(
+            self.sampler.argmax, self.model.compute_logits,
+            [(logits.lazy[rid], self._live[rid].sampling, verifying[rid].token_ids[1:]) for rid in lazy]))) \
+            if lazy else {}
         for rid, w in verifying.items():
-            i = owners.index(rid)
-            outs = verify(self.sampler, logits.sample[i: i + w.num_drafts + 1], self._live[rid].sampling,
-                          w.token_ids[1:])
+            if rid in lazy_outs:
+                outs = lazy_outs[rid]
+            else:
+                i = owners.index(rid)
+                outs = verify(self.sampler, logits.sample[i: i + w.num_drafts + 1], self._live[rid].sampling,
+                              w.token_ids[1:])
             accepted = len(outs) - 1
-            if accepted < w.num_drafts:  # the slot's GDN state goes back to the one after the last kept token
-                self.runner.rollback(w.slot, accepted)
+            # the slot's GDN state <- the one after the last kept token (the step leaves the recurrent state after
+            # its first token, so a step that kept its drafts replays them: CacheStore.rollback)
+            self.runner.rollback(w.slot, accepted)
             self.spec_stats.record(w.num_drafts, accepted)
             self._acceptance.setdefault(rid, Acceptance()).record(w.num_drafts, accepted)
             sampled[rid] = outs

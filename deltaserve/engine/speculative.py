@@ -170,6 +170,50 @@ def verify(sampler, logits: torch.Tensor, state, drafts: Sequence[int]) -> list:
     return outs
 
 
+@torch.inference_mode()
+def verify_greedy_lazily(argmax, head, spans: Sequence[tuple[torch.Tensor, object, Sequence[int]]]) -> list[list]:
+    """verify() of the verify spans of plain greedy requests without logprobs, with the head run lazily: row 0 of
+    every span first, in one head call, then the rows after it of the spans whose row-0 token equals their first
+    draft, in a second call. spans: (hidden [len(drafts) + 1, H], the request's sampling state, drafts) each: the
+    model's outputs of the span; head: hidden rows -> logits rows (the model's compute_logits); argmax: the
+    sampler's. Returns each span's emitted tokens (SampleOuts, committed to its state), as verify() returns them.
+
+    With drafts that are always wrong a step then runs the head over one row a request, as a plain decode step does,
+    and converts and scans one row of logits (248k on the 0.8B shape) a request instead of k + 1; the second call
+    streams the head's weights again, which is why only requests whose drafts are seldom accepted come here
+    (Acceptance.LAZY_BELOW). Two calls at most, whatever the batch: a call per request would stream the head's
+    weights once per request.
+
+    The tokens are verify()'s over the full head's logits bit for bit where the head is row-wise batch-invariant
+    (the compiled linears and oneDNN's, tests/test_linear.py): a row's logits are the same whatever rows share its
+    call, and each row's token is the same argmax with its tie rule. The runner takes this path only there
+    (ModelRunner.execute lazy_head)."""
+    for hidden, _, drafts in spans:
+        assert hidden.shape[0] == len(drafts) + 1, "a row per token of the verify span"
+    if not spans:
+        return []
+    first = argmax(head(torch.cat([hidden[:1] for hidden, _, _ in spans]))).tolist()
+    outs: list[list] = []
+    more = []  # the spans whose first draft was right
+    for i, ((hidden, state, drafts), token) in enumerate(zip(spans, first)):
+        state.accept(token)
+        outs.append([SampleOut(token_id=token)])
+        if drafts and token == drafts[0]:
+            more.append(i)
+    if more:
+        tokens = argmax(head(torch.cat([spans[i][0][1:] for i in more]))).tolist()
+        at = 0
+        for i in more:
+            hidden, state, drafts = spans[i]
+            for j, token in enumerate(tokens[at: at + len(drafts)], start=1):
+                state.accept(token)
+                outs[i].append(SampleOut(token_id=token))
+                if j == len(drafts) or token != drafts[j]:
+                    break
+            at += len(drafts)
+    return outs
+
+
 @dataclass
 class Acceptance:
     """One request's acceptance: an exponential average of the fraction of its drafts accepted. next_k drafts j tokens
@@ -182,6 +226,11 @@ class Acceptance:
     ALPHA = 0.3
     WORTH = 0.3
     PROBE = 8
+    # verify_greedy_lazily below this rate: it saves the head's extra rows when draft 1 is wrong and costs a second
+    # pass over the head's weights when it is right. On the 0.8B shape (a 248k x 1024 head, streamed from memory)
+    # one pass costs about the same for 1 row as for 4 (23-31 ms on one thread): the lazy path pays only where
+    # draft 1 almost never survives, as with drafts that are always wrong
+    LAZY_BELOW = 0.1
 
     def next_k(self, k_max: int) -> int:
         k = 0
@@ -197,6 +246,10 @@ class Acceptance:
     def record(self, drafted: int, accepted: int) -> None:
         if drafted:
             self.rate = (1 - self.ALPHA) * self.rate + self.ALPHA * accepted / drafted
+
+    def lazy_head(self) -> bool:
+        """Whether this request's next verify step runs its head lazily (LAZY_BELOW)."""
+        return self.rate < self.LAZY_BELOW
 
 
 @dataclass

@@ -162,10 +162,13 @@ class Caches:
     # save_state(l, location, conv [K-1, conv_dim], ssm [Hv, dv, dk] fp32): store GDN layer l's state at a
     # checkpoint location (the runner's CacheStore.save_layer); needed by spans with saves
     save_state: Callable[[int, tuple[int, ...], torch.Tensor, torch.Tensor], None] | None = None
-    # log_state(l, j, slots [B] int64): GDN layer l's live state in `slots` after the j-th token of their verify spans
-    # (the per-position state log, CacheStore.log_states); needed by decode spans longer than one token
-    log_state: Callable[[int, int, torch.Tensor], None] | None = None
-    # the tensors log_state writes (CacheStore.log_conv / log_ssm: [l] [num_slots, positions, ...] beside conv[l] /
-    # ssm[l]), which the compiled verify step (model/fused.py) writes itself; empty: that step takes the op table
+    # log_state(l, j, slots [B] int64, x [B, conv_dim], g [B, Hv] fp32, beta [B, Hv]): after the j-th token of
+    # their verify spans, GDN layer l's live conv state in `slots` and that token's recurrence inputs (the
+    # per-position state log, CacheStore.log_states); needed by decode spans longer than one token
+    log_state: Callable[..., None] | None = None
+    # the tensors log_state writes (CacheStore.log_conv / log_x / log_g / log_beta: [l] [num_slots, positions, ...]),
+    # which the compiled verify step (model/fused.py) writes itself; empty: that step takes the op table
     log_conv: list[torch.Tensor] = field(default_factory=list)
-    log_ssm: list[torch.Tensor] = field(default_factory=list)
+    log_x: list[torch.Tensor] = field(default_factory=list)
+    log_g: list[torch.Tensor] = field(default_factory=list)
+    log_beta: list[torch.Tensor] = field(default_factory=list)

@@ -129,11 +129,14 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
 def _verify_step(model, batch, caches) -> torch.Tensor | None:
     """decode_step for a step with verify spans (docs/speculative.md): DecodeModel.run_verify over the step's rows in
     wave order (wave j: the j-th token of every span that long, as the op-table path steps the GDN layers), each row
-    with its span's slot and page table and its own length (position + 1), the GDN states after each wave logged
-    into the caches' state log. None where the op-table path must run it (no program, no state log)."""
+    with its span's slot and page table and its own length (position + 1), the conv states after each wave and the
+    recurrence's inputs of the later waves logged into the caches' state log, each slot's recurrent state left after
+    its span's first token (runner/cache.py CacheStore.log_states). None where the op-table path must run it (no
+    program, no state log)."""
     program = decode_program(model)
-    if program is None or not caches.conv or len(caches.log_conv) != len(caches.conv) \
-            or len(caches.log_ssm) != len(caches.ssm):
+    n = len(caches.conv)
+    if program is None or not n or any(len(t) != n for t in (caches.log_conv, caches.log_x, caches.log_g,
+                                                               caches.log_beta)):
         return None
     batch.check(caches.block_size)  # every span a decode span of one token or more now
     order, slots, pos, table_rows, waves = [], [], [], [], []
@@ -159,4 +162,5 @@ def _verify_step(model, batch, caches) -> torch.Tensor | None:
     table = batch.decode_page_table().index_select(0, long_tensor(table_rows))
     cos, sin = model.rotary(positions, batch.rope_end or max(pos) + 1)
     return program.run_verify(ids, caches.conv, caches.ssm, caches.kv, long_tensor(slots), cos, sin, table,
-                              long_tensor([p + 1 for p in pos]), waves, rows, caches.log_conv, caches.log_ssm)
+                              long_tensor([p + 1 for p in pos]), waves, rows, caches.log_conv, caches.log_x,
+                              caches.log_g, caches.log_beta)

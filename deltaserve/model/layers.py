@@ -133,15 +133,21 @@ class GDNMixer(nn.Module):
                 ctx.save_state(self.gdn_index, location, w, st)
         if waves is not None:
             # verify spans: wave j is the j-th token of each, stepped exactly as a decode step steps its rows (the
-            # same ops on the same slots, one token per slot per call), so every row's bits are the decode path's;
-            # the state after each wave goes to the log, from which a rejection rolls the slot back
+            # same ops on the same slots, one token per slot per call), so every row's bits are the decode path's.
+            # The conv state after each wave and the recurrence's inputs of the waves after the first go to the log;
+            # the recurrent state goes back to the one after the first token, as the compiled call leaves it
+            # (CacheStore.log_states: a rollback replays the accepted tokens from the log)
+            first = None
             for j, (rows, slots, rng) in enumerate(waves):
-                o = self._decode(mixed, g, beta, rows, slots, rng, False, ctx, conv_cache, ssm_cache)
+                o, x = self._decode(mixed, g, beta, rows, slots, rng, False, ctx, conv_cache, ssm_cache)
                 core.index_copy_(0, rows, o)
-                ctx.log_state(self.gdn_index, j, slots)
+                if j == 0:
+                    first = ssm_cache.index_select(0, slots)
+                ctx.log_state(self.gdn_index, j, slots, x, g.index_select(0, rows), beta.index_select(0, rows))
+            ssm_cache.index_copy_(0, waves[0][1], first)
         elif ctx.decode_rows is not None:
-            o = self._decode(mixed, g, beta, ctx.decode_rows, ctx.decode_slots, ctx.decode_slot_range,
-                             ctx.decode_all, ctx, conv_cache, ssm_cache)
+            o, _ = self._decode(mixed, g, beta, ctx.decode_rows, ctx.decode_slots, ctx.decode_slot_range,
+                                ctx.decode_all, ctx, conv_cache, ssm_cache)
             if ctx.decode_all:
                 core = o  # [T, Hv, dv]
             else:
@@ -151,7 +157,8 @@ class GDNMixer(nn.Module):
 
     def _decode(self, mixed, g, beta, rows, slots, rng, every_row: bool, ctx: StepContext, conv_cache, ssm_cache):
         """One decode token for each of `slots` (rows: their rows of the step; every_row: rows == 0..T-1):
-        conv step and recurrent step, the slots' states updated in place. Returns core [B, Hv, dv]."""
+        conv step and recurrent step, the slots' states updated in place. Returns (core [B, Hv, dv], the conv
+        output x [B, conv_dim]: the recurrence's q | k | v)."""
         ops = ctx.ops
         # compiled kernels: caches updated in place through the slot ids; torch: in place for consecutive
         # slots, otherwise gather, step, scatter
@@ -173,7 +180,22 @@ class GDNMixer(nn.Module):
             o = ops.recurrent_gated_delta_rule_step(q, k, v, gd, bd, state)
             if not in_place:
                 ssm_cache.index_copy_(0, slots, state.to(ssm_cache.dtype))
-        return o
+        return o, x
+
+    def replay(self, kernels, ops, ssm_cache: torch.Tensor, slot: int, x: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor) -> None:
+        """The slot's recurrent state stepped through n tokens from their logged inputs (x [n, conv_dim], g, beta
+        [n, Hv]; CacheStore.rollback): the decode step's recurrence on each token in order, the same arithmetic
+        (and bits) as the verify step's. Compiled: one call (gdn_replay, the state in cache through the tokens);
+        else the torch step per token, as _decode's torch path runs it."""
+        q, k, v = self._split_qkv(x)
+        if kernels.compiled and ssm_cache.dtype == torch.float32 and x.dtype == beta.dtype:
+            kernels.gdn_replay(q, k, v, g, beta, ssm_cache, slot)
+            return
+        state = ssm_cache[slot: slot + 1]
+        for i in range(x.shape[0]):
+            ops.recurrent_gated_delta_rule_step(q[i: i + 1], k[i: i + 1], v[i: i + 1], g[i: i + 1], beta[i: i + 1],
+                                                state)
 
 
 class AttentionMixer(nn.Module):

@@ -189,6 +189,16 @@ class HybridModel(nn.Module):
                 ai += 1
         return ctx.ops.rms_norm(x, self.norm, self.config.rms_norm_eps)
 
+    @torch.inference_mode()
+    def replay_gdn(self, l: int, ssm_cache: torch.Tensor, slot: int, x: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor) -> None:
+        """GDN layer l's recurrent state in `slot` stepped through logged tokens (CacheStore.rollback's replay)."""
+        mixers = self.__dict__.get("_gdn_mixers")  # found once: a verify step replays every GDN layer
+        if mixers is None:
+            mixers = self._gdn_mixers = [layer.linear_attn for layer in self.layers if layer.is_gdn]
+        kernels = self.decode_kernels or self.select_decode_kernels()
+        mixers[l].replay(kernels, self.ops, ssm_cache, slot, x, g, beta)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         w = self.packed_head if self.packed_head is not None else (self.embed_tokens if self.tied else self.lm_head)

@@ -51,31 +51,57 @@ class CacheStore:
 
     def caches(self) -> Caches:
         return Caches(kv=self.kv, conv=self.conv, ssm=self.ssm, block_size=self.block_size, save_state=self.save_layer,
-                      log_state=self.log_states, log_conv=self.log_conv, log_ssm=self.log_ssm)
+                      log_state=self.log_states, log_conv=self.log_conv, log_x=self.log_x, log_g=self.log_g,
+                      log_beta=self.log_beta)
 
     # ---- the per-position state log of speculative verify steps (docs/speculative.md) ----
-    log_conv: list[torch.Tensor] = []  # [l] [num_slots, positions, K-1, conv_dim]: slot s's state after token j
-    log_ssm: list[torch.Tensor] = []  # [l] [num_slots, positions, Hv, dv, dk] float32
+    # The conv state is logged whole (K-1 rows); the recurrent state is not: a verify step leaves a slot's recurrent
+    # state after its span's first token and logs the recurrence's inputs of the later tokens, which rollback
+    # replays for the accepted ones. A state is Hv x dv x dk fp32 (a MB a layer on the 0.8B shape), a token's inputs
+    # conv_dim + 2 Hv values: logging states cost a verify step whose drafts are all rejected several MB of writes
+    # a layer that a plain decode step does not pay.
+    log_conv: list[torch.Tensor] = []  # [l] [num_slots, positions, K-1, conv_dim]: slot s's conv state after token j
+    log_x: list[torch.Tensor] = []  # [l] [num_slots, positions, conv_dim]: token j + 1's conv output (q | k | v)
+    log_g: list[torch.Tensor] = []  # [l] [num_slots, positions, Hv] float32: token j + 1's gate
+    log_beta: list[torch.Tensor] = []  # [l] [num_slots, positions, Hv]: token j + 1's beta
 
     def enable_state_log(self, positions: int) -> None:
-        """Room to log every GDN layer's state after each of `positions` tokens of a verify span, per slot."""
+        """Room to log, per slot, every GDN layer's conv state after each of `positions` tokens of a verify span and
+        the recurrence's inputs of its tokens 1 .. positions."""
         self.log_conv = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype, device=t.device)
                          for t in self.conv]
-        self.log_ssm = [torch.zeros(t.shape[0], positions, *t.shape[1:], dtype=t.dtype, device=t.device)
-                        for t in self.ssm]
+        self.log_x = [torch.zeros(c.shape[0], positions, c.shape[2], dtype=c.dtype, device=c.device)
+                      for c in self.conv]
+        self.log_g = [torch.zeros(s.shape[0], positions, s.shape[1], dtype=torch.float32, device=s.device)
+                      for s in self.ssm]
+        self.log_beta = [torch.zeros(s.shape[0], positions, s.shape[1], dtype=c.dtype, device=s.device)
+                         for c, s in zip(self.conv, self.ssm)]
 
-    def log_states(self, l: int, j: int, slots: torch.Tensor) -> None:
-        """GDN layer l's live state in `slots`, just after the j-th token of their verify spans -> log[slots, j]."""
-        if j < self.log_conv[l].shape[1]:  # the last token's state stays in the slot: it needs no entry
+    def log_states(self, l: int, j: int, slots: torch.Tensor, x: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor) -> None:
+        """Just after the j-th token of their verify spans: GDN layer l's live conv state in `slots` -> log_conv[slots,
+        j], and that token's recurrence inputs x [B, conv_dim], g, beta [B, Hv] -> log_x / log_g / log_beta[slots,
+        j - 1] (token 0's state stays in the slot: GDNMixer.forward)."""
+        positions = self.log_conv[l].shape[1]
+        if j < positions:  # the last token's conv state stays in the slot: it needs no entry
             self.log_conv[l][:, j].index_copy_(0, slots, self.conv[l].index_select(0, slots))
-            self.log_ssm[l][:, j].index_copy_(0, slots, self.ssm[l].index_select(0, slots))
+        if 1 <= j <= positions:
+            self.log_x[l][:, j - 1].index_copy_(0, slots, x.to(self.log_x[l].dtype))
+            self.log_g[l][:, j - 1].index_copy_(0, slots, g.float())
+            self.log_beta[l][:, j - 1].index_copy_(0, slots, beta.to(self.log_beta[l].dtype))
 
-    def rollback(self, slot: int, j: int) -> None:
-        """The slot's state <- its logged state after the j-th token of its last verify span (bit copies): the state
-        after the last accepted token, no token recomputed."""
+    def rollback(self, slot: int, j: int, replay) -> None:
+        """After a verify step whose tokens 0 .. j were kept: the slot's state <- the one after its token j. The conv
+        state from the log (bit copies; j = positions: the slot's own), the recurrent state, left after token 0 by the
+        step, stepped through tokens 1 .. j from their logged inputs by replay(l, ssm[l], slot, x, g, beta) (the
+        model's GDN layer l: HybridModel.replay_gdn), the very arithmetic the step ran on them."""
+        positions = self.log_conv[0].shape[1] if self.log_conv else 0
         for l in range(len(self.conv)):
-            self.conv[l][slot].copy_(self.log_conv[l][slot, j])
-            self.ssm[l][slot].copy_(self.log_ssm[l][slot, j])
+            if j < positions:
+                self.conv[l][slot].copy_(self.log_conv[l][slot, j])
+            if j >= 1:
+                replay(l, self.ssm[l], slot, self.log_x[l][slot, :j], self.log_g[l][slot, :j],
+                       self.log_beta[l][slot, :j])
 
     # ---- plan execution: zeroing and bit-exact state copies ----
     def zero_pages(self, pages: tuple[int, ...]) -> None:
@@ -161,7 +187,7 @@ class CacheStore:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.pool + self.conv + self.ssm + self.ckpt_conv + self.ckpt_ssm
-                   + self.log_conv + self.log_ssm)
+                   + self.log_conv + self.log_x + self.log_g + self.log_beta)
 
 
 def _copy_bytes(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:

@@ -26,6 +26,9 @@ class StepLogits:
     # with keep_hidden (speculative decoding): request id -> (first position, the model's output at each of its
     # tokens this step [n, hidden]), what the MTP layer drafts from
     hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # execute(lazy_head=...): request id -> its verify span's output rows [k + 1, hidden], the head not yet run on
+    # them (speculative.verify_greedy_lazily runs it row 0 first); their rows are not in sample
+    lazy: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -37,10 +40,12 @@ class ModelRunner:
         self.media = None  # MediaStore (media.py) on a multimodal model: the live requests' images
 
     def rollback(self, slot: int, accepted: int) -> None:
-        """After a verify step: the slot's GDN state <- the one after its token `accepted` (0 = the last sampled
-        token, j = its j-th draft), from the step's state log. The K/V rows of rejected drafts stay in their page,
-        never read (attention reads positions up to its own) and rewritten by the next step's tokens."""
-        self.store.rollback(slot, accepted)
+        """After every verify step: the slot's GDN state <- the one after its token `accepted` (0 = the last sampled
+        token, j = its j-th draft), from the step's state log (conv states copied; the recurrent state, left after
+        token 0 by the step, replayed through the accepted drafts: CacheStore.rollback). The K/V rows of rejected
+        drafts stay in their page, never read (attention reads positions up to its own) and rewritten by the next
+        step's tokens."""
+        self.store.rollback(slot, accepted, self.model.replay_gdn)
 
     def _check_copies(self, plan: StepPlan) -> None:
         bs = self.store.block_size
@@ -72,9 +77,17 @@ class ModelRunner:
         m = self.media.get(w.request_id) if self.media is not None else None
         return m.span_media(self.model.visual, w.start_pos, len(w.token_ids)) if m is not None else None
 
+    def lazy_head_exact(self) -> bool:
+        """Whether the head gives a row the same bits alone as beside other rows: the packed linears (compiled
+        linear_bf16 / linear_fp8, oneDNN's) are row-wise batch-invariant (tests/test_linear.py); F.linear in float32
+        (MKL's sgemm, blocked by the number of rows) is not, and keeps the head over every row at once."""
+        return self.model.linear_kind is not None
+
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepLogits:
-        """zero -> restore -> forward -> save; returns the logits the engine samples from."""
+    def execute(self, plan: StepPlan, lazy_head: frozenset[str] | set[str] = frozenset()) -> StepLogits:
+        """zero -> restore -> forward -> save; returns the logits the engine samples from. lazy_head: requests whose
+        verify span's rows come back as hidden rows (StepLogits.lazy) for the engine to run the head on row by need;
+        honoured only where lazy_head_exact()."""
         self._check_copies(plan)
         ends = {w.slot: w.start_pos + len(w.token_ids) for w in plan.work}
         self.store.zero_pages(plan.zero_pages)
@@ -88,13 +101,17 @@ class ModelRunner:
             batch = self.build_batch(work, tuple(c for c in plan.saves if c.pos is not None and c.pos < ends[c.slot]))
             hidden = self.model.forward(batch, self.store.caches())  # [T, hidden]
             rows, owners = [], []
+            lazy = lazy_head if lazy_head and self.lazy_head_exact() else ()
             for w, s in zip(work, batch.spans):
                 if w.prompt_logprobs:
                     out.prompt[w.request_id] = self.model.compute_logits(hidden[s.start: s.start + s.length])
                 if w.sample and w.num_drafts:  # a verify step samples after each of its tokens
                     assert w.is_decode and s.length == w.num_drafts + 1, "a verify step is one decode span"
-                    rows.extend(range(s.start, s.start + s.length))
-                    owners.extend([w.request_id] * s.length)
+                    if w.request_id in lazy:
+                        out.lazy[w.request_id] = hidden[s.start: s.start + s.length]
+                    else:
+                        rows.extend(range(s.start, s.start + s.length))
+                        owners.extend([w.request_id] * s.length)
                 elif w.sample:
                     rows.append(s.start + s.length - 1)
                     owners.append(w.request_id)

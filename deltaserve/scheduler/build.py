@@ -81,10 +81,14 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
                              encoder_budget=encoder_budget)
 
 
-def state_log_bytes(shape: EngineShape, num_speculative_tokens: int) -> int:
-    """The speculative state log's bytes: every slot's GDN state after each draft position (the last token's state
-    stays in the slot)."""
-    return shape.pool.num_slots * num_speculative_tokens * shape.pool.slot_bytes
+def state_log_bytes(shape: EngineShape, mc: ModelConfig, num_speculative_tokens: int) -> int:
+    """The speculative state log's bytes (runner/cache.py CacheStore.enable_state_log): per slot, draft position and
+    GDN layer, the conv state and one token's recurrence inputs (conv_dim + Hv values in the conv dtype, Hv fp32
+    gates); the recurrent state itself is never logged."""
+    g = shape.geometry
+    conv_dtype_bytes = g.gdn_conv_bytes // ((mc.linear_conv_kernel_dim - 1) * mc.conv_dim)
+    inputs = (mc.conv_dim + mc.linear_num_value_heads) * conv_dtype_bytes + mc.linear_num_value_heads * 4
+    return shape.pool.num_slots * num_speculative_tokens * g.n_gdn_layers * (g.gdn_conv_bytes + inputs)
 
 
 def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
@@ -92,8 +96,8 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
     """Everything the engine (and a simulated replica) derives from its flags: the shape, then the memory
     manager and the scheduler over it. dtype overrides cfg.dtype (a simulated replica: the bundle's); tp
     overrides cfg.tensor_parallel_size (a simulated replica: its own tp). kv_cache_memory is one rank's.
-    Speculative decoding: the per-position state log (num_speculative_tokens slot states per slot,
-    runner/cache.py CacheStore.enable_state_log) comes out of the budget before the pool is sized."""
+    Speculative decoding: the per-position state log (runner/cache.py CacheStore.enable_state_log) comes out of the
+    budget before the pool is sized."""
     def shape_for(budget: int) -> EngineShape:
         return resolve_shape(mc, dtype=dtype or cfg.dtype, block_size=cfg.block_size, kv_cache_memory=budget,
                              max_num_seqs=cfg.max_num_seqs, cache_layout=cfg.cache_layout,
@@ -102,7 +106,7 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
 
     shape = shape_for(kv_cache_memory)
     if cfg.speculative_config is not None:
-        shape = shape_for(kv_cache_memory - state_log_bytes(shape, cfg.speculative_config.num_speculative_tokens))
+        shape = shape_for(kv_cache_memory - state_log_bytes(shape, mc, cfg.speculative_config.num_speculative_tokens))
     memory, scheduler = build_scheduler(shape, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         enable_prefix_caching=cfg.enable_prefix_caching,

@@ -176,6 +176,8 @@ class Timings:
     prompt_ms: float
     predicted_n: int
     predicted_ms: float
+    draft_n: int = 0  # with speculative decoding (--spec-type): drafts proposed, and accepted
+    draft_n_accepted: int = 0
 
 
 def parse_timings(resp: dict) -> Timings:
@@ -184,7 +186,7 @@ def parse_timings(resp: dict) -> Timings:
         raise ValueError(f"llama-server response has no timings object (keys: {sorted(resp)})")
     try:
         return Timings(int(t["prompt_n"]), int(t.get("cache_n", 0)), float(t["prompt_ms"]), int(t["predicted_n"]),
-                       float(t["predicted_ms"]))
+                       float(t["predicted_ms"]), int(t.get("draft_n", 0)), int(t.get("draft_n_accepted", 0)))
     except KeyError as e:
         raise ValueError(f"llama-server timings lack {e.args[0]!r}: {t}") from None
 
@@ -289,31 +291,46 @@ class LlamaServer:
             self._log.close()
 
 
+def speculative_flags(k: int, p: float | None) -> list[str]:
+    """llama-server's own speculative decoding with the model's MTP layer (--spec-type draft-mtp), k drafts a step;
+    p: the drafts' acceptance made synthetic (--spec-synth-rates, its benchmarking option: draft j accepted with
+    probability p ** j, as a drafter right with probability p each), None: the MTP layer's own drafts."""
+    flags = ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(k)]
+    if p is not None:
+        flags += ["--spec-synth-rates", ",".join(f"{p ** j:g}" for j in range(1, k + 1))]
+    return flags
+
+
 # --------------------------------------------------------------------------- the throughput arm
 class LlamaCppPeer:
     """One throughput arm: llama-server on the checkpoint's GGUF of one type (`llama.cpp-bf16`, ...).
     Prompt caching is off per request, so every row prefills its whole prompt."""
 
     def __init__(self, model_dir: str, outtype: str, *, slots: int, threads: int, ctx_per_slot: int,
-                 log_dir: str, root: str | None = None, progress=None):
-        self.name = f"llama.cpp-{outtype}"
+                 log_dir: str, root: str | None = None, progress=None, name: str | None = None,
+                 extra: tuple[str, ...] = ()):
+        self.name = name or f"llama.cpp-{outtype}"  # name, extra: an arm with more server flags (speculative_flags)
         require_server(root)
-        log = os.path.join(log_dir, f"llama.cpp-{os.path.basename(os.path.normpath(model_dir))}.log")
+        log = os.path.join(log_dir, f"{self.name}-{os.path.basename(os.path.normpath(model_dir))}.log")
         if progress:
             progress(f"{self.name}: converting the checkpoint to GGUF (cached: {gguf_path(model_dir, outtype)})")
         self.gguf = ensure_gguf(model_dir, outtype, root=root, log_path=log)
         self.server = LlamaServer(self.gguf, ctx=slots * ctx_per_slot, slots=slots, threads=threads, log_path=log,
-                                  root=root)
+                                  root=root, extra=tuple(extra))
         self.info = {"build": BUILD, "gguf": self.gguf, "gguf_bytes": os.path.getsize(self.gguf), "slots": slots,
                      "threads": threads, "ctx": slots * ctx_per_slot, "startup_s": self.server.startup_s,
-                     "no_repack": self.server.no_repack}
+                     "no_repack": self.server.no_repack, "extra": " ".join(extra)}
 
     def prefill(self, prompts: list[list[int]]) -> tuple[float, int]:
         ts = self._all(prompts, 1)
         return sum(t.prompt_ms for t in ts) / 1e3, sum(t.prompt_n for t in ts)
 
     def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        return decode_phase(self._all(prompts, max_tokens))
+        ts = self._all(prompts, max_tokens)
+        drafted = sum(t.draft_n for t in ts)
+        if drafted:  # a speculative arm: the acceptance of its latest decode, as the deltaserve arms record it
+            self.info["acceptance"] = round(sum(t.draft_n_accepted for t in ts) / drafted, 3)
+        return decode_phase(ts)
 
     def _all(self, prompts: list[list[int]], n: int) -> list[Timings]:
         if len(prompts) > self.server.slots:

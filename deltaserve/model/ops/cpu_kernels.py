@@ -276,6 +276,14 @@ class DecodeKernels:
         updated in place); slots [B] int64 -> out [B, H, dv] in q's dtype."""
         return self.ext.gdn_decode_step(q, k, v, g, beta, state, slots)
 
+    def gdn_replay(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor, slot: int) -> torch.Tensor:
+        """One slot's state [S, H, dv, dk] fp32 stepped through the n tokens q, k [n, Hk, dk], v [n, H, dv], g, beta
+        [n, H] in order, in one call (a head's state block stays in cache through the tokens): gdn_step's bits for
+        each token, as gdn_step on one token at a time (ops/gdn.py recurrent_gated_delta_rule_step, the torch
+        form) gives them -> out [n, H, dv]."""
+        return self.ext.gdn_replay(q, k, v, g, beta, state, slot)
+
     def conv_step(self, x: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
                   slots: torch.Tensor) -> torch.Tensor:
         """x [T, C] (the step's rows; rows [B] picks the decode tokens); weight [C, K]; state [S, K-1, C] in

@@ -486,7 +486,9 @@ inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, f
 // spans (gdn_span_into): rows are the tokens of spans, span s the rows span_rows[span_at[s] .. span_at[s + 1]) in
 // token order, its state the slot span_slot[s]; slots unused. Each (span, head) steps its tokens one after the
 // other on its state block (which stays in cache), so each token's arithmetic is gdn_item's, as a decode step of
-// that token alone computes it; after its t-th token (t < log.size(1)) the block is copied to log[slot, t].
+// that token alone computes it. first_only: after the first token the block is copied to a scratch block the later
+// tokens step, so the slot keeps the first token's state and nothing else is written (a verify step whose drafts
+// are all rejected writes the states a plain decode step writes).
 template <typename T>
 void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
               const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out,
@@ -521,22 +523,27 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     return;
   }
   const std::vector<int64_t>&at = spans->at, &rows = spans->rows, &slot = spans->slot;
-  const int64_t n = int64_t(slot.size());
-  float* lp = spans->log != nullptr ? spans->log->data_ptr<float>() : nullptr;
-  const int64_t P = lp != nullptr ? spans->log->size(1) : 0, block = dv * dk;
+  const int64_t n = int64_t(slot.size()), block = dv * dk;
+  const bool first_only = spans->first_only;
   at::parallel_for(0, n * H, n * H * block < kSerialBelow ? n * H : 1, [&](int64_t begin, int64_t end) {
-    ds::LineBuffer qn(dk), kn(dk);
+    ds::LineBuffer qn(dk), kn(dk), scratch(first_only ? block : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / H, h = item % H;
       float* S = sp + (slot[s] * H + h) * block;
-      for (int64_t t = at[s]; t < at[s + 1]; ++t) {
-        token(rows[t], h, S, qn.data(), kn.data());
-        if (t - at[s] < P)  // the last token's state stays in the slot: it needs no entry
-          std::memcpy(lp + ((slot[s] * P + (t - at[s])) * H + h) * block, S, block * sizeof(float));
+      token(rows[at[s]], h, S, qn.data(), kn.data());
+      if (first_only && at[s] + 1 < at[s + 1]) {
+        std::memcpy(scratch.data(), S, block * sizeof(float));
+        S = scratch.data();
       }
+      for (int64_t t = at[s] + 1; t < at[s + 1]; ++t) token(rows[t], h, S, qn.data(), kn.data());
     }
   });
 }
+
+// one slot's state stepped through the rows of q, k, v, g, beta in order (a rollback's replay of the accepted tokens
+// of a verify span from their logged inputs): each token's bits gdn_decode_step's for that token alone
+at::Tensor gdn_replay(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta, at::Tensor state,
+                      int64_t slot);
 
 at::Tensor gdn_decode_step(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                               at::Tensor state, at::Tensor slots) {
@@ -655,12 +662,6 @@ void gdn_checked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       TORCH_CHECK(r >= 0 && r < B && !row_seen[r], "gdn spans: rows are not a permutation");
       row_seen[r] = 1;
     }
-    if (spans->log != nullptr) {
-      const at::Tensor& log = *spans->log;
-      TORCH_CHECK(log.dim() == 5 && log.is_contiguous() && log.scalar_type() == at::kFloat &&
-                  log.size(0) == state.size(0) && log.size(2) == H && log.size(3) == dv && log.size(4) == dk,
-                  "the state log must be a contiguous fp32 [S, positions, H, dv, dk]");
-    }
   }
   TORCH_CHECK(out.dim() == 3 && out.size(0) == B && out.size(1) == H && out.size(2) == dv && out.is_contiguous() &&
               out.scalar_type() == q.scalar_type(), "out must be a contiguous [B, H, dv] in q's dtype");
@@ -683,6 +684,23 @@ void gdn_span_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
                    const at::Tensor& beta, at::Tensor& state, const GdnSpans& spans, at::Tensor& out) {
   gdn_checked(q, k, v, g, beta, state, at::Tensor(), out, &spans);
 }
+}  // namespace ds
+
+namespace {
+at::Tensor gdn_replay(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta, at::Tensor state,
+                      int64_t slot) {
+  TORCH_CHECK(v.dim() == 3 && v.size(0) >= 1, "q, k [n, Hk, dk] and v [n, H, dv] expected, n >= 1");
+  auto out = at::empty(v.sizes(), q.options());
+  ds::GdnSpans spans;
+  spans.at = {0, v.size(0)};
+  spans.slot = {slot};
+  for (int64_t i = 0; i < v.size(0); ++i) spans.rows.push_back(i);
+  ds::gdn_span_into(q, k, v, g, beta, state, spans, out);
+  return out;
+}
+}  // namespace
+
+namespace ds {
 
 // out [B, C] in x's dtype, contiguous
 void conv_step_into(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& wt, at::Tensor& state,
@@ -762,7 +780,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::call_guard<py::gil_scoped_release>())
       .def("run_verify", &DecodeModel::run_verify, py::arg("ids"), py::arg("conv"), py::arg("ssm"), py::arg("kv"),
            py::arg("slots"), py::arg("cos"), py::arg("sin"), py::arg("page_table"), py::arg("lengths"),
-           py::arg("waves"), py::arg("order"), py::arg("log_conv"), py::arg("log_ssm"),
+           py::arg("waves"), py::arg("order"), py::arg("log_conv"), py::arg("log_x"), py::arg("log_g"),
+           py::arg("log_beta"),
            py::call_guard<py::gil_scoped_release>());
   m.def("bf16_linear_available", &bf16_linear_available, "linear_bf16 usable (built with AVX2 + FMA or AVX-512)");
   m.def("kernel_isa", &kernel_isa, "the instruction set this build targets: avx512bf16, avx512, avx2 or none");
@@ -775,6 +794,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged decode attention, all sequences of a step (q [B,Hq,D], kv pool, page_table [B,maxp], lengths [B], scale)");
   m.def("gdn_decode_step", &gdn_decode_step,
         "gated delta rule decode step, state slots updated in place (q, k, v, g, beta, state [S,H,dv,dk], slots [B])");
+  m.def("gdn_replay", &gdn_replay,
+        "one slot's GDN state stepped through q, k, v, g, beta rows in order (a rollback's replay), state [S,H,dv,dk]");
   m.def("conv1d_step", &conv1d_step,
         "causal conv1d decode step with its silu, states updated in place (x [T,C], rows [B], wt [K,C], state, slots)");
   m.def("conv1d_prefill", &conv1d_prefill,

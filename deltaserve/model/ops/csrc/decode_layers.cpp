@@ -9,7 +9,8 @@
 // per token, every row with its own page-table row and length, so the linears, norms, MLP and attention are the
 // one-token step's calls over more rows (each row's bits its own: the kernels are row-wise batch-invariant). Its
 // GDN layers step each token as GDNMixer.forward's waves do, the same conv and recurrent arithmetic on the same slots
-// in each slot's token order, and copy the states after each token into the state log. Its rows come in wave order,
+// in each slot's token order; they log the conv states after each token and the later tokens' recurrence inputs,
+// and leave each recurrent state after its span's first token (the rollback replays). Its rows come in wave order,
 // so that a wave is a block of rows of every buffer (views, nothing gathered); the result goes back to the step's
 // order at the end.
 //
@@ -313,24 +314,34 @@ at::Tensor DecodeModel::run_verify(const at::Tensor& ids, const std::vector<at::
                                    const at::Tensor& page_table, const at::Tensor& lengths,
                                    const std::vector<int64_t>& waves, const at::Tensor& order,
                                    const std::vector<at::Tensor>& log_conv,
-                                   const std::vector<at::Tensor>& log_ssm) const {
+                                   const std::vector<at::Tensor>& log_x, const std::vector<at::Tensor>& log_g,
+                                   const std::vector<at::Tensor>& log_beta) const {
   const int64_t B = ids.numel();
   check_index(order, 1, B, "order");
   check_index(slots, 1, B, "slots");
   TORCH_CHECK(int64_t(conv.size()) == n_gdn_ && int64_t(ssm.size()) == n_gdn_, "DecodeModel.run_verify: ", n_gdn_,
               " conv and ssm caches");
-  TORCH_CHECK(int64_t(log_conv.size()) == n_gdn_ && int64_t(log_ssm.size()) == n_gdn_, "DecodeModel.run_verify: ",
-              n_gdn_, " conv and ssm state logs");
-  for (int64_t l = 0; l < n_gdn_; ++l) {
-    const at::Tensor &lc = log_conv[l], &ls = log_ssm[l];
+  TORCH_CHECK(int64_t(log_conv.size()) == n_gdn_ && int64_t(log_x.size()) == n_gdn_ &&
+                  int64_t(log_g.size()) == n_gdn_ && int64_t(log_beta.size()) == n_gdn_,
+              "DecodeModel.run_verify: ", n_gdn_, " conv, x, g and beta logs");
+  for (int64_t l = 0, li = 0; l < n_gdn_; ++li) {
+    if (!layers_[li].gdn) continue;
+    const at::Tensor &lc = log_conv[l], &lx = log_x[l], &lg = log_g[l], &lb = log_beta[l];
+    const int64_t S = conv[l].size(0), P = lc.size(1), C = layers_[li].dims[0], hv = layers_[li].dims[2];
     TORCH_CHECK(lc.dim() == 4 && lc.is_contiguous() && lc.scalar_type() == conv[l].scalar_type() &&
-                    lc.size(0) == conv[l].size(0) && lc.size(2) == conv[l].size(1) && lc.size(3) == conv[l].size(2) &&
+                    lc.size(0) == S && lc.size(2) == conv[l].size(1) && lc.size(3) == conv[l].size(2) &&
                     conv[l].is_contiguous(),
                 "log_conv[", l, "] must be a contiguous [S, positions, K-1, C] beside its conv cache");
-    TORCH_CHECK(ls.dim() == 5 && ls.is_contiguous() && ls.scalar_type() == ssm[l].scalar_type() &&
-                    ls.size(0) == ssm[l].size(0) && ls.size(1) == lc.size(1) && ls.size(2) == ssm[l].size(1) &&
-                    ls.size(3) == ssm[l].size(2) && ls.size(4) == ssm[l].size(3) && ssm[l].is_contiguous(),
-                "log_ssm[", l, "] must be a contiguous [S, positions, Hv, dv, dk] beside its state cache");
+    TORCH_CHECK(lx.dim() == 3 && lx.is_contiguous() && lx.scalar_type() == at::kBFloat16 && lx.size(0) == S &&
+                    lx.size(1) == P && lx.size(2) == C,
+                "log_x[", l, "] must be a contiguous bf16 [S, positions, conv_dim]");
+    TORCH_CHECK(lg.dim() == 3 && lg.is_contiguous() && lg.scalar_type() == at::kFloat && lg.size(0) == S &&
+                    lg.size(1) == P && lg.size(2) == hv,
+                "log_g[", l, "] must be a contiguous fp32 [S, positions, Hv]");
+    TORCH_CHECK(lb.dim() == 3 && lb.is_contiguous() && lb.scalar_type() == at::kBFloat16 && lb.size(0) == S &&
+                    lb.size(1) == P && lb.size(2) == hv,
+                "log_beta[", l, "] must be a contiguous bf16 [S, positions, Hv]");
+    ++l;
   }
   // every row once, in waves of distinct slots (a wave is stepped as one decode step: a slot once)
   int64_t total = 0;
@@ -353,7 +364,7 @@ at::Tensor DecodeModel::run_verify(const at::Tensor& ids, const std::vector<at::
     TORCH_CHECK(op[i] >= 0 && op[i] < B && !hit[op[i]], "DecodeModel.run_verify: order is not a permutation");
     hit[op[i]] = 1;
   }
-  const Verify verify{waves, order, log_conv, log_ssm};
+  const Verify verify{waves, order, log_conv, log_x, log_g, log_beta};
   return step(ids, conv, ssm, kv, slots, cos, sin, page_table, lengths, &verify);
 }
 
@@ -417,20 +428,38 @@ at::Tensor DecodeModel::step(const at::Tensor& ids, const std::vector<at::Tensor
         // run wave by wave; the recurrent steps run span by span (gdn_span_into: a head's state block stays in
         // cache through its span's tokens instead of crossing memory once per wave). The conv and recurrent
         // states are apart, so the order between their steps changes no bits; each token's are the wave's.
-        const at::Tensor& log_conv = verify->conv[gi];
+        // The recurrent state is not logged: the slot keeps the state after the span's first token (first_only)
+        // and the later tokens' inputs are logged (a few KB a token, where a state is a MB a layer on the 0.8B
+        // shape), so a step whose drafts are all rejected writes no more state than a plain decode step.
+        const at::Tensor &log_conv = verify->conv[gi], &log_x = verify->x[gi], &log_g = verify->g[gi],
+                         &log_beta = verify->beta[gi];
         const int64_t positions = log_conv.size(1);
         const int64_t cb = conv_state.stride(0) * conv_state.element_size();  // a slot's bytes
         const auto* cp = static_cast<const char*>(conv_state.data_ptr());
         auto* lcp = static_cast<char*>(log_conv.data_ptr());
+        const int64_t C = lv.xc.size(1), hv = lv.g.size(1);
+        auto* lxp = log_x.data_ptr<at::BFloat16>();
+        auto* lgp = log_g.data_ptr<float>();
+        auto* lbp = log_beta.data_ptr<at::BFloat16>();
+        const auto* xcp = lv.xc.data_ptr<at::BFloat16>();  // lv.xc, g, beta: contiguous [B, ...] in wave order
+        const auto* gp = lv.g.data_ptr<float>();
+        const auto* bp = lv.beta.data_ptr<at::BFloat16>();
         const int64_t* sl = slots.data_ptr<int64_t>();
         for (size_t j = 0; j < ws->layers[li].size(); ++j) {
           Waves::Wave& w = ws->layers[li][j];
           ds::conv_step_into(lv.conv_in, w.rows, l.w[2], conv_state, wave_slots[j], w.xc);
-          if (int64_t(j) < positions)  // the last token's state stays in the slot: it needs no entry
-            for (int64_t i = w.at; i < w.at + w.n; ++i)
+          for (int64_t i = w.at; i < w.at + w.n; ++i) {
+            if (int64_t(j) < positions)  // the last token's conv state stays in the slot: it needs no entry
               std::memcpy(lcp + (sl[i] * positions + int64_t(j)) * cb, cp + sl[i] * cb, cb);  // log[slot, j]
+            if (j >= 1 && int64_t(j) <= positions) {  // token j's recurrence inputs -> [slot, j - 1]
+              const int64_t e = sl[i] * positions + int64_t(j) - 1;
+              std::memcpy(lxp + e * C, xcp + i * C, C * sizeof(at::BFloat16));
+              std::memcpy(lgp + e * hv, gp + i * hv, hv * sizeof(float));
+              std::memcpy(lbp + e * hv, bp + i * hv, hv * sizeof(at::BFloat16));
+            }
+          }
         }
-        spans.log = &verify->ssm[gi];
+        spans.first_only = true;
         ds::gdn_span_into(lv.q, lv.k, lv.v, lv.g, lv.beta, state, spans, lv.o);
       }
       gated_rms_norm_into(lv.o, lv.z, l.w[5], l.eps, lv.core);

@@ -185,14 +185,18 @@ class DecodeModel {
   // A step of verify spans (a decode span of several tokens: docs/speculative.md): a row per token, in wave order
   // (wave j holds the j-th token of every span that long; waves[j] its row count, each wave's slots distinct),
   // every per-row argument in that order (slots, cos, sin, page_table and lengths: the token's span's slot and page
-  // table, its position + 1). The GDN layers step each wave as a decode step steps its rows, then copy the wave's
-  // states into log_conv[l] / log_ssm[l] [S, positions, ...] at [slot, j] for j < positions (CacheStore.log_states).
+  // table, its position + 1). The GDN layers step each wave's conv as a decode step steps its rows and copy the
+  // conv states into log_conv[l] [S, positions, K-1, C] at [slot, j] for j < positions; the recurrent state of a
+  // slot is left after its span's first token (the later tokens step a copy), and the recurrence's inputs of token
+  // j >= 1 go to log_x[l] [S, positions, C] (the conv output: q | k | v), log_g[l] and log_beta[l] [S, positions, Hv]
+  // at [slot, j - 1], from which a rollback replays the accepted tokens (CacheStore.log_states: the same log).
   // order[i]: the row of the step (span order) wave row i is; the result [B, H] is in span order.
   at::Tensor run_verify(const at::Tensor& ids, const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
                         const std::vector<at::Tensor>& kv, const at::Tensor& slots, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& page_table, const at::Tensor& lengths,
                         const std::vector<int64_t>& waves, const at::Tensor& order,
-                        const std::vector<at::Tensor>& log_conv, const std::vector<at::Tensor>& log_ssm) const;
+                        const std::vector<at::Tensor>& log_conv, const std::vector<at::Tensor>& log_x,
+                        const std::vector<at::Tensor>& log_g, const std::vector<at::Tensor>& log_beta) const;
 
  private:
   struct Layer {
@@ -205,10 +209,10 @@ class DecodeModel {
   struct Work;   // a step's buffers (decode_layers.cpp)
   struct Views;  // their views for one row count
   struct Waves;  // their views for one cut of the rows into waves
-  struct Verify {  // run_verify's waves, row order and state log
+  struct Verify {  // run_verify's waves, row order and state log (conv states; the recurrence's inputs)
     const std::vector<int64_t>& waves;
     const at::Tensor& order;
-    const std::vector<at::Tensor>&conv, &ssm;
+    const std::vector<at::Tensor>&conv, &x, &g, &beta;
   };
   // run (verify == nullptr) and run_verify
   at::Tensor step(const at::Tensor& ids, const std::vector<at::Tensor>& conv, const std::vector<at::Tensor>& ssm,
@@ -236,12 +240,13 @@ void paged_attention_into(const at::Tensor& q, const at::Tensor& kv, const at::T
                           const at::Tensor& lengths, double scale, at::Tensor& out);
 void gdn_step_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                    const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out);
-// The tokens of verify spans (rows of q, k, v, g, beta, out): span s is rows[at[s] .. at[s + 1]) in token order, on
-// state slot slot[s]; log (may be null): [S, positions, H, dv, dk] fp32, the state after the span's t-th token
-// copied to [slot, t] for t < positions. Each token's bits are gdn_step_into's for that token alone.
+// The tokens of spans (rows of q, k, v, g, beta, out): span s is rows[at[s] .. at[s + 1]) in token order, on
+// state slot slot[s]. first_only (a verify step): the slot keeps the state after the span's first token, and the
+// later tokens step a copy of it (their outputs only); a rollback replays the kept ones from their logged inputs.
+// Each token's bits are gdn_step_into's for that token alone.
 struct GdnSpans {
   std::vector<int64_t> at, rows, slot;
-  const at::Tensor* log = nullptr;
+  bool first_only = false;
 };
 void gdn_span_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                    const at::Tensor& beta, at::Tensor& state, const GdnSpans& spans, at::Tensor& out);
