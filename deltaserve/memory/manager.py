@@ -63,8 +63,6 @@ from ..errors import ConfigError
 from .layouts import CacheLayout, layout_for
 from .eviction import EvictionPolicy, LRUEviction
 from .disk_tier import CKPT, KV, DiskRecord, DiskStats, DiskTier
-
-DISK_GO, DISK_READING, DISK_ROOM = "go", "reading", "room"  # prepare_from_disk's answers
 from .events import BLOCK, BLOCK_GONE, CHECKPOINT, CHECKPOINT_GONE, CacheRecord
 from .hashing import BlockHash, block_hash
 from .save_kind import KEPT_WHEN_REPLACED, SaveKind, zero_by_kind
@@ -72,6 +70,7 @@ from .sizing import Pool
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
 VALUE_WALK = 256  # blocks a checkpoint's value looks back for the previous checkpoint
+DISK_GO, DISK_READING, DISK_ROOM = "go", "reading", "room"  # prepare_from_disk's answers
 
 
 class CheckpointError(RuntimeError):
@@ -319,7 +318,7 @@ class MemoryManager:
 
     # ------------------------------------------------------------------ the disk tier
     def prepare_from_disk(self, root: BlockHash, hashes: Sequence[BlockHash],
-                          block_tokens: Callable[[int], Sequence[int]], max_blocks: int) -> bool:
+                          block_tokens: Callable[[int], Sequence[int]], max_blocks: int) -> str:
         """Bring back from disk what makes this prefix's hit longer than the pool's (find_prefix's arguments).
 
         DISK_GO: go ahead, find_prefix now returns the longest hit both tiers give (the records were staged and are
