@@ -342,6 +342,36 @@ def test_fleet_bench_runs_a_disk_arm(tmp_path, capsys):
     assert "| runs |" in text and "| runs+disk |" in text and "| disk arm | hit tokens from disk |" in text
 
 
+class Driver:
+    """Steps a scheduler over a memory manager with a disk tier as the engine does, the I/O worker stood in for:
+    every write lands at once, a read lands at once unless deliver=False (its key is noted in `landed` either
+    way); each sampled request gets token 5."""
+
+    def __init__(self, s, mem, tier):
+        self.s, self.mem, self.tier, self.landed = s, mem, tier, []
+
+    def step(self, deliver: bool = True):
+        plan = self.s.schedule()
+        self.mem.check_integrity()
+        ops, _ = self.tier.take()
+        for op, arg in ops:
+            if op == "write":
+                self.tier.done.append(("write", arg.record.key, True, 0.0, arg.record.nbytes))
+            elif op == "read":
+                self.landed.append(arg.key)
+                if deliver:
+                    self.tier.done.append(("read", arg.key, True, 0.001, arg.nbytes))
+        self.s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
+        return plan
+
+    def finish(self, rid, steps: int = 200):
+        for _ in range(steps):
+            if rid not in self.s.requests:
+                return
+            self.step()
+        raise AssertionError(f"{rid} did not finish")
+
+
 def test_a_request_waiting_for_the_disk_lets_the_others_run():
     """Its reads in flight, the request waits in the queue; the one behind it is admitted and runs; once the reads
     land, the first is admitted with the hit the disk gave."""
@@ -354,28 +384,8 @@ def test_a_request_waiting_for_the_disk_lets_the_others_run():
     tier = DiskTier(50 * (HEADER_BYTES + 8), 8, 8)
     mem.attach_disk(tier)
     s = Scheduler(mem, 3, 16)
-    landed: list = []
-
-    def step(deliver: bool = True):
-        plan = s.schedule()
-        mem.check_integrity()
-        ops, _ = tier.take()
-        for op, arg in ops:  # writes land at once; reads only when asked
-            if op == "write":
-                tier.done.append(("write", arg.record.key, True, 0.0, 8))
-            elif op == "read":
-                landed.append(arg.key)
-                if deliver:
-                    tier.done.append(("read", arg.key, True, 0.001, 8))
-        s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
-        return plan
-
-    def finish(rid):
-        for _ in range(50):
-            if rid not in s.requests:
-                return
-            step()
-        raise AssertionError(f"{rid} did not finish")
+    d = Driver(s, mem, tier)
+    step, finish, landed = d.step, d.finish, d.landed
 
     a = list(range(1, 14))  # 13 tokens: three full blocks, their checkpoint at 12
     s.add(Request("a", a, max_tokens=1))
@@ -426,24 +436,8 @@ def test_a_disk_hit_without_room_waits_for_it_instead_of_recomputing():
     tier = DiskTier(80 * (HEADER_BYTES + 16), 16, 32)
     mem.attach_disk(tier)
     s = Scheduler(mem, 3, 5)  # a decode and a page of prefill per step
-
-    def step():
-        plan = s.schedule()
-        mem.check_integrity()
-        ops, _ = tier.take()
-        for op, arg in ops:  # every write and read lands at once
-            rec = arg.record if op == "write" else arg
-            if op in ("write", "read"):
-                tier.done.append((op, rec.key, True, 0.0, rec.nbytes))
-        s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
-        return plan
-
-    def finish(rid):
-        for _ in range(200):
-            if rid not in s.requests:
-                return
-            step()
-        raise AssertionError(f"{rid} did not finish")
+    d = Driver(s, mem, tier)
+    step, finish = d.step, d.finish
 
     a = list(range(1, 18))  # 17 tokens: four full blocks, the prompt's checkpoint at 16
     s.add(Request("a", a, max_tokens=1))
@@ -489,16 +483,7 @@ def test_with_a_disk_tier_a_request_waits_for_room_for_its_prompt_checkpoint(wit
     if with_disk:
         mem.attach_disk(tier)
     s = Scheduler(mem, 3, 16)
-
-    def step():
-        plan = s.schedule()
-        mem.check_integrity()
-        ops, _ = tier.take()
-        for op, arg in ops:
-            if op == "write":
-                tier.done.append((op, arg.record.key, True, 0.0, arg.record.nbytes))
-        s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
-        return plan
+    step = Driver(s, mem, tier).step
 
     s.add(Request("d", list(range(300, 333)), max_tokens=6))  # 33 tokens: nine pages, and decodes on
     while s.get("d").num_computed_tokens < 33:

