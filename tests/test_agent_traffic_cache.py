@@ -72,12 +72,15 @@ def test_claude_code_sessions_read_what_they_share_from_the_cache(served):
 def test_the_system_prefix_is_checkpointed_without_the_grid():
     """With the checkpoint grid off (as under a full pool, where grid checkpoints are not taken), session B's first
     request still reads the tools and the whole system text: the route hints the end of the system prefix
-    (system_prefix_end) and the engine checkpoints it (SaveKind.HINT) on the page grid."""
-    from deltaserve.server.chat_spec import system_prefix_end
+    (system_prefix_end) and the engine checkpoints it (SaveKind.HINT) on the page grid; session B, reading both of
+    session A's hints, saves none of its own."""
+    from deltaserve.server.chat_spec import system_hints, system_prefix_end
 
     tok = load_tokenizer(None)
     spec_a = messages_spec(MessagesRequest.model_validate(body(3)))
-    a1 = tok.encode(render_prompt(tok, spec_a))
+    text_a = render_prompt(tok, spec_a)
+    a1, ends = tok.encode_with_ends(text_a)
+    inside = system_hints(tok, spec_a, text_a, a1, ends)  # where the system text's last block begins
     user = tok.encode("<|im_start|>user")
     system = next(i for i in range(len(a1)) if a1[i:i + len(user)] == user)
     end = system_prefix_end(tok, spec_a, a1)
@@ -90,7 +93,9 @@ def test_the_system_prefix_is_checkpointed_without_the_grid():
         assert u["cache_read_input_tokens"] == end // PAGE * PAGE >= system - PAGE
         metrics = httpx.get(f"{srv.base}/metrics", timeout=30).text
         saved = [ln for ln in metrics.splitlines() if ln.startswith('deltaserve_checkpoints_saved_by_kind_total{kind="hint"')]
-        assert len(saved) == 1 and saved[0].endswith(" 1.0"), saved
+        # session A's two hints (the system prefix's end and its text's last block), none of session B's (all read)
+        assert len(inside) == 1 and inside[0] < end
+        assert len(saved) == 1 and saved[0].endswith(" 2.0"), saved
     finally:
         srv.stop()
 
@@ -147,5 +152,69 @@ def test_the_next_request_reads_up_to_the_part_boundary():
             got.append(r.json()["usage"])
         cached = (got[1].get("prompt_tokens_details") or {}).get("cached_tokens")
         assert cached == hints[0] // PAGE * PAGE, (cached, hints)
+    finally:
+        srv.stop()
+
+
+def opencode_body(workdir: str | None = None) -> dict:
+    """opencode's main request (fixture opencode-2), its working directory replaced by workdir: another session."""
+    with open(os.path.join(FIXTURES, "opencode-2.json")) as f:
+        sent = json.load(f)["body"]
+    sent.pop("stream_options", None)
+    system = sent["messages"][0]
+    old = system["content"].split("Working directory: ")[1].split("\n")[0]
+    if workdir is not None:
+        system["content"] = system["content"].replace(old, workdir)
+    return {**sent, "stream": False, "max_tokens": 1}
+
+
+def test_the_system_texts_last_paragraph_is_checkpointed():
+    """opencode ends its one-string system text with an <env> block holding the session's working directory, so
+    two sessions part inside the system text, before the end of the system prefix (whose hint no other session
+    reads). The route hints where the text's last paragraph begins (system_hints): just before the <env> block,
+    within two pages of where the sessions part (the paragraph's first line names the model)."""
+    from deltaserve.server.chat_spec import first_difference, system_hints, system_prefix_end
+    from deltaserve.server.openai.protocol import ChatCompletionRequest
+    from deltaserve.server.openai.routes import chat_spec
+
+    tok = load_tokenizer(None)
+    specs = [chat_spec(ChatCompletionRequest.model_validate(opencode_body(w))) for w in (None, "/home/b/project")]
+    texts = [render_prompt(tok, s) for s in specs]
+    (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
+    parted = first_difference(a, b)
+    hints = system_hints(tok, specs[0], texts[0], a, ends)
+    assert len(hints) == 1 and parted - 2 * PAGE < hints[0] <= parted, (hints, parted)
+    assert system_prefix_end(tok, specs[0], a) > parted  # the system prefix's own hint lies past it
+    assert system_hints(tok, specs[0], texts[0], a, None)[0] in range(hints[0] - 2, hints[0] + 3)
+    plain = chat_spec(ChatCompletionRequest.model_validate({"model": "m", "messages": [
+        {"role": "system", "content": "One paragraph only."}, {"role": "user", "content": "hi"}]}))
+    text = render_prompt(tok, plain)
+    assert system_hints(tok, plain, text, *tok.encode_with_ends(text)) == ()  # no boundary, no hint
+
+
+def test_a_second_opencode_session_reads_up_to_the_env_block():
+    """The engine's side, with the grid off (as under a full pool): a second session in another directory reads
+    the tools and the system text up to the <env> block's page, from the first session's paragraph checkpoint."""
+    from deltaserve.server.chat_spec import first_difference, system_hints
+    from deltaserve.server.openai.protocol import ChatCompletionRequest
+    from deltaserve.server.openai.routes import chat_spec
+
+    tok = load_tokenizer(None)
+    specs = [chat_spec(ChatCompletionRequest.model_validate(opencode_body(w))) for w in (None, "/home/b/project")]
+    texts = [render_prompt(tok, s) for s in specs]
+    (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
+    shared = first_difference(a, b)
+    (hint,) = system_hints(tok, specs[0], texts[0], a, ends)
+    srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
+    try:
+        wait_healthy(srv.base, timeout=240)
+        got = []
+        for w in (None, "/home/b/project"):
+            r = httpx.post(f"{srv.base}/v1/chat/completions", json=opencode_body(w), timeout=600)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["usage"])
+        cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in got]
+        assert cached[0] == 0 and got[1]["prompt_tokens"] == len(b)
+        assert cached[1] == hint // PAGE * PAGE >= 0.95 * shared, (cached, hint, shared)
     finally:
         srv.stop()

@@ -13,6 +13,7 @@ import asyncio
 import bisect
 import functools
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,6 +170,7 @@ def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
 
 
 PART_HINTS = 2  # the last part boundaries of the newest user message that get a hint
+SYSTEM_HINTS = 1  # the last part (or paragraph) boundaries of the system text that get a hint
 
 
 def part_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
@@ -177,16 +179,38 @@ def part_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list
     (a date, a file list, the skills it offers) before what the user typed, and the next request may re-send that
     message without one of them (Qwen Code moves its date reminder to the newest message): a checkpoint at a part
     boundary is where the next request can resume. The rendered content is found as the template writes it; none
-    when it is not there verbatim. A boundary's position is the count of tokens that end before it, less one (a
-    token that ends there may merge with what follows in another request); without the tokenizer's offsets, the
-    tokens the prompt shares with its own text cut there."""
+    when it is not there verbatim."""
     i = next((k for k in range(len(spec.messages) - 1, -1, -1) if spec.messages[k].get("role") == "user"), None)
     content = spec.messages[i].get("content") if i is not None else None
     starts = getattr(content, "starts", ())[-PART_HINTS:]
-    base = prompt_text.rfind(content) if starts else -1
-    if base < 0:
+    return _hints_at(tok, prompt_text, prompt_text.rfind(content) if starts else -1, starts, ids, ends)
+
+
+def system_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
+    """Where the system text's last part begins (its last paragraph when the client sent one string), in tokens
+    (at most SYSTEM_HINTS). Agents end their instructions with what differs between sessions of one client: the
+    working directory, the date, the platform (opencode: an <env> block after its long prompt), so the sessions
+    share the tools and the system text up to there, and the system prefix's own checkpoint (system_prefix_end)
+    lies past the point where they part. A checkpoint at the last boundary before it is what the next session
+    resumes from."""
+    k = 0
+    while k < len(spec.messages) and spec.messages[k].get("role") in ("system", "developer"):
+        k += 1
+    content = spec.messages[k - 1].get("content") if k else None
+    if not isinstance(content, str) or not content:
         return ()
-    if ends is not None and len(ends) != len(ids):
+    starts = getattr(content, "starts", ()) or tuple(m.end() for m in re.finditer(r"\n\n+", content)
+                                                     if m.end() < len(content))
+    starts = starts[-SYSTEM_HINTS:]
+    return _hints_at(tok, prompt_text, prompt_text.find(content) if starts else -1, starts, ids, ends)
+
+
+def _hints_at(tok, prompt_text: str, base: int, starts, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
+    """The token positions of the character offsets `starts` of a text rendered at `base` in prompt_text (none when
+    base < 0: the text is not there verbatim). A boundary's position is the count of tokens that end before it,
+    less one (a token that ends there may merge with what follows in another request); without the tokenizer's
+    offsets, the tokens the prompt shares with its own text cut there."""
+    if base < 0 or (ends is not None and len(ends) != len(ids)):
         return ()
     out = []
     for st in starts:
@@ -283,7 +307,8 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
     rid = f"{spec.id_prefix}{uuid.uuid4().hex}"
     images = spec.images
     end = system_prefix_end(tok, spec, ids)
-    hints = ((end,) if end is not None else ()) + part_hints(tok, spec, prompt_text, ids, ends)
+    hints = ((end,) if end is not None else ()) + system_hints(tok, spec, prompt_text, ids, ends) \
+        + part_hints(tok, spec, prompt_text, ids, ends)
     jobs: list[Job] = []
     for s in range(spec.n):
         seed = None if spec.seed is None else spec.seed + s

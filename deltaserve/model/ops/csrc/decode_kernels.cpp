@@ -424,10 +424,11 @@ at::Tensor paged_decode_attention(at::Tensor q, at::Tensor kv, at::Tensor page_t
 // ---- gated delta rule, one decode token -------------------------------------------------------------------
 
 // One (row, value head) of the gated delta rule's decode step: qr, kr [dk] (the head's key head), vr [dv], the
-// gate g (its log) and beta, the head's state S [dv, dk] fp32 updated in place, o [dv]; qn, kn: dk floats of scratch
+// gate g (its log) and beta, the head's state S [dv, dk] fp32 read and the next state written to D (S itself, in
+// place, or another block), o [dv]; qn, kn: dk floats of scratch
 template <typename T>
-inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, float* S, T* o, int64_t dv, int64_t dk,
-                     float qscale, float* qn, float* kn) {
+inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, const float* S, float* D, T* o,
+                     int64_t dv, int64_t dk, float qscale, float* qn, float* kn) {
   // l2norm (x * rsqrt(sum x^2 + 1e-6)) in fp32, then q * dk^-0.5
   float sq = 0.f, sk = 0.f;
   for (int64_t i = 0; i < dk; ++i) {
@@ -440,7 +441,8 @@ inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, f
   const float kq = dot(kn, qn, dk);
   const float e = std::exp(g);
   for (int64_t r = 0; r < dv; ++r) {
-    float* row = S + r * dk;
+    const float* row = S + r * dk;
+    float* next = D + r * dk;
 #if defined(__AVX512F__)
     if (dk % LANES == 0) {  // S k and S q in one pass over the row, then the row update
       __m512 ak = _mm512_setzero_ps(), aq = _mm512_setzero_ps();
@@ -453,8 +455,8 @@ inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, f
       o[r] = from_f<T>(_mm512_reduce_add_ps(aq) * e + delta * kq);
       const __m512 ve = _mm512_set1_ps(e), vd = _mm512_set1_ps(delta);
       for (int64_t j = 0; j < dk; j += LANES)
-        _mm512_storeu_ps(row + j, _mm512_fmadd_ps(vd, _mm512_loadu_ps(kn + j),
-                                                  _mm512_mul_ps(_mm512_loadu_ps(row + j), ve)));
+        _mm512_storeu_ps(next + j, _mm512_fmadd_ps(vd, _mm512_loadu_ps(kn + j),
+                                                   _mm512_mul_ps(_mm512_loadu_ps(row + j), ve)));
       continue;
     }
 #elif defined(DS_AVX2)
@@ -469,15 +471,15 @@ inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, f
       o[r] = from_f<T>(hsum8(aq) * e + delta * kq);
       const __m256 ve = _mm256_set1_ps(e), vd = _mm256_set1_ps(delta);
       for (int64_t j = 0; j < dk; j += 8)
-        _mm256_storeu_ps(row + j, _mm256_fmadd_ps(vd, _mm256_loadu_ps(kn + j),
-                                                  _mm256_mul_ps(_mm256_loadu_ps(row + j), ve)));
+        _mm256_storeu_ps(next + j, _mm256_fmadd_ps(vd, _mm256_loadu_ps(kn + j),
+                                                   _mm256_mul_ps(_mm256_loadu_ps(row + j), ve)));
       continue;
     }
 #endif
     const float s_k = dot(kn, row, dk), s_q = dot(qn, row, dk);
     const float delta = (to_f(vr[r]) - s_k * e) * bt;
     o[r] = from_f<T>(s_q * e + delta * kq);
-    for (int64_t j = 0; j < dk; ++j) row[j] = std::fma(delta, kn[j], row[j] * e);
+    for (int64_t j = 0; j < dk; ++j) next[j] = std::fma(delta, kn[j], row[j] * e);
   }
 }
 
@@ -486,8 +488,8 @@ inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, f
 // spans (gdn_span_into): rows are the tokens of spans, span s the rows span_rows[span_at[s] .. span_at[s + 1]) in
 // token order, its state the slot span_slot[s]; slots unused. Each (span, head) steps its tokens one after the
 // other on its state block (which stays in cache), so each token's arithmetic is gdn_item's, as a decode step of
-// that token alone computes it. first_only: after the first token the block is copied to a scratch block the later
-// tokens step, so the slot keeps the first token's state and nothing else is written (a verify step whose drafts
+// that token alone computes it. first_only: the second token steps the slot's block into a scratch block and the
+// later tokens step that, so the slot keeps the first token's state and nothing else is written (a verify step whose drafts
 // are all rejected writes the states a plain decode step writes).
 template <typename T>
 void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -505,9 +507,9 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
   const int64_t qs0 = q.stride(0), ks0 = k.stride(0), vs0 = v.stride(0), bs0 = beta.stride(0), gs0 = g.stride(0);
   const int64_t qs1 = q.stride(1), ks1 = k.stride(1), vs1 = v.stride(1);
   const float qscale = 1.f / std::sqrt(float(dk));  // python's dk ** -0.5 rounded to fp32
-  auto token = [&](int64_t b, int64_t h, float* S, float* qn, float* kn) {
+  auto token = [&](int64_t b, int64_t h, const float* S, float* D, float* qn, float* kn) {
     gdn_item<T>(qp + b * qs0 + (h / rep) * qs1, kp + b * ks0 + (h / rep) * ks1, vp + b * vs0 + h * vs1,
-                gp[b * gs0 + h], to_f(bp[b * bs0 + h]), S, op + (b * H + h) * dv, dv, dk, qscale, qn, kn);
+                gp[b * gs0 + h], to_f(bp[b * bs0 + h]), S, D, op + (b * H + h) * dv, dv, dk, qscale, qn, kn);
   };
 
   const int64_t grain = B * H * dv * dk < kSerialBelow ? B * H : 1;
@@ -517,7 +519,8 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
       ds::LineBuffer qn(dk), kn(dk);  // on 64-byte lines (kernels.h)
       for (int64_t item = begin; item < end; ++item) {
         const int64_t b = item / H, h = item % H;
-        token(b, h, sp + (sl[b] * H + h) * dv * dk, qn.data(), kn.data());
+        float* S = sp + (sl[b] * H + h) * dv * dk;
+        token(b, h, S, S, qn.data(), kn.data());
       }
     });
     return;
@@ -530,12 +533,12 @@ void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, con
     for (int64_t item = begin; item < end; ++item) {
       const int64_t s = item / H, h = item % H;
       float* S = sp + (slot[s] * H + h) * block;
-      token(rows[at[s]], h, S, qn.data(), kn.data());
-      if (first_only && at[s] + 1 < at[s + 1]) {
-        std::memcpy(scratch.data(), S, block * sizeof(float));
-        S = scratch.data();
+      token(rows[at[s]], h, S, S, qn.data(), kn.data());
+      float* D = first_only ? scratch.data() : S;  // first_only: the second token reads the slot, writes the scratch
+      for (int64_t t = at[s] + 1; t < at[s + 1]; ++t) {
+        token(rows[t], h, S, D, qn.data(), kn.data());
+        S = D;
       }
-      for (int64_t t = at[s] + 1; t < at[s + 1]; ++t) token(rows[t], h, S, qn.data(), kn.data());
     }
   });
 }
