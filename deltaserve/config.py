@@ -349,6 +349,10 @@ class SpeculativeConfig:
     # drafts per step by each request's acceptance (engine/speculative.py Acceptance); false: always
     # num_speculative_tokens (the worst case of a drafter that is always wrong, as a benchmark measures it)
     adaptive: bool = True
+    # with adaptive: a step's rows (each decoding request's own row and its drafts) up to which verifying costs about
+    # what a plain decode step costs (the linears stream their weights once for a few rows; past that each row adds
+    # its arithmetic); the drafts are cut, least likely first, to fit. 0: no cap
+    max_verify_rows: int = 8
 
     METHODS = ("mtp",)
 
@@ -361,6 +365,9 @@ class SpeculativeConfig:
             raise ConfigError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 16], not {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ConfigError(f"--speculative-config: adaptive must be true or false, not {self.adaptive!r}")
+        r = self.max_verify_rows
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ConfigError(f"--speculative-config: max_verify_rows must be an integer >= 0 (0 = no cap), not {r!r}")
 
     @classmethod
     def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":

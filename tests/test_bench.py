@@ -32,7 +32,7 @@ def test_throughput_speculative_arms_beside_plain(tmp_path, capsys):
     say which drafts were fixed."""
     from deltaserve.bench.throughput import _accepts
 
-    assert _accepts("1,0.8-fixed,mtp") == [(1.0, False), (0.8, True), (None, False)]
+    assert _accepts("1,0.8-fixed,mtp,0.8-uncapped") == [(1.0, ""), (0.8, "fixed"), (None, ""), (0.8, "uncapped")]
     with pytest.raises(Exception):
         _accepts("fixed")
     rc = main(["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens=", "--streams", "1",

@@ -11,15 +11,18 @@ import pytest
 import torch
 
 from deltaserve import SamplingParams
-from deltaserve.engine.speculative import Acceptance, ScriptedDrafter, SpecStats, verify, verify_greedy_lazily
+from deltaserve.engine.speculative import (Acceptance, ScriptedDrafter, SpecStats, fit_drafts, verify,
+                                           verify_greedy_lazily)
 
 from util import greedy, make_llm, random_tokens, run, signature
 
 VOCAB = 4096  # the tiny preset's
 
 
-def spec(k: int, **kw):
-    return make_llm(speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+def spec(k: int, max_verify_rows: int = 0, **kw):
+    """An engine drafting k tokens a step; no cap on a step's verify rows (the gates verify drafts at batch 8 too)."""
+    return make_llm(speculative_config={"method": "mtp", "num_speculative_tokens": k,
+                                        "max_verify_rows": max_verify_rows}, **kw)
 
 
 def counted(llm, fn):
@@ -368,6 +371,37 @@ def test_adaptive_drafts_stop_when_they_do_not_pay_and_probe_back():
     s.record(3, 2)
     s.record(2, 0)
     assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (2, 5, 2, [1, 1, 0])
+
+
+def test_a_large_batch_drafts_the_likeliest_drafts_that_fit():
+    wanted = {"a": (3, 1.0), "b": (3, 0.9), "c": (2, 0.5), "d": (0, 0.1)}
+    assert fit_drafts(wanted, 4, 0) == {"a": 3, "b": 3, "c": 2, "d": 0}  # no cap
+    assert fit_drafts(wanted, 4, 64) == {"a": 3, "b": 3, "c": 2, "d": 0}  # all fit
+    # 4 rows of room: 1.0, 1.0, 1.0 (a's three), 0.9 (b's first); then 0.81 and 0.73 (b) before 0.5 (c)
+    assert fit_drafts(wanted, 4, 8) == {"a": 3, "b": 1, "c": 0, "d": 0}
+    assert fit_drafts(wanted, 4, 10) == {"a": 3, "b": 3, "c": 0, "d": 0}
+    assert fit_drafts(wanted, 8, 8) == fit_drafts(wanted, 9, 8) == dict.fromkeys(wanted, 0)  # a full step: none
+    assert fit_drafts({"x": (3, 0.8), "y": (3, 0.8)}, 2, 5) == {"x": 2, "y": 1}  # ties: the earlier request
+
+
+def test_drafts_shrink_with_the_batch():
+    """The adaptive rule's row cap on the engine: forced acceptance (every draft right) drafts 3 a step at batch 1,
+    none at batch 8 under the default max_verify_rows (8 rows: the batch's own) once every request decodes, and
+    drafts again without the cap; the tokens equal plain's."""
+    rng = random.Random(11)
+    prompts = [random_tokens(rng, 20 + 7 * i) for i in range(8)]
+    params = greedy(max_tokens=12)
+    plain = [signature(o) for o in run(make_llm(enable_prefix_caching=False), prompts, params=params)]
+    llm = make_llm(speculative_config={"method": "mtp", "num_speculative_tokens": 3}, enable_prefix_caching=False)
+    assert llm.engine.spec.max_verify_rows == 8
+    llm.engine.drafter = ScriptedDrafter({tuple(p): r[0] for p, r in zip(prompts, plain)}, p=1.0, vocab_size=VOCAB)
+    one, (drafted, accepted, steps) = counted(llm, lambda: signature(run(llm, prompts[:1], params=params)[0]))
+    assert one == plain[0] and drafted == accepted >= 2 * steps  # 3 a step but near max_tokens
+    batch, (capped, _, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts, params=params)])
+    assert batch == plain
+    llm.engine.spec = dataclasses.replace(llm.engine.spec, max_verify_rows=0)
+    batch, (free, _, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts, params=params)])
+    assert batch == plain and free >= 8 * 6 and capped <= 3  # capped: only while the batch was still filling
 
 
 def test_mtp_layer_loads_and_its_cache_is_incremental():

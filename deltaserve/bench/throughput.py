@@ -133,21 +133,21 @@ class SpeculativePeer(DeltaservePeer):
     probability p (engine/speculative.py ScriptedDrafter; 1 = forced acceptance). The continuation is decoded plainly
     first, untimed. info gets the measured acceptance (accepted / drafted) of the latest decode."""
 
-    def __init__(self, model_dir: str, k: int, p: float | None, adaptive: bool = True, **kw):
-        super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k,
-                                                        "adaptive": adaptive}, **kw)
-        self.p, self.adaptive = p, adaptive
+    def __init__(self, model_dir: str, k: int, p: float | None, rule: str = "", **kw):
+        super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
+        self.p, self.rule = p, rule
         self.mtp = self.engine.drafter
+        self.max_verify_rows = self.engine.spec.max_verify_rows  # the engine's cap, which "-uncapped" lifts
 
     @classmethod
     def sharing(cls, other: SpeculativePeer, p: float | None, name: str, index: int,
-                adaptive: bool = True) -> SpeculativePeer:
+                rule: str = "") -> SpeculativePeer:
         """An arm of another drafter acceptance (and adaptive rule) on other's engine: the arms differ only by the
         drafter and the rule each sets before it decodes, and one 0.8B engine per arm did not fit beside the peers
         in the VM's memory. index keeps the arms' request ids apart (a request's acceptance is kept by its id)."""
         arm = cls.__new__(cls)
         arm.__dict__.update(other.__dict__)
-        arm.name, arm.p, arm.adaptive, arm._n, arm.step_s, arm.info = name, p, adaptive, index * 10**6, [], \
+        arm.name, arm.p, arm.rule, arm._n, arm.step_s, arm.info = name, p, rule, index * 10**6, [], \
             dict(other.info)
         return arm
 
@@ -155,7 +155,9 @@ class SpeculativePeer(DeltaservePeer):
         from ..engine.speculative import ScriptedDrafter
 
         eng = self.engine
-        eng.spec = dataclasses.replace(eng.spec, adaptive=self.adaptive)  # this arm's rule ("-fixed": off)
+        # this arm's rule: "fixed" K drafts every step (adaptive off), "uncapped" adaptive without max_verify_rows
+        eng.spec = dataclasses.replace(eng.spec, adaptive=self.rule != "fixed",
+                                       max_verify_rows=0 if self.rule == "uncapped" else self.max_verify_rows)
         if self.p is not None:
             eng.drafter = None  # plain decoding: the continuation the drafts are taken from
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(max_tokens),
@@ -419,15 +421,15 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
         except Exception as e:  # noqa: BLE001
             _cannot_start(res, grid.preset, name, e)
     first = None  # the speculative arms share the first one's engine
-    for i, (p, fixed) in enumerate(args.draft_accept if args.speculative else ()):  # an arm per drafter
-        fixed = fixed or getattr(args, "fixed_drafts", False)
-        name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}") + ("-fixed" if fixed else "")
+    for i, (p, rule) in enumerate(args.draft_accept if args.speculative else ()):  # an arm per drafter
+        rule = "fixed" if getattr(args, "fixed_drafts", False) else rule
+        name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}") + (f"-{rule}" if rule else "")
         if first is not None:
-            arms.append(SpeculativePeer.sharing(first, p, name, i, adaptive=not fixed))
+            arms.append(SpeculativePeer.sharing(first, p, name, i, rule=rule))
             res.arm_info[(grid.preset, name)] = arms[-1].info
             continue
         try:
-            arms.append(first := SpeculativePeer(grid.model_dir, args.speculative, p, adaptive=not fixed,
+            arms.append(first := SpeculativePeer(grid.model_dir, args.speculative, p, rule=rule,
                                                  max_num_seqs=grid.max_seqs,
                                                  max_num_batched_tokens=grid.max_num_batched_tokens,
                                                  kv_cache_memory=grid.kv_cache_memory, name=name))
@@ -437,24 +439,29 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
     return arms
 
 
-def _accepts(s: str) -> list[tuple[float | None, bool]]:
+RULES = ("fixed", "uncapped")  # a drafter's optional suffix: K drafts every step; adaptive without the row cap
+
+
+def _accepts(s: str) -> list[tuple[float | None, str]]:
     """--draft-accept: comma-separated probabilities in [0, 1], or "mtp" (the model's own MTP layer), each with
-    "-fixed" for an arm that drafts K every step (adaptive drafting off) -> [(P or None, fixed)]."""
-    out: list[tuple[float | None, bool]] = []
+    "-fixed" for an arm that drafts K every step (adaptive drafting off) or "-uncapped" for one whose adaptive rule
+    has no max_verify_rows -> [(P or None, "" | "fixed" | "uncapped")]."""
+    out: list[tuple[float | None, str]] = []
     for x in s.split(","):
         x = x.strip()
-        fixed = x.endswith("-fixed")
-        x = x.removesuffix("-fixed")
+        rule = next((r for r in RULES if x.endswith(f"-{r}")), "")
+        x = x.removesuffix(f"-{rule}") if rule else x
         if x == "mtp":
-            out.append((None, fixed))
+            out.append((None, rule))
             continue
         try:
             v = float(x)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"a drafter is P in [0, 1] or mtp, each optionally -fixed; not {x!r}")
+            raise argparse.ArgumentTypeError(f"a drafter is P in [0, 1] or mtp, each optionally -fixed or -uncapped; "
+                                             f"not {x!r}")
         if not 0 <= v <= 1:
             raise argparse.ArgumentTypeError(f"a draft acceptance is in [0, 1], not {v}")
-        out.append((v, fixed))
+        out.append((v, rule))
     return out
 
 
@@ -673,7 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-accept", type=_accepts, default=_accepts("1,0.7,0.4,0,mtp"), metavar="P,..",
                    help="the speculative arms' drafters: each draft right with probability P (plain greedy's own "
                         "continuation; 1 = forced acceptance), or 'mtp' (the model's MTP layer); a value ending in "
-                        "-fixed drafts K every step (adaptive drafting off), e.g. 1,0.8,0,0-fixed "
+                        "-fixed drafts K every step (adaptive drafting off), -uncapped drafts by acceptance alone "
+                        "(no max_verify_rows), e.g. 1,0.8,0,0-fixed "
                         "(default 1,0.7,0.4,0,mtp)")
     p.add_argument("--images", type=_ints, default=[], metavar="N,..",
                    help="image rows (bench/vision.py): the vision encoder's images/s, and the time to first token of "

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from ..config import ConfigError, EngineConfig, ModelConfig, VisionConfig, resolve_dtype
 from .inputs import EngineInputError, check_request
 from .outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from .speculative import Acceptance, SpecStats, verify, verify_greedy_lazily
+from .speculative import Acceptance, SpecStats, fit_drafts, verify, verify_greedy_lazily
 
 log = logging.getLogger("deltaserve")
 
@@ -507,7 +507,10 @@ class LLMEngine:
     def _draft(self, plan, sampled: dict[str, object], hidden: dict) -> None:
         """Show the drafter this step's kept outputs of the model, and ask it for the next step's drafts of every
         request about to decode its last token, as many as its acceptance says pay (speculative.Acceptance).
-        hidden: the step's StepLogits.hidden (request id -> first position, the model's output rows)."""
+        hidden: the step's StepLogits.hidden (request id -> first position, the model's output rows). With the
+        adaptive rule the batch's drafts are cut to the step's max_verify_rows (speculative.fit_drafts)."""
+        wanted: dict[str, tuple[int, float]] = {}
+        decoding = 0
         for w in plan.work:
             req = self.scheduler.requests.get(w.request_id)
             if w.request_id not in self._live or req is None or w.request_id not in hidden:
@@ -517,13 +520,22 @@ class LLMEngine:
                 continue
             start, rows = hidden[w.request_id]
             kept = req.num_computed_tokens - start  # a verify step keeps its accepted rows only
-            tokens = req.all_token_ids
-            self.drafter.observe(w.request_id, start, rows[:kept], tokens)
+            self.drafter.observe(w.request_id, start, rows[:kept], req.all_token_ids)
             if w.request_id in sampled and req.num_computed_tokens == req.num_tokens - 1:
+                decoding += 1
                 k = self.spec.num_speculative_tokens
                 if self.spec.adaptive:
-                    k = self._acceptance.setdefault(w.request_id, Acceptance()).next_k(k)
-                req.draft_token_ids = self.drafter.propose(w.request_id, tokens, k) if k else []
+                    acc = self._acceptance.setdefault(w.request_id, Acceptance())
+                    wanted[w.request_id] = (acc.next_k(k), acc.rate)
+                else:
+                    wanted[w.request_id] = (k, 1.0)
+        if self.spec.adaptive:
+            ks = fit_drafts(wanted, decoding, self.spec.max_verify_rows)
+        else:
+            ks = {rid: k for rid, (k, _) in wanted.items()}
+        for rid, k in ks.items():
+            req = self.scheduler.requests[rid]
+            req.draft_token_ids = self.drafter.propose(rid, req.all_token_ids, k) if k else []
 
     def _append(self, live: _Live, s, now: float) -> None:
         req = self.scheduler.get(live.request_id)
