@@ -80,7 +80,7 @@ def test_the_system_prefix_is_checkpointed_without_the_grid():
     spec_a = messages_spec(MessagesRequest.model_validate(body(3)))
     text_a = render_prompt(tok, spec_a)
     a1, ends = tok.encode_with_ends(text_a)
-    inside = system_hints(tok, spec_a, text_a, a1, ends)  # where the system text's last block begins
+    inside = system_hints(tok, spec_a, text_a, a1, ends)  # its memory folder's line, its last block
     user = tok.encode("<|im_start|>user")
     system = next(i for i in range(len(a1)) if a1[i:i + len(user)] == user)
     end = system_prefix_end(tok, spec_a, a1)
@@ -88,14 +88,20 @@ def test_the_system_prefix_is_checkpointed_without_the_grid():
     srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
     try:
         wait_healthy(srv.base, timeout=240)
+
+        def hint_saves() -> float:
+            metrics = httpx.get(f"{srv.base}/metrics", timeout=30).text
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines()
+                       if ln.startswith('deltaserve_checkpoints_saved_by_kind_total{kind="hint"'))
+
         assert usage(srv, 3)["cache_read_input_tokens"] == 0
+        after_a = hint_saves()
         u = usage(srv, 5)
         assert u["cache_read_input_tokens"] == end // PAGE * PAGE >= system - PAGE
-        metrics = httpx.get(f"{srv.base}/metrics", timeout=30).text
-        saved = [ln for ln in metrics.splitlines() if ln.startswith('deltaserve_checkpoints_saved_by_kind_total{kind="hint"')]
-        # session A's two hints (the system prefix's end and its text's last block), none of session B's (all read)
-        assert len(inside) == 1 and inside[0] < end
-        assert len(saved) == 1 and saved[0].endswith(" 2.0"), saved
+        # session A's hints (the system prefix's end, its memory folder's line, its text's last block) were saved,
+        # a checkpoint per page (one that ends a prefill chunk is saved as that step's); session B read them all
+        assert inside and all(h < end for h in inside)
+        assert 1 <= after_a <= len({h // PAGE for h in (end, *inside)}) and hint_saves() == after_a
     finally:
         srv.stop()
 
@@ -168,33 +174,40 @@ def opencode_body(workdir: str | None = None) -> dict:
     return {**sent, "stream": False, "max_tokens": 1}
 
 
-def test_the_system_texts_last_paragraph_is_checkpointed():
-    """opencode ends its one-string system text with an <env> block holding the session's working directory, so
-    two sessions part inside the system text, before the end of the system prefix (whose hint no other session
-    reads). The route hints where the text's last paragraph begins (system_hints): just before the <env> block,
-    within two pages of where the sessions part (the paragraph's first line names the model)."""
+def test_the_system_texts_path_lines_are_checkpointed():
+    """opencode ends its one-string system text with an <env> block holding the session's working directory, and
+    Qwen Code names the project's memory folder after it, so two sessions in other directories part inside the
+    system text, before the end of the system prefix (whose hint no other session reads). The route hints where
+    the system text's lines holding a path begin (system_hints): within a page of where the sessions part."""
+    import copy
+
     from deltaserve.server.chat_spec import first_difference, system_hints, system_prefix_end
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
+    qwen = qwen_body(2)
+    other = copy.deepcopy(qwen)
+    other["messages"][0]["content"] = qwen["messages"][0]["content"].replace("-tmp-cap-proj-qwen", "-home-b-proj")
     tok = load_tokenizer(None)
-    specs = [chat_spec(ChatCompletionRequest.model_validate(opencode_body(w))) for w in (None, "/home/b/project")]
-    texts = [render_prompt(tok, s) for s in specs]
-    (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
-    parted = first_difference(a, b)
-    hints = system_hints(tok, specs[0], texts[0], a, ends)
-    assert len(hints) == 1 and parted - 2 * PAGE < hints[0] <= parted, (hints, parted)
-    assert system_prefix_end(tok, specs[0], a) > parted  # the system prefix's own hint lies past it
-    assert system_hints(tok, specs[0], texts[0], a, None)[0] in range(hints[0] - 2, hints[0] + 3)
+    for bodies in ((opencode_body(None), opencode_body("/home/b/project")), (qwen, other)):
+        specs = [chat_spec(ChatCompletionRequest.model_validate(b)) for b in bodies]
+        texts = [render_prompt(tok, s) for s in specs]
+        (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
+        parted = first_difference(a, b)
+        hints = system_hints(tok, specs[0], texts[0], a, ends)
+        assert 1 <= len(hints) <= 4 and any(parted - PAGE < h <= parted for h in hints), (hints, parted)
+        assert system_prefix_end(tok, specs[0], a) > parted  # the system prefix's own hint lies past it
+        assert all(h - 2 <= c <= h + 2 for h, c in zip(hints, system_hints(tok, specs[0], texts[0], a, None)))
     plain = chat_spec(ChatCompletionRequest.model_validate({"model": "m", "messages": [
-        {"role": "system", "content": "One paragraph only."}, {"role": "user", "content": "hi"}]}))
+        {"role": "system", "content": "No paths here.\n\nSee https://example.com/a/b."},
+        {"role": "user", "content": "hi"}]}))
     text = render_prompt(tok, plain)
-    assert system_hints(tok, plain, text, *tok.encode_with_ends(text)) == ()  # no boundary, no hint
+    assert system_hints(tok, plain, text, *tok.encode_with_ends(text)) == ()  # no path line (a URL is none), no hint
 
 
 def test_a_second_opencode_session_reads_up_to_the_env_block():
     """The engine's side, with the grid off (as under a full pool): a second session in another directory reads
-    the tools and the system text up to the <env> block's page, from the first session's paragraph checkpoint."""
+    the tools and the system text up to the working directory's line, from the first session's checkpoint there."""
     from deltaserve.server.chat_spec import first_difference, system_hints
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
@@ -204,7 +217,7 @@ def test_a_second_opencode_session_reads_up_to_the_env_block():
     texts = [render_prompt(tok, s) for s in specs]
     (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
     shared = first_difference(a, b)
-    (hint,) = system_hints(tok, specs[0], texts[0], a, ends)
+    (hint,) = system_hints(tok, specs[0], texts[0], a, ends)  # the working directory's line
     srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
     try:
         wait_healthy(srv.base, timeout=240)

@@ -190,3 +190,19 @@ def test_calibration_fits_the_decode_offset_and_the_cold_decode_after_a_prefill(
     bare = LatencyModel(load_bundle(bundle_dir), wall_per_cpu=1.0)
     bare.decode_fixed_us = bare.after_prefill_us = 0.0
     assert cal.overhead_us(mixed) == bare.overhead_us(mixed)  # neither extra touches a step with prompt tokens
+
+
+def test_a_verify_step_is_priced_as_its_rows(bundle_dir):
+    """A speculative verify span (the last token and its k drafts) is k + 1 decode rows, each attending to its own
+    context and sampled: priced as four one-token decodes at those contexts, above one decode."""
+    from deltaserve.scheduler.plan import SeqWork, StepPlan
+
+    def plan(n: int):
+        w = SeqWork("r", tuple(range(n)), 199, 0, (0, 1, 2, 3), True, True, num_drafts=n - 1)
+        return StepPlan(work=[w])
+
+    lm = LatencyModel(load_bundle(bundle_dir))
+    shape = StepShape.of(plan(4))
+    assert shape.decode_ctx == [200, 201, 202, 203] and shape.n_sample == 4 and shape.n_tokens == 4
+    assert StepShape.of(plan(1)).decode_ctx == [200]
+    assert lm.step_us(plan(4)) == lm.shape_us(StepShape([], [200, 201, 202, 203], 4)) > lm.step_us(plan(1))

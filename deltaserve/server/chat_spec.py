@@ -170,7 +170,8 @@ def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
 
 
 PART_HINTS = 2  # the last part boundaries of the newest user message that get a hint
-SYSTEM_HINTS = 1  # the last part (or paragraph) boundaries of the system text that get a hint
+SYSTEM_HINTS = 4  # the lines of the system text holding a path that get a hint (the last ones)
+_PATH = re.compile(r"(?<![\w.~:/])/(?:[\w.@+-]+/)+[\w.@+-]*")  # an absolute path of two parts or more
 
 
 def part_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
@@ -187,21 +188,21 @@ def part_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list
 
 
 def system_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
-    """Where the system text's last part begins (its last paragraph when the client sent one string), in tokens
-    (at most SYSTEM_HINTS). Agents end their instructions with what differs between sessions of one client: the
-    working directory, the date, the platform (opencode: an <env> block after its long prompt), so the sessions
-    share the tools and the system text up to there, and the system prefix's own checkpoint (system_prefix_end)
-    lies past the point where they part. A checkpoint at the last boundary before it is what the next session
-    resumes from."""
+    """Where the system text's lines that hold an absolute path begin, in tokens (the last SYSTEM_HINTS), and where
+    its last part begins when the client sent it as parts. Agents write what differs between sessions of one client
+    into their instructions: the working directory (opencode's <env> block after its long prompt), a project folder
+    named after it (Qwen Code's project memory), a home. So the sessions share the tools and the system text up to
+    such a line, and the system prefix's own checkpoint (system_prefix_end) lies past the point where they part. A
+    checkpoint at the start of the line is what the next session, in another directory, resumes from. The last
+    lines: instructions put the environment after the static text, whose examples hold paths too."""
     k = 0
     while k < len(spec.messages) and spec.messages[k].get("role") in ("system", "developer"):
         k += 1
     content = spec.messages[k - 1].get("content") if k else None
     if not isinstance(content, str) or not content:
         return ()
-    starts = getattr(content, "starts", ()) or tuple(m.end() for m in re.finditer(r"\n\n+", content)
-                                                     if m.end() < len(content))
-    starts = starts[-SYSTEM_HINTS:]
+    lines = sorted({content.rfind("\n", 0, m.start()) + 1 for m in _PATH.finditer(content)} - {0})
+    starts = sorted(set(lines[-SYSTEM_HINTS:]) | set(getattr(content, "starts", ())[-1:]))
     return _hints_at(tok, prompt_text, prompt_text.find(content) if starts else -1, starts, ids, ends)
 
 
