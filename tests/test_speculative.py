@@ -382,6 +382,7 @@ def test_a_large_batch_drafts_the_likeliest_drafts_that_fit():
     assert fit_drafts(wanted, 4, 10) == {"a": 3, "b": 3, "c": 0, "d": 0}
     assert fit_drafts(wanted, 8, 8) == fit_drafts(wanted, 9, 8) == dict.fromkeys(wanted, 0)  # a full step: none
     assert fit_drafts({"x": (3, 0.8), "y": (3, 0.8)}, 2, 5) == {"x": 2, "y": 1}  # ties: the earlier request
+    assert fit_drafts({"x": (3, 1.0), "y": (3, 1.0)}, 2, 5) == {"x": 2, "y": 1}  # equal rates share the room
 
 
 def test_drafts_shrink_with_the_batch():

@@ -256,15 +256,16 @@ def fit_drafts(wanted: dict[str, tuple[int, float]], rows: int, max_rows: int) -
     """Each request's drafts for the next step, cut to a step of at most max_rows rows: wanted maps a request to
     (the drafts its acceptance asks for, its acceptance rate r); rows is the step's rows before drafts (one per
     decoding request). The j-th draft of a request survives with chance about r ** j, so the drafts kept are the
-    most likely ones across the batch (ties: the earlier request in wanted), each request's first ones. max_rows 0:
+    most likely ones across the batch, each request's first ones (ties: the earlier position, so requests of one
+    rate share the room, then the earlier request in wanted). max_rows 0:
     nothing is cut. Where verifying costs more than a plain step (past max_rows rows each row adds its arithmetic
     and a draft yields less than a row's token) drafting does not pay, so a large batch drafts little or nothing."""
     if max_rows <= 0:
         return {rid: k for rid, (k, _) in wanted.items()}
     room = max(0, max_rows - rows)
-    chances = sorted(((-(r ** j), i, rid) for i, (rid, (k, r)) in enumerate(wanted.items()) for j in range(1, k + 1)))
+    chances = sorted((-(r ** j), j, i, rid) for i, (rid, (k, r)) in enumerate(wanted.items()) for j in range(1, k + 1))
     out = dict.fromkeys(wanted, 0)
-    for _, _, rid in chances[:room]:
+    for *_, rid in chances[:room]:
         out[rid] += 1
     return out
 
