@@ -407,8 +407,7 @@ class LLMEngine:
         lazy = set()
         for w in plan.work:
             live = self._live.get(w.request_id)
-            if w.num_drafts and w.sample and live is not None and live.params.logprobs is None \
-                    and self.sampler._plain_greedy(live.sampling) \
+            if w.num_drafts and w.sample and live is not None and self.sampler.argmax_only(live.sampling) \
                     and self._acceptance.setdefault(w.request_id, Acceptance()).lazy_head():
                 lazy.add(w.request_id)
         return lazy
@@ -509,8 +508,7 @@ class LLMEngine:
         request about to decode its last token, as many as its acceptance says pay (speculative.Acceptance).
         hidden: the step's StepLogits.hidden (request id -> first position, the model's output rows). With the
         adaptive rule the batch's drafts are cut to the step's max_verify_rows (speculative.fit_drafts)."""
-        wanted: dict[str, tuple[int, float]] = {}
-        decoding = 0
+        wanted: dict[str, tuple[int, float]] = {}  # every request about to decode: (drafts it asks for, its rate)
         for w in plan.work:
             req = self.scheduler.requests.get(w.request_id)
             if w.request_id not in self._live or req is None or w.request_id not in hidden:
@@ -522,18 +520,14 @@ class LLMEngine:
             kept = req.num_computed_tokens - start  # a verify step keeps its accepted rows only
             self.drafter.observe(w.request_id, start, rows[:kept], req.all_token_ids)
             if w.request_id in sampled and req.num_computed_tokens == req.num_tokens - 1:
-                decoding += 1
                 k = self.spec.num_speculative_tokens
                 if self.spec.adaptive:
                     acc = self._acceptance.setdefault(w.request_id, Acceptance())
                     wanted[w.request_id] = (acc.next_k(k), acc.rate)
                 else:
                     wanted[w.request_id] = (k, 1.0)
-        if self.spec.adaptive:
-            ks = fit_drafts(wanted, decoding, self.spec.max_verify_rows)
-        else:
-            ks = {rid: k for rid, (k, _) in wanted.items()}
-        for rid, k in ks.items():
+        cap = self.spec.max_verify_rows if self.spec.adaptive else 0  # fixed drafts: K every step, no cap
+        for rid, k in fit_drafts(wanted, len(wanted), cap).items():
             req = self.scheduler.requests[rid]
             req.draft_token_ids = self.drafter.propose(rid, req.all_token_ids, k) if k else []
 

@@ -154,7 +154,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"logits must be [N, V] with N = len(states) = {len(states)}, got {tuple(logits.shape)}")
         # plain greedy rows without logprobs: one argmax over all of them (exact: the ids of row-by-row argmax)
-        greedy = [i for i, st in enumerate(states) if self._plain_greedy(st) and st.params.logprobs is None]
+        greedy = [i for i, st in enumerate(states) if self.argmax_only(st)]
         fast: dict[int, int] = {}
         if greedy:  # one row too: argmax of the row in place, without sample_row's private copy
             rows = logits if len(greedy) == len(states) else logits[greedy]  # [G, V]
@@ -205,6 +205,12 @@ class Sampler:
         p = st.params
         return (p.greedy and not p.logit_bias and not p.needs_penalties and st.guide is None
                 and not (p.min_tokens and len(st.output_token_ids) < p.min_tokens))
+
+    @classmethod
+    def argmax_only(cls, st: SamplingState) -> bool:
+        """Plain greedy without logprobs: the row's argmax is all that is read from its logits (one argmax over many
+        rows gives each its token; speculative verification may skip rows it does not reach)."""
+        return cls._plain_greedy(st) and st.params.logprobs is None
 
     def _choose(self, raw: torch.Tensor, st: SamplingState) -> int:
         p = st.params

@@ -151,7 +151,7 @@ def verify(sampler, logits: torch.Tensor, state, drafts: Sequence[int]) -> list:
     row j - 1 equals drafts[j - 1]. logits [len(drafts) + 1, V]. Each row is sampled alone, exactly as sample() samples
     a plain decode row (the module docstring: the rule, and why it is the standard one)."""
     assert logits.shape[0] == len(drafts) + 1, "a row per token of the verify span"
-    if sampler._plain_greedy(state) and state.params.logprobs is None:
+    if sampler.argmax_only(state):
         # every row is then plain greedy too (accepting tokens adds no penalty, guide or min_tokens stop): one argmax
         # over all rows gives the ids sample() gives row by row, and commits them as it does
         outs = []

@@ -156,9 +156,7 @@ def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
     for grid checkpoints: the next session hits all of it. Found by rendering the same tools and system messages
     before a probe user message and taking the tokens the probe and the prompt share; None when they share
     nothing or the template refuses the probe."""
-    k = 0
-    while k < len(spec.messages) and spec.messages[k].get("role") in ("system", "developer"):
-        k += 1
+    k = _leading_system(spec)
     if k == 0 and not spec.template_tools:
         return None
     key = json.dumps([spec.messages[:k], spec.template_tools, spec.template_kwargs], default=str)  # key order kept
@@ -167,6 +165,14 @@ def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
         return None
     shared = first_difference(probe, ids)
     return shared if 0 < shared < len(ids) else None
+
+
+def _leading_system(spec: ChatSpec) -> int:
+    """How many messages open the conversation as system (or developer) messages."""
+    k = 0
+    while k < len(spec.messages) and spec.messages[k].get("role") in ("system", "developer"):
+        k += 1
+    return k
 
 
 PART_HINTS = 2  # the last part boundaries of the newest user message that get a hint
@@ -195,9 +201,7 @@ def system_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: li
     such a line, and the system prefix's own checkpoint (system_prefix_end) lies past the point where they part. A
     checkpoint at the start of the line is what the next session, in another directory, resumes from. The last
     lines: instructions put the environment after the static text, whose examples hold paths too."""
-    k = 0
-    while k < len(spec.messages) and spec.messages[k].get("role") in ("system", "developer"):
-        k += 1
+    k = _leading_system(spec)
     content = spec.messages[k - 1].get("content") if k else None
     if not isinstance(content, str) or not content:
         return ()

@@ -151,12 +151,14 @@ class StepShape:
         prefill, decode, sample = [], [], 0
         for w in plan.work:
             n = len(w.token_ids)
-            if w.is_decode:  # a row per token: a verify span (the last token and its drafts) is n decode rows,
-                decode.extend(w.start_pos + 1 + j for j in range(n))  # each attending to its own context
-                sample += n if w.sample else 0  # and samples after each (the head on every row: the lazy head,
-            else:  # which runs it on row 0 alone while a request's drafts are never right, is not priced)
+            # a decode row per token: a verify span (the last token and its drafts) is n rows, each attending to its
+            # own context and sampled (the head on every row: the lazy head, row 0 alone, is not priced)
+            if w.is_decode:
+                decode.extend(w.start_pos + 1 + j for j in range(n))
+            else:
                 prefill.append((n, w.start_pos))
-                sample += 1 if w.sample else 0
+            if w.sample:
+                sample += n if w.is_decode else 1
         return cls(prefill, decode, sample, len(plan.zero_pages), len(plan.zero_slots), len(plan.restores),
                    len(plan.saves), after_prefill, tuple(getattr(plan, "encoder_images", ())))
 

@@ -489,8 +489,8 @@ inline void gdn_item(const T* qr, const T* kr, const T* vr, float g, float bt, c
 // token order, its state the slot span_slot[s]; slots unused. Each (span, head) steps its tokens one after the
 // other on its state block (which stays in cache), so each token's arithmetic is gdn_item's, as a decode step of
 // that token alone computes it. first_only: the second token steps the slot's block into a scratch block and the
-// later tokens step that, so the slot keeps the first token's state and nothing else is written (a verify step whose drafts
-// are all rejected writes the states a plain decode step writes).
+// later tokens step that, so the slot keeps the first token's state and nothing else is written (a verify step
+// whose drafts are all rejected writes the states a plain decode step writes).
 template <typename T>
 void gdn_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
               const at::Tensor& beta, at::Tensor& state, const at::Tensor& slots, at::Tensor& out,

@@ -40,8 +40,8 @@ namespace {
 constexpr int kCols = 16;        // output columns per packed column block (one 64-byte vector per k pair)
 constexpr int64_t kPanel = 24;   // column blocks per panel: a panel's weights stay in L2 across the row tiles
 constexpr int64_t kAhead = 8;    // k pairs prefetched ahead, per column block, in one-row tiles (avx512bf16: with
-                                 // more rows the hardware prefetcher alone streams faster; on Zen 4 the 0.8B shape's
-                                 // body at 4 rows took 52 ms median with it alone, 60 with both)
+                                 // more rows the hardware prefetcher alone streams faster: on Zen 4 a verify step's
+                                 // 4-row linears were slower with both than its 1-row ones, and are not without)
 constexpr int64_t kKeptWide = int64_t(1) << 16;  // floats of widened x kept between calls (256 KB)
 
 inline float bits_f(uint32_t u) {
