@@ -18,10 +18,8 @@ def _kernels(isa: str):
     why = cpu_kernels.cannot_execute(isa)
     if why:
         pytest.skip(why)
-    try:
-        k = cpu_kernels.select_decode_kernels("cpu", torch.float32, "cpp", isa)
-    except Exception as e:  # noqa: BLE001 - no compiler on this machine: the torch path is what runs
-        pytest.skip(f"C++ decode kernels unavailable: {e}")
+    # a build error fails here with the compiler's message: a CPU that executes the set must get its kernels
+    k = cpu_kernels.select_decode_kernels("cpu", torch.float32, "cpp", isa)
     assert k.isa == isa and k.ext.kernel_isa() == isa
     return k
 

@@ -22,10 +22,7 @@ from tests.util import assert_linear_rows_batch_invariant
 
 @pytest.fixture(scope="module")
 def ext():
-    try:
-        return fp8.load_fp8_extension()
-    except Exception as e:  # noqa: BLE001 - no compiler here: FP8 checkpoints load dequantized
-        pytest.skip(f"fp8 kernel unavailable: {e}")
+    return fp8.load_fp8_extension()  # a build error fails with the compiler's message, never a skip
 
 
 def build_paths() -> list[str]:
@@ -33,10 +30,8 @@ def build_paths() -> list[str]:
     used, avx2, generic), so that each compiled path is tested where it can run."""
     out = []
     for build in fp8.executable_builds():
-        try:
-            out += [f"{build}/{p}" for p in fp8.load_fp8_extension(build).fp8_paths()]
-        except Exception:  # noqa: BLE001 - a build that does not compile here is not tested here
-            pass
+        # a build error fails the collection with the compiler's message: never fewer builds tested, silently
+        out += [f"{build}/{p}" for p in fp8.load_fp8_extension(build).fp8_paths()]
     return out
 
 
@@ -171,7 +166,7 @@ def test_fuse_and_split(ext):
 def test_quantize_matches_transformers_dequantize():
     """Our dequantization is transformers' Fp8Dequantize bit for bit (block-aligned shapes, and shapes under one
     block, which is what its grid-derived block size handles)."""
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - the test extra has it: missing, the test fails
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     deq = Fp8Dequantize(None)
@@ -217,7 +212,7 @@ def test_writer_format(fp8_dir):
 def test_transformers_loads_our_checkpoint_with_our_weights(fp8_dir):
     """transformers reads the writer's checkpoint (on a CPU it dequantizes block-FP8 to bf16 at load: its FP8
     matmuls need a GPU); every dequantized weight equals ours bit for bit."""
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401 - the test extra has it: missing, the test fails
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deltaserve.model.ops import cpu_kernels
+from deltaserve.model.ops import cpu_kernels, packed
 from deltaserve.model.ops.linear import linear
 from deltaserve.model.ops.packed import PackedWeight
 from tests.util import assert_linear_rows_batch_invariant
@@ -21,10 +21,7 @@ def ext(request):
     why = cpu_kernels.cannot_execute(request.param)
     if why:
         pytest.skip(why)
-    try:
-        mod = cpu_kernels.load_extension(request.param)
-    except Exception as e:  # noqa: BLE001 - no compiler here: oneDNN's packing is what runs
-        pytest.skip(f"C++ kernels unavailable: {e}")
+    mod = cpu_kernels.load_extension(request.param)  # a build error fails with the compiler's message
     assert mod.bf16_linear_available() and mod.kernel_isa() == request.param
     return mod
 
@@ -62,7 +59,8 @@ def test_rows_are_batch_and_thread_invariant(ext, N, K):
 
 def test_fallbacks_and_errors(ext):
     odd = PackedWeight(rand(32, 33, seed=5), ext)
-    assert odd.kind == "onednn"  # the kernel pairs k: an odd input dim stays with oneDNN
+    # the kernel pairs k: an odd input dim stays with oneDNN, or F.linear where oneDNN has no bf16 (AVX2 only)
+    assert odd.kind == ("onednn" if packed.can_prepack(torch.bfloat16, torch.device("cpu")) else "plain")
     x = rand(4, 33, seed=6)
     torch.testing.assert_close(linear(x, odd).float(), F.linear(x.float(), rand(32, 33, seed=5).float()),
                                atol=3e-2, rtol=1e-2)
@@ -80,10 +78,7 @@ def test_every_instruction_set_gives_the_same_bits():
     isas = [i for i in cpu_kernels.ISAS if i != "amx" and cpu_kernels.cannot_execute(i) is None]
     if len(isas) < 2:
         pytest.skip(f"this CPU executes only {isas}: nothing to compare")
-    try:
-        mods = {i: cpu_kernels.load_extension(i) for i in isas}
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"C++ kernels unavailable: {e}")
+    mods = {i: cpu_kernels.load_extension(i) for i in isas}
     for N, K, M in [(17, 62, 1), (776, 256, 9), (300, 1030, 64)]:
         w, x = rand(N, K, seed=N), rand(M, K, seed=K)
         ys = {i: linear(x, PackedWeight(w, m)) for i, m in mods.items()}
@@ -94,8 +89,6 @@ def test_every_instruction_set_gives_the_same_bits():
 def test_odd_input_dim_without_onednn_bf16_stays_on_f_linear(ext, monkeypatch):
     """An AVX2-only CPU has no oneDNN bf16: a weight the compiled kernel cannot take (odd input dim) is kept
     as it is and runs through F.linear (its bits), instead of a oneDNN packing that would fall back slowly."""
-    from deltaserve.model.ops import packed
-
     monkeypatch.setattr(packed, "can_prepack", lambda dtype, device: False)
     w, x = rand(32, 33, seed=5), rand(4, 33, seed=6)
     pw = PackedWeight(w, ext)
@@ -113,10 +106,7 @@ def amx():
     why = cpu_kernels.cannot_execute("amx")
     if why:
         pytest.skip(why)
-    try:
-        mod = cpu_kernels.load_extension("amx")
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"C++ kernels unavailable: {e}")
+    mod = cpu_kernels.load_extension("amx")
     assert mod.kernel_isa() == "amx" and mod.linear_bf16 is mod.base.linear_bf16_amx
     return mod
 

@@ -317,3 +317,53 @@ def test_ensure_mmproj_real_converter_on_tiny(tiny_dir, tmp_path, monkeypatch):
     assert fields["general.architecture"] == "clip" and fields["clip.has_vision_encoder"]
     assert fields["clip.vision.patch_size"] == 16 and fields["clip.vision.image_mean"] == [0.5, 0.5, 0.5]
     assert any(t.name.startswith("v.blk.") for t in reader.tensors)
+
+
+def _gguf(path, tensors, meta, align=32):
+    """A GGUF file written by hand (version 3): `tensors` [(name, nbytes)], laid out in order, each aligned."""
+    import struct
+
+    def s(x):
+        b = x.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    out = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta))
+    for k, v in meta.items():  # u32 (type 4) and string (type 8) values, an array of strings (type 9)
+        if isinstance(v, int):
+            out += s(k) + struct.pack("<II", 4, v)
+        elif isinstance(v, list):
+            out += s(k) + struct.pack("<IIQ", 9, 8, len(v)) + b"".join(s(x) for x in v)
+        else:
+            out += s(k) + struct.pack("<I", 8) + s(v)
+    off, offsets = 0, []
+    for _, n in tensors:
+        offsets.append(off)
+        off = -(-(off + n) // align) * align
+    for (name, n), o in zip(tensors, offsets):
+        out += s(name) + struct.pack("<I", 2) + struct.pack("<QQ", n, 1) + struct.pack("<IQ", 30, o)
+    out += b"\0" * (-len(out) % align)
+    data = bytearray(off)
+    path.write_bytes(out + bytes(data[:offsets[-1] + tensors[-1][1]]))
+
+
+def test_gguf_decode_bytes_count_the_files_own_tensors(tmp_path):
+    """The llama.cpp arms' roofline is counted at their GGUF's own bytes: every tensor once, the embedding only
+    where it is the head too, the MTP block never."""
+    from deltaserve.bench.peers.gguf_bytes import decode_bytes_per_token, tensor_bytes
+
+    meta = {"general.architecture": "qwen35", "qwen35.block_count": 3, "qwen35.nextn_predict_layers": 1,
+            "tokenizer.ggml.tokens": ["a", "b"], "general.alignment": 32}
+    tensors = [("token_embd.weight", 1000), ("blk.0.attn_q.weight", 180), ("blk.1.ffn_up.weight", 64),
+               ("blk.2.nextn.eh_proj.weight", 500), ("output_norm.weight", 8), ("output.weight", 1000)]
+    f = tmp_path / "m.gguf"
+    _gguf(f, tensors, meta)
+    sizes = tensor_bytes(str(f))
+    assert sizes == {"token_embd.weight": 1024, "blk.0.attn_q.weight": 192, "blk.1.ffn_up.weight": 64,
+                     "blk.2.nextn.eh_proj.weight": 512, "output_norm.weight": 32, "output.weight": 1000}
+    assert decode_bytes_per_token(str(f)) == 192 + 64 + 32 + 1000
+    tied = [t for t in tensors if t[0] != "output.weight"]  # no output tensor: the embedding is the head
+    _gguf(f, tied, meta)
+    assert decode_bytes_per_token(str(f)) == 1024 + 192 + 64 + 8
+    f.write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(ValueError, match="not a GGUF"):
+        decode_bytes_per_token(str(f))

@@ -6,8 +6,7 @@ import os
 import time
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 from deltaserve.config import ModelConfig  # noqa: E402
 from deltaserve.profile import make_engine  # noqa: E402

@@ -92,7 +92,6 @@ def test_builder_matches_the_engine_arithmetic():
 
 
 def test_builder_agrees_with_a_real_engine():
-    pytest.importorskip("torch")
     from tests.util import make_llm
 
     eng = make_llm(kv_cache_memory=64 * MiB, max_num_seqs=8, max_num_batched_tokens=512).engine
@@ -427,7 +426,6 @@ def test_percentile_matches_numpy_linear():
 def test_validation_smoke(tmp_path):
     """One scenario of the gate end to end (quick profile of tiny, two real replays on the CPU clock with the
     interleaved probe, the simulations), and its three parts in the table."""
-    pytest.importorskip("torch")
     from deltaserve.tools.validate.cli import main
 
     out = tmp_path / "val"

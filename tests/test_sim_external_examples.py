@@ -114,25 +114,42 @@ def test_example_errors(tmp_path):
 
 
 REAL = os.environ.get("DELTASERVE_LLMSERVINGSIM")  # an LLMServingSim checkout with its examples and workloads
-# What the published examples are held to: |mean error| no larger than LLMServingSim's own + 1 point and p90s within
-# 5%, except two misses docs/simulator.md explains, held to what they are: the MoE run's TTFT p90 (-7.8%,
-# LLMServingSim -10.9%) and the TP-2 run's TPOT mean (+1.85%, LLMServingSim +0.8%).
+# One published run ships with the tests (tests/fixtures/llmservingsim/published: Llama-3.1-8B on the RTX PRO 6000,
+# the measured requests, the tables and configs it needs, without the workload file: the trace is read from the
+# measured requests.jsonl, with no prefix sharing, as in the run, whose prefix caching was off).
+SHIPPED = os.path.join(os.path.dirname(__file__), "fixtures", "llmservingsim", "published")
+# What the published examples are held to, fixed before measuring: |mean error| no larger than LLMServingSim's own
+# + 1 point and p90s within 5%, except two misses docs/simulator.md explains, held to what they are: the MoE run's
+# TTFT p90 (-7.8%, LLMServingSim -10.9%) and the TP-2 run's TPOT mean (+1.85%, LLMServingSim +0.8%).
 KNOWN_MISSES = {("RTXPRO6000/Qwen3-30B-A3B-Instruct-2507", "ttft", "P90"): 9.0,
                 ("RTXPRO6000/Qwen3-32B", "tpot", "Mean"): 2.0}
 
 
-@pytest.mark.skipif(not REAL or not os.path.isdir(REAL or ""), reason="set DELTASERVE_LLMSERVINGSIM to a checkout")
-def test_every_published_example_meets_the_targets():
+def meets_the_targets(root: str) -> list[str]:
     from deltaserve.sim.external_compare import read_reference_summary, simulate
 
-    examples = find_examples(REAL)
+    examples = find_examples(root)
     assert examples
+    names = []
     for ex in examples:
-        name = os.path.relpath(ex, os.path.join(REAL, "bench", "examples"))
+        name = os.path.relpath(ex, os.path.join(root, "bench", "examples"))
         a = with_example(build_parser().parse_args(["--example", ex, "--quiet"]))
         *_, cmp = simulate(a)
         ref = read_reference_summary(a.reference_summary)
         for m in ("ttft", "tpot", "latency"):
             mean_bound = KNOWN_MISSES.get((name, m, "Mean"), abs(ref[m, "Mean"][2]) + 1)
-            assert abs(cmp[m]["Mean"][2]) <= mean_bound, (name, m)
-            assert abs(cmp[m]["P90"][2]) <= KNOWN_MISSES.get((name, m, "P90"), 5.0), (name, m)
+            assert abs(cmp[m]["Mean"][2]) <= mean_bound, (name, m, cmp[m]["Mean"][2], mean_bound)
+            p90_bound = KNOWN_MISSES.get((name, m, "P90"), 5.0)
+            assert abs(cmp[m]["P90"][2]) <= p90_bound, (name, m, cmp[m]["P90"][2], p90_bound)
+        names.append(name)
+    return names
+
+
+def test_the_shipped_published_example_meets_the_targets():
+    """The one published run the tests carry, by default: the real vLLM measurements against our replay."""
+    assert meets_the_targets(SHIPPED) == ["RTXPRO6000/Llama-3.1-8B"]
+
+
+@pytest.mark.skipif(not REAL or not os.path.isdir(REAL or ""), reason="set DELTASERVE_LLMSERVINGSIM to a checkout")
+def test_every_published_example_meets_the_targets():
+    assert meets_the_targets(REAL)

@@ -100,7 +100,6 @@ def test_simulation_charges_the_encoder_once_and_not_on_a_hit(bundles):
 
 
 def test_the_real_engine_replay_refuses_images():
-    pytest.importorskip("torch")
     from deltaserve.tools.validate.real import run_real
 
     r = TraceRequest("a", 0.0, 2, prompt_token_ids=list(range(10, 400)), images=[(20, 64, "cat")])

@@ -119,7 +119,6 @@ SCENARIOS = {  # name: (trace, engine flags); light: idle gaps and arrivals insi
 def replays(tmp_path_factory):
     """Each scenario with caching on and off, replayed once on the real engine (CPU clock, no twin probe) and
     once in the simulator on the replay's own step durations."""
-    pytest.importorskip("torch")
     from deltaserve.tools.validate.compare import fidelity
     from deltaserve.tools.validate.real import run_real
     from deltaserve.tools.validate.scenarios import warmup_requests

@@ -51,9 +51,16 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
+def find_router() -> str | None:
+    """vllm-router beside this interpreter (a venv's bin/, which need not be on PATH: `make test` runs
+    .venv/bin/python without activating it), else on PATH."""
+    beside = os.path.join(os.path.dirname(sys.executable), "vllm-router")
+    return beside if os.access(beside, os.X_OK) else shutil.which("vllm-router")
+
+
 def router_command(worker_urls: list[str], event_endpoints: list[str], block_size: int, model: str, port: int,
                    prometheus_port: int, policy: str = "kv_aware", router: str | None = None) -> list[str]:
-    exe = router or shutil.which("vllm-router")
+    exe = router or find_router()
     if exe is None:
         raise RuntimeError("vllm-router is not installed (pip install vllm-router; the test extra has it)")
     cmd = [exe, "--host", HOST, "--port", str(port), "--worker-urls", *worker_urls, "--policy", policy,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from ...embedded.home import home
 from . import PeerUnavailable, stop_group
+from .gguf_bytes import decode_bytes_per_token
 
 BUILD = "b11434"
 OUTTYPES = ("bf16", "f32", "q8_0")  # GGUF weight formats the converter writes for our checkpoints
@@ -317,7 +318,9 @@ class LlamaCppPeer:
         self.gguf = ensure_gguf(model_dir, outtype, root=root, log_path=log)
         self.server = LlamaServer(self.gguf, ctx=slots * ctx_per_slot, slots=slots, threads=threads, log_path=log,
                                   root=root, extra=tuple(extra))
-        self.info = {"build": BUILD, "gguf": self.gguf, "gguf_bytes": os.path.getsize(self.gguf), "slots": slots,
+        # bytes_read: what its roofline is counted at, its own GGUF's bytes per token (not the bf16 checkpoint's)
+        self.info = {"build": BUILD, "gguf": self.gguf, "gguf_bytes": os.path.getsize(self.gguf),
+                     "bytes_read": decode_bytes_per_token(self.gguf), "slots": slots,
                      "threads": threads, "ctx": slots * ctx_per_slot, "startup_s": self.server.startup_s,
                      "no_repack": self.server.no_repack, "extra": " ".join(extra)}
 
