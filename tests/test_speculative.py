@@ -88,6 +88,24 @@ def plain_ref(prompts):
     return [signature(o) for o in run(llm, prompts, params=greedy(max_tokens=MAX_TOKENS))]
 
 
+def test_a_scripted_drafter_priced_by_mtp_pays_its_cost(prompts, plain_ref):
+    """A benchmark's scripted acceptance with the real drafter's cost: the MTP layer is fed every step and drafts
+    (its layer and head run) at least as many tokens as the script proposes; the script's tokens are what is
+    verified, the output is plain decoding's, and the MTP drafter forgets each finished request."""
+    llm = spec(2, enable_prefix_caching=False)
+    mtp = llm.engine.drafter
+    real = mtp.propose
+    mtp_drafts = []
+    mtp.propose = lambda rid, tokens, k: mtp_drafts.append(len(d := real(rid, tokens, k))) or d
+    cont = {tuple(p): r[0] for p, r in zip(prompts, plain_ref)}
+    llm.engine.drafter = ScriptedDrafter(cont, p=1.0, vocab_size=VOCAB, priced_by=mtp)
+    got, (drafted, accepted, _) = counted(llm, lambda: [signature(o) for o in run(llm, prompts,
+                                                                                 params=greedy(max_tokens=MAX_TOKENS))])
+    assert got == plain_ref and drafted == accepted > 0  # the script's drafts, all accepted
+    assert sum(mtp_drafts) >= drafted  # the layer drafted alongside (near the end the script proposes fewer)
+    assert not mtp.caches and not mtp.queued and not mtp.last
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_drafted_equals_plain_mtp_and_controls(k, prompts, plain_ref, compiled_verify, lazy_verify):
     llm = spec(k, enable_prefix_caching=False)

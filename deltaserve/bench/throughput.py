@@ -130,8 +130,8 @@ class DeltaservePeer:
 class SpeculativePeer(DeltaservePeer):
     """deltaserve with --speculative-config (docs/speculative.md) and a drafter of a known acceptance: p None drafts
     with the model's MTP layer; p in [0, 1] drafts plain greedy decoding's own continuation, each draft right with
-    probability p (engine/speculative.py ScriptedDrafter; 1 = forced acceptance). The continuation is decoded plainly
-    first, untimed. info gets the measured acceptance (accepted / drafted) of the latest decode."""
+    probability p (engine/speculative.py ScriptedDrafter; 1 = forced acceptance), paying the MTP drafter's cost for
+    every draft (the layer and its head run, their drafts unused). The continuation is decoded plainly first, untimed. info gets the measured acceptance (accepted / drafted) of the latest decode."""
 
     def __init__(self, model_dir: str, k: int, p: float | None, rule: str = "", **kw):
         super().__init__(model_dir, speculative_config={"method": "mtp", "num_speculative_tokens": k}, **kw)
@@ -162,8 +162,11 @@ class SpeculativePeer(DeltaservePeer):
             eng.drafter = None  # plain decoding: the continuation the drafts are taken from
             outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self._params(max_tokens),
                                      use_tqdm=False)
+            # the MTP layer runs for every draft as a real drafter's would (its drafts unused): the arm pays
+            # drafting's cost, only its acceptance is scripted
             eng.drafter = ScriptedDrafter({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, outs)},
-                                          p=self.p, vocab_size=eng.model_config.vocab_size, seed=self._n)
+                                          p=self.p, vocab_size=eng.model_config.vocab_size, seed=self._n,
+                                          priced_by=self.mtp)
         else:
             eng.drafter = self.mtp
         before = eng.stats()

@@ -119,15 +119,22 @@ class MTPDrafter:
 class ScriptedDrafter:
     """Proposes a known continuation of each prompt (e.g. plain greedy decoding's output), each draft right with
     probability p (seeded) and otherwise a token that is certainly not the continuation's. p = 1: the forced-acceptance
-    control (a greedy request accepts every draft); p = 0: the forced-rejection control (never one)."""
+    control (a greedy request accepts every draft); p = 0: the forced-rejection control (never one).
+
+    priced_by: a real drafter (MTPDrafter) that is fed and asked exactly as if it drafted, its drafts thrown away:
+    a benchmark of a known acceptance then pays what drafting costs (the MTP layer and a full-vocabulary head per
+    draft), as a real drafter at that acceptance would. Without it, drafting is free, which flatters the arm."""
 
     def __init__(self, continuations: dict[tuple[int, ...], Sequence[int]], p: float = 1.0, vocab_size: int = 2,
-                 seed: int = 0):
+                 seed: int = 0, priced_by: Drafter | None = None):
         self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
         self.p, self.vocab_size, self.rng = p, vocab_size, random.Random(seed)
         self.prompt_len: dict[str, tuple[tuple[int, ...], int]] = {}
+        self.priced_by = priced_by
 
     def observe(self, request_id: str, start: int, hidden: torch.Tensor, tokens: Sequence[int]) -> None:
+        if self.priced_by is not None:
+            self.priced_by.observe(request_id, start, hidden, tokens)
         if request_id not in self.prompt_len:  # the longest known prompt the request starts with
             known = [p for p in self.continuations if len(p) <= len(tokens) and tuple(tokens[:len(p)]) == p]
             if known:
@@ -135,6 +142,8 @@ class ScriptedDrafter:
                 self.prompt_len[request_id] = (prompt, len(prompt))
 
     def propose(self, request_id: str, tokens: Sequence[int], k: int) -> list[int]:
+        if self.priced_by is not None and k > 0:
+            self.priced_by.propose(request_id, tokens, k)  # its cost, not its drafts
         known = self.prompt_len.get(request_id)
         if known is None:
             return []
@@ -144,6 +153,8 @@ class ScriptedDrafter:
 
     def forget(self, request_id: str) -> None:
         self.prompt_len.pop(request_id, None)
+        if self.priced_by is not None:
+            self.priced_by.forget(request_id)
 
 
 def verify(sampler, logits: torch.Tensor, state, drafts: Sequence[int]) -> list:
