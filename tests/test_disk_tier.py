@@ -497,3 +497,294 @@ def test_with_a_disk_tier_a_request_waits_for_room_for_its_prompt_checkpoint(wit
         ran_beside_d |= "e" in {w.request_id for w in step().work} and "d" in s.requests
     assert ran_beside_d != with_disk
     assert (mem.stats.checkpoints_saved_by_kind["prompt"] > saved) == with_disk
+
+
+# ---------------------------------------------------------------- faults of the file system, store level (no model)
+
+
+class _Pool:
+    """CacheStore's record API over a dict (location -> bytes): DiskStore without a model."""
+
+    def __init__(self, kv: int = 64, ckpt: int = 96):
+        self.sizes, self.data = {"kv": kv, "ckpt": ckpt}, {}
+
+    def record_bytes(self, kind):
+        return self.sizes[kind]
+
+    def read_record(self, kind, location):
+        return self.data[location]
+
+    def write_record(self, kind, location, data):
+        self.data[location] = bytes(data)
+
+
+class _Memory:
+    def attach_disk(self, tier):
+        self.disk = tier
+
+
+def _store(d, capacity=1 << 20, model="a", eviction=None):
+    from deltaserve.runner.disk_store import DiskStore
+
+    pool = _Pool()
+    return DiskStore(str(d), capacity, _Memory(), pool, {"format": 1, "model": model}, eviction), pool
+
+
+def _rec(i: int):
+    import hashlib
+
+    from deltaserve.memory.disk_tier import KV, DiskRecord
+
+    return DiskRecord(KV, hashlib.sha256(bytes([i])).digest(), b"p" * 32, (i,), 64)
+
+
+def _settle(st):
+    """What the engine's steps do: hand the decisions to the worker, wait for it, take what it finished."""
+    for _ in range(3):
+        st.sync()
+        st.drain()
+    st.tier.poll()
+
+
+def _spill(st, pool, i: int, value: float = 0.0):
+    pool.data[(i,)] = bytes([i]) * 64
+    st.tier.spill(_rec(i), (i,), value)
+    _settle(st)
+
+
+def _read_back(st, i: int) -> bool:
+    rec = _rec(i)
+    if st.tier.get(rec.kind, rec.hash) is None:
+        return False
+    st.tier.read(rec)
+    _settle(st)
+    return rec.key in st.tier.staged
+
+
+def _kept(d) -> set[int]:
+    """Which of _rec(0..255) have a record file in d (any fingerprint)."""
+    names = [n for n in os.listdir(d) if n.endswith(".rec")]
+    return {i for i in range(256) if any(n.startswith(f"kv-{_rec(i).hash.hex()}") for n in names)}
+
+
+ONE = 64 + 4096  # a _rec's charge against the budget (memory/disk_tier.py HEADER_BYTES)
+
+
+def test_read_back_recency_survives_a_restart(tmp_path):
+    """lru: a record read back before the restart outlives those written after it, once the budget needs room."""
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    for i in range(4):
+        _spill(st, pool, i)
+    assert _read_back(st, 0)
+    st.close()
+    st, _ = _store(d, capacity=3 * ONE)  # a smaller budget: the least recently used record goes at start-up
+    _settle(st)
+    assert _kept(d) == {0, 2, 3} and len(st.tier) == 3
+    assert _read_back(st, 0)
+    st.close()
+
+
+def test_the_value_policy_keeps_its_values_over_a_restart(tmp_path):
+    from deltaserve.memory.eviction import ValueEviction
+
+    d = tmp_path / "tier"
+    st, pool = _store(d, eviction=ValueEviction())
+    for i, value in enumerate((50.0, 1.0, 20.0)):
+        _spill(st, pool, i, value)
+    st.close()
+    st, _ = _store(d, capacity=2 * ONE, eviction=ValueEviction())
+    _settle(st)
+    assert _kept(d) == {0, 2}  # the least valuable went, not the oldest
+    assert st.tier.value_of(_rec(0).key) == 50.0
+    st.close()
+
+
+def _small_disk(monkeypatch, records: int):
+    """A file system that holds `records` records: a write that would need more space fails with ENOSPC."""
+    from deltaserve.runner import disk_store
+
+    real = disk_store._write_all
+
+    def write(fd, data):
+        d = os.path.dirname(os.readlink(f"/proc/self/fd/{fd}"))
+        if sum(n.endswith(".rec") for n in os.listdir(d)) >= records:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(disk_store, "_write_all", write)
+
+
+def test_a_budget_larger_than_the_disk_evicts_and_retries(tmp_path, monkeypatch, caplog):
+    """The disk holds three records, the budget a megabyte: each failed write evicts by policy and is tried once
+    more, so the newest records are kept (never the first ones forever), the budget comes down to the disk's size,
+    the warnings are rate-limited and the gauges count the files."""
+    _small_disk(monkeypatch, 3)
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        for i in range(8):
+            _spill(st, pool, i)
+    assert _kept(d) == {5, 6, 7}  # lru: the oldest records made room
+    s = st.tier.stats
+    assert s.disk_records == 3 == len(_records(str(d))) and s.disk_bytes == 3 * ONE and s.disk_writes == 8
+    assert st.tier.capacity < 4 * ONE and st.tier.writable
+    assert caplog.text.count("writing kv-") == 1  # one line for the five failures (rate-limited)
+    assert _read_back(st, 7) and not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+    st.tier.check_integrity()
+    st.close()
+
+
+def test_a_disk_that_stays_full_stops_the_writing_and_the_gauges_count_the_files(tmp_path, monkeypatch, caplog):
+    from deltaserve.runner import disk_store
+
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    _spill(st, pool, 0)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")  # another program's files fill the disk
+
+    monkeypatch.setattr(disk_store, "_write_all", full)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        for i in range(1, 6):
+            pool.data[(i,)] = bytes([i]) * 64
+            st.tier.spill(_rec(i), (i,))
+            st.sync()  # a step, no lookup: the gauges must still follow the files
+            st.drain()
+            st.sync()
+            st.drain()
+            assert st.tier.stats.disk_records == len(_records(str(d))), i
+    assert not st.tier.writable and caplog.text.count("stopped writing") == 1
+    assert caplog.text.count("writing kv-") <= 2
+    assert st.tier.stats.disk_bytes == ONE * len(_records(str(d)))
+    st.tier.check_integrity()
+    st.close()
+
+
+def test_a_refused_write_turns_the_tier_read_only(tmp_path, monkeypatch, caplog):
+    from deltaserve.runner import disk_store
+
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    _spill(st, pool, 0)
+
+    def refused(fd, data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk_store, "_write_all", refused)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        for i in range(1, 4):
+            _spill(st, pool, i)
+    assert not st.tier.writable and caplog.text.count("writing kv-") == 1 and _kept(d) == {0}
+    assert _read_back(st, 0)
+    st.close()
+
+
+def test_a_missing_fingerprint_file_is_rebuilt_from_the_records(tmp_path, caplog):
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    for i in range(3):
+        _spill(st, pool, i)
+    st.close()
+    os.remove(d / "FINGERPRINT")
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        st, _ = _store(d)
+    assert "FINGERPRINT missing: rebuilt from the headers of its 3 records" in caplog.text
+    assert len(st.tier) == 3 and _kept(d) == {0, 1, 2} and _read_back(st, 1)
+    with open(d / "FINGERPRINT") as f:
+        assert st.fp_digest in json.load(f)
+    st.close()
+
+
+def test_records_of_two_models_share_the_directory_and_the_budget(tmp_path, caplog):
+    """Model b starts on model a's directory: a's records stay (misses for b), b's records of the same blocks
+    are written beside them, a's go only when the budget needs their room, and a reads its own back."""
+    d = tmp_path / "tier"
+    a, pool = _store(d, model="a")
+    for i in range(3):
+        _spill(a, pool, i)
+    a.close()
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        b, pool = _store(d, capacity=5 * ONE, model="b")
+    assert "fingerprint mismatch (model differ)" in caplog.text and "3 records of 1 other fingerprints kept" in caplog.text
+    assert len(b.tier) == 0 and b.tier.foreign == 3 and b.tier.stats.disk_records == 3
+    assert not _read_back(b, 0)  # a's record of block 0 is no hit for b
+    for i in range(3):
+        _spill(b, pool, i)  # room for two: a's oldest record goes for the third
+    assert len(_records(str(d))) == 5 and b.tier.stats.disk_evictions == 1
+    b.close()
+    a, _ = _store(d, capacity=5 * ONE, model="a")
+    assert len(a.tier) == 2 and a.tier.foreign == 3 and _read_back(a, 1) and _read_back(a, 2)
+    a.close()
+
+
+def test_the_directory_keeps_its_mode(tmp_path):
+    d = tmp_path / "tier"
+    d.mkdir(mode=0o750)
+    os.chmod(d, 0o750)
+    st, pool = _store(d)
+    _spill(st, pool, 0)
+    st.close()
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o750
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (root only; skipped otherwise): (mount point, remount(options))."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"mount -t tmpfs failed: {r.stderr.strip()}")
+
+    def remount(opts: str):
+        subprocess.run(["mount", "-o", f"remount,{opts}", str(mnt)], check=True)
+
+    yield mnt, remount
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(mnt):
+    """Write until the file system is full."""
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_read_only_directory_is_served_read_only(small_tmpfs, caplog):
+    mnt, remount = small_tmpfs
+    d = mnt / "tier"
+    st, pool = _store(d)
+    for i in range(3):
+        _spill(st, pool, i)
+    st.close()
+    remount("ro")
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        st, pool = _store(d)
+    assert not st.writable and "cannot write (Read-only file system)" in caplog.text
+    assert len(st.tier) == 3 and _read_back(st, 2)
+    _spill(st, pool, 9)  # nothing written, no error
+    assert _kept(d) == {0, 1, 2} and not st.tier.stats.disk_write_errors
+    st.close()
+
+
+def test_a_disk_full_at_start_up_serves_without_writing(small_tmpfs, caplog):
+    mnt, _ = small_tmpfs
+    _fill(mnt)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        st, pool = _store(mnt / "tier")
+    assert not st.writable and "cannot write (No space left on device)" in caplog.text
+    assert [n for n in os.listdir(mnt / "tier") if n.startswith(".tmp")] == []
+    _spill(st, pool, 0)
+    assert _kept(mnt / "tier") == set()
+    st.close()
