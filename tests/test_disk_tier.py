@@ -139,23 +139,27 @@ def test_a_truncated_record_is_a_miss(filled, tmp_path, caplog):
     assert "truncated" in caplog.text
 
 
-def test_a_fingerprint_mismatch_discards_the_tier(filled, tmp_path, caplog):
+@pytest.mark.parametrize("filled", ["runs"], indirect=True)
+def test_a_tampered_fingerprint_file_is_rebuilt_and_the_records_still_hit(filled, tmp_path, caplog):
+    """FINGERPRINT only describes the directory: the records' headers say whose they are."""
     def other_model(d):
         path = os.path.join(d, "FINGERPRINT")
         with open(path) as f:
             fp = json.load(f)
-        fp["model"] = "another model's digest"
+        for fields in fp.values():
+            fields["model"] = "another model's digest"
         with open(path, "w") as f:
             json.dump(fp, f)
 
-    with caplog.at_level(logging.WARNING, logger="deltaserve"):
-        out, s, _ = _second_turn(filled, tmp_path, other_model)
-    assert out.num_cached_tokens == 0 and s.disk_reads == 0
-    assert "fingerprint mismatch (model differ)" in caplog.text
+    out, s, d = _second_turn(filled, tmp_path, other_model)
+    assert out.num_cached_tokens >= 640 and s.disk_reads > 0 and not s.disk_read_errors
+    with open(os.path.join(d, "FINGERPRINT")) as f:
+        assert all(fields["model"] != "another model's digest" for fields in json.load(f).values())
 
 
-def test_a_record_of_another_fingerprint_is_discarded(filled, tmp_path, caplog):
-    """The directory's fingerprint matches but a record's header carries another (copied from elsewhere)."""
+@pytest.mark.parametrize("filled", ["runs"], indirect=True)
+def test_a_record_of_another_fingerprint_is_a_miss_and_kept(filled, tmp_path, caplog):
+    """A record whose header carries another fingerprint (copied from elsewhere): no hit, not deleted."""
     def foreign(d):
         from deltaserve.runner import disk_store
 
@@ -169,8 +173,10 @@ def test_a_record_of_another_fingerprint_is_discarded(filled, tmp_path, caplog):
                 f.write(data.replace(d0.encode(), b"0" * len(d0), 1))
 
     with caplog.at_level(logging.WARNING, logger="deltaserve"):
-        out, _, _ = _second_turn(filled, tmp_path, foreign)
-    assert out.num_cached_tokens == 0 and "another fingerprint" in caplog.text
+        out, _, d = _second_turn(filled, tmp_path, foreign)
+    assert out.num_cached_tokens == 0 and "fingerprint mismatch" in caplog.text and "kept" in caplog.text
+    theirs = [p for p in _records(d, "kv") if os.path.basename(p) in os.listdir(os.path.join(filled[1]))]
+    assert len(theirs) == len(_records(filled[1], "kv")) > 0  # each stays beside the new turn's own
 
 
 def test_a_write_killed_midway_leaves_no_record_that_can_hit(filled, tmp_path, caplog):
@@ -788,3 +794,111 @@ def test_a_disk_full_at_start_up_serves_without_writing(small_tmpfs, caplog):
     _spill(st, pool, 0)
     assert _kept(mnt / "tier") == set()
     st.close()
+
+
+# ---------------------------------------------------------------- the engine over a restart
+
+
+@pytest.mark.parametrize("eviction", ["lru", pytest.param("value", marks=pytest.mark.slow)])
+def test_a_conversation_read_back_before_a_restart_outlives_a_fill(eviction, tmp_path):
+    """A and B written; after a restart A is read back (its next turn); after another, C fills the budget: B's
+    records go, A's stay, and A's turn is again >= 95% from disk, equal to its cold twin."""
+    layout, d = "runs", str(tmp_path / "tier")
+    kw = dict(cache_layout=layout, cache_disk=d, eviction=eviction)
+    rng = random.Random(11)
+    a1, b1, c1 = random_tokens(rng, 700), random_tokens(rng, 700), random_tokens(rng, 500)
+    llm = make_llm(**kw)
+    a2 = a1 + run(llm, [a1])[0].outputs[0].token_ids + random_tokens(rng, 150)
+    run(llm, [b1])
+    llm.close()
+    llm = make_llm(**kw)
+    assert run(llm, [a2])[0].num_cached_tokens >= 640  # A read back
+    llm.close()
+    budget = llm.engine.stats().disk_bytes  # what A and B take: C must evict
+    llm = make_llm(cache_disk_bytes=budget, **kw)
+    run(llm, [c1])
+    llm.close()
+    assert llm.engine.stats().disk_evictions > 0
+    llm = make_llm(cache_disk_bytes=budget, **kw)
+    out = run(llm, [a2])[0]
+    llm.engine.memory.check_integrity()
+    llm.close()
+    assert out.num_cached_tokens >= 0.95 * len(a2) and llm.engine.stats().disk_hit_tokens >= 0.95 * len(a2)
+    assert signature(out) == _cold(layout, [a2])[0]
+
+
+# ---------------------------------------------------------------- a server in its own process
+
+
+def test_a_directory_that_cannot_be_read_is_refused_with_one_line(tmp_path):
+    """`deltaserve serve --cache-disk DIR` exits non-zero with one line naming DIR, before loading the model. As
+    root (who reads any directory) the server runs without the capabilities that let it."""
+    import shutil as sh
+    import subprocess
+    import sys
+
+    d = tmp_path / "tier"
+    d.mkdir()
+    os.chmod(d, 0)
+    cmd = [sys.executable, "-m", "deltaserve.server", "--port", "1", "--cache-disk", str(d)]
+    if os.geteuid() == 0:
+        if not sh.which("setpriv"):
+            pytest.skip("as root, a directory root cannot read needs setpriv to drop CAP_DAC_*")
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.chmod(d, 0o700)
+    assert r.returncode != 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"deltaserve serve: --cache-disk {d} cannot be read: Permission denied"], r.stderr[-2000:]
+
+
+def _complete(base: str, prompt) -> tuple[list, list, int]:
+    import httpx
+
+    r = httpx.post(base + "/v1/completions", json={"model": "deltaserve/tiny", "prompt": list(prompt), "max_tokens": 8,
+                                                   "temperature": 0, "logprobs": 5, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    lp = body["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _cold_text(prompt):
+    """The cold run's tokens (as text pieces) and logprobs, from an engine without a disk tier."""
+    llm = make_llm(kv_cache_memory=96 * (1 << 20), cache_layout="runs")
+    c = run(llm, [prompt])[0].outputs[0]
+    pieces = [llm.engine.tokenizer.id_to_piece(t) for t in c.token_ids]
+    return c.token_ids, [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)], pieces
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_server_on_a_read_only_or_full_file_system_serves(fault, small_tmpfs):
+    """The server starts on a directory it cannot write (a read-only mount holding last run's records, or a disk
+    already full), says so in one line, answers every request as a cold server does, and leaves no temp file."""
+    from server_support import RealServer
+
+    mnt, remount = small_tmpfs
+    d = mnt / "tier"
+    rng, p1 = _session(3, 300)
+    if fault == "read-only":
+        remount("size=16m")
+        llm = make_llm(cache_layout="runs", cache_disk=str(d))
+        p2 = p1 + run(llm, [p1])[0].outputs[0].token_ids + random_tokens(rng, 50)
+        llm.close()
+        remount("ro")
+    else:
+        p2 = p1
+        _fill(mnt)
+    srv = RealServer("--cache-disk", str(d), "--cache-layout", "runs", "--seed", "0")
+    try:
+        tokens, lps, cached = _complete(srv.base, p2)
+    finally:
+        srv.stop()
+    _, cold_lps, _ = _cold_text(p2)
+    assert lps == cold_lps and len(tokens) == 8
+    assert (cached >= 256) == (fault == "read-only")
+    why = "Read-only file system" if fault == "read-only" else "No space left on device"
+    assert srv.log().count(f"cannot write ({why})") == 1, srv.log()
+    assert not [n for n in os.listdir(d) if n.startswith(".tmp")]
