@@ -1,19 +1,25 @@
 """The disk tier's bytes: record files, the fingerprint, and the I/O worker thread (memory/disk_tier.py decides).
 
-A directory (`--cache-disk DIR`, mode 0700, one engine at a time: an flock on DIR/LOCK) holds
-  FINGERPRINT        JSON of everything that changes a record's bits: the model (config.json and the
-                     safetensors' names, sizes and mtimes), dtype, layout, page geometry, the CPU kernels'
-                     instruction set, the LM head's quantization, the device kind. A different fingerprint at
-                     start-up discards every record (a log line says which fields differ).
-  <kind>-<hash>.rec  one record (mode 0600):
+A directory (`--cache-disk DIR`, made 0700 if missing, its mode never changed; one writing engine at a time: an
+flock on DIR/LOCK) holds
+  FINGERPRINT        JSON: each fingerprint digest whose records the directory holds -> its fields (everything
+                     that changes a record's bits: the model (config.json and the safetensors' names, sizes and
+                     mtimes), dtype, layout, page geometry, the CPU kernels' instruction set, the LM head's
+                     quantization, the device kind), null where only a header told the digest. Descriptive: the
+                     headers count; rebuilt from them when missing.
+  <kind>-<hash>-<digest[:16]>.rec  one record (mode 0600):
                        magic "DSDISK01" | u32 header length | u64 payload length | header (JSON: fingerprint
-                       digest, kind, hash, parent, tokens, checkpoint kind) | sha256(header + payload) | payload
-                     the payload is the pool's bytes as they are (CacheStore.record_views): no conversion.
+                       digest, kind, hash, parent, tokens, checkpoint kind, index, eviction value) |
+                       sha256(header + payload) | payload
+                     the payload is the pool's bytes as they are (CacheStore.record_views): no conversion. Its mtime
+                     is when it was last written or read back: the policy's order at the next start-up.
+Records of other fingerprints (another model on the same directory) are kept under the one budget: misses here.
 Crash safety: a record is written to ".tmp-..." in the directory, fsynced, renamed over its final name (atomic)
 and the directory fsynced; a process killed mid-write leaves a temp file, removed (with a log line) at the next
 start. A record is only believed after its whole checksum, header included, matches at read time: a torn,
 truncated or flipped record, a missing file, or another fingerprint is a miss with a log line, never bytes in the
-pool. A write that fails (a full disk) drops its record: a miss later.
+pool. A write the disk has no room for evicts and is tried once more (memory/disk_tier.py); a directory this
+process cannot write is served read-only; one it cannot read is refused (check_directory).
 
 Threads: the engine's thread copies a spilled page out of the pool (sync, before the step that may overwrite it)
 and hands the bytes to the worker; the worker writes, reads, verifies and deletes files, appends what it finished
