@@ -240,9 +240,13 @@ class DiskTier:
     def adopt(self, records) -> None:
         """Records found on disk at start-up, least recently written or read back first (the policy's order): each
         a DiskRecord, a ForeignRecord, or a (record, value) pair (the value its header keeps)."""
+        budget, self.capacity = self.capacity, float("inf")  # all enter first: the policy then picks among all
         for item in records:
             rec, value = item if isinstance(item, tuple) else (item, 0.0)
-            self.add(rec, value, written=True)
+            if self.charge(rec) <= budget:
+                self.add(rec, value, written=True)
+        self.capacity = budget
+        self._make_room(0)
 
     def pending(self, key) -> bool:
         """key's write is queued or in flight (or waits to be tried once more)."""

@@ -158,6 +158,7 @@ class DiskStore:
         self._q: queue.Queue = queue.Queue()
         self._idle = threading.Event()
         self._tmp = 0
+        self._stamped = 0  # the last mtime set (ns): strictly increasing, so a coarse clock never ties two uses
         self._closed = False
         self._warned = 0.0  # when the last write failure was logged (rate-limited), and how many were not since
         self._unlogged = 0
@@ -397,6 +398,7 @@ class DiskStore:
             try:
                 _write_all(fd, MAGIC + _HEAD.pack(len(header), len(payload)) + header + digest)
                 _write_all(fd, payload)
+                os.utime(fd, ns=(self._stamp(),) * 2)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -416,6 +418,12 @@ class DiskStore:
             self.tier.done.append((op, rec.key, False, 0.0, 0))
             return
         self.tier.done.append(("write", rec.key, True, 0.0, len(payload)))
+
+    def _stamp(self) -> int:
+        """A record's use time: now, and after every earlier one of this process (the file system's clock ticks
+        in milliseconds)."""
+        self._stamped = max(time.time_ns(), self._stamped + 1)
+        return self._stamped
 
     def _warn_write(self, name: str, why: str) -> None:
         """One line per WARN_EVERY_S at most: a disk that fills fails every write."""
@@ -459,7 +467,7 @@ class DiskStore:
             return
         if self.writable:  # a read-back is a use: the next start-up orders the records by this time
             try:
-                os.utime(os.path.join(self.dir, name))
+                os.utime(os.path.join(self.dir, name), ns=(self._stamp(),) * 2)
             except OSError:
                 pass
         self.staged[rec.key] = payload
