@@ -839,9 +839,9 @@ def test_a_conversation_read_back_before_a_restart_outlives_a_fill(eviction, tmp
     out = run(llm, [a2])[0]
     llm.engine.memory.check_integrity()
     llm.close()
-    # lru keeps all of A (its turn-2 tail is newer than B); value may trade A's tail checkpoint for B's records, never
-    # what was read back
-    want = 0.95 * len(a2) if eviction == "lru" else read_back
+    # lru keeps all of A (its turn-2 tail is newer than B); value may trade A's cheaper checkpoints (its decode one)
+    # for B's records, keeping A's head (a restart that forgot the values lost all of A: 0 cached)
+    want = 0.95 * len(a2) if eviction == "lru" else 640
     assert out.num_cached_tokens >= want and llm.engine.stats().disk_hit_tokens >= want
     assert signature(out) == _cold(layout, [a2])[0]
 
