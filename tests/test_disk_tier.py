@@ -13,6 +13,7 @@ import os
 import random
 import shutil
 import stat
+import time
 
 import pytest
 from util import make_llm, random_tokens, run, signature
@@ -139,23 +140,27 @@ def test_a_truncated_record_is_a_miss(filled, tmp_path, caplog):
     assert "truncated" in caplog.text
 
 
-def test_a_fingerprint_mismatch_discards_the_tier(filled, tmp_path, caplog):
+@pytest.mark.parametrize("filled", ["runs"], indirect=True)
+def test_a_tampered_fingerprint_file_is_rebuilt_and_the_records_still_hit(filled, tmp_path, caplog):
+    """FINGERPRINT only describes the directory: the records' headers say whose they are."""
     def other_model(d):
         path = os.path.join(d, "FINGERPRINT")
         with open(path) as f:
             fp = json.load(f)
-        fp["model"] = "another model's digest"
+        for fields in (fp.values() if "format" not in fp else [fp]):
+            fields["model"] = "another model's digest"
         with open(path, "w") as f:
             json.dump(fp, f)
 
-    with caplog.at_level(logging.WARNING, logger="deltaserve"):
-        out, s, _ = _second_turn(filled, tmp_path, other_model)
-    assert out.num_cached_tokens == 0 and s.disk_reads == 0
-    assert "fingerprint mismatch (model differ)" in caplog.text
+    out, s, d = _second_turn(filled, tmp_path, other_model)
+    assert out.num_cached_tokens >= 640 and s.disk_reads > 0 and not s.disk_read_errors
+    with open(os.path.join(d, "FINGERPRINT")) as f:
+        assert all(fields["model"] != "another model's digest" for fields in json.load(f).values())
 
 
-def test_a_record_of_another_fingerprint_is_discarded(filled, tmp_path, caplog):
-    """The directory's fingerprint matches but a record's header carries another (copied from elsewhere)."""
+@pytest.mark.parametrize("filled", ["runs"], indirect=True)
+def test_a_record_of_another_fingerprint_is_a_miss_and_kept(filled, tmp_path, caplog):
+    """A record whose header carries another fingerprint (copied from elsewhere): no hit, not deleted."""
     def foreign(d):
         from deltaserve.runner import disk_store
 
@@ -169,8 +174,10 @@ def test_a_record_of_another_fingerprint_is_discarded(filled, tmp_path, caplog):
                 f.write(data.replace(d0.encode(), b"0" * len(d0), 1))
 
     with caplog.at_level(logging.WARNING, logger="deltaserve"):
-        out, _, _ = _second_turn(filled, tmp_path, foreign)
-    assert out.num_cached_tokens == 0 and "another fingerprint" in caplog.text
+        out, _, d = _second_turn(filled, tmp_path, foreign)
+    assert out.num_cached_tokens == 0 and "fingerprint mismatch" in caplog.text and "kept" in caplog.text
+    theirs = [p for p in _records(d, "kv") if os.path.basename(p) in os.listdir(os.path.join(filled[1]))]
+    assert len(theirs) == len(_records(filled[1], "kv")) > 0  # each stays beside the new turn's own
 
 
 def test_a_write_killed_midway_leaves_no_record_that_can_hit(filled, tmp_path, caplog):
@@ -362,6 +369,7 @@ class Driver:
                 if deliver:
                     self.tier.done.append(("read", arg.key, True, 0.001, arg.nbytes))
         self.s.update(plan, {w.request_id: 5 for w in plan.work if w.sample})
+        self.tier.poll()  # as the engine's next sync does: the gauges follow the writes
         return plan
 
     def finish(self, rid, steps: int = 200):
@@ -497,3 +505,419 @@ def test_with_a_disk_tier_a_request_waits_for_room_for_its_prompt_checkpoint(wit
         ran_beside_d |= "e" in {w.request_id for w in step().work} and "d" in s.requests
     assert ran_beside_d != with_disk
     assert (mem.stats.checkpoints_saved_by_kind["prompt"] > saved) == with_disk
+
+
+# ---------------------------------------------------------------- faults of the file system, store level (no model)
+
+
+class _Pool:
+    """CacheStore's record API over a dict (location -> bytes): DiskStore without a model."""
+
+    def __init__(self, kv: int = 64, ckpt: int = 96):
+        self.sizes, self.data = {"kv": kv, "ckpt": ckpt}, {}
+
+    def record_bytes(self, kind):
+        return self.sizes[kind]
+
+    def read_record(self, kind, location):
+        return self.data[location]
+
+    def write_record(self, kind, location, data):
+        self.data[location] = bytes(data)
+
+
+class _Memory:
+    def attach_disk(self, tier):
+        self.disk = tier
+
+
+def _store(d, capacity=1 << 20, model="a", eviction=None):
+    from deltaserve.runner.disk_store import DiskStore
+
+    pool = _Pool()
+    return DiskStore(str(d), capacity, _Memory(), pool, {"format": 1, "model": model}, eviction), pool
+
+
+def _rec(i: int):
+    import hashlib
+
+    from deltaserve.memory.disk_tier import KV, DiskRecord
+
+    return DiskRecord(KV, hashlib.sha256(bytes([i])).digest(), b"p" * 32, (i,), 64)
+
+
+def _settle(st):
+    """What the engine's steps do: hand the decisions to the worker, wait for it, take what it finished."""
+    for _ in range(3):
+        st.sync()
+        st.drain()
+    st.tier.poll()
+
+
+def _spill(st, pool, i: int, value: float = 0.0):
+    pool.data[(i,)] = bytes([i]) * 64
+    st.tier.spill(_rec(i), (i,), value)
+    _settle(st)
+
+
+def _read_back(st, i: int) -> bool:
+    rec = _rec(i)
+    if st.tier.get(rec.kind, rec.hash) is None:
+        return False
+    st.tier.read(rec)
+    _settle(st)
+    return rec.key in st.tier.staged
+
+
+def _kept(d) -> set[int]:
+    """Which of _rec(0..255) have a record file in d (any fingerprint)."""
+    names = [n for n in os.listdir(d) if n.endswith(".rec")]
+    return {i for i in range(256) if any(n.startswith(f"kv-{_rec(i).hash.hex()}") for n in names)}
+
+
+def _age(d, order):
+    """Written in this order, seconds apart (a file system's clock may give records written together one mtime)."""
+    names = [n for n in os.listdir(d) if n.endswith(".rec")]
+    now = time.time_ns()
+    for k, i in enumerate(order):
+        for n in names:
+            if n.startswith(f"kv-{_rec(i).hash.hex()}"):
+                t = now - (100 - 10 * k) * 10**9
+                os.utime(os.path.join(d, n), ns=(t, t))
+
+
+ONE = 64 + 4096  # a _rec's charge against the budget (memory/disk_tier.py HEADER_BYTES)
+
+
+def test_read_back_recency_survives_a_restart(tmp_path):
+    """lru: a record read back before the restart outlives those written after it, once the budget needs room."""
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    for i in range(4):
+        _spill(st, pool, i)
+    _age(d, range(4))
+    assert _read_back(st, 0)
+    st.close()
+    st, _ = _store(d, capacity=3 * ONE)  # a smaller budget: the least recently used record goes at start-up
+    _settle(st)
+    assert _kept(d) == {0, 2, 3} and len(st.tier) == 3
+    assert _read_back(st, 0)
+    st.close()
+
+
+def test_the_value_policy_keeps_its_values_over_a_restart(tmp_path):
+    from deltaserve.memory.eviction import ValueEviction
+
+    d = tmp_path / "tier"
+    st, pool = _store(d, eviction=ValueEviction())
+    for i, value in enumerate((50.0, 20.0, 1.0)):
+        _spill(st, pool, i, value)
+    _age(d, range(3))
+    st.close()
+    st, _ = _store(d, capacity=2 * ONE, eviction=ValueEviction())
+    _settle(st)
+    assert _kept(d) == {0, 1}  # the least valuable went, not the oldest
+    assert st.tier.value_of(_rec(0).key) == 50.0
+    st.close()
+
+
+def _small_disk(monkeypatch, records: int):
+    """A file system that holds `records` records: a write that would need more space fails with ENOSPC."""
+    from deltaserve.runner import disk_store
+
+    real = disk_store._write_all
+
+    def write(fd, data):
+        d = os.path.dirname(os.readlink(f"/proc/self/fd/{fd}"))
+        if sum(n.endswith(".rec") for n in os.listdir(d)) >= records:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(disk_store, "_write_all", write)
+
+
+def test_a_budget_larger_than_the_disk_evicts_and_retries(tmp_path, monkeypatch, caplog):
+    """The disk holds three records, the budget a megabyte: each failed write evicts by policy and is tried once
+    more, so the newest records are kept (never the first ones forever), the budget comes down to the disk's size,
+    the warnings are rate-limited and the gauges count the files."""
+    _small_disk(monkeypatch, 3)
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        for i in range(8):
+            _spill(st, pool, i)
+    assert _kept(d) == {5, 6, 7}  # lru: the oldest records made room
+    s = st.tier.stats
+    assert s.disk_records == 3 == len(_records(str(d))) and s.disk_bytes == 3 * ONE and s.disk_writes == 8
+    assert st.tier.capacity < 4 * ONE and st.tier.writable
+    assert caplog.text.count("writing kv-") == 1  # one line for the five failures (rate-limited)
+    assert _read_back(st, 7) and not [n for n in os.listdir(d) if n.startswith(".tmp-")]
+    st.tier.check_integrity()
+    st.close()
+
+
+def test_a_disk_that_stays_full_stops_the_writing_and_the_gauges_count_the_files(tmp_path, monkeypatch, caplog):
+    from deltaserve.runner import disk_store
+
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    _spill(st, pool, 0)
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")  # another program's files fill the disk
+
+    monkeypatch.setattr(disk_store, "_write_all", full)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        for i in range(1, 6):
+            pool.data[(i,)] = bytes([i]) * 64
+            st.tier.spill(_rec(i), (i,))
+            st.sync()  # a step, no lookup: the gauges must still follow the files
+            st.drain()
+            st.sync()
+            st.drain()
+            assert st.tier.stats.disk_records == len(_records(str(d))), i
+    assert not st.tier.writable and caplog.text.count("stopped writing") == 1
+    assert caplog.text.count("writing kv-") <= 2
+    assert st.tier.stats.disk_bytes == ONE * len(_records(str(d)))
+    st.tier.check_integrity()
+    st.close()
+
+
+def test_a_refused_write_turns_the_tier_read_only(tmp_path, monkeypatch, caplog):
+    from deltaserve.runner import disk_store
+
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    _spill(st, pool, 0)
+
+    def refused(fd, data):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(disk_store, "_write_all", refused)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        for i in range(1, 4):
+            _spill(st, pool, i)
+    assert not st.tier.writable and caplog.text.count("writing kv-") == 1 and _kept(d) == {0}
+    assert _read_back(st, 0)
+    st.close()
+
+
+def test_a_missing_fingerprint_file_is_rebuilt_from_the_records(tmp_path, caplog):
+    d = tmp_path / "tier"
+    st, pool = _store(d)
+    for i in range(3):
+        _spill(st, pool, i)
+    st.close()
+    os.remove(d / "FINGERPRINT")
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        st, _ = _store(d)
+    assert "FINGERPRINT missing: rebuilt from the headers of its 3 records" in caplog.text
+    assert len(st.tier) == 3 and _kept(d) == {0, 1, 2} and _read_back(st, 1)
+    with open(d / "FINGERPRINT") as f:
+        assert st.fp_digest in json.load(f)
+    st.close()
+
+
+def test_records_of_two_models_share_the_directory_and_the_budget(tmp_path, caplog):
+    """Model b starts on model a's directory: a's records stay (misses for b), b's records of the same blocks
+    are written beside them, a's go only when the budget needs their room, and a reads its own back."""
+    d = tmp_path / "tier"
+    a, pool = _store(d, model="a")
+    for i in range(3):
+        _spill(a, pool, i)
+    a.close()
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        b, pool = _store(d, capacity=5 * ONE, model="b")
+    assert "fingerprint mismatch (model differ)" in caplog.text and "3 records of 1 other fingerprints kept" in caplog.text
+    assert len(b.tier) == 0 and b.tier.foreign == 3 and b.tier.stats.disk_records == 3
+    assert not _read_back(b, 0)  # a's record of block 0 is no hit for b
+    for i in range(3):
+        _spill(b, pool, i)  # room for two: a's oldest record goes for the third
+    assert len(_records(str(d))) == 5 and b.tier.stats.disk_evictions == 1
+    b.close()
+    a, _ = _store(d, capacity=5 * ONE, model="a")
+    assert len(a.tier) == 2 and a.tier.foreign == 3 and _read_back(a, 1) and _read_back(a, 2)
+    a.close()
+
+
+def test_the_directory_keeps_its_mode(tmp_path):
+    d = tmp_path / "tier"
+    d.mkdir(mode=0o750)
+    os.chmod(d, 0o750)
+    st, pool = _store(d)
+    _spill(st, pool, 0)
+    st.close()
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o750
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (root only; skipped otherwise): (mount point, remount(options))."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"mount -t tmpfs failed: {r.stderr.strip()}")
+
+    def remount(opts: str):
+        subprocess.run(["mount", "-o", f"remount,{opts}", str(mnt)], check=True)
+
+    yield mnt, remount
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def _fill(mnt):
+    """Write until the file system is full."""
+    fd = os.open(mnt / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"x" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+
+
+def test_a_read_only_directory_is_served_read_only(small_tmpfs, caplog):
+    mnt, remount = small_tmpfs
+    d = mnt / "tier"
+    st, pool = _store(d)
+    for i in range(3):
+        _spill(st, pool, i)
+    st.close()
+    remount("ro")
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        st, pool = _store(d)
+    assert not st.writable and "cannot write (Read-only file system)" in caplog.text
+    assert len(st.tier) == 3 and _read_back(st, 2)
+    _spill(st, pool, 9)  # nothing written, no error
+    assert _kept(d) == {0, 1, 2} and not st.tier.stats.disk_write_errors
+    st.close()
+
+
+def test_a_disk_full_at_start_up_serves_without_writing(small_tmpfs, caplog):
+    mnt, _ = small_tmpfs
+    _fill(mnt)
+    with caplog.at_level(logging.WARNING, logger="deltaserve"):
+        st, pool = _store(mnt / "tier")
+    assert not st.writable and "cannot write (No space left on device)" in caplog.text
+    assert [n for n in os.listdir(mnt / "tier") if n.startswith(".tmp")] == []
+    _spill(st, pool, 0)
+    assert _kept(mnt / "tier") == set()
+    st.close()
+
+
+# ---------------------------------------------------------------- the engine over a restart
+
+
+@pytest.mark.parametrize("eviction", ["lru", pytest.param("value", marks=pytest.mark.slow)])
+def test_a_conversation_read_back_before_a_restart_outlives_a_fill(eviction, tmp_path):
+    """A and B written; after a restart A is read back (its next turn); after another, C fills the budget: B's
+    records go, A's stay, and A's turn is again >= 95% from disk (lru), equal to its cold twin."""
+    layout, d = "runs", str(tmp_path / "tier")
+    kw = dict(cache_layout=layout, cache_disk=d, eviction=eviction)
+    rng = random.Random(11)
+    a1, b1, c1 = random_tokens(rng, 700), random_tokens(rng, 700), random_tokens(rng, 500)
+    llm = make_llm(**kw)
+    a2 = a1 + run(llm, [a1])[0].outputs[0].token_ids + random_tokens(rng, 150)
+    run(llm, [b1])
+    llm.close()
+    llm = make_llm(**kw)
+    read_back = run(llm, [a2])[0].num_cached_tokens
+    assert read_back >= 640  # A read back
+    llm.close()
+    budget = llm.engine.stats().disk_bytes  # what A and B take: C must evict
+    llm = make_llm(cache_disk_bytes=budget, **kw)
+    run(llm, [c1])
+    llm.close()
+    assert llm.engine.stats().disk_evictions > 0
+    llm = make_llm(cache_disk_bytes=budget, **kw)
+    out = run(llm, [a2])[0]
+    llm.engine.memory.check_integrity()
+    llm.close()
+    # lru keeps all of A (its turn-2 tail is newer than B); value may trade A's cheaper checkpoints (its decode one)
+    # for B's records, keeping A's head (a restart that forgot the values lost all of A: 0 cached)
+    want = 0.95 * len(a2) if eviction == "lru" else 640
+    assert out.num_cached_tokens >= want and llm.engine.stats().disk_hit_tokens >= want
+    assert signature(out) == _cold(layout, [a2])[0]
+
+
+# ---------------------------------------------------------------- a server in its own process
+
+
+def test_a_directory_that_cannot_be_read_is_refused_with_one_line(tmp_path):
+    """`deltaserve serve --cache-disk DIR` exits non-zero with one line naming DIR, before loading the model. As
+    root (who reads any directory) the server runs without the capabilities that let it."""
+    import shutil as sh
+    import subprocess
+    import sys
+
+    d = tmp_path / "tier"
+    d.mkdir()
+    os.chmod(d, 0)
+    cmd = [sys.executable, "-m", "deltaserve.server", "--port", "1", "--cache-disk", str(d)]
+    if os.geteuid() == 0:
+        if not sh.which("setpriv"):
+            pytest.skip("as root, a directory root cannot read needs setpriv to drop CAP_DAC_*")
+        cmd = ["setpriv", "--bounding-set=-dac_override,-dac_read_search", *cmd]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), env={**os.environ, "OMP_NUM_THREADS": "1"})
+    os.chmod(d, 0o700)
+    assert r.returncode != 0, r.stderr[-2000:]
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines == [f"deltaserve serve: --cache-disk {d} cannot be read: Permission denied"], r.stderr[-2000:]
+
+
+def _complete(base: str, prompt) -> tuple[list, list, int]:
+    import httpx
+
+    r = httpx.post(base + "/v1/completions", json={"model": "deltaserve/tiny", "prompt": list(prompt), "max_tokens": 8,
+                                                   "temperature": 0, "logprobs": 5, "ignore_eos": True}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    lp = body["choices"][0]["logprobs"]
+    return lp["tokens"], lp["token_logprobs"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _cold_text(prompt):
+    """The cold run's tokens (as text pieces) and logprobs, from an engine without a disk tier."""
+    llm = make_llm(kv_cache_memory=96 * (1 << 20), cache_layout="runs")
+    c = run(llm, [prompt])[0].outputs[0]
+    pieces = [llm.engine.tokenizer.id_to_piece(t) for t in c.token_ids]
+    return c.token_ids, [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)], pieces
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_server_on_a_read_only_or_full_file_system_serves(fault, small_tmpfs):
+    """The server starts on a directory it cannot write (a read-only mount holding last run's records, or a disk
+    already full), says so in one line, answers every request as a cold server does, and leaves no temp file."""
+    from server_support import RealServer
+
+    mnt, remount = small_tmpfs
+    d = mnt / "tier"
+    rng, p1 = _session(3, 300)
+    if fault == "read-only":
+        remount("size=16m")
+        llm = make_llm(cache_layout="runs", cache_disk=str(d))
+        p2 = p1 + run(llm, [p1])[0].outputs[0].token_ids + random_tokens(rng, 50)
+        llm.close()
+        remount("ro")
+    else:
+        p2 = p1
+        _fill(mnt)
+    srv = RealServer("--cache-disk", str(d), "--cache-layout", "runs", "--seed", "0")
+    try:
+        tokens, lps, cached = _complete(srv.base, p2)
+    finally:
+        srv.stop()
+    _, cold_lps, _ = _cold_text(p2)
+    assert lps == cold_lps and len(tokens) == 8
+    assert (cached >= 256) == (fault == "read-only")
+    why = "Read-only file system" if fault == "read-only" else "No space left on device"
+    assert srv.log().count(f"cannot write ({why})") == 1, srv.log()
+    assert not [n for n in os.listdir(d) if n.startswith(".tmp")]

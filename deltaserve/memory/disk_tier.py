@@ -21,10 +21,20 @@ The life of a record:
   * evict    over the byte budget, the record the eviction policy picks goes (`delete`): the pool's own
              policy (--eviction, memory/eviction.py) over records, lru by default (a record read back counts as
              used); value weighs the prefill tokens a record spares per byte it takes, with its hits.
-A failed write or read (a full disk, a corrupt or missing file) drops the record from the index: a miss.
+A failed read (a corrupt or missing file) drops the record from the index: a miss. A failed write:
+  * no room on the file system (ENOSPC, EDQUOT): the budget is larger than the disk; the budget comes down to what
+    is on disk, the policy evicts to make room for the record, and its write is tried once more (the store kept
+    its bytes); a second failure stops the writing (`writable` false): what is on disk is still read;
+  * not allowed (EROFS, EACCES, EPERM): the writing stops at once;
+  * anything else (EIO): that record is dropped, a miss.
+Records of other fingerprints (another model or configuration on the same directory, `ForeignRecord`) share the
+budget and the policy's order: never a hit, deleted only when the budget needs their room.
+Recency and value outlive the process: the store orders the records found at start-up by their files' mtimes
+(set again at each read-back) and reads each one's value from its header.
 
-Invariants (check_integrity): the index's byte count equals the sum of its records; it never exceeds the
-budget; a staged or reading key is in the index or was dropped since (its bytes are then never loaded).
+Invariants (check_integrity): the index's byte count equals the sum of its records and the foreign ones; it
+never exceeds the budget; the gauges count the records whose write finished (not those queued); a staged or
+reading key is in the index or was dropped since (its bytes are then never loaded).
 """
 from __future__ import annotations
 
@@ -61,11 +71,33 @@ class DiskRecord:
 
 
 @dataclass(frozen=True)
+class ForeignRecord:
+    """A record of another fingerprint on the same directory: its bytes count against the budget and it is evicted
+    by policy like the others, but no lookup finds it."""
+
+    name: str  # its file's name: the key the store deletes it by
+    nbytes: int  # payload bytes
+
+    @property
+    def key(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
 class Spill:
-    """Write the bytes at `location` (kv: (page,); ckpt: the checkpoint's location) as `record`."""
+    """Write the bytes at `location` (kv: (page,); ckpt: the checkpoint's location) as `record`; value is the
+    policy's (kept in the record's header, so that it outlives the process)."""
 
     record: DiskRecord
     location: tuple[int, ...]
+    value: float = 0.0
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """Write `record` once more from the bytes the store kept when its first write found the disk full."""
+
+    record: DiskRecord
 
 
 @dataclass(frozen=True)
@@ -80,8 +112,8 @@ class Load:
 class DiskStats:
     """The tier's counters and gauges, each under its EngineStats field and metric name."""
 
-    disk_bytes: int = 0  # gauge: bytes the records on disk take (headers charged HEADER_BYTES)
-    disk_records: int = 0  # gauge
+    disk_bytes: int = 0  # gauge: bytes the records on disk take (headers charged HEADER_BYTES), queued writes not
+    disk_records: int = 0  # gauge: records on disk, other fingerprints' included
     disk_writes: int = 0  # records written
     disk_write_bytes: int = 0
     disk_write_errors: int = 0  # writes that failed (a full disk, an I/O error): those records are misses
@@ -107,7 +139,16 @@ class DiskTier:
         self._values: dict[int, float] = {}
         self._next_id = 0
         self.wants_value = self._evictor.wants_value
-        self._ops: list[tuple[str, object]] = []  # ("write", Spill) | ("read", DiskRecord) | ("delete", key)
+        self._foreign: dict[str, ForeignRecord] = {}
+        # writes queued or in flight (not on disk yet), each with its place in the order of writes queued
+        self._pending: dict[tuple[str, BlockHash], int] = {}
+        self._pending_bytes = 0
+        self._queued = 0  # writes queued so far
+        self._learned = 0  # a full disk queued before this write (its failure) says nothing new of the disk's size
+        self._retried: set[tuple[str, BlockHash]] = set()  # rewritten once after a full disk
+        self.writable = True  # false: nothing more is written (a read-only directory, a disk that stays full)
+        self._ops: list[tuple[str, object]] = []  # ("write", Spill) | ("rewrite", Rewrite) | ("read", DiskRecord)
+        # | ("delete", key of a record or name of a foreign one)
         self._loads: list[Load] = []
         self._loading_now: set[tuple[str, BlockHash]] = set()  # installed since the ops were last taken
         self.reading: set[tuple[str, BlockHash]] = set()
@@ -129,32 +170,59 @@ class DiskTier:
     def __len__(self) -> int:
         return len(self._index)
 
-    def charge(self, rec: DiskRecord) -> int:
+    def charge(self, rec) -> int:
         return rec.nbytes + HEADER_BYTES
 
-    def add(self, rec: DiskRecord, value: float = 0.0) -> bool:
-        """Enter rec in the index, evicting what the policy picks to make room. False: it cannot fit.
-        value: the prefill tokens the record spares per K/V record's bytes (the value policy's; lru ignores it)."""
-        if rec.key in self._index:
+    @property
+    def foreign(self) -> int:
+        """Records of other fingerprints held under the budget."""
+        return len(self._foreign)
+
+    def value_of(self, key) -> float:
+        i = self._ids.get(key)
+        return 0.0 if i is None else self._values[i]
+
+    def add(self, rec, value: float = 0.0, written: bool = False) -> bool:
+        """Enter rec (a DiskRecord, or a ForeignRecord found at start-up) in the index, evicting what the policy
+        picks to make room. False: it cannot fit. value: the prefill tokens the record spares per K/V record's
+        bytes (the value policy's; lru ignores it). written: its file is on disk already (not a queued write)."""
+        if rec.key in self._ids:
             return True
         need = self.charge(rec)
         if need > self.capacity:
             return False
-        while self.bytes + need > self.capacity:
-            old_key = self._keys[self._evictor.pop()]
-            old = self._index.pop(old_key)
-            self._forget(old)
-            self._ops.append(("delete", old_key))
-            self.stats.disk_evictions += 1
-        self._index[rec.key] = rec
+        self._make_room(need)
+        if isinstance(rec, ForeignRecord):
+            self._foreign[rec.key] = rec
+        else:
+            self._index[rec.key] = rec
+            if not written:
+                self._pending[rec.key] = self._queued
+                self._queued += 1
+                self._pending_bytes += need
         i = self._ids[rec.key] = self._next_id
         self._next_id += 1
         self._keys[i], self._values[i] = rec.key, value
         self._evictor.push(i, False, value)
         self.bytes += need
         self._gauges()
-        self._event(rec, True)
+        if not isinstance(rec, ForeignRecord):
+            self._event(rec, True)
         return True
+
+    def _make_room(self, need: int) -> None:
+        """Evict by policy until `need` more bytes fit the budget (the caller checked need <= capacity)."""
+        while self.bytes + need > self.capacity:
+            self._evict(self._keys[self._evictor.pop()])
+
+    def _evict(self, key) -> None:
+        """key left the policy already: forget it, delete its file."""
+        if key in self._foreign:
+            self._release(key, self.charge(self._foreign.pop(key)))
+        else:
+            self._forget(self._index.pop(key))
+        self._ops.append(("delete", key))
+        self.stats.disk_evictions += 1
 
     def _event(self, rec: DiskRecord, stored: bool) -> None:
         if self.events is not None and rec.index >= 0:  # a block's place in its chain anchors it for a router
@@ -170,9 +238,23 @@ class DiskTier:
             self._event(rec, True)
 
     def adopt(self, records) -> None:
-        """Records found on disk at start-up, oldest first (the index's LRU order)."""
-        for rec in records:
-            self.add(rec)
+        """Records found on disk at start-up, least recently written or read back first (the policy's order): each
+        a DiskRecord, a ForeignRecord, or a (record, value) pair (the value its header keeps)."""
+        budget, self.capacity = self.capacity, float("inf")  # all enter first: the policy then picks among all
+        for item in records:
+            rec, value = item if isinstance(item, tuple) else (item, 0.0)
+            if self.charge(rec) <= budget:
+                self.add(rec, value, written=True)
+        self.capacity = budget
+        self._make_room(0)
+
+    def pending(self, key) -> bool:
+        """key's write is queued or in flight (or waits to be tried once more)."""
+        return key in self._pending
+
+    def stop_writing(self) -> None:
+        """Nothing more is written (a read-only directory, a disk that stays full); the records on disk are read."""
+        self.writable = False
 
     def touch(self, key) -> None:
         """key was used (read back): the policy sees it anew."""
@@ -188,27 +270,35 @@ class DiskTier:
             self._evictor.remove(self._ids[key])
             self._forget(rec)
             self._ops.append(("delete", key))
-            self._gauges()
 
     def _forget(self, rec: DiskRecord) -> None:
         """rec left the index (and the policy)."""
-        i = self._ids.pop(rec.key)
-        del self._keys[i], self._values[i]
-        self.bytes -= self.charge(rec)
+        self._release(rec.key, self.charge(rec))
         self.staged.discard(rec.key)
         self._event(rec, False)
 
+    def _release(self, key, charge: int) -> None:
+        i = self._ids.pop(key)
+        del self._keys[i], self._values[i]
+        self.bytes -= charge
+        if self._pending.pop(key, None) is not None:
+            self._pending_bytes -= charge
+        self._retried.discard(key)
+        self._gauges()
+
     def _gauges(self) -> None:
-        self.stats.disk_bytes, self.stats.disk_records = self.bytes, len(self._index)
+        """What is on disk: the records whose write finished, the foreign ones (a queued write is not there yet)."""
+        self.stats.disk_bytes = self.bytes - self._pending_bytes
+        self.stats.disk_records = len(self._index) + len(self._foreign) - len(self._pending)
 
     # ------------------------------------------------------------------ decisions the manager takes
     def spill(self, rec: DiskRecord, location: tuple[int, ...], value: float = 0.0) -> None:
         """Queue a write of the pool bytes at location, unless the record is on disk already or its bytes are
         not in the pool yet (loaded this step: they land after the spills are copied)."""
-        if self.closed or rec.key in self._index or rec.key in self._loading_now:
+        if self.closed or not self.writable or rec.key in self._index or rec.key in self._loading_now:
             return
         if self.add(rec, value):
-            self._ops.append(("write", Spill(rec, location)))
+            self._ops.append(("write", Spill(rec, location, value)))
         else:
             self.stats.disk_write_errors += 1
 
@@ -224,7 +314,8 @@ class DiskTier:
         self.touch(rec.key)
 
     def poll(self) -> None:
-        """Take what the worker finished: failed writes and reads drop their record (a miss)."""
+        """Take what the worker finished: failed reads drop their record (a miss); a failed write is handled by what
+        failed (the module docstring): "write" ok or not, "write_full" (no room), "write_refused" (not allowed)."""
         while self.done:
             op, key, ok, seconds, nbytes = self.done.popleft()
             if op == "read":
@@ -237,13 +328,38 @@ class DiskTier:
                 elif not ok:
                     self.stats.disk_read_errors += 1
                     self.drop(key)
-            elif op == "write":
-                if ok:
-                    self.stats.disk_writes += 1
-                    self.stats.disk_write_bytes += nbytes
+            elif ok:  # a write
+                if self._pending.pop(key, None) is not None:
+                    self._pending_bytes -= self.charge(self._index[key])
+                    self._gauges()
+                self.stats.disk_writes += 1
+                self.stats.disk_write_bytes += nbytes
+            else:
+                self.stats.disk_write_errors += 1
+                if op == "write_full" and self.writable and key in self._index and key not in self._retried:
+                    self._room_for_retry(key)
                 else:
-                    self.stats.disk_write_errors += 1
+                    if op in ("write_full", "write_refused"):
+                        self.stop_writing()
                     self.drop(key)
+
+    def _room_for_retry(self, key) -> None:
+        """key's write found the file system full: the budget comes down to what is on disk (the queued writes must
+        fit in it too), the policy evicts to make room, and key is written once more. A write queued before the
+        last such lesson failed for want of the room that lesson's deletes (queued after it) make: it only retries."""
+        if self._pending[key] >= self._learned:
+            self.capacity = min(self.capacity, self.bytes - self._pending_bytes)
+            self._learned = self._queued
+        i = self._ids[key]
+        self._evictor.remove(i)  # not its own victim
+        while self.bytes > self.capacity and len(self._evictor):
+            self._evict(self._keys[self._evictor.pop()])
+        self._evictor.push(i, False, self._values[i])
+        if self.bytes > self.capacity:  # nothing left to evict: it cannot fit this disk
+            self.drop(key)
+            return
+        self._retried.add(key)
+        self._ops.append(("rewrite", Rewrite(self._index[key])))
 
     def take(self) -> tuple[list[tuple[str, object]], list[Load]]:
         """The worker's ops (in order) and the loads, for the engine to carry out before the step runs."""
@@ -260,7 +376,7 @@ class DiskTier:
         return bool(self.reading)
 
     def check_integrity(self) -> None:
-        total = 0
+        total = sum(self.charge(r) for r in self._foreign.values())
         for key, rec in self._index.items():
             assert key == rec.key and rec.kind in self.sizes and rec.nbytes == self.sizes[rec.kind], \
                 f"disk record {key!r} does not match its kind's size"
@@ -269,6 +385,10 @@ class DiskTier:
         assert self.bytes <= self.capacity, "disk tier over its budget"
         assert not (self.reading & self.staged), "a record both read and staged"
         assert self.staged <= set(self._index), "a staged record left the index"
-        assert self.stats.disk_bytes == self.bytes and self.stats.disk_records == len(self._index)
-        assert set(self._ids) == set(self._index) and set(self._keys) == set(self._ids.values()) == set(self._evictor)\
-            and len(self._evictor) == len(self._index), "the eviction policy does not hold exactly the records"
+        assert set(self._pending) <= set(self._index) and self._retried <= set(self._pending), "a queued write left the index"
+        queued = sum(self.charge(self._index[k]) for k in self._pending)
+        assert queued == self._pending_bytes and self.stats.disk_bytes == self.bytes - queued, "the bytes gauge is not what is on disk"
+        assert self.stats.disk_records == len(self._index) + len(self._foreign) - len(self._pending)
+        held = set(self._index) | set(self._foreign)
+        assert set(self._ids) == held and set(self._keys) == set(self._ids.values()) == set(self._evictor)\
+            and len(self._evictor) == len(held), "the eviction policy does not hold exactly the records"

@@ -1,19 +1,25 @@
 """The disk tier's bytes: record files, the fingerprint, and the I/O worker thread (memory/disk_tier.py decides).
 
-A directory (`--cache-disk DIR`, mode 0700, one engine at a time: an flock on DIR/LOCK) holds
-  FINGERPRINT        JSON of everything that changes a record's bits: the model (config.json and the
-                     safetensors' names, sizes and mtimes), dtype, layout, page geometry, the CPU kernels'
-                     instruction set, the LM head's quantization, the device kind. A different fingerprint at
-                     start-up discards every record (a log line says which fields differ).
-  <kind>-<hash>.rec  one record (mode 0600):
+A directory (`--cache-disk DIR`, made 0700 if missing, its mode never changed; one writing engine at a time: an
+flock on DIR/LOCK) holds
+  FINGERPRINT        JSON: each fingerprint digest whose records the directory holds -> its fields (everything
+                     that changes a record's bits: the model (config.json and the safetensors' names, sizes and
+                     mtimes), dtype, layout, page geometry, the CPU kernels' instruction set, the LM head's
+                     quantization, the device kind), null where only a header told the digest. Descriptive: the
+                     headers count; rebuilt from them when missing.
+  <kind>-<hash>-<digest[:16]>.rec  one record (mode 0600):
                        magic "DSDISK01" | u32 header length | u64 payload length | header (JSON: fingerprint
-                       digest, kind, hash, parent, tokens, checkpoint kind) | sha256(header + payload) | payload
-                     the payload is the pool's bytes as they are (CacheStore.record_views): no conversion.
+                       digest, kind, hash, parent, tokens, checkpoint kind, index, eviction value) |
+                       sha256(header + payload) | payload
+                     the payload is the pool's bytes as they are (CacheStore.record_views): no conversion. Its mtime
+                     is when it was last written or read back: the policy's order at the next start-up.
+Records of other fingerprints (another model on the same directory) are kept under the one budget: misses here.
 Crash safety: a record is written to ".tmp-..." in the directory, fsynced, renamed over its final name (atomic)
 and the directory fsynced; a process killed mid-write leaves a temp file, removed (with a log line) at the next
 start. A record is only believed after its whole checksum, header included, matches at read time: a torn,
 truncated or flipped record, a missing file, or another fingerprint is a miss with a log line, never bytes in the
-pool. A write that fails (a full disk) drops its record: a miss later.
+pool. A write the disk has no room for evicts and is tried once more (memory/disk_tier.py); a directory this
+process cannot write is served read-only; one it cannot read is refused (check_directory).
 
 Threads: the engine's thread copies a spilled page out of the pool (sync, before the step that may overwrite it)
 and hands the bytes to the worker; the worker writes, reads, verifies and deletes files, appends what it finished
@@ -34,7 +40,7 @@ import threading
 import time
 
 from ..errors import ConfigError
-from ..memory.disk_tier import CKPT, KV, DiskRecord, DiskTier
+from ..memory.disk_tier import CKPT, KV, DiskRecord, DiskTier, ForeignRecord
 from ..memory.save_kind import SaveKind
 
 log = logging.getLogger("deltaserve")
@@ -44,6 +50,9 @@ MAGIC = b"DSDISK01"
 _HEAD = struct.Struct("<IQ")  # header length, payload length
 _PREFIX = len(MAGIC) + _HEAD.size
 _DIGEST = 32  # sha256
+_FULL = (errno.ENOSPC, errno.EDQUOT)  # a write that more room would let through
+_REFUSED = (errno.EROFS, errno.EACCES, errno.EPERM)  # a write that no room would let through
+WARN_EVERY_S = 30.0  # write failures are logged at most this often (with how many went unlogged)
 
 
 class DiskTierError(RuntimeError):
@@ -76,8 +85,24 @@ def fingerprint(model_path: str, dtype: str, pool, layout: str, kernels: str, qu
             "device": device}
 
 
-def record_name(kind: str, h: bytes) -> str:
-    return f"{kind}-{h.hex()}.rec"
+def record_name(kind: str, h: bytes, fp_digest: str) -> str:
+    """The fingerprint is in the name: two models' records of the same block hash (the same tokens) coexist."""
+    return f"{kind}-{h.hex()}-{fp_digest[:16]}.rec"
+
+
+def check_directory(directory: str) -> str:
+    """The --cache-disk directory's absolute path, made (mode 0700) if missing. Refused (ConfigError naming it)
+    only when it cannot be made or read: a directory that cannot be written is served read-only."""
+    path = os.path.abspath(directory)
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--cache-disk {path} does not exist and cannot be made: {e.strerror or e}") from None
+    try:
+        os.listdir(path)
+    except OSError as e:
+        raise ConfigError(f"--cache-disk {path} cannot be read: {e.strerror or e}") from None
+    return path
 
 
 def _write_all(fd: int, data) -> None:
@@ -96,77 +121,121 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def encode_header(rec: DiskRecord, fp_digest: str) -> bytes:
+def encode_header(rec: DiskRecord, fp_digest: str, value: float = 0.0) -> bytes:
+    """value: the eviction policy's (--eviction value), read back at the next start-up."""
     return json.dumps({"fingerprint": fp_digest, "kind": rec.kind, "hash": rec.hash.hex(), "parent": rec.parent.hex(),
-                       "tokens": list(rec.tokens), "ckpt_kind": rec.ckpt_kind, "index": rec.index},
+                       "tokens": list(rec.tokens), "ckpt_kind": rec.ckpt_kind, "index": rec.index, "value": value},
                       separators=(",", ":")).encode()
 
 
-def decode_header(header: bytes, nbytes: int) -> tuple[str, DiskRecord]:
-    """(fingerprint digest, record) from a header; raises ValueError on anything malformed."""
+def decode_header(header: bytes, nbytes: int) -> tuple[str, DiskRecord, float]:
+    """(fingerprint digest, record, value) from a header; raises ValueError on anything malformed."""
     d = json.loads(header)
     kinds = {KV: (None,), CKPT: tuple(k.value for k in SaveKind)}
     if d["kind"] not in kinds or d["ckpt_kind"] not in kinds[d["kind"]] or not all(isinstance(t, int)
                                                                                   for t in d["tokens"]):
         raise ValueError("malformed header")
+    value = float(d.get("value", 0.0))  # an older record has none
     return d["fingerprint"], DiskRecord(d["kind"], bytes.fromhex(d["hash"]), bytes.fromhex(d["parent"]),
-                                        tuple(d["tokens"]), nbytes, d["ckpt_kind"], int(d["index"]))
+                                        tuple(d["tokens"]), nbytes, d["ckpt_kind"], int(d["index"])), value
 
 
 class DiskStore:
-    """One engine's disk tier: the directory, the worker thread, and the copies in and out of the CacheStore."""
+    """One engine's disk tier: the directory, the worker thread, and the copies in and out of the CacheStore.
+
+    writable false: a directory this process cannot write (read-only, or a disk full at start-up) or a tier that
+    stopped writing (the disk stayed full, or writes are refused): the records found are still read and verified,
+    nothing is written, deleted or touched."""
 
     def __init__(self, directory: str, capacity: int, memory, cache, fp: dict, eviction=None):
-        self.dir = os.path.abspath(directory)
+        self.dir = check_directory(directory)
         self.cache = cache
         self.fp = fp
         self.fp_digest = hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()
         self.tier = DiskTier(capacity, cache.record_bytes(KV), cache.record_bytes(CKPT), eviction)
         self.staged: dict[tuple[str, bytes], memoryview] = {}  # verified payloads, the worker's until sync takes them
+        self._retry: dict[tuple[str, bytes], tuple[bytes, float]] = {}  # writes a full disk failed: (payload, value)
         self._q: queue.Queue = queue.Queue()
         self._idle = threading.Event()
         self._tmp = 0
+        self._stamped = 0  # the last mtime set (ns): strictly increasing, so a coarse clock never ties two uses
         self._closed = False
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        os.chmod(self.dir, 0o700)
-        self._lock = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(self._lock)
-            raise ConfigError(f"--cache-disk {self.dir} is in use by another engine") from None
-        self._check_fingerprint()
-        found = self._scan()
+        self._warned = 0.0  # when the last write failure was logged (rate-limited), and how many were not since
+        self._unlogged = 0
+        self.why_not = ""  # why nothing is written (writable false)
+        self.writable = True
+        self._lock = None
+        try:  # never changes the directory's mode: a directory made read-only is served read-only
+            self._lock = os.open(os.path.join(self.dir, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            self._cannot_write(e)
+        if self._lock is not None:
+            try:
+                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                os.close(self._lock)
+                raise ConfigError(f"--cache-disk {self.dir} is in use by another engine") from None
+        found, digests = self._scan()
+        self._check_fingerprint(digests)
         self.tier.adopt(found)
+        if not self.writable:
+            self.tier.stop_writing()
         memory.attach_disk(self.tier)
         self._worker = threading.Thread(target=self._run, name="deltaserve-disk-tier", daemon=True)
         self._worker.start()
-        log.info("disk tier %s: %d records (%s bytes) of a %s-byte budget", self.dir, len(self.tier),
-                 f"{self.tier.bytes:,}", f"{capacity:,}")
+        ours = len(self.tier)
+        others = f", {self.tier.foreign} of other fingerprints" if self.tier.foreign else ""
+        if self.writable:
+            log.info("disk tier %s: %d records%s (%s bytes) of a %s-byte budget", self.dir, ours, others,
+                     f"{self.tier.bytes:,}", f"{capacity:,}")
+        else:
+            log.warning("disk tier %s: cannot write (%s): serving its %d records%s read-only, writing nothing",
+                        self.dir, self.why_not, ours, others)
 
     # ------------------------------------------------------------------ start-up
-    def _records(self) -> list[str]:
-        return [n for n in os.listdir(self.dir) if n.endswith(".rec")]
+    def _cannot_write(self, e: OSError) -> None:
+        self.writable = False
+        self.why_not = e.strerror or str(e)
 
-    def _check_fingerprint(self) -> None:
+    def _check_fingerprint(self, digests: dict[str, int]) -> None:
+        """FINGERPRINT maps the digest of each fingerprint whose records the directory holds to its fields (None
+        where only a record's header told the digest): what a log line names when models differ. The records'
+        headers are what counts; a missing or unreadable file is rebuilt from them, never a reason to delete."""
         path = os.path.join(self.dir, "FINGERPRINT")
         old = None
-        if os.path.exists(path):
-            try:
-                with open(path) as f:
-                    old = json.load(f)
-            except (OSError, ValueError):
-                old = {}
-        if old != self.fp:
-            names = self._records()
-            if old is not None and names:
-                differ = sorted(k for k in set(old) | set(self.fp) if old.get(k) != self.fp.get(k))
-                log.warning("disk tier %s: fingerprint mismatch (%s differ): discarding its %d records", self.dir,
-                            ", ".join(differ) or "unreadable", len(names))
-            for n in names:
-                self._unlink(n)
-            data = json.dumps(self.fp, sort_keys=True, indent=1).encode()
-            tmp = os.path.join(self.dir, f".tmp-FINGERPRINT-{os.getpid()}")
+        try:
+            with open(path) as f:
+                old = json.load(f)
+            if isinstance(old, dict) and "format" in old:  # one fingerprint's fields (an older directory)
+                old = {hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest(): old}
+            if not isinstance(old, dict):
+                raise ValueError("not a JSON object")
+        except FileNotFoundError:
+            if sum(digests.values()):
+                log.warning("disk tier %s: FINGERPRINT missing: rebuilt from the headers of its %d records",
+                            self.dir, sum(digests.values()))
+        except (OSError, ValueError) as e:
+            log.warning("disk tier %s: FINGERPRINT unreadable (%s): rebuilt from the headers of its %d records",
+                        self.dir, e, sum(digests.values()))
+            old = None
+        known = old or {}
+        others = {d: n for d, n in digests.items() if d != self.fp_digest}
+        if others:
+            fields = set()
+            for d in others:
+                theirs = known.get(d)
+                if isinstance(theirs, dict):
+                    fields |= {k for k in set(theirs) | set(self.fp) if theirs.get(k) != self.fp.get(k)}
+            log.warning("disk tier %s: fingerprint mismatch (%s differ): %d records of %d other fingerprints kept "
+                        "(misses here; evicted by policy when the budget needs their room)", self.dir,
+                        ", ".join(sorted(fields)) or "unknown fields", sum(others.values()), len(others))
+        want = {d: known.get(d) for d in others}
+        want[self.fp_digest] = self.fp
+        if want == old or not self.writable:
+            return
+        data = json.dumps(want, sort_keys=True, indent=1).encode()
+        tmp = os.path.join(self.dir, f".tmp-FINGERPRINT-{os.getpid()}")
+        try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 _write_all(fd, data)
@@ -175,16 +244,23 @@ class DiskStore:
                 os.close(fd)
             os.replace(tmp, path)
             _fsync_dir(self.dir)
+        except OSError as e:  # a full disk, a read-only one: served without writing
+            self._unlink(os.path.basename(tmp))
+            self._cannot_write(e)
 
-    def _scan(self) -> list[DiskRecord]:
-        """The records on disk whose header is well formed and carries this fingerprint, oldest first; temp files
-        of interrupted writes and unusable records are removed, each with a log line."""
-        found = []
+    def _scan(self) -> tuple[list, dict[str, int]]:
+        """The records on disk, least recently written or read back first (file mtimes: a read-back sets it), each
+        with the value its header keeps: this fingerprint's as DiskRecords, others' as ForeignRecords; and how many
+        records each fingerprint digest has. Temp files of interrupted writes and unusable records are removed,
+        each with a log line (left in place when the directory cannot be written)."""
+        found, digests = [], {}
         for name in sorted(os.listdir(self.dir)):
             path = os.path.join(self.dir, name)
             if name.startswith(".tmp-"):
-                log.warning("disk tier %s: removed %s, left by a write that did not finish (a crash)", self.dir, name)
-                self._unlink(name)
+                if self.writable:
+                    log.warning("disk tier %s: removed %s, left by a write that did not finish (a crash)", self.dir,
+                                name)
+                    self._unlink(name)
                 continue
             if not name.endswith(".rec"):
                 continue
@@ -194,25 +270,42 @@ class DiskStore:
                     if len(head) != _PREFIX or head[:len(MAGIC)] != MAGIC:
                         raise ValueError("not a record")
                     hlen, plen = _HEAD.unpack(head[len(MAGIC):])
-                    digest, rec = decode_header(f.read(hlen), plen)
-                size, mtime = os.path.getsize(path), os.path.getmtime(path)
-                if digest != self.fp_digest:
-                    raise ValueError("another fingerprint")
-                if record_name(rec.kind, rec.hash) != name or plen != self.tier.sizes[rec.kind] \
-                        or size != _PREFIX + hlen + _DIGEST + plen:
-                    raise ValueError("wrong name or size (truncated?)")
+                    digest, rec, value = decode_header(f.read(hlen), plen)
+                    st = os.fstat(f.fileno())
+                if st.st_size != _PREFIX + hlen + _DIGEST + plen:
+                    raise ValueError("wrong size (truncated?)")
+                if digest == self.fp_digest:
+                    if plen != self.tier.sizes[rec.kind]:
+                        raise ValueError("wrong size for its kind")
+                    final = record_name(rec.kind, rec.hash, digest)
+                    if name != final:
+                        if name != f"{rec.kind}-{rec.hash.hex()}.rec" or not self.writable:
+                            raise ValueError("wrong name")
+                        os.replace(path, os.path.join(self.dir, final))  # an older directory's name: renamed
+                        name = final
+                else:
+                    rec = ForeignRecord(name, plen)
             except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-                log.warning("disk tier %s: discarding %s: %s", self.dir, name, e)
-                self._unlink(name)
+                if self.writable:
+                    log.warning("disk tier %s: discarding %s: %s", self.dir, name, e)
+                    self._unlink(name)
+                else:
+                    log.warning("disk tier %s: skipping %s: %s", self.dir, name, e)
                 continue
-            found.append((mtime, name, rec))
-        return [rec for _, _, rec in sorted(found, key=lambda t: (t[0], t[1]))]
+            digests[digest] = digests.get(digest, 0) + 1
+            found.append((st.st_mtime_ns, name, rec, value))
+        found.sort(key=lambda t: (t[0], t[1]))
+        return [(rec, value) for _, _, rec, value in found], digests
 
     def _unlink(self, name: str) -> None:
+        """Remove a file of the directory; one that is gone already, or that cannot be removed (a read-only
+        directory), is left as it is."""
         try:
             os.unlink(os.path.join(self.dir, name))
         except FileNotFoundError:
             pass
+        except OSError as e:
+            log.debug("disk tier %s: cannot remove %s: %s", self.dir, name, e)
 
     # ------------------------------------------------------------------ the engine's thread
     def sync(self) -> None:
@@ -220,10 +313,19 @@ class DiskStore:
         (the step may overwrite them) and hand them to the worker with the reads and deletes, in order; then
         copy staged payloads into the pages taken for them (the step may read them)."""
         tier = self.tier
+        tier.poll()  # the gauges follow the worker between lookups; a full disk's retries are queued now
+        if self.writable and not tier.writable:
+            self.writable = False
+            log.warning("disk tier %s: stopped writing (%s): its %d records are still read", self.dir,
+                        self.why_not or "writes fail", len(tier))
         ops, loads = tier.take()
         for op, arg in ops:
             if op == "write":
-                self._q.put(("write", arg.record, self.cache.read_record(arg.record.kind, arg.location)))
+                self._q.put(("write", arg.record, (self.cache.read_record(arg.record.kind, arg.location), arg.value)))
+            elif op == "rewrite":
+                kept = self._retry.pop(arg.record.key, None)
+                if kept is not None:
+                    self._q.put(("write", arg.record, kept))
             elif op == "read":
                 self._q.put(("read", arg, time.perf_counter()))
             else:  # its staged bytes stay until the loads below are done: a record loaded this step may be
@@ -236,6 +338,9 @@ class DiskStore:
         for key in list(self.staged):  # a copy: the worker adds to it meanwhile
             if key not in tier.staged and key not in tier.reading:
                 del self.staged[key]  # read for a record dropped since
+        for key in list(self._retry):
+            if not tier.pending(key):
+                del self._retry[key]  # kept for a record dropped since
 
     def wait(self, timeout: float) -> None:
         """Block until the worker finishes something (or timeout): a step with nothing to run but reads."""
@@ -251,10 +356,13 @@ class DiskStore:
         if self._closed:
             return
         self._closed = True
-        self.sync()
+        for _ in range(2):  # the second round: the writes a full disk asked to try once more
+            self.sync()
+            self._q.join()
         self._q.put(None)
         self._worker.join()
-        os.close(self._lock)
+        if self._lock is not None:
+            os.close(self._lock)
 
     # ------------------------------------------------------------------ the worker's thread
     def _run(self) -> None:
@@ -268,8 +376,8 @@ class DiskStore:
                     self._write(rec, arg)
                 elif op == "read":
                     self._read(rec, arg)
-                else:
-                    self._unlink(record_name(*rec))
+                else:  # a record's key, or a foreign record's file name
+                    self._unlink(rec if isinstance(rec, str) else record_name(*rec, self.fp_digest))
             except Exception as e:  # noqa: BLE001 - the worker must outlive any one record
                 log.error("disk tier %s: %s failed: %s: %s", self.dir, item[0], type(e).__name__, e)
                 if item[0] in ("write", "read"):
@@ -278,17 +386,19 @@ class DiskStore:
                 self._q.task_done()
                 self._idle.set()
 
-    def _write(self, rec: DiskRecord, payload: bytes) -> None:
-        name = record_name(rec.kind, rec.hash)
+    def _write(self, rec: DiskRecord, item: tuple[bytes, float]) -> None:
+        payload, value = item
+        name = record_name(rec.kind, rec.hash, self.fp_digest)
         self._tmp += 1
         tmp = os.path.join(self.dir, f".tmp-{name}-{os.getpid()}-{self._tmp}")
-        header = encode_header(rec, self.fp_digest)
+        header = encode_header(rec, self.fp_digest, value)
         digest = hashlib.sha256(header + payload).digest()
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 _write_all(fd, MAGIC + _HEAD.pack(len(header), len(payload)) + header + digest)
                 _write_all(fd, payload)
+                os.utime(fd, ns=(self._stamp(),) * 2)
                 os.fsync(fd)
             finally:
                 os.close(fd)
@@ -296,14 +406,38 @@ class DiskStore:
             _fsync_dir(self.dir)
         except OSError as e:
             self._unlink(os.path.basename(tmp))
-            why = "the disk is full" if e.errno in (errno.ENOSPC, errno.EDQUOT) else str(e)
-            log.warning("disk tier %s: writing %s failed (%s): the record is dropped", self.dir, name, why)
-            self.tier.done.append(("write", rec.key, False, 0.0, 0))
+            if e.errno in _FULL:  # the tier evicts to make room and asks for it once more: its bytes are kept
+                self._retry[rec.key] = item
+                op, why = "write_full", "the disk is full"
+            elif e.errno in _REFUSED:
+                op, why = "write_refused", e.strerror or str(e)
+            else:
+                op, why = "write", str(e)
+            self.why_not = why
+            self._warn_write(name, why)
+            self.tier.done.append((op, rec.key, False, 0.0, 0))
             return
         self.tier.done.append(("write", rec.key, True, 0.0, len(payload)))
 
+    def _stamp(self) -> int:
+        """A record's use time: now, and after every earlier one of this process (the file system's clock ticks
+        in milliseconds)."""
+        self._stamped = max(time.time_ns(), self._stamped + 1)
+        return self._stamped
+
+    def _warn_write(self, name: str, why: str) -> None:
+        """One line per WARN_EVERY_S at most: a disk that fills fails every write."""
+        now = time.monotonic()
+        if self._warned and now - self._warned < WARN_EVERY_S:
+            self._unlogged += 1
+            return
+        more = f" ({self._unlogged} more failed writes since the last line)" if self._unlogged else ""
+        log.warning("disk tier %s: writing %s failed (%s): evicting by policy and trying once more, else the record "
+                    "is dropped%s", self.dir, name, why, more)
+        self._warned, self._unlogged = now, 0
+
     def _read(self, rec: DiskRecord, submitted: float) -> None:
-        name = record_name(rec.kind, rec.hash)
+        name = record_name(rec.kind, rec.hash, self.fp_digest)
         try:
             with open(os.path.join(self.dir, name), "rb") as f:
                 data = bytearray(f.read())
@@ -321,7 +455,7 @@ class DiskStore:
             h.update(payload)
             if h.digest() != digest:
                 raise ValueError("checksum mismatch (corrupt)")
-            fp, found = decode_header(bytes(header), plen)
+            fp, found, _ = decode_header(bytes(header), plen)
             if fp != self.fp_digest:
                 raise ValueError("another fingerprint")
             if found != rec:
@@ -331,5 +465,10 @@ class DiskStore:
             self._unlink(name)
             self.tier.done.append(("read", rec.key, False, 0.0, 0))
             return
+        if self.writable:  # a read-back is a use: the next start-up orders the records by this time
+            try:
+                os.utime(os.path.join(self.dir, name), ns=(self._stamp(),) * 2)
+            except OSError:
+                pass
         self.staged[rec.key] = payload
         self.tier.done.append(("read", rec.key, True, time.perf_counter() - submitted, plen))

@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = engine_config_from_args(args)
+        if cfg.cache_disk:  # before the engine loads: a directory it cannot read ends the process here
+            from ..runner.disk_store import check_directory
+
+            check_directory(cfg.cache_disk)
         events = kv_events_from_args(args, cfg)
         publisher = None
         if events is not None:
