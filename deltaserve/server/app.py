@@ -29,14 +29,13 @@ from . import anthropic, openai, responses
 from .async_engine import AsyncEngine
 from .errors import ANTHROPIC_PREFIX, ApiError, shaped_error_body
 from .kv_events import event_block_size
+from .limits import RequestLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openai.protocol import FieldError
 from .responses.store import DEFAULT_MAX_STORED
 from .state import ServedNames, ServerState
 
 log = logging.getLogger("deltaserve.server")
-
-MAX_BODY_BYTES = 64 << 20
 
 
 def default_model_name(engine_config: Any) -> str:
@@ -47,12 +46,15 @@ def default_model_name(engine_config: Any) -> str:
 
 
 class _Guard:
-    """Pure ASGI middleware: Bearer auth on /v1/*, and a cap on the body size (both before any parsing)."""
+    """Pure ASGI middleware: Bearer auth on /v1/*, and the body-size limit (limits.RequestLimits), both before any
+    parsing. The body is read here, counted as it arrives: a declared Content-Length over the limit is answered
+    413 before a byte of the body is read, a body that grows past it (chunked) as soon as it does, so an
+    oversized request never costs more memory than the limit. A body within the limit is handed on whole."""
 
-    def __init__(self, app, api_key: str | None, max_body: int = MAX_BODY_BYTES):
+    def __init__(self, app, api_key: str | None, limits: RequestLimits):
         self.app = app
         self.api_key = api_key
-        self.max_body = max_body
+        self.limits = limits
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -66,17 +68,42 @@ class _Guard:
                                                       "Bearer KEY).", "authentication_error", None, "invalid_api_key"),
                                     status_code=401, headers={"WWW-Authenticate": "Bearer"})
                 return await resp(scope, receive, send)
-        cl = headers.get(b"content-length")
-        if cl is not None:
-            try:
-                too_big = int(cl) > self.max_body
-            except ValueError:
-                too_big = False
-            if too_big:
-                resp = JSONResponse(shaped_error_body(path, f"The request body is larger than {self.max_body} bytes.",
-                                                      "invalid_request_error", None, "body_too_large"), status_code=413)
-                return await resp(scope, receive, send)
-        return await self.app(scope, receive, send)
+        limit = self.limits.max_body
+        try:
+            declared = int(headers[b"content-length"]) if b"content-length" in headers else None
+        except ValueError:
+            declared = None
+        if declared is not None and declared > limit:
+            return await self._too_large(scope, receive, send, path, declared)
+        chunks: list[bytes] = []
+        total, left = 0, None
+        while True:  # the body, counted as it arrives
+            message = await receive()
+            if message["type"] != "http.request":
+                left = message  # the client went away: the app hears it after the body it got
+                break
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > limit:
+                return await self._too_large(scope, receive, send, path, None)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        chunks.clear()  # the joined body is the only copy the app gets
+        if left is not None:
+            pending.append(left)
+
+        async def replayed():
+            if pending:
+                return pending.pop(0)
+            return await receive()
+
+        return await self.app(scope, replayed, send)
+
+    async def _too_large(self, scope, receive, send, path: str, size: int | None):
+        body = shaped_error_body(path, self.limits.message(size), "invalid_request_error", None, "request_too_large")
+        await JSONResponse(body, status_code=413, headers={"Connection": "close"})(scope, receive, send)
 
     def _authorized(self, headers: dict, path: str) -> bool:
         """Authorization: Bearer KEY on every /v1 route; Anthropic's SDKs send x-api-key: KEY instead."""
@@ -124,20 +151,23 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
 def build_app(engine_config: Any, api_key: str | None = None, served_model_name: str | list[str] | None = None,
               *, engine_factory: Callable[[Any], Any] | None = None, freeze_heap: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED, kv_events: Any = None,
-              accept_any_model_name: bool = False) -> FastAPI:
+              accept_any_model_name: bool = False, max_request_bytes: int | None = None) -> FastAPI:
     """The app over one engine. engine_factory (tests) replaces LLMEngine.from_config. freeze_heap: see
     AsyncEngine (the `deltaserve serve` process sets it; tests that build many apps do not).
     max_stored_responses: how many /v1/responses (store: true) are kept for previous_response_id.
     kv_events: a kv_events.KVEventPublisher (its sockets open): the engine's cache changes are published on it
     (closed when the app stops). accept_any_model_name: a request naming another model is served by this one
-    (state.ServedNames)."""
+    (state.ServedNames). max_request_bytes: the body-size limit (--max-request-bytes; None: the default for the
+    loaded model, limits.default_max_request_bytes)."""
+    limits = RequestLimits(max_request_bytes)
     state = _server_state(engine_config, api_key, _served_names(engine_config, served_model_name, accept_any_model_name),
-                          engine_factory, freeze_heap, max_stored_responses, kv_events)
+                          engine_factory, freeze_heap, max_stored_responses, kv_events, limits)
     app = FastAPI(title="deltaserve", version="0.1.0", lifespan=_lifespan(state.engine, kv_events),
                   description="OpenAI-compatible server for Gated DeltaNet hybrid models")
     app.state.engine = state.engine
     app.state.metrics = state.metrics
-    app.add_middleware(_Guard, api_key=state.api_key)
+    app.state.limits = limits
+    app.add_middleware(_Guard, api_key=state.api_key, limits=limits)
     _add_error_handlers(app)
     for api in (openai, responses, anthropic):
         api.register(app, state)
@@ -157,11 +187,12 @@ def _served_names(engine_config: Any, served_model_name: str | list[str] | None,
 
 def _server_state(engine_config: Any, api_key: str | None, names: ServedNames,
                   engine_factory: Callable[[Any], Any] | None, freeze_heap: bool, max_stored_responses: int,
-                  kv_events: Any) -> ServerState:
-    """The engine (it loads when the app starts), its metrics and what the routes share."""
-    on_loaded = None
-    if kv_events is not None:
-        def on_loaded(eng):  # metrics is bound below, before the engine can load
+                  kv_events: Any, limits: RequestLimits) -> ServerState:
+    """The engine (it loads when the app starts), its metrics and what the routes share. Once it has loaded (on its
+    thread, before it serves) the request limits are measured on its tokenizer."""
+    def on_loaded(eng):  # metrics is bound below, before the engine can load
+        limits.engine_loaded(eng)
+        if kv_events is not None:
             _publish_kv_events(kv_events, eng, metrics)
 
     engine = AsyncEngine(engine_config, engine_factory, freeze_heap=freeze_heap, on_loaded=on_loaded)

@@ -25,6 +25,7 @@ from ..text.tokenizer import TokenizerError
 from .async_engine import RequestSink
 from .core import Job, ServingCore
 from .errors import bad_request
+from .limits import encode_capped, token_bounds
 
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
                             "conversation", "return_dict", "return_tensors", "padding", "truncation",
@@ -301,11 +302,22 @@ def guide_for(tok, grammar: str | None, thinking: bool, budget: int | None):
     return inner
 
 
-async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
-    """Render, compile, make one job per sample and submit them (every 400 is raised before the engine runs)."""
-    _, tok = core.ready()
+def prompt_ids(eng, tok, spec: ChatSpec) -> tuple[str, list[int], list[int] | None]:
+    """The rendered prompt, its token ids and where each ends (characters); a 400 (context_length_exceeded, naming
+    the route's prompt field) for a prompt that cannot fit the context, found from its length or by counting
+    no further than the context (limits.encode_capped). Slow for a long prompt: call it off the event loop."""
     prompt_text = render_prompt(tok, spec)
-    ids, ends = tok.encode_with_ends(prompt_text)
+    try:
+        ids, ends = encode_capped(tok, prompt_text, int(eng.max_model_len), token_bounds(tok))
+    except EngineInputError as e:
+        raise bad_request(str(e), spec.name("prompt"), e.code) from None
+    return prompt_text, ids, ends
+
+
+def _chat_jobs(core: ServingCore, eng, tok, spec: ChatSpec) -> tuple[str, str, list[int], list[Job], bool]:
+    """Render, tokenize, compile, one job per sample (every 400 is raised here): (rid, prompt text, its ids, jobs,
+    thinking). The CPU work of a chat request, run in a worker thread by start_chat."""
+    prompt_text, ids, ends = prompt_ids(eng, tok, spec)
     thinking = prompt_opens_thinking(prompt_text)
     grammar = grammar_for(tok, spec)
     tools = spec.template_tools
@@ -327,6 +339,15 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
         j.tools = Qwen3CoderToolParser(tools, forced_name=spec.tool_name if spec.forced else None,
                                        forced=spec.forced) if tools else None
         jobs.append(j)
+    return rid, prompt_text, ids, jobs, thinking
+
+
+async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
+    """Render, compile, make one job per sample and submit them (every 400 is raised before the engine runs). The
+    rendering, tokenizing and compiling run in a worker thread: a long prompt never holds up the event loop, so
+    other requests' streams go on meanwhile."""
+    eng, tok = core.ready()
+    rid, prompt_text, ids, jobs, thinking = await asyncio.to_thread(_chat_jobs, core, eng, tok, spec)
     sink = RequestSink(asyncio.get_running_loop())
     names = {"prompt": spec.name("prompt"), "multi_modal_data": spec.name("multi_modal_data"), **spec.names}
     await core.submit(jobs, sink, spec.cache_salt, names=names)

@@ -1,6 +1,7 @@
 """`deltaserve serve`: the OpenAI-compatible server on uvicorn. Flags use vLLM's names.
 
     deltaserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME ...]
+                     [--max-request-bytes N]
                      [engine flags: --model DIR, --max-model-len N, --kv-cache-memory 2G, ... (config.EngineConfig)]
 
 With no --model it serves the embedded default model (the `tiny` preset).
@@ -33,6 +34,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stored-responses", type=int, default=None, metavar="N",
                    help="how many /v1/responses (store: true) are kept in memory for previous_response_id "
                         "(default 1024; the oldest is evicted first; 0 keeps none)")
+    p.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                   help="the largest request body accepted, in bytes; a larger one is answered 413 before it is read "
+                        "whole (default: room for a context of --max-model-len tokens of the densest text, times 4, "
+                        "plus one image at the image decoder's 20 MiB cap when the model takes images)")
     p.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
                    help="publish prefix-cache events for a KV-aware router (vllm-router --policy kv_aware) on a "
                         "ZMQ PUB socket, in vLLM's format, at the checkpoint grid (docs/cluster.md); "
@@ -102,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     if stored < 0:
         print("deltaserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
         return 2
+    if args.max_request_bytes is not None and args.max_request_bytes < 1:
+        print("deltaserve serve: --max-request-bytes must be >= 1", file=sys.stderr)
+        return 2
     app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True,
                     max_stored_responses=stored, kv_events=publisher,
-                    accept_any_model_name=args.accept_any_model_name)
+                    accept_any_model_name=args.accept_any_model_name, max_request_bytes=args.max_request_bytes)
     logging.getLogger("deltaserve").info("serving %s on http://%s:%d", app.state.serving.model_name,
                                          args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,

@@ -18,6 +18,8 @@ _ANTHROPIC_TYPES = {
     "service_unavailable": "overloaded_error",
     "internal_error": "api_error",
 }
+# error codes Anthropic gives a type of their own (a 413 is its request_too_large)
+_ANTHROPIC_CODES = {"request_too_large": "request_too_large"}
 
 
 class ApiError(Exception):
@@ -46,7 +48,10 @@ def shaped_error_body(path: str, message: str, type_: str, param: str | None = N
                       code: str | None = None) -> dict:
     """The error body in the shape of the API that owns `path`."""
     if path.startswith(ANTHROPIC_PREFIX):
-        return anthropic_error_body(message, type_, param)
+        body = anthropic_error_body(message, type_, param)
+        if code in _ANTHROPIC_CODES:
+            body["error"]["type"] = _ANTHROPIC_CODES[code]
+        return body
     return error_body(message, type_, param, code)
 
 

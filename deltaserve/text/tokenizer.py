@@ -223,9 +223,10 @@ def _prepare_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             m = m.model_dump(exclude_none=True)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise TokenizerError(f"messages[{i}] must be an object with a string 'role'")
-        m = copy.deepcopy(m)
+        m = dict(m)  # the texts are shared, not copied: a long one is in memory once, however many layers pass it
         calls = m.get("tool_calls")
         if isinstance(calls, list):
+            m["tool_calls"] = calls = copy.deepcopy(calls)  # their arguments are parsed in place below
             for c in calls:
                 f = c.get("function") if isinstance(c, dict) else None
                 if isinstance(f, dict) and isinstance(f.get("arguments"), str):

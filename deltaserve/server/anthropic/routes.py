@@ -9,6 +9,7 @@ costs no write). Errors on these routes are in Anthropic's shape (errors.py).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 from fastapi import FastAPI
@@ -19,6 +20,7 @@ from ..async_engine import EngineStepError
 from ..chat_spec import ChatRun, prompt_token_ids, render_prompt, start_chat
 from ..core import AbortingStream, Job, ServingCore, engine_failed
 from ..errors import anthropic_error_body
+from ..limits import count_pieces
 from ..state import ServerState
 from .input import messages_spec
 from .output import BlockFolder
@@ -56,7 +58,14 @@ class MessagesServing(ServingCore):
         self.check_model(req.model)
         eng, tok = self.ready()
         spec = messages_spec(req)
-        return {"input_tokens": len(prompt_token_ids(eng, tok.encode(render_prompt(tok, spec)), spec.images))}
+
+        def count() -> int:  # off the event loop; a long text counted piece by piece, whatever its length
+            text = render_prompt(tok, spec)
+            if spec.images:
+                return len(prompt_token_ids(eng, tok.encode(text), spec.images))
+            return count_pieces(tok, text)[0]
+
+        return {"input_tokens": await asyncio.to_thread(count)}
 
     # ---------------------------------------------------------------- shapes
     def _message(self, run: ChatRun, blocks: list[dict]) -> dict:

@@ -20,10 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from ..async_engine import EngineStepError, RequestSink
-from ..chat_spec import (ChatSpec, grammar_for, guide_for, image_content, prompt_token_ids, render_prompt,
-                         start_chat)
+from ..chat_spec import (ChatSpec, grammar_for, guide_for, image_content, prompt_ids, prompt_token_ids,
+                         render_prompt, start_chat)
 from ..core import AbortingStream, Delta, Job, ServingCore
+from ...engine.inputs import EngineInputError
 from ..errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
+from ..limits import check_prompt, token_bounds
 from ..state import ServerState
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
                        TokenizeRequest)
@@ -193,30 +195,49 @@ class OpenAIServing(ServingCore):
             return [p]
         return list(p)
 
+    @staticmethod
+    def _encode(eng, tok, text: str, param: str = "prompt", add_special_tokens: bool = False) -> list[int]:
+        """A text prompt's ids; a 400 (context_length_exceeded) for one that cannot fit the context, found without
+        tokenizing all of it (limits.check_prompt). Call it off the event loop."""
+        try:
+            check_prompt(tok, text, int(eng.max_model_len), token_bounds(tok))
+        except EngineInputError as e:
+            raise bad_request(str(e), param, e.code) from None
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def _encode_all(self, eng, tok, prompts: list[Any]) -> list[tuple[list[int], str | None]]:
+        return [(self._encode(eng, tok, p), p) if isinstance(p, str) else (list(p), None) for p in prompts]
+
     async def render_completions(self, req: CompletionRequest):
         self.check_model(req.model)
-        _, tok = self.ready()
+        eng, tok = self.ready()
         rid = f"cmpl-{uuid.uuid4().hex}"
-        return JSONResponse([self._generate_request(f"{rid}-{i}", tok.encode(p) if isinstance(p, str) else list(p),
-                                                    req, req.max_tokens)
-                             for i, p in enumerate(self._completion_prompts(req))])
+        encoded = await asyncio.to_thread(self._encode_all, eng, tok, self._completion_prompts(req))
+        return JSONResponse([self._generate_request(f"{rid}-{i}", ids, req, req.max_tokens)
+                             for i, (ids, _) in enumerate(encoded)])
 
     async def render_chat(self, req: ChatCompletionRequest):
         self.check_model(req.model)
-        _, tok = self.ready()
-        ids = tok.encode(render_prompt(tok, chat_spec(req)))
+        eng, tok = self.ready()
+        spec = chat_spec(req)
+        _, ids, _ = await asyncio.to_thread(prompt_ids, eng, tok, spec)
         return JSONResponse(self._generate_request(f"chatcmpl-{uuid.uuid4().hex}", ids, req, req.max_new_tokens))
 
     async def tokenize(self, req: TokenizeRequest):
         self.check_model(req.model)
         eng, tok = self.ready()
-        if req.messages is not None:
-            spec = chat_spec(ChatCompletionRequest(messages=req.messages, tools=req.tools,
-                                                   chat_template_kwargs=req.chat_template_kwargs))
-            ids = tok.encode(render_prompt(tok, spec), add_special_tokens=bool(req.add_special_tokens))
-            ids = prompt_token_ids(eng, ids, spec.images)  # each image's placeholder widened, as the engine runs it
-        else:
-            ids = tok.encode(req.prompt, add_special_tokens=bool(req.add_special_tokens))
+
+        def run() -> list[int]:
+            if req.messages is not None:
+                spec = chat_spec(ChatCompletionRequest(messages=req.messages, tools=req.tools,
+                                                       chat_template_kwargs=req.chat_template_kwargs))
+                text = render_prompt(tok, spec)
+                ids = self._encode(eng, tok, text, "messages", bool(req.add_special_tokens))
+                # each image's placeholder widened, as the engine runs it
+                return prompt_token_ids(eng, ids, spec.images)
+            return self._encode(eng, tok, req.prompt, "prompt", bool(req.add_special_tokens))
+
+        ids = await asyncio.to_thread(run)
         body: dict[str, Any] = {"count": len(ids), "max_model_len": int(eng.max_model_len), "tokens": ids,
                                 "token_strs": [tok.id_to_piece(t) for t in ids] if req.return_token_strs else None}
         return JSONResponse(body)
@@ -237,9 +258,8 @@ class OpenAIServing(ServingCore):
     # ================================================================ /v1/completions
     async def completions(self, req: CompletionRequest, request: Request):
         self.check_model(req.model)
-        _, tok = self.ready()
-        prompts = self._completion_prompts(req)
-        encoded = [(tok.encode(pr), pr) if isinstance(pr, str) else (list(pr), None) for pr in prompts]
+        eng, tok = self.ready()
+        encoded = await asyncio.to_thread(self._encode_all, eng, tok, self._completion_prompts(req))
         max_tokens = req.max_tokens
         echo_only = False
         if max_tokens == 0 and req.echo:
