@@ -168,6 +168,18 @@ class ModelConfig:
             return cls.from_hf(json.load(fh))
 
 
+class VisionConfigIncomplete(ConfigError):
+    """A vision_config without a field the encoder's geometry needs (`missing`: their names, in order)."""
+
+    def __init__(self, missing: list[str]):
+        self.missing = list(missing)
+        super().__init__(f"vision_config lacks {', '.join(self.missing)} (the vision encoder's geometry needs "
+                         f"{', '.join(VISION_REQUIRED)})")
+
+
+VISION_REQUIRED = ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size")
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     """The vision tower of a multimodal Qwen3.5 checkpoint (config.json's vision_config, transformers'
@@ -210,7 +222,8 @@ class VisionConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "VisionConfig | None":
         """From a multimodal config.json dict (qwen3_5 / qwen3_5_moe with a vision_config); None otherwise.
-        ConfigError for what the encoder does not implement (deepstack features, non-interleaved M-RoPE)."""
+        ConfigError for what the encoder does not implement (deepstack features, non-interleaved M-RoPE);
+        VisionConfigIncomplete (a ConfigError) naming the geometry fields the vision_config lacks."""
         v = hf.get("vision_config")
         if not v or hf.get("model_type") not in (*MULTIMODAL_MODEL_TYPES, *MULTIMODAL_MODEL_TYPES.values()):
             return None  # a text config with a vision_config beside it is a preset's form (make.py multimodal_form)
@@ -220,6 +233,9 @@ class VisionConfig:
         rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
         if rope.get("mrope_interleaved") is False:
             raise ConfigError("mrope_interleaved=false is not supported (Qwen3.5 interleaves its M-RoPE sections)")
+        missing = [k for k in VISION_REQUIRED if v.get(k) is None]
+        if missing:
+            raise VisionConfigIncomplete(missing)
         vrope = v.get("rope_parameters") or {}
         return cls(depth=int(v["depth"]), hidden_size=int(v["hidden_size"]),
                    intermediate_size=int(v["intermediate_size"]), num_heads=int(v["num_heads"]),

@@ -140,7 +140,8 @@ class FakeEngine:
             script = self.tokenizer.encode(text.split("SCRIPT<<", 1)[1].split("|||", 1)[0])
             script.append(self.tokenizer.token_to_id("<|im_end|>"))
         self._live[request_id] = dict(ids=ids, params=params, out=[], guide=guide,
-                                      detok=IncrementalDetokenizer(self.tokenizer, ids),
+                                      detok=IncrementalDetokenizer(self.tokenizer, ids,
+                                                                   skip_special_tokens=params.skip_special_tokens),
                                       fail=self.FAIL_STEP in text, script=script)
 
     def abort_request(self, request_id):

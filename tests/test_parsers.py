@@ -173,6 +173,23 @@ def test_prompt_opens_thinking():
     assert not prompt_opens_thinking("<|im_start|>assistant\n")
 
 
+@pytest.mark.parametrize("earlier", [
+    "<|im_start|>user\nWhat does <think> do?<|im_end|>\n",  # a user question about the tag
+    "<|im_start|>user\n<tool_response>\nline 3: <think>\n</tool_response><|im_end|>\n",  # a tool result
+    "<|im_start|>user\nq<|im_end|>\n<|im_start|>assistant\nI write <think> first<|im_end|>\n"  # an answer re-sent
+    "<|im_start|>user\nand?<|im_end|>\n",
+])
+def test_only_the_generation_prompt_opens_thinking(earlier):
+    """A <think> in a finished turn is text: whether the new answer starts in reasoning is the generation
+    prompt's own opening, in both template styles (the model opens the block itself / the template opens it)."""
+    assert not prompt_opens_thinking(earlier + "<|im_start|>assistant\n")  # the model writes its own <think>
+    assert prompt_opens_thinking(earlier + "<|im_start|>assistant\n<think>\n")  # Qwen3.5's template, thinking on
+    assert not prompt_opens_thinking(earlier + "<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    # an Anthropic prefill is part of the turn: one that opens a think block does count
+    assert prompt_opens_thinking(earlier + "<|im_start|>assistant\n<think>\nLet me")
+    assert not prompt_opens_thinking(earlier)  # no assistant turn is open (the last one is closed)
+
+
 def test_reasoning_nonstreaming():
     assert extract_reasoning("plan</think>\n\nanswer", True) == ("plan", "answer")
     assert extract_reasoning("<think>plan</think>answer") == ("plan", "answer")

@@ -147,6 +147,42 @@ def test_checkpoint_directory_with_multimodal_config(tmp_path, capsys):
     assert r["model"]["kind"] == "config" and r["budget_bytes"] == 40_000_000 - r["weight_bytes"]
 
 
+def _multimodal_config(path, vision: dict) -> None:
+    text = load_preset("qwen3.5-0.8b-shape")
+    text.pop("vision_config")
+    path.write_text(json.dumps({"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+                                "text_config": text, "vision_config": vision}))
+
+
+def test_incomplete_vision_config_plans_the_text_model(tmp_path, capsys):
+    """A vision_config without the encoder's geometry: the text model is planned and the encoder flagged unknown
+    (vision_params null, a warning naming the missing fields), not a KeyError."""
+    from deltaserve.config import VisionConfig, VisionConfigIncomplete
+
+    full = load_preset("qwen3.5-0.8b-shape")["vision_config"]
+    _multimodal_config(tmp_path / "full.json", full)
+    whole = run_json(capsys, "--model", str(tmp_path / "full.json"), "--budget", "1GiB")
+    assert whole["vision_params"] > 0 and not any("vision_config" in w for w in whole["warnings"])
+    part = {k: v for k, v in full.items() if k not in ("depth", "num_heads")}
+    _multimodal_config(tmp_path / "part.json", part)
+    r = run_json(capsys, "--model", str(tmp_path / "part.json"), "--budget", "1GiB")
+    assert r["vision_params"] is None and r["num_params"] == whole["num_params"] - whole["vision_params"]
+    assert r["pool_tokens"] == whole["pool_tokens"]  # the cache does not depend on the encoder
+    [w] = [w for w in r["warnings"] if "vision_config" in w]
+    assert "lacks depth, num_heads" in w and "left out of the weight bytes" in w
+    assert "left out" in r["weight_source"]
+    # the weights from safetensors (the encoder's included, whatever its config says): nothing is left out
+    _multimodal_config(tmp_path / "config.json", part)
+    _write_safetensors(str(tmp_path / "model.safetensors"), {"model.visual.w": ("BF16", [64, 64], 2)})
+    r = run_json(capsys, "--model", str(tmp_path), "--budget", "1GiB")
+    [w] = [w for w in r["warnings"] if "vision_config" in w]
+    assert "lacks depth, num_heads" in w and "left out" not in w and r["weight_bytes"] == 64 * 64 * 2
+    assert P.main(["--model", str(tmp_path / "part.json"), "--budget", "1GiB"]) == 0  # the table too
+    assert "lacks depth, num_heads" in capsys.readouterr().out
+    with pytest.raises(VisionConfigIncomplete, match="lacks depth, num_heads"):  # the engine's reading names them
+        VisionConfig.from_path(str(tmp_path / "part.json"))
+
+
 def test_budget_from_parameter_count(capsys):
     r = run_json(capsys, "--model", "qwen3.5-27b", "--device-memory", "80GiB", "--num-params", "27B")
     assert r["weight_bytes"] == 54 * 10**9

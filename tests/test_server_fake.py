@@ -12,6 +12,7 @@ import pytest
 
 from deltaserve.config import EngineConfig
 from deltaserve.server import build_app
+from deltaserve.text.tokenizer import load_tokenizer
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the helpers beside this file
 from server_support import FakeEngine, InProcessServer
 
@@ -141,6 +142,64 @@ def test_reasoning_and_auto_tool_parsing_end_to_end(fake, text, reasoning, conte
     assert s_content == content and s_reasoning == (reasoning or "")
     assert [(c["name"], json.loads(c["arguments"])) for c in s_calls] == calls
     assert s_finish == r.choices[0].finish_reason
+
+
+def _chat_lp_text(client, stream: bool, **kw) -> tuple[str, str, int]:
+    """(content, the logprob entries' tokens joined, how many entries) of one chat choice."""
+    if not stream:
+        ch = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw).choices[0]
+        entries = ch.logprobs.content
+        return ch.message.content or "", "".join(e.token for e in entries), len(entries)
+    content, tokens, n = "", "", 0
+    for chunk in client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **kw):
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            for e in (ch.logprobs.content if ch.logprobs is not None else None) or []:
+                tokens, n = tokens + e.token, n + 1
+    return content, tokens, n
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_tokens_join_to_the_content(fake, stream):
+    """A special token the content skips (<|im_start|> forced by logit_bias, the closing <|im_end|>) is "" in the
+    logprobs too, one entry per generated token still; with skip_special_tokens false both show it."""
+    client = openai.OpenAI(base_url=fake.base + "/v1", api_key="x", max_retries=0)
+    tok = load_tokenizer(None)
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    assert {im_start, im_end} <= tok.special_token_ids
+    msgs = [{"role": "user", "content": "SCRIPT<<Hello there, world|||"}]
+    content, joined, n = _chat_lp_text(client, stream, model="a", messages=msgs, max_tokens=50)
+    assert content == "Hello there, world" and joined == content
+    assert n == len(tok.encode(content)) + 1  # the closing <|im_end|> keeps its entry
+    forced = dict(model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                  logit_bias={str(im_start): 100})
+    assert _chat_lp_text(client, stream, **forced) == ("", "", 3)
+    shown = _chat_lp_text(client, stream, extra_body={"skip_special_tokens": False}, **forced)
+    assert shown == ("<|im_start|>" * 3, "<|im_start|>" * 3, 3)
+    r = client.chat.completions.create(logprobs=True, top_logprobs=2, **forced)
+    for e in r.choices[0].logprobs.content:  # the chosen token among the alternatives reads as it does above
+        assert e.bytes == [] and {"token": "", "bytes": []} in [{"token": t.token, "bytes": t.bytes}
+                                                                 for t in e.top_logprobs]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_tokens_join_to_the_text(fake, stream):
+    client = openai.OpenAI(base_url=fake.base + "/v1", api_key="x", max_retries=0)
+    im_start = load_tokenizer(None).token_to_id("<|im_start|>")
+    kw = dict(model="a", prompt="Say SCRIPT<<Hi there|||", max_tokens=50, logprobs=1)
+    forced = dict(model="a", prompt="hi", max_tokens=3, logprobs=1, logit_bias={str(im_start): 100})
+    for args, text in ((kw, "Hi there"), (forced, "")):
+        if stream:
+            got, tokens = "", []
+            for chunk in client.completions.create(stream=True, **args):
+                for ch in chunk.choices:
+                    got += ch.text
+                    tokens += ch.logprobs.tokens if ch.logprobs is not None else []
+        else:
+            ch = client.completions.create(**args).choices[0]
+            got, tokens = ch.text, ch.logprobs.tokens
+            assert ch.logprobs.text_offset == [sum(len(t) for t in tokens[:k]) for k in range(len(tokens))]
+        assert got == text and "".join(tokens) == text
 
 
 def test_no_tools_means_no_tool_parsing(fake):

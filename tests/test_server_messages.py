@@ -125,6 +125,16 @@ def test_prefill_continues_the_assistant_text(client):
         messages=[{"role": "user", "content": "Name a colour"}], **kw).usage.input_tokens
 
 
+def test_sampling_range_edges_are_served(client):
+    """The ends of Anthropic's ranges are served: temperature 1, top_p 1, top_k 0 (off), and top_p 0, a nucleus
+    of the likeliest token alone: greedy whatever the temperature."""
+    kw = dict(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "Count on"}])
+    greedy = client.messages.create(**kw).content[0].text
+    edge = client.messages.create(extra_body={"temperature": 1, "top_p": 1, "top_k": 0}, **kw)
+    assert edge.usage.output_tokens == 8
+    assert client.messages.create(extra_body={"temperature": 1, "top_p": 0}, **kw).content[0].text == greedy
+
+
 def _err(r, what=None):
     assert r.status_code == 400, (r.status_code, r.text)
     body = r.json()
@@ -143,6 +153,11 @@ def test_bad_input_is_400_in_anthropic_shape(server, client):
     _err(httpx.post(url, json={"model": MODEL, "messages": ok["messages"]}), "max_tokens")
     _err(httpx.post(url, json={**ok, "messages": []}), "messages")
     _err(httpx.post(url, json={**ok, "temperature": -1}), "temperature")
+    # Anthropic's ranges, narrower than OpenAI's: temperature and top_p in [0, 1], top_k >= 0
+    assert "[0, 1]" in _err(httpx.post(url, json={**ok, "temperature": 1.5}), "temperature")
+    _err(httpx.post(url, json={**ok, "top_p": 1.01}), "top_p")
+    _err(httpx.post(url, json={**ok, "top_p": -0.5}), "top_p")
+    _err(httpx.post(url, json={**ok, "top_k": -1}), "top_k")
     _err(httpx.post(url, json={**ok, "max_tokens": 10 ** 7}), "maximum context length")
     _err(httpx.post(url, json={**ok, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}), "server tool")
     _err(httpx.post(url, json={**ok, "messages": [{"role": "user", "content": [

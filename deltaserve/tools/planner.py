@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, VisionConfig, parse_bytes, parse_count
+from ..config import (ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, VisionConfig, VisionConfigIncomplete,
+                      parse_bytes, parse_count)
 from ..memory import sizing as S
 from ..memory.layouts import REPORT_LAYOUTS
 from ..presets import is_preset, load_preset, preset_names, preset_source
@@ -34,6 +35,23 @@ class ModelSource:
     source: str  # preset citation or file path
     model_dir: str | None  # where safetensors may live
     vision: VisionConfig | None = None  # the vision encoder, whose weights count too (no cache of its own)
+    vision_unknown: str | None = None  # why the encoder's size is unknown (an incomplete vision_config), if it is
+
+
+def _with_vision(src: ModelSource, hf: dict[str, Any]) -> ModelSource:
+    """src with its vision encoder read from the config dict. A vision_config that lacks a geometry field leaves
+    the text model planned as it is and the encoder flagged unknown (its weights cannot be counted from the
+    config); what the encoder does not implement stays a ConfigError."""
+    try:
+        return dataclasses.replace(src, vision=VisionConfig.from_hf(hf))
+    except VisionConfigIncomplete as e:
+        return dataclasses.replace(src, vision_unknown=str(e))
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    f = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    with open(f) as fh:
+        return json.load(fh)
 
 
 def resolve_model(spec: str | None) -> ModelSource:
@@ -43,16 +61,16 @@ def resolve_model(spec: str | None) -> ModelSource:
         path = os.path.join(spec, "config.json")
         if not os.path.isfile(path):
             raise ConfigError(f"{spec} is a directory without a config.json")
-        return ModelSource(ModelConfig.from_path(spec), spec, "checkpoint", os.path.abspath(path), spec,
-                           VisionConfig.from_path(spec))
+        return _with_vision(ModelSource(ModelConfig.from_path(spec), spec, "checkpoint", os.path.abspath(path),
+                                        spec), _read_json(spec))
     if os.path.isfile(spec):
         d = os.path.dirname(os.path.abspath(spec))
         has_weights = bool(glob.glob(os.path.join(d, "*.safetensors")))
-        return ModelSource(ModelConfig.from_path(spec), spec, "config", os.path.abspath(spec),
-                           d if has_weights else None, VisionConfig.from_path(spec))
+        return _with_vision(ModelSource(ModelConfig.from_path(spec), spec, "config", os.path.abspath(spec),
+                                        d if has_weights else None), _read_json(spec))
     if is_preset(spec):
         hf = load_preset(spec)
-        return ModelSource(ModelConfig.from_hf(hf), spec, "preset", preset_source(spec), None, VisionConfig.from_hf(hf))
+        return _with_vision(ModelSource(ModelConfig.from_hf(hf), spec, "preset", preset_source(spec), None), hf)
     raise ConfigError(f"--model {spec!r} is neither a directory, a config.json nor a preset; "
                       f"presets: {', '.join(preset_names(include_aliases=True))}")
 
@@ -197,6 +215,10 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
     weights, params, quant = _count_weights(src, inputs, shape.dtypes.model)
     weight_per_rank = weights_per_rank(weights.bytes, m, inputs.tensor_parallel_size, S.dtype_bytes(shape.dtypes.model))
     warnings: list[str] = []
+    if src.vision_unknown is not None:
+        from_config = params is not None and inputs.num_params is None  # else safetensors or a flag's figure
+        warnings.append(f"{src.vision_unknown}: the text model is planned, the vision encoder's size is unknown"
+                        + (" and left out of the weight bytes" if from_config else ""))
     budget, budget_source = _budget(inputs, weight_per_rank, warnings)
     pools = _layout_pools(shape, budget, inputs)
     warnings += _sizing_warnings(m, inputs, shape, budget, pools)
@@ -205,7 +227,8 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
         "weight_bytes": weights.bytes, "weight_bytes_per_rank": weight_per_rank, "weight_source": weights.source,
         "weight_quantization": quant,
         "weight_bytes_skipped": weights.skipped_bytes, "num_params": params,
-        "vision_params": src.vision.num_params() if src.vision is not None else 0,
+        "vision_params": (src.vision.num_params() if src.vision is not None
+                          else None if src.vision_unknown is not None else 0),  # None: unknown
         "budget_bytes": budget, "budget_source": budget_source,
         "max_model_len": inputs.max_model_len, "max_num_seqs": inputs.max_num_seqs,
         "num_slots": inputs.max_num_seqs, "slot_bytes": shape.geometry.gdn_state_bytes_per_seq,
@@ -288,7 +311,8 @@ def _count_weights(src: ModelSource, inputs: PlanInputs,
     if quant not in (None, "fp8"):
         raise ConfigError(f"--quantization must be fp8, not {quant!r}")
     vision = src.vision.num_params() if src.vision is not None else 0  # the encoder stays in the model dtype
-    and_vision = f", the vision encoder's {vision:,} included" if vision else ""
+    and_vision = f", the vision encoder's {vision:,} included" if vision else \
+        ", the vision encoder left out (its size is unknown)" if src.vision_unknown is not None else ""
     if weights is None and quant == "fp8" and num_params is None:
         params = S.param_count(m) + vision
         fp8_bytes, q = S.fp8_weight_bytes(m, model_dtype)

@@ -130,6 +130,8 @@ def messages_spec(req: MessagesRequest | CountTokensRequest) -> ChatSpec:
             spec.thinking_budget = None  # an effort's budget max_tokens reaches first (enabled's is checked < it)
         spec.sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                          "stop": req.stop_sequences}
+        if req.top_p == 0:  # Anthropic's range takes 0: a nucleus of no mass keeps the likeliest token, greedy
+            spec.sampling.update(temperature=0.0, top_p=None)
         fmt = req.output_config.format if req.output_config is not None else None
         if fmt is not None:
             spec.response_format = ("json_schema", fmt.json_schema)

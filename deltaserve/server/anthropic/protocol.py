@@ -342,6 +342,11 @@ class CountTokensRequest(_Conversation):
     pass
 
 
+# Anthropic's ranges of the sampling fields; a value outside is a 400, as Anthropic's API answers it (the OpenAI
+# routes take vLLM's wider ones, e.g. a temperature above 1: docs/api-fields.md)
+SAMPLING_RANGES = {"temperature": (0.0, 1.0), "top_p": (0.0, 1.0), "top_k": (0, None)}
+
+
 class MessagesRequest(_Conversation):
     max_tokens: int = Field(ge=1)
     stop_sequences: list[str] | None = None
@@ -350,6 +355,15 @@ class MessagesRequest(_Conversation):
     top_p: float | None = None
     top_k: int | None = None
     metadata: Metadata | None = None
+
+    @field_validator("temperature", "top_p", "top_k")
+    @classmethod
+    def _anthropic_range(cls, v, info):
+        lo, hi = SAMPLING_RANGES[info.field_name]
+        if v is not None and not (lo <= v and (hi is None or v <= hi)):  # a NaN is in no range
+            where = f"in [{lo:g}, {hi:g}]" if hi is not None else f">= {lo:g}"
+            raise ValueError(f"{info.field_name} must be {where} (Anthropic's range), got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _budget(self) -> "MessagesRequest":

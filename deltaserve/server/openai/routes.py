@@ -103,11 +103,19 @@ class OpenAIServing(ServingCore):
         return grammar_for(tok, ChatSpec(messages=[], response_format=fmt)) if fmt is not None else None
 
     # ---------------------------------------------------------------- logprobs
-    def _piece(self, tid: int, lp: Any = None) -> str:
+    def _piece(self, tid: int, lp: Any = None, skip_special: bool = False) -> str:
+        """The token's text in a logprobs entry: what it adds to the output text, so the entries' tokens joined are
+        the text. A special token the text skips (skip_special_tokens, on by default: <|im_start|>, <|im_end|>)
+        is "" here too, in the chosen token's entry and among the alternatives alike."""
+        tok = self.engine.tokenizer
+        if skip_special and int(tid) in tok.special_token_ids:
+            return ""
         d = getattr(lp, "decoded_token", None)
-        return d if isinstance(d, str) else self.engine.tokenizer.id_to_piece(int(tid))
+        return d if isinstance(d, str) else tok.id_to_piece(int(tid))
 
     def _bytes(self, tid: int, piece: str) -> list[int]:
+        if piece == "":  # a skipped special token (or an empty piece) adds no bytes
+            return []
         tok = self.engine.tokenizer
         b = tok.id_to_bytes(int(tid)) if hasattr(tok, "id_to_bytes") else None
         return list(b if b is not None else piece.encode("utf-8"))
@@ -121,26 +129,30 @@ class OpenAIServing(ServingCore):
                 items = [kv for kv in items if kv[0] != token_id]
         return items[:n]
 
-    def _chat_logprobs(self, c, start: int, end: int, n: int) -> list[dict]:
+    def _chat_logprobs(self, c, start: int, end: int, n: int, skip_special: bool = True) -> list[dict]:
         out = []
         lps = c.logprobs or []
         for k in range(start, min(end, len(lps), len(c.token_ids))):
             pos = lps[k] or {}
             tid = c.token_ids[k]
             lp = pos.get(tid)
-            piece = self._piece(tid, lp)
+            piece = self._piece(tid, lp, skip_special)
             top = []
             for t, alt in self._top(pos, tid, n):
-                p = self._piece(t, alt)
+                p = self._piece(t, alt, skip_special)
                 top.append({"token": p, "logprob": _lp(alt.logprob), "bytes": self._bytes(t, p)})
             out.append({"token": piece, "logprob": _lp(lp.logprob) if lp is not None else _LOGPROB_FLOOR,
                         "bytes": self._bytes(tid, piece), "top_logprobs": top})
         return out
 
-    def _completion_logprobs(self, ids: list[int], positions: list, n: int, offset0: int) -> dict:
+    def _completion_logprobs(self, ids: list[int], positions: list, n: int, offset0: int,
+                             skip_special: bool = False, generated_from: int = 0) -> dict:
+        """tokens, token_logprobs, top_logprobs, text_offset of ids; the generated ones (from index generated_from
+        on: an echoed prompt comes first, written as it was sent) skip special tokens as the text does."""
         tokens, token_lps, tops, offsets = [], [], [], []
         off = offset0
-        for tid, pos in zip(ids, positions):
+        for k, (tid, pos) in enumerate(zip(ids, positions)):
+            skip = skip_special and k >= generated_from
             if pos is None:  # the first prompt token has no logprob
                 piece = self._piece(tid)
                 tokens.append(piece)
@@ -148,12 +160,12 @@ class OpenAIServing(ServingCore):
                 tops.append(None)
             else:
                 lp = pos.get(tid)
-                piece = self._piece(tid, lp)
+                piece = self._piece(tid, lp, skip)
                 tokens.append(piece)
                 token_lps.append(_lp(lp.logprob) if lp is not None else _LOGPROB_FLOOR)
                 top: dict[str, float] = {}
                 for t, alt in self._top(pos, tid, n):
-                    top.setdefault(self._piece(t, alt), _lp(alt.logprob))
+                    top.setdefault(self._piece(t, alt, skip), _lp(alt.logprob))
                 tops.append(top)
             offsets.append(off)
             off += len(piece)
@@ -300,9 +312,10 @@ class OpenAIServing(ServingCore):
                 if req.echo:
                     plps = j.prompt_logprobs or [None] * len(j.prompt_ids)
                     logprobs = self._completion_logprobs(j.prompt_ids + ids, list(plps) + (lps or []),
-                                                         req.logprobs, 0)
+                                                         req.logprobs, 0, req.skip_special_tokens,
+                                                         len(j.prompt_ids))
                 else:
-                    logprobs = self._completion_logprobs(ids, lps or [], req.logprobs, 0)
+                    logprobs = self._completion_logprobs(ids, lps or [], req.logprobs, 0, req.skip_special_tokens)
             choice = {"index": j.index, "text": prefix + text, "logprobs": logprobs,
                       "finish_reason": "length" if echo_only else j.finish_reason,
                       "stop_reason": None if echo_only else j.stop_reason}
@@ -348,7 +361,8 @@ class OpenAIServing(ServingCore):
                 if req.logprobs is not None and not echo_only and d.end > d.start:
                     off = offsets.get(job.index, 0)
                     logprobs = self._completion_logprobs(list(c.token_ids[d.start:d.end]),
-                                                         list((c.logprobs or [])[d.start:d.end]), req.logprobs, off)
+                                                         list((c.logprobs or [])[d.start:d.end]), req.logprobs, off,
+                                                         req.skip_special_tokens)
                     offsets[job.index] = off + sum(len(t) for t in logprobs["tokens"])
                 fin = ("length" if echo_only else job.finish_reason) if d.finished else None
                 # a chunk for every step that produced tokens, even when their text is still incomplete
@@ -394,7 +408,8 @@ class OpenAIServing(ServingCore):
                                                   for k in ch.tool_calls]}
             logprobs = None
             if n_top is not None and j.last is not None and j.last.outputs:
-                logprobs = {"content": self._chat_logprobs(j.last.outputs[0], 0, ch.end, n_top)}
+                logprobs = {"content": self._chat_logprobs(j.last.outputs[0], 0, ch.end, n_top,
+                                                           req.skip_special_tokens)}
             choices.append({"index": j.index, "message": msg, "logprobs": logprobs,
                             "finish_reason": self._chat_finish(j, bool(ch.tool_calls)), "stop_reason": j.stop_reason})
         body = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name,
@@ -446,7 +461,8 @@ class OpenAIServing(ServingCore):
                 job = d.job
                 logprobs = None
                 if n_top is not None and d.end > d.start:
-                    logprobs = {"content": self._chat_logprobs(job.last.outputs[0], d.start, d.end, n_top)}
+                    logprobs = {"content": self._chat_logprobs(job.last.outputs[0], d.start, d.end, n_top,
+                                                               req.skip_special_tokens)}
                 ds = parts(d)
                 if d.tool_calls:
                     called.add(job.index)

@@ -2,8 +2,10 @@
 
 Qwen3.5's chat template opens the think block in the prompt (the generation prompt ends with
 "<think>\\n") unless thinking is disabled, in which case it writes an empty "<think>\\n\\n</think>\\n\\n".
-So whether the output *starts* inside a think block is a property of the prompt: the caller passes
-`start_in_reasoning=prompt_opens_thinking(prompt_text)`. An output that itself starts with
+So whether the output *starts* inside a think block is a property of the prompt's generation prompt (the
+turn the model is about to write, after the last "<|im_start|>assistant\n"): the caller passes
+`start_in_reasoning=prompt_opens_thinking(prompt_text)`. A "<think>" earlier in the prompt (a user asking what the
+tag means, a tool result, an earlier answer re-sent with one) is text of a finished turn and does not count. An output that itself starts with
 "<think>" enters reasoning too. Reasoning that never closes (a short max_tokens) is all reasoning,
 and the content is empty. Leading newlines after "</think>" are dropped from the content.
 """
@@ -11,12 +13,28 @@ from __future__ import annotations
 
 THINK_START = "<think>"
 THINK_END = "</think>"
+ASSISTANT_OPEN = "<|im_start|>assistant\n"  # ChatML's opening of an assistant turn: the generation prompt's start
+TURN_END = "<|im_end|>"
+
+
+def generation_prompt(prompt_text: str) -> str:
+    """The tail of a rendered chat prompt after its last assistant opening: the turn the model writes (with
+    what the template and an Anthropic prefill put in it). "" when the prompt leaves no assistant turn open
+    (no opening, or the last assistant turn is closed)."""
+    i = prompt_text.rfind(ASSISTANT_OPEN)
+    tail = "" if i < 0 else prompt_text[i + len(ASSISTANT_OPEN):]
+    return "" if TURN_END in tail else tail
 
 
 def prompt_opens_thinking(prompt_text: str) -> bool:
-    """True when the rendered prompt ends inside an open think block (its last <think> is unclosed)."""
-    s = prompt_text.rfind(THINK_START)
-    return s != -1 and s > prompt_text.rfind(THINK_END)
+    """True when the generation prompt opens a think block it does not close (Qwen3.5's "<think>\n").
+
+    Only the generation prompt counts: the template appends it last, so a "<think>" in any earlier message
+    (user text, a tool result, an earlier assistant turn) lies before it and cannot make the new answer's
+    content be filed as reasoning."""
+    tail = generation_prompt(prompt_text)
+    s = tail.rfind(THINK_START)
+    return s != -1 and s > tail.rfind(THINK_END)
 
 
 def _partial_suffix(text: str, marker: str) -> int:
