@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:
         print("usage: deltaserve {" + ",".join(cmds) + "} [options]\n"
-              "  serve       OpenAI-compatible server (default: the embedded model)\n"
+              "  serve       OpenAI-compatible server of MODEL (a directory or Hub id; default: embedded)\n"
               "  generate    print one completion\n"
               "  make-model  write a preset model in Hugging Face format\n"
               "  plan        the memory planner\n"

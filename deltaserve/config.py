@@ -412,8 +412,13 @@ class EngineConfig:
     Each field's Flag is its one definition on the command line: `deltaserve generate | serve | profile |
     simulate` (and the benchmarks) build their engine flags with add_engine_args()."""
 
-    model: str | None = _flag(None, "model directory (config.json + safetensors); default: the embedded model",
-                              metavar="DIR")
+    model: str | None = _flag(None, "the model: a directory (config.json + safetensors) or a Hugging Face Hub id "
+                              "(ORG/NAME: from the Hub cache, downloaded once; HF_HOME, HF_HUB_OFFLINE, HF_TOKEN "
+                              "as huggingface_hub reads them); default: the embedded model", metavar="DIR|ID")
+    revision: str | None = _flag(None, "the Hub revision (branch, tag or commit) of a --model given by Hub id "
+                                 "(default: main)", metavar="REV")
+    tokenizer: str | None = _flag(None, "the tokenizer and chat template: a directory or a Hub id (default: the "
+                                  "model's)", metavar="DIR|ID")
     preset: str = _flag("tiny", "embedded model preset when --model is not given (tiny, qwen3.5-0.8b-shape, ...)",
                         metavar="NAME")
     dtype: str = _flag("auto", "weights, activations, KV and conv state (auto = the model's)",

@@ -9,6 +9,8 @@ from deltaserve.config import (ENGINE_DEFAULTS, ENGINE_FLAGS, REPLICA_FLAGS, Con
 # one value per flag, as a user types it, and what every command must make of it
 SAMPLES = {
     "model": ("/ckpt/Qwen3.5-0.8B", "/ckpt/Qwen3.5-0.8B"),
+    "revision": ("v1.0", "v1.0"),
+    "tokenizer": ("Qwen/Qwen3.5-4B", "Qwen/Qwen3.5-4B"),
     "preset": ("qwen3.5-0.8b-shape", "qwen3.5-0.8b-shape"),
     "dtype": ("float32", "float32"),
     "max_model_len": ("32k", 32_000),

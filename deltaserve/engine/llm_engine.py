@@ -124,7 +124,9 @@ class LLMEngine:
                 use_isa(config.cpu_isa)  # the process's choice, before any model is built (logged with the model)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        path = config.model or ensure_model(config.preset, seed=config.seed)
+        from ..hub import resolve_model
+        # a Hub id resolves to its snapshot in the Hub cache (downloaded once); a directory is itself
+        path = resolve_model(config.model, config.revision) or ensure_model(config.preset, seed=config.seed)
         self.model_path = path
         self.model_name = config.model or f"deltaserve/{config.preset}"
         mc = ModelConfig.from_path(path)
@@ -141,7 +143,7 @@ class LLMEngine:
         else:
             self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head,
                                     mtp=config.speculative_config is not None)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, what="tokenizer") or path)
         kern = self.model.decode_kernels
         self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers
 

@@ -1,9 +1,12 @@
 """`deltaserve serve`: the OpenAI-compatible server on uvicorn. Flags use vLLM's names.
 
-    deltaserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME ...]
-                     [engine flags: --model DIR, --max-model-len N, --kv-cache-memory 2G, ... (config.EngineConfig)]
+    deltaserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME ...]
+                     [engine flags: --model DIR|ID, --revision REV, --tokenizer DIR|ID, --max-model-len N,
+                      --kv-cache-memory 2G, ... (config.EngineConfig)]
 
-With no --model it serves the embedded default model (the `tiny` preset).
+MODEL (as `vllm serve MODEL`) or --model: a directory or a Hugging Face Hub id, resolved (and downloaded, with
+a progress bar) before anything loads, so a model that cannot be had is one line and exit status 2. With
+neither it serves the embedded default model (the `tiny` preset). The served name defaults to the MODEL given.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ from ..config import add_engine_args, engine_args
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve serve", description="OpenAI-compatible server (vLLM's flag names)")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a model directory or Hugging Face Hub id, as --model (default: the embedded model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
@@ -68,9 +73,25 @@ def kv_events_from_args(args: argparse.Namespace, cfg):
 
 
 def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig of the flags; the positional MODEL is --model (ValueError when both differ)."""
     from ..config import EngineConfig
 
-    return EngineConfig.from_kwargs(**engine_args(args))
+    kw = engine_args(args)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if kw.get("model", tag) != tag:
+            raise ValueError(f"MODEL {tag} and --model {kw['model']} disagree: give one")
+        kw["model"] = tag
+    return EngineConfig.from_kwargs(**kw)
+
+
+def resolve_models(cfg) -> None:
+    """Fetch (or find in the Hub cache) the model and tokenizer the config names, before anything loads: the
+    engine's own resolution then finds them at once. ConfigError names what is missing and how to get it."""
+    from ..hub import resolve_model
+
+    resolve_model(cfg.model, cfg.revision)
+    resolve_model(cfg.tokenizer, what="tokenizer")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = engine_config_from_args(args)
+        resolve_models(cfg)
         events = kv_events_from_args(args, cfg)
         publisher = None
         if events is not None:
