@@ -97,5 +97,9 @@ def test_serve_a_model_by_hub_id_offline(tmp_path, tiny_dir):
         r = httpx.post(srv.base + "/v1/completions", json={"model": "test-org/tiny-served", "prompt": "hello",
                                                             "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        screen = srv.log()  # the start-up screen names the model, its source and how to point a client at it
+        assert "deltaserve is ready: test-org/tiny-served on " + srv.base in screen
+        assert "from Hugging Face Hub, revision main" in screen
+        assert f"ANTHROPIC_BASE_URL={srv.base} ANTHROPIC_API_KEY=x ANTHROPIC_MODEL=test-org/tiny-served claude" in screen
     finally:
         srv.stop()

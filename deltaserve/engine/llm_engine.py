@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -131,6 +132,9 @@ class LLMEngine:
         self.model_name = config.model or f"deltaserve/{config.preset}"
         mc = ModelConfig.from_path(path)
         self.model_config = mc
+        weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                      if f.endswith(".safetensors")) if os.path.isdir(path) else 0
+        log.info("loading %s from %s (%.2f GB of safetensors)", self.model_name, path, weights / 1e9)
         self.dtype = resolve_dtype(config.dtype, mc)
         if self.dtype == "float16" and self.device.type == "cpu":
             log.warning("float16 has no fast matmul path on most CPUs (~150x slower than bfloat16 here); "

@@ -94,6 +94,16 @@ def resolve_models(cfg) -> None:
     resolve_model(cfg.tokenizer, what="tokenizer")
 
 
+def _print_screen(eng, args: argparse.Namespace, served_name: str) -> None:
+    """The start-up screen (banner.py) on stdout; a failure to draw it is logged, never a load error."""
+    from .banner import startup_screen
+
+    try:
+        print("\n" + startup_screen(eng, args.host, args.port, served_name, args.api_key) + "\n", flush=True)
+    except Exception:  # noqa: BLE001 - the server serves without its screen
+        logging.getLogger("deltaserve").exception("could not draw the start-up screen")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -120,11 +130,14 @@ def main(argv: list[str] | None = None) -> int:
     if stored < 0:
         print("deltaserve serve: --max-stored-responses must be >= 0", file=sys.stderr)
         return 2
+    names = []  # the served names, once the app has them
     app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True,
                     max_stored_responses=stored, kv_events=publisher,
-                    accept_any_model_name=args.accept_any_model_name)
-    logging.getLogger("deltaserve").info("serving %s on http://%s:%d", app.state.serving.model_name,
-                                         args.host, args.port)
+                    accept_any_model_name=args.accept_any_model_name,
+                    on_loaded=lambda eng: _print_screen(eng, args, names[0]))
+    names.append(app.state.serving.model_name)
+    logging.getLogger("deltaserve").info("loading %s for http://%s:%d (/health answers 503 until it is ready)",
+                                         names[0], args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
                 access_log=args.log_level == "debug")
     return 0
