@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda r: __import__("deltaserve.server", fromlist=["main"]).main(r),
         "generate": _generate,
         "make-model": _make_model,
+        "doctor": lambda r: __import__("deltaserve.tools.doctor", fromlist=["main"]).main(r),
         "plan": lambda r: __import__("deltaserve.tools.planner", fromlist=["main"]).main(r),
         "bench": lambda r: __import__("deltaserve.bench", fromlist=["main"]).main(r),
         "profile": lambda r: __import__("deltaserve.profile", fromlist=["main"]).main(r),
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
               "  serve       OpenAI-compatible server of MODEL (a directory or Hub id; default: embedded)\n"
               "  generate    print one completion\n"
               "  make-model  write a preset model in Hugging Face format\n"
+              "  doctor      what this machine gets: kernels, memory, the models that fit, agent CLIs\n"
               "  plan        the memory planner\n"
               "  bench       benchmarks (throughput, agent)\n"
               "  profile     measure this engine's step costs into a bundle (and `profile coverage`)\n"
