@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from .config import ConfigError, add_engine_args, engine_args
+from .config import ConfigError, add_engine_args, engine_args, env_engine_args
 from .embedded.model import make_model
 from .presets import preset_names
 from .text.tokenizer import TokenizerError
@@ -26,7 +26,7 @@ def _generate(argv: list[str]) -> int:
     from .engine.llm import LLM  # torch: each command imports only its own layers, so `plan` runs without it
     from .engine.sampling_params import SamplingParams
 
-    llm = LLM(**engine_args(a))
+    llm = LLM(**{**env_engine_args(), **engine_args(a)})  # DELTASERVE_<FLAG>, then the command line
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
     out = (llm.chat([{"role": "user", "content": a.prompt}], sp, use_tqdm=False) if a.chat
            else llm.generate(a.prompt, sp, use_tqdm=False))[0]

@@ -585,3 +585,37 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     """The engine flags given on the command line (EngineConfig names), and only those."""
     return {n: getattr(ns, n) for n in ENGINE_FLAGS if hasattr(ns, n)}
+
+
+ENV_PREFIX = "DELTASERVE_"
+_ENV_TRUE, _ENV_FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def env_var(name: str) -> str:
+    """The environment variable that mirrors engine flag `name`: --max-model-len -> DELTASERVE_MAX_MODEL_LEN."""
+    return ENV_PREFIX + name.upper()
+
+
+def env_engine_args(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The engine flags set in the environment as DELTASERVE_<FLAG> (vLLM's VLLM_* habit, for containers and
+    service files), parsed as the flag parses them; a flag on the command line wins over its variable
+    (`serve` and `generate` merge them so). ConfigError naming the variable for a value the flag refuses."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, fl in ENGINE_FLAGS.items():
+        text = environ.get(env_var(name))
+        if text is None or text == "":
+            continue
+        try:
+            if fl.parse is None:
+                if text.strip().lower() not in _ENV_TRUE + _ENV_FALSE:
+                    raise argparse.ArgumentTypeError(f"not a boolean (one of {', '.join(_ENV_TRUE + _ENV_FALSE)})")
+                value: Any = text.strip().lower() in _ENV_TRUE
+            else:
+                value = fl.parse(text)
+                if fl.choices is not None and value not in fl.choices:
+                    raise argparse.ArgumentTypeError(f"must be one of {', '.join(fl.choices)}")
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise ConfigError(f"{env_var(name)}={text!r} (--{name.replace('_', '-')}): {e}") from None
+        out[name] = value
+    return out

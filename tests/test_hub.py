@@ -93,7 +93,9 @@ def test_serve_a_model_by_hub_id_offline(tmp_path, tiny_dir):
     srv = RealServer("test-org/tiny-served", env={"HF_HOME": str(hf), "HF_HUB_OFFLINE": "1"})
     try:
         models = httpx.get(srv.base + "/v1/models").json()["data"]
-        assert [m["id"] for m in models] == ["test-org/tiny-served"]
+        assert [m["id"] for m in models] == ["test-org/tiny-served"]  # OpenAI's fields, and vLLM's root and length
+        assert models[0]["object"] == "model" and models[0]["root"] == "test-org/tiny-served"
+        assert models[0]["owned_by"] == "deltaserve" and models[0]["max_model_len"] > 0
         r = httpx.post(srv.base + "/v1/completions", json={"model": "test-org/tiny-served", "prompt": "hello",
                                                             "max_tokens": 4, "temperature": 0}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

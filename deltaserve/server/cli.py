@@ -15,15 +15,20 @@ import logging
 import os
 import sys
 
-from ..config import add_engine_args, engine_args
+from ..config import add_engine_args, engine_args, env_engine_args
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltaserve serve", description="OpenAI-compatible server (vLLM's flag names)")
+    p = argparse.ArgumentParser(prog="deltaserve serve", description="OpenAI-compatible server (vLLM's flag names)",
+                                epilog="Every engine flag is also read from DELTASERVE_<FLAG> (--max-model-len: "
+                                       "DELTASERVE_MAX_MODEL_LEN=32k; --enable-prefix-caching: "
+                                       "DELTASERVE_ENABLE_PREFIX_CACHING=0); a flag given on the command line wins.")
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help="a model directory or Hugging Face Hub id, as --model (default: the embedded model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default=os.environ.get("DELTASERVE_HOST", "127.0.0.1"),
+                   help="the address to bind (default: $DELTASERVE_HOST, else 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=os.environ.get("DELTASERVE_PORT") or 8000,
+                   help="(default: $DELTASERVE_PORT, else 8000)")
     p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DELTASERVE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) the API answers to")
@@ -76,13 +81,13 @@ def engine_config_from_args(args: argparse.Namespace):
     """The EngineConfig of the flags; the positional MODEL is --model (ValueError when both differ)."""
     from ..config import EngineConfig
 
-    kw = engine_args(args)
+    given = engine_args(args)
     tag = getattr(args, "model_tag", None)
     if tag is not None:
-        if kw.get("model", tag) != tag:
-            raise ValueError(f"MODEL {tag} and --model {kw['model']} disagree: give one")
-        kw["model"] = tag
-    return EngineConfig.from_kwargs(**kw)
+        if given.get("model", tag) != tag:
+            raise ValueError(f"MODEL {tag} and --model {given['model']} disagree: give one")
+        given["model"] = tag
+    return EngineConfig.from_kwargs(**{**env_engine_args(), **given})  # DELTASERVE_<FLAG>, the command line over it
 
 
 def resolve_models(cfg) -> None:
