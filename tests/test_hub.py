@@ -102,6 +102,7 @@ def test_serve_a_model_by_hub_id_offline(tmp_path, tiny_dir):
         screen = srv.log()  # the start-up screen names the model, its source and how to point a client at it
         assert "deltaserve is ready: test-org/tiny-served on " + srv.base in screen
         assert "from Hugging Face Hub, revision main" in screen
-        assert f"ANTHROPIC_BASE_URL={srv.base} ANTHROPIC_API_KEY=x ANTHROPIC_MODEL=test-org/tiny-served claude" in screen
+        claude = f"ANTHROPIC_BASE_URL={srv.base} ANTHROPIC_API_KEY=x ANTHROPIC_MODEL=test-org/tiny-served claude"
+        assert claude in screen
     finally:
         srv.stop()

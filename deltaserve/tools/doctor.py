@@ -130,9 +130,10 @@ def format_report(r: dict[str, Any]) -> str:
         last = f", {b['last_build_seconds']:.0f} s last time" if b["last_build_seconds"] else ""
         state = "built" if b["built"] else f"not built yet (the first serve compiles it{last})"
         out.append(f"  {isa:<11} build {b['build']}: {state}")
-    out.append("  fp8 linear: " + ", ".join(f"{b} {'built' if ok else 'not built'}" for b, ok in k["fp8_builds"].items()))
-    out += ["", f"models (weights + cache within {FIT_FRACTION:.0%} of {_gb(r['memory_planned'])}; context: one request "
-                "alone in the pool):"]
+    fp8_state = (f"{b} {'built' if ok else 'not built'}" for b, ok in k["fp8_builds"].items())
+    out.append("  fp8 linear: " + ", ".join(fp8_state))
+    out += ["", f"models (weights + cache within {FIT_FRACTION:.0%} of {_gb(r['memory_planned'])}; "
+                "context: one request alone in the pool):"]
     out.append(f"  {'model':<22}{'format':<8}{'weights':>11}   context")
     for m in r["models"]:
         if m["fits"]:
