@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from .config import ConfigError, add_engine_args, engine_args
+from .config import ConfigError, add_engine_args, engine_args, env_engine_args
 from .embedded.model import make_model
 from .presets import preset_names
 from .text.tokenizer import TokenizerError
@@ -26,7 +26,7 @@ def _generate(argv: list[str]) -> int:
     from .engine.llm import LLM  # torch: each command imports only its own layers, so `plan` runs without it
     from .engine.sampling_params import SamplingParams
 
-    llm = LLM(**engine_args(a))
+    llm = LLM(**{**env_engine_args(), **engine_args(a)})  # DELTASERVE_<FLAG>, then the command line
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature)
     out = (llm.chat([{"role": "user", "content": a.prompt}], sp, use_tqdm=False) if a.chat
            else llm.generate(a.prompt, sp, use_tqdm=False))[0]
@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": lambda r: __import__("deltaserve.server", fromlist=["main"]).main(r),
         "generate": _generate,
         "make-model": _make_model,
+        "doctor": lambda r: __import__("deltaserve.tools.doctor", fromlist=["main"]).main(r),
         "plan": lambda r: __import__("deltaserve.tools.planner", fromlist=["main"]).main(r),
         "bench": lambda r: __import__("deltaserve.bench", fromlist=["main"]).main(r),
         "profile": lambda r: __import__("deltaserve.profile", fromlist=["main"]).main(r),
@@ -70,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in cmds:
         print("usage: deltaserve {" + ",".join(cmds) + "} [options]\n"
-              "  serve       OpenAI-compatible server (default: the embedded model)\n"
+              "  serve       OpenAI-compatible server of MODEL (a directory or Hub id; default: embedded)\n"
               "  generate    print one completion\n"
               "  make-model  write a preset model in Hugging Face format\n"
+              "  doctor      what this machine gets: kernels, memory, the models that fit, agent CLIs\n"
               "  plan        the memory planner\n"
               "  bench       benchmarks (throughput, agent)\n"
               "  profile     measure this engine's step costs into a bundle (and `profile coverage`)\n"

@@ -428,8 +428,13 @@ class EngineConfig:
     Each field's Flag is its one definition on the command line: `deltaserve generate | serve | profile |
     simulate` (and the benchmarks) build their engine flags with add_engine_args()."""
 
-    model: str | None = _flag(None, "model directory (config.json + safetensors); default: the embedded model",
-                              metavar="DIR")
+    model: str | None = _flag(None, "the model: a directory (config.json + safetensors) or a Hugging Face Hub id "
+                              "(ORG/NAME: from the Hub cache, downloaded once; HF_HOME, HF_HUB_OFFLINE, HF_TOKEN "
+                              "as huggingface_hub reads them); default: the embedded model", metavar="DIR|ID")
+    revision: str | None = _flag(None, "the Hub revision (branch, tag or commit) of a --model given by Hub id "
+                                 "(default: main)", metavar="REV")
+    tokenizer: str | None = _flag(None, "the tokenizer and chat template: a directory or a Hub id (default: the "
+                                  "model's)", metavar="DIR|ID")
     preset: str = _flag("tiny", "embedded model preset when --model is not given (tiny, qwen3.5-0.8b-shape, ...)",
                         metavar="NAME")
     dtype: str = _flag("auto", "weights, activations, KV and conv state (auto = the model's)",
@@ -596,3 +601,37 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     """The engine flags given on the command line (EngineConfig names), and only those."""
     return {n: getattr(ns, n) for n in ENGINE_FLAGS if hasattr(ns, n)}
+
+
+ENV_PREFIX = "DELTASERVE_"
+_ENV_TRUE, _ENV_FALSE = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def env_var(name: str) -> str:
+    """The environment variable that mirrors engine flag `name`: --max-model-len -> DELTASERVE_MAX_MODEL_LEN."""
+    return ENV_PREFIX + name.upper()
+
+
+def env_engine_args(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The engine flags set in the environment as DELTASERVE_<FLAG> (vLLM's VLLM_* habit, for containers and
+    service files), parsed as the flag parses them; a flag on the command line wins over its variable
+    (`serve` and `generate` merge them so). ConfigError naming the variable for a value the flag refuses."""
+    environ = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for name, fl in ENGINE_FLAGS.items():
+        text = environ.get(env_var(name))
+        if text is None or text == "":
+            continue
+        try:
+            if fl.parse is None:
+                if text.strip().lower() not in _ENV_TRUE + _ENV_FALSE:
+                    raise argparse.ArgumentTypeError(f"not a boolean (one of {', '.join(_ENV_TRUE + _ENV_FALSE)})")
+                value: Any = text.strip().lower() in _ENV_TRUE
+            else:
+                value = fl.parse(text)
+                if fl.choices is not None and value not in fl.choices:
+                    raise argparse.ArgumentTypeError(f"must be one of {', '.join(fl.choices)}")
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise ConfigError(f"{env_var(name)}={text!r} (--{name.replace('_', '-')}): {e}") from None
+        out[name] = value
+    return out

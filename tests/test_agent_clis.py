@@ -2,7 +2,7 @@
 scripts/setup_agents.sh has not installed them under $DELTASERVE_HOME/agents).
 
 The server runs the embedded tiny model with `--accept-any-model-name`, as a user would point each CLI at it
-(README.md, "Coding agents"); each CLI runs in a fresh working directory and home. The tiny model's random
+(docs/agents.md); each CLI runs in a fresh working directory and home. The tiny model's random
 weights answer nonsense: what is checked is that every turn ends with exit status 0 and that the engine
 finished the CLI's requests.
 """

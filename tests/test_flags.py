@@ -9,6 +9,8 @@ from deltaserve.config import (ENGINE_DEFAULTS, ENGINE_FLAGS, REPLICA_FLAGS, Con
 # one value per flag, as a user types it, and what every command must make of it
 SAMPLES = {
     "model": ("/ckpt/Qwen3.5-0.8B", "/ckpt/Qwen3.5-0.8B"),
+    "revision": ("v1.0", "v1.0"),
+    "tokenizer": ("Qwen/Qwen3.5-4B", "Qwen/Qwen3.5-4B"),
     "preset": ("qwen3.5-0.8b-shape", "qwen3.5-0.8b-shape"),
     "dtype": ("float32", "float32"),
     "max_model_len": ("32k", 32_000),
@@ -172,3 +174,30 @@ def test_mm_processor_cache_gb_is_a_size():
     for bad in (-1, float("nan")):
         with pytest.raises(ConfigError, match="mm-processor-cache-gb"):
             EngineConfig(mm_processor_cache_gb=bad)
+
+
+def test_every_flag_is_mirrored_by_a_deltaserve_variable():
+    from deltaserve.config import env_engine_args, env_var
+
+    assert env_var("max_model_len") == "DELTASERVE_MAX_MODEL_LEN"
+    for name, (text, want) in SAMPLES.items():
+        env = {env_var(name): "0" if text is None else "1" if text is True else text}
+        assert env_engine_args(env) == {name: want}, name
+    assert env_engine_args({}) == {} and env_engine_args({"DELTASERVE_HOME": "/x", "DELTASERVE_SEED": ""}) == {}
+    for var, bad in (("DELTASERVE_MAX_MODEL_LEN", "lots"), ("DELTASERVE_CACHE_LAYOUT", "flat"),
+                     ("DELTASERVE_ENABLE_PREFIX_CACHING", "maybe")):
+        with pytest.raises(ConfigError, match=var):
+            env_engine_args({var: bad})
+
+
+def test_serve_takes_variables_under_its_flags(monkeypatch):
+    from deltaserve.server.cli import engine_config_from_args, make_parser
+
+    monkeypatch.setenv("DELTASERVE_MAX_NUM_SEQS", "8")
+    monkeypatch.setenv("DELTASERVE_MAX_MODEL_LEN", "32k")
+    monkeypatch.setenv("DELTASERVE_MODEL", "/env/model")
+    monkeypatch.setenv("DELTASERVE_PORT", "9001")
+    args = make_parser().parse_args(["/cli/model", "--max-num-seqs", "4"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.max_num_seqs, cfg.max_model_len, cfg.model, args.port) == (4, 32_000, "/cli/model", 9001)
+    assert engine_config_from_args(make_parser().parse_args([])).model == "/env/model"

@@ -7,6 +7,7 @@
 """
 from __future__ import annotations
 
+import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -124,11 +125,16 @@ class LLMEngine:
                 use_isa(config.cpu_isa)  # the process's choice, before any model is built (logged with the model)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-        path = config.model or ensure_model(config.preset, seed=config.seed)
+        from ..hub import resolve_model
+        # a Hub id resolves to its snapshot in the Hub cache (downloaded once); a directory is itself
+        path = resolve_model(config.model, config.revision) or ensure_model(config.preset, seed=config.seed)
         self.model_path = path
         self.model_name = config.model or f"deltaserve/{config.preset}"
         mc = ModelConfig.from_path(path)
         self.model_config = mc
+        weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                      if f.endswith(".safetensors")) if os.path.isdir(path) else 0
+        log.info("loading %s from %s (%.2f GB of safetensors)", self.model_name, path, weights / 1e9)
         self.dtype = resolve_dtype(config.dtype, mc)
         if self.dtype == "float16" and self.device.type == "cpu":
             log.warning("float16 has no fast matmul path on most CPUs (~150x slower than bfloat16 here); "
@@ -141,7 +147,7 @@ class LLMEngine:
         else:
             self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head,
                                     mtp=config.speculative_config is not None)
-        self.tokenizer = load_tokenizer(path)
+        self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, what="tokenizer") or path)
         kern = self.model.decode_kernels
         self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers
 

@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO)
     if getattr(cfg, "cpu_isa", "auto") != "auto":  # node 0's ranks inherit its choice from the engine's process
         use_isa(cfg.cpu_isa)
-    path = cfg.model or ensure_model(cfg.preset, seed=cfg.seed)
+    from ..hub import resolve_model
+    path = resolve_model(cfg.model, cfg.revision) or ensure_model(cfg.preset, seed=cfg.seed)  # Hub id: this node's cache
     dtype = resolve_dtype(cfg.dtype, ModelConfig.from_path(path))
     rdv = Rendezvous.from_config(cfg, select_device(cfg.device))
     ctx = mp.get_context("spawn")

@@ -151,17 +151,19 @@ def _validation_message(errors: list[dict]) -> tuple[str, str | None, str]:
 def build_app(engine_config: Any, api_key: str | None = None, served_model_name: str | list[str] | None = None,
               *, engine_factory: Callable[[Any], Any] | None = None, freeze_heap: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED, kv_events: Any = None,
-              accept_any_model_name: bool = False, max_request_bytes: int | None = None) -> FastAPI:
+              accept_any_model_name: bool = False, max_request_bytes: int | None = None,
+              on_loaded: Callable[[Any], None] | None = None) -> FastAPI:
     """The app over one engine. engine_factory (tests) replaces LLMEngine.from_config. freeze_heap: see
     AsyncEngine (the `deltaserve serve` process sets it; tests that build many apps do not).
     max_stored_responses: how many /v1/responses (store: true) are kept for previous_response_id.
     kv_events: a kv_events.KVEventPublisher (its sockets open): the engine's cache changes are published on it
     (closed when the app stops). accept_any_model_name: a request naming another model is served by this one
     (state.ServedNames). max_request_bytes: the body-size limit (--max-request-bytes; None: the default for the
-    loaded model, limits.default_max_request_bytes)."""
+    loaded model, limits.default_max_request_bytes). on_loaded(engine): called on the engine thread once it is
+    built (`deltaserve serve` prints its start-up screen there)."""
     limits = RequestLimits(max_request_bytes)
     state = _server_state(engine_config, api_key, _served_names(engine_config, served_model_name, accept_any_model_name),
-                          engine_factory, freeze_heap, max_stored_responses, kv_events, limits)
+                          engine_factory, freeze_heap, max_stored_responses, kv_events, limits, on_loaded)
     app = FastAPI(title="deltaserve", version="0.1.0", lifespan=_lifespan(state.engine, kv_events),
                   description="OpenAI-compatible server for Gated DeltaNet hybrid models")
     app.state.engine = state.engine
@@ -187,13 +189,16 @@ def _served_names(engine_config: Any, served_model_name: str | list[str] | None,
 
 def _server_state(engine_config: Any, api_key: str | None, names: ServedNames,
                   engine_factory: Callable[[Any], Any] | None, freeze_heap: bool, max_stored_responses: int,
-                  kv_events: Any, limits: RequestLimits) -> ServerState:
+                  kv_events: Any, limits: RequestLimits, then: Callable[[Any], None] | None = None) -> ServerState:
     """The engine (it loads when the app starts), its metrics and what the routes share. Once it has loaded (on its
-    thread, before it serves) the request limits are measured on its tokenizer."""
+    thread, before it serves) the request limits are measured on its tokenizer, then(engine) is called after the
+    KV events publisher attaches."""
     def on_loaded(eng):  # metrics is bound below, before the engine can load
         limits.engine_loaded(eng)
         if kv_events is not None:
             _publish_kv_events(kv_events, eng, metrics)
+        if then is not None:
+            then(eng)
 
     engine = AsyncEngine(engine_config, engine_factory, freeze_heap=freeze_heap, on_loaded=on_loaded)
     metrics = ServerMetrics(lambda: engine.stats, names[0], lambda: engine.engine if engine.is_ready else None)

@@ -1,10 +1,13 @@
 """`deltaserve serve`: the OpenAI-compatible server on uvicorn. Flags use vLLM's names.
 
-    deltaserve serve [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME ...]
+    deltaserve serve [MODEL] [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME ...]
                      [--max-request-bytes N]
-                     [engine flags: --model DIR, --max-model-len N, --kv-cache-memory 2G, ... (config.EngineConfig)]
+                     [engine flags: --model DIR|ID, --revision REV, --tokenizer DIR|ID, --max-model-len N,
+                      --kv-cache-memory 2G, ... (config.EngineConfig)]
 
-With no --model it serves the embedded default model (the `tiny` preset).
+MODEL (as `vllm serve MODEL`) or --model: a directory or a Hugging Face Hub id, resolved (and downloaded, with
+a progress bar) before anything loads, so a model that cannot be had is one line and exit status 2. With
+neither it serves the embedded default model (the `tiny` preset). The served name defaults to the MODEL given.
 """
 from __future__ import annotations
 
@@ -13,13 +16,20 @@ import logging
 import os
 import sys
 
-from ..config import add_engine_args, engine_args
+from ..config import add_engine_args, engine_args, env_engine_args
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deltaserve serve", description="OpenAI-compatible server (vLLM's flag names)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = argparse.ArgumentParser(prog="deltaserve serve", description="OpenAI-compatible server (vLLM's flag names)",
+                                epilog="Every engine flag is also read from DELTASERVE_<FLAG> (--max-model-len: "
+                                       "DELTASERVE_MAX_MODEL_LEN=32k; --enable-prefix-caching: "
+                                       "DELTASERVE_ENABLE_PREFIX_CACHING=0); a flag given on the command line wins.")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="a model directory or Hugging Face Hub id, as --model (default: the embedded model)")
+    p.add_argument("--host", default=os.environ.get("DELTASERVE_HOST", "127.0.0.1"),
+                   help="the address to bind (default: $DELTASERVE_HOST, else 127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=os.environ.get("DELTASERVE_PORT") or 8000,
+                   help="(default: $DELTASERVE_PORT, else 8000)")
     p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DELTASERVE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) the API answers to")
@@ -73,9 +83,35 @@ def kv_events_from_args(args: argparse.Namespace, cfg):
 
 
 def engine_config_from_args(args: argparse.Namespace):
+    """The EngineConfig of the flags; the positional MODEL is --model (ValueError when both differ)."""
     from ..config import EngineConfig
 
-    return EngineConfig.from_kwargs(**engine_args(args))
+    given = engine_args(args)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if given.get("model", tag) != tag:
+            raise ValueError(f"MODEL {tag} and --model {given['model']} disagree: give one")
+        given["model"] = tag
+    return EngineConfig.from_kwargs(**{**env_engine_args(), **given})  # DELTASERVE_<FLAG>, the command line over it
+
+
+def resolve_models(cfg) -> None:
+    """Fetch (or find in the Hub cache) the model and tokenizer the config names, before anything loads: the
+    engine's own resolution then finds them at once. ConfigError names what is missing and how to get it."""
+    from ..hub import resolve_model
+
+    resolve_model(cfg.model, cfg.revision)
+    resolve_model(cfg.tokenizer, what="tokenizer")
+
+
+def _print_screen(eng, args: argparse.Namespace, served_name: str) -> None:
+    """The start-up screen (banner.py) on stdout; a failure to draw it is logged, never a load error."""
+    from .banner import startup_screen
+
+    try:
+        print("\n" + startup_screen(eng, args.host, args.port, served_name, args.api_key) + "\n", flush=True)
+    except Exception:  # noqa: BLE001 - the server serves without its screen
+        logging.getLogger("deltaserve").exception("could not draw the start-up screen")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = engine_config_from_args(args)
+        resolve_models(cfg)
         if cfg.cache_disk:  # before the engine loads: a directory it cannot read ends the process here
             from ..runner.disk_store import check_directory
 
@@ -110,11 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_request_bytes is not None and args.max_request_bytes < 1:
         print("deltaserve serve: --max-request-bytes must be >= 1", file=sys.stderr)
         return 2
+    names = []  # the served names, once the app has them
     app = build_app(cfg, api_key=args.api_key, served_model_name=args.served_model_name, freeze_heap=True,
                     max_stored_responses=stored, kv_events=publisher,
-                    accept_any_model_name=args.accept_any_model_name, max_request_bytes=args.max_request_bytes)
-    logging.getLogger("deltaserve").info("serving %s on http://%s:%d", app.state.serving.model_name,
-                                         args.host, args.port)
+                    accept_any_model_name=args.accept_any_model_name, max_request_bytes=args.max_request_bytes,
+                    on_loaded=lambda eng: _print_screen(eng, args, names[0]))
+    names.append(app.state.serving.model_name)
+    logging.getLogger("deltaserve").info("loading %s for http://%s:%d (/health answers 503 until it is ready)",
+                                         names[0], args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
                 access_log=args.log_level == "debug")
     return 0

@@ -58,6 +58,7 @@ import torch
 from ...config import CPU_ISA_CHOICES
 from . import conv, gdn, pointwise
 from .attention import apply_rotary
+from .build_notice import build_notice
 from .attention import prefill_attention as prefill_attention_torch
 from .norm import rms_norm as rms_norm_torch
 from .norm import rms_norm_gated as rms_norm_gated_torch
@@ -203,13 +204,14 @@ def load_extension(isa: str | None = None):
 
             t0 = time.perf_counter()
             try:
-                ext = cpp_extension.load(
-                    name=build_name("deltaserve_kernels", build),
-                    sources=[str(p) for p in _SOURCES],
-                    extra_cflags=["-O3", *ISA_FLAGS[build], "-mtune=native", "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"],  # resolves to the libgomp.so.1 torch already loaded
-                    verbose=False,
-                )
+                name, sources = build_name("deltaserve_kernels", build), [str(p) for p in _SOURCES]
+                with build_notice(name, sources, f"the {build} CPU kernels ({len(sources)} C++ files)"):
+                    ext = cpp_extension.load(
+                        name=name, sources=sources,
+                        extra_cflags=["-O3", *ISA_FLAGS[build], "-mtune=native", "-ffp-contract=off", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"],  # resolves to the libgomp.so.1 torch already loaded
+                        verbose=False,
+                    )
                 built = ext.kernel_isa()
                 if built != (build if build != "generic" else built):
                     raise RuntimeError(f"the {build} build of the kernels reports {built!r}")

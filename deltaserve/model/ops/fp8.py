@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .cpu_kernels import build_name, cpu_flags  # one reading of /proc/cpuinfo for every compiled kernel
+from .build_notice import build_notice
 from .packed import PackedWeight, linear_packed
 
 log = logging.getLogger("deltaserve")
@@ -135,10 +136,12 @@ def load_fp8_extension(build: str | None = None):
                 raise RuntimeError(f"fp8 build {build!r} needs CPU flags this CPU lacks")
             t0 = time.perf_counter()
             try:
-                _exts[build] = cpp_extension.load(
-                    name=build_name("deltaserve_fp8_kernels", build), sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", *BUILDS[build][0], "-ffp-contract=off", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+                name = build_name("deltaserve_fp8_kernels", build)
+                with build_notice(name, [str(_SOURCE)], f"the {build} fp8 linear kernel"):
+                    _exts[build] = cpp_extension.load(
+                        name=name, sources=[str(_SOURCE)],
+                        extra_cflags=["-O3", *BUILDS[build][0], "-ffp-contract=off", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], verbose=False)
                 log.info("fp8 linear: compiled kernel %s, path %s, built or loaded in %.1f s", build,
                          _exts[build].fp8_paths()[0], time.perf_counter() - t0)
             except Exception as e:  # noqa: BLE001 - no compiler / headers: the caller dequantizes instead
