@@ -20,7 +20,7 @@ PACKAGE = os.path.join(ROOT, "deltaserve")
 # bottom first; a top-level package or root module of deltaserve per name
 LAYERS = [
     ["errors"],
-    ["config", "presets"],
+    ["config", "presets", "hub", "home", "home"],
     ["memory", "model", "text", "media"],
     ["scheduler", "embedded"],
     ["runner", "sim"],
@@ -28,12 +28,13 @@ LAYERS = [
     ["engine"],
     ["__init__"],  # the package's face: LLM, SamplingParams, LLMEngine, EngineConfig and __version__
     ["server", "profile"],
-    ["bench", "tools"],
+    ["bench"],
+    ["tools"],  # planner, doctor (which lists the agent CLIs bench sets up), cluster
     ["cli"],
     ["__main__"],
 ]
 # modules that must run without torch (the simulator's and the planner's world), each with what it imports
-TORCH_FREE = ["errors", "config", "presets", "memory", "scheduler", "sim", "engine.inputs", "engine.sampling_params",
+TORCH_FREE = ["errors", "config", "presets", "hub", "home", "memory", "scheduler", "sim", "engine.inputs", "engine.sampling_params",
               "engine.outputs", "profile.coverage", "profile.grid", "profile.machine", "tools.planner",
               "tools.validate.scenarios", "tools.validate.simulate", "tools.validate.speed", "tools.validate.compare",
               "tools.validate.report"]

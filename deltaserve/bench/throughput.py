@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import CPU_ISA_CHOICES, add_engine_args
-from ..embedded.home import home
+from ..home import home
 from ..embedded.model import ensure_model
 from ..engine.sampling_params import SamplingParams
 from ..profile.machine import cpu_model

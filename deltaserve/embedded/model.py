@@ -16,7 +16,7 @@ import os
 from ..presets import load_preset
 from ..text.tokenizer import write_tokenizer
 from . import qwen35_tokenizer
-from .home import build_dir_once, home
+from ..home import build_dir_once, home
 
 log = logging.getLogger("deltaserve")
 

