@@ -81,7 +81,7 @@ def test_converter_wrapper_refuses_a_missing_tree(tmp_path, tiny_dir):
     assert r.returncode != 0 and "setup_llama_cpp.sh" in r.stderr
 
 
-def test_parse_timings_and_decode_phase():
+def test_parse_timings():
     resp = {"content": "x", "timings": {"cache_n": 3, "prompt_n": 509, "prompt_ms": 98.5, "prompt_per_token_ms": 0.19,
                                         "prompt_per_second": 5167.5, "predicted_n": 32, "predicted_ms": 31.0,
                                         "predicted_per_token_ms": 1.0, "predicted_per_second": 1000.0}}
@@ -91,11 +91,108 @@ def test_parse_timings_and_decode_phase():
         lc.parse_timings({"content": "x"})
     with pytest.raises(ValueError, match="predicted_ms"):
         lc.parse_timings({"timings": {"prompt_n": 1, "prompt_ms": 1.0, "predicted_n": 1}})
-    # two streams: 31 + 15 tokens after the first ones, over the longer stream's 40 ms
-    s, n = lc.decode_phase([t, lc.Timings(10, 0, 5.0, 16, 40.0)])
-    assert n == 46 and s == pytest.approx(0.040)
-    with pytest.raises(ValueError):
-        lc.decode_phase([])
+
+
+def _fake_llama_server(events_for):
+    """A stand-in for llama-server's streamed /completion: events_for(body) gives the events (dicts) to send, each
+    as an SSE `data:` line flushed on its own, with a short pause between them."""
+    import http.server
+    import threading
+    import time
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for ev in events_for(body):
+                self.wfile.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                self.wfile.flush()
+                time.sleep(0.01)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    server = lc.LlamaServer.__new__(lc.LlamaServer)
+    server.base, server.slots = f"http://127.0.0.1:{srv.server_address[1]}", 4
+    return srv, server
+
+
+def test_llama_server_stream_counts_each_event_by_its_timings():
+    """The streamed completion asks for per-token timings and reports, as each event arrives, the tokens the
+    stream holds: what the client-side decode phase is counted from."""
+    seen = []
+
+    def events(body):
+        seen.append(body)
+        t = {"prompt_n": len(body["prompt"]), "prompt_ms": 5.0, "predicted_ms": 1.0}
+        return ([{"content": "a", "stop": False, "timings": {**t, "predicted_n": i}} for i in range(1, 4)]
+                + [{"content": "", "stop": True, "timings": {**t, "predicted_n": 3}}])
+
+    srv, server = _fake_llama_server(events)
+    try:
+        counts = []
+        t = server.stream([1, 2, 3], 3, counts.append)
+        assert counts == [1, 2, 3, 3] and t.predicted_n == 3
+        assert seen[0]["stream"] is True and seen[0]["timings_per_token"] is True and seen[0]["ignore_eos"] is True
+        with pytest.raises(RuntimeError, match="streamed 3 tokens, asked for 4"):
+            server.stream([1, 2, 3], 4, counts.append)
+    finally:
+        srv.shutdown()
+
+
+def test_llama_cpp_decode_is_the_client_side_decode_phase():
+    """Two streams, the second's first token sent only after the first stream's third: the phase starts when both
+    hold a token, so the first stream's earlier tokens are not in it (llama-server's own predicted_ms of the
+    longer stream would have counted them)."""
+    import threading
+    import time
+
+    early_third, late_first = threading.Event(), threading.Event()
+
+    def events(body):
+        t = {"prompt_n": len(body["prompt"]), "prompt_ms": 1.0, "predicted_ms": 1.0}
+        late = len(body["prompt"]) > 2
+        for i in range(1, 6):
+            if late and i == 1:
+                early_third.wait(10)
+                time.sleep(0.1)
+            if not late and i == 4:
+                late_first.wait(10)
+                time.sleep(0.1)
+            yield {"content": "a", "stop": False, "timings": {**t, "predicted_n": i}}
+            if not late and i == 3:
+                early_third.set()
+            if late and i == 1:
+                late_first.set()
+
+    srv, server = _fake_llama_server(events)
+    peer = lc.LlamaCppPeer.__new__(lc.LlamaCppPeer)
+    peer.server, peer.info = server, {}
+    try:
+        _, n = peer.decode([[1, 2], [1, 2, 3]], 5)
+    finally:
+        srv.shutdown()
+    assert n == 10 - (3 + 1)  # the early stream held 3 and the late one 1 when the phase began
+
+
+def test_decode_phase_one_definition():
+    from deltaserve.bench.decode_phase import decode_phase
+
+    # stream a: tokens at 1, 2, 3, 4; stream b: its first at 2.5, then 3.5, 4.5
+    arrivals = [(1.0, "a", 1), (2.0, "a", 2), (2.5, "b", 1), (3.0, "a", 3), (3.5, "b", 2), (4.0, "a", 4),
+                (4.5, "b", 3)]
+    assert decode_phase(reversed(arrivals), 2) == (2.0, 7 - 3)  # from 2.5 (a holds 2, b 1) to 4.5
+    assert decode_phase([(0.0, "a", 1), (0.5, "a", 3)], 1) == (0.5, 2)
+    with pytest.raises(ValueError, match="first token"):
+        decode_phase([(0.0, "a", 1), (1.0, "a", 2)], 2)
+    with pytest.raises(ValueError, match="after"):
+        decode_phase([(0.0, "a", 1)], 1)
+    with pytest.raises(ValueError, match="went from"):
+        decode_phase([(0.0, "a", 2), (1.0, "a", 1)], 1)
 
 
 def test_peer_without_binary_says_how_to_build(tmp_path, tiny_dir):

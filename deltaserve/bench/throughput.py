@@ -20,8 +20,8 @@ virtual environment (scripts/setup_vllm_cpu.sh) as a subprocess with both cores
 (VLLM_CPU_OMP_THREADS_BIND=0-1, VLLM_CPU_NUM_OF_RESERVED_CPU=0) and prefix caching off. llama.cpp
 (`--peers llama.cpp`, built by scripts/setup_llama_cpp.sh) runs one llama-server per GGUF type
 (`--llama-cpp-types`, default bf16 against our bf16 and q8_0 as a second arm) on the same checkpoint
-converted by its own converter, prompt caching off, timed by its own `timings` (peers/llama_cpp.py). A
-peer that cannot run gets its reason in the table.
+converted by its own converter, prompt caching off, timed by the client as the deltaserve arm is
+(peers/llama_cpp.py, bench/decode_phase.py). A peer that cannot run gets its reason in the table.
 
 Speculative decoding (`--speculative K --draft-accept ..`): one more deltaserve arm per drafter, all on one engine
 (docs/speculative.md), beside plain deltaserve and the peers in the same run; their own table gives each arm's
@@ -49,6 +49,7 @@ from ..home import home
 from ..embedded.model import ensure_model
 from ..engine.sampling_params import SamplingParams
 from ..profile.machine import cpu_model
+from .decode_phase import decode_phase
 from .peers import PeerUnavailable
 from .peers.hf import TransformersPeer
 from .peers.llama_cpp import OUTTYPES, LlamaCppPeer, speculative_flags
@@ -98,6 +99,8 @@ class DeltaservePeer:
         return dt, sum(len(p) for p in prompts)
 
     def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+        """The decode phase (bench/decode_phase.py) of the prompts as concurrent streams, each stream's tokens
+        counted as the step that made them returns."""
         eng = self.engine
         ntok: dict[str, int] = {}
         for p in prompts:
@@ -106,22 +109,25 @@ class DeltaservePeer:
             eng.add_request(rid, {"prompt_token_ids": p}, self._params(max_tokens))
             ntok[rid] = 0
         done: set[str] = set()
-        t_first = n_first = None
+        arrivals: list[tuple[float, str, int]] = []
+        all_first = False
         self.step_s = []
         while len(done) < len(ntok):
             t0 = time.perf_counter()
             outs = eng.step()
-            if t_first is not None and len(done) == 0:  # a step of every stream decoding (none finished yet)
-                self.step_s.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            if all_first and len(done) == 0:  # a step of every stream decoding (none finished yet)
+                self.step_s.append(t1 - t0)
             for out in outs:
                 if out.request_id in ntok:
                     ntok[out.request_id] = len(out.outputs[0].token_ids)
+                    arrivals.append((t1, out.request_id, ntok[out.request_id]))
                     if out.finished:
                         done.add(out.request_id)
-            if t_first is None and all(v >= 1 for v in ntok.values()):
-                t_first, n_first, c_first = time.perf_counter(), sum(ntok.values()), time.process_time()
+            if not all_first and all(v >= 1 for v in ntok.values()):
+                all_first, c_first = True, time.process_time()
         self.cpu_s = time.process_time() - c_first
-        return time.perf_counter() - t_first, sum(ntok.values()) - n_first
+        return decode_phase(arrivals, len(ntok))
 
     def close(self) -> None:
         self.llm = self.engine = None

@@ -262,7 +262,8 @@ def _llama_cpp_line(res: Results) -> list[str]:
     if not li:
         return []
     return [f"llama.cpp {li[0][2].get('build')} llama-server -t {li[0][2].get('threads')} -np "
-            f"{li[0][2].get('slots')}, its own timings (prompt_ms; predicted_ms over predicted_n - 1): "
+            f"{li[0][2].get('slots')}, timed by the client as deltaserve is (prefill: a one-token request's wall time; "
+            "decode: the streamed tokens' arrivals): "
             + ", ".join(f"{p} {e[len('llama.cpp-'):]} GGUF {v.get('gguf_bytes', 0) / 1e6:,.1f} MB"
                         + (" (--no-repack: SIGILL in its AMX kernel otherwise)" if v.get("no_repack") else "")
                         for p, e, v in li)

@@ -3,10 +3,10 @@ converter, starts `llama-server` on it and talks HTTP to it. llama.cpp is never 
 it is built by scripts/setup_llama_cpp.sh into its own directory under $DELTASERVE_HOME, and nothing here
 imports it (the converter runs in a subprocess, peers/gguf_convert.py).
 
-Timing comes from the server's own `timings` object in every response (so HTTP and JSON are not charged to
-it): `prompt_n` tokens prefilled in `prompt_ms`; `predicted_n` tokens generated, the first of them from the
-prompt's logits, the other `predicted_n - 1` in `predicted_ms` (first token to last), which is the decode
-phase exactly as the deltaserve arm measures it.
+Timing is the client's, as for the deltaserve arm: prefill@L is the wall time of a one-token request, decode@B
+the decode phase of bench/decode_phase.py over the streamed events' arrival times (each event's `timings`, asked
+for with `timings_per_token`, says how many tokens the stream holds). The server's own `predicted_ms` is not
+used: with several streams the longest one's first-to-last time can include the other streams' prefill.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ...home import home
+from ..decode_phase import decode_phase
 from . import PeerUnavailable, stop_group
 from .gguf_bytes import decode_bytes_per_token
 
@@ -192,15 +193,6 @@ def parse_timings(resp: dict) -> Timings:
         raise ValueError(f"llama-server timings lack {e.args[0]!r}: {t}") from None
 
 
-def decode_phase(timings: list[Timings]) -> tuple[float, int]:
-    """(seconds, tokens) of the decode phase of concurrent streams: every token after each stream's first,
-    over the longest stream's first-to-last time (the streams start in the same step; a slower one sets
-    the phase, as in the deltaserve arm's count from the step where all have their first token)."""
-    if not timings:
-        raise ValueError("no streams")
-    return max(t.predicted_ms for t in timings) / 1e3, sum(max(0, t.predicted_n - 1) for t in timings)
-
-
 NO_REPACK = "--no-repack"
 
 
@@ -274,15 +266,40 @@ class LlamaServer:
         except urllib.error.HTTPError as e:
             raise RuntimeError(f"llama-server {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
 
+    def _body(self, prompt: list[int], n_predict: int, cache_prompt: bool, stream: bool) -> dict:
+        return {"prompt": list(prompt), "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
+                "cache_prompt": cache_prompt, "stream": stream, "timings_per_token": stream}
+
     def complete(self, prompt: list[int], n_predict: int, *, cache_prompt: bool = False) -> Timings:
         """One greedy completion of a token-id prompt, exactly n_predict tokens (ignore_eos)."""
-        r = self.post("/completion", {"prompt": list(prompt), "n_predict": n_predict, "ignore_eos": True,
-                                      "temperature": 0.0, "top_k": 1, "cache_prompt": cache_prompt,
-                                      "stream": False})
-        t = parse_timings(r)
+        t = parse_timings(self.post("/completion", self._body(prompt, n_predict, cache_prompt, False)))
         if t.predicted_n != n_predict:
             raise RuntimeError(f"llama-server generated {t.predicted_n} tokens, asked for {n_predict}")
         return t
+
+    def stream(self, prompt: list[int], n_predict: int, on_tokens, *, cache_prompt: bool = False,
+               timeout: float = 3600.0) -> Timings:
+        """The same completion streamed: on_tokens(n) as each event arrives, n the tokens generated so far (its
+        `timings.predicted_n`). Returns the final event's timings."""
+        req = urllib.request.Request(self.base + "/completion",
+                                     data=json.dumps(self._body(prompt, n_predict, cache_prompt, True)).encode(),
+                                     headers={"Content-Type": "application/json"})
+        last = None
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                for line in r:
+                    if not line.startswith(b"data: "):
+                        continue
+                    event = json.loads(line[len(b"data: "):])
+                    if "error" in event:
+                        raise RuntimeError(f"llama-server /completion: {event['error']}")
+                    last = parse_timings(event)
+                    on_tokens(last.predicted_n)
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"llama-server /completion: HTTP {e.code}: {e.read()[:300]!r}") from None
+        if last is None or last.predicted_n != n_predict:
+            raise RuntimeError(f"llama-server streamed {last and last.predicted_n} tokens, asked for {n_predict}")
+        return last
 
     def close(self) -> None:
         p = getattr(self, "proc", None)
@@ -325,23 +342,31 @@ class LlamaCppPeer:
                      "no_repack": self.server.no_repack, "extra": " ".join(extra)}
 
     def prefill(self, prompts: list[list[int]]) -> tuple[float, int]:
-        ts = self._all(prompts, 1)
-        return sum(t.prompt_ms for t in ts) / 1e3, sum(t.prompt_n for t in ts)
+        """The wall time of one-token requests, as the deltaserve arm times its own."""
+        t = time.perf_counter()
+        self._each(prompts, lambda i, p: self.server.complete(p, 1))
+        return time.perf_counter() - t, sum(len(p) for p in prompts)
 
     def decode(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
-        ts = self._all(prompts, max_tokens)
+        arrivals: list[tuple[float, int, int]] = []  # list.append is atomic: the streams' threads share it
+
+        def run(i: int, p: list[int]) -> Timings:
+            return self.server.stream(p, max_tokens, lambda n: arrivals.append((time.perf_counter(), i, n)))
+
+        ts = self._each(prompts, run)
         drafted = sum(t.draft_n for t in ts)
         if drafted:  # a speculative arm: the acceptance of its latest decode, as the deltaserve arms record it
             self.info["acceptance"] = round(sum(t.draft_n_accepted for t in ts) / drafted, 3)
-        return decode_phase(ts)
+        return decode_phase(arrivals, len(prompts))
 
-    def _all(self, prompts: list[list[int]], n: int) -> list[Timings]:
+    def _each(self, prompts: list[list[int]], fn) -> list[Timings]:
+        """fn(i, prompt) for every prompt, concurrently (one slot each)."""
         if len(prompts) > self.server.slots:
             raise RuntimeError(f"{len(prompts)} streams but llama-server has {self.server.slots} slots")
         if len(prompts) == 1:
-            return [self.server.complete(prompts[0], n)]
+            return [fn(0, prompts[0])]
         with ThreadPoolExecutor(len(prompts)) as ex:
-            return list(ex.map(lambda p: self.server.complete(p, n), prompts))
+            return list(ex.map(fn, range(len(prompts)), prompts))
 
     def close(self) -> None:
         self.server.close()
