@@ -112,8 +112,26 @@ def test_restart_smoke(capsys, tmp_path):
                "--kv-cache-memory", "64M", "--dir", str(tmp_path / "tier")])
     text = capsys.readouterr().out
     assert rc == 0 and "bit-identical" in text and "target >= 95%: met" in text
+    assert "each turn in its own process; a cold restart:" in text
     row = next(ln for ln in text.splitlines() if ln.startswith("| turn 2 after a restart"))
     assert "| 960 (96.0% of turn 1's prompt) | 960 tokens," in row  # 1000 floored to the 64-token page
+
+
+def test_restart_drops_the_records_from_the_page_cache(tmp_path):
+    """A cold restart's records are read from the disk: dropped from the page cache, they are no longer in it
+    (on a file system with a page cache; tmpfs keeps its files in memory)."""
+    import subprocess
+
+    from deltaserve.bench.restart import drop_page_cache, page_cached_share
+
+    (tmp_path / "a.rec").write_bytes(os.urandom(4 << 20))
+    (tmp_path / "b.rec").write_bytes(b"")
+    assert page_cached_share(str(tmp_path)) > 0.9  # just written
+    drop_page_cache(str(tmp_path))
+    fs = subprocess.run(["df", "--output=fstype", str(tmp_path)], capture_output=True, text=True).stdout
+    if "tmpfs" in fs:
+        pytest.skip("tmpfs: its files are the page cache")
+    assert page_cached_share(str(tmp_path)) < 0.1
 
 
 def test_bench_usage():
