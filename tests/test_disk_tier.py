@@ -656,17 +656,24 @@ def test_a_budget_larger_than_the_disk_evicts_and_retries(tmp_path, monkeypatch,
     st.close()
 
 
-def test_a_disk_that_stays_full_stops_the_writing_and_the_gauges_count_the_files(tmp_path, monkeypatch, caplog):
+def _one_record_then_failing_writes(tmp_path, monkeypatch, code: int, message: str):
+    """A tier holding record 0, whose every later write fails with OSError(code, message)."""
     from deltaserve.runner import disk_store
 
     d = tmp_path / "tier"
     st, pool = _store(d)
     _spill(st, pool, 0)
 
-    def full(fd, data):
-        raise OSError(errno.ENOSPC, "No space left on device")  # another program's files fill the disk
+    def fail(fd, data):
+        raise OSError(code, message)
 
-    monkeypatch.setattr(disk_store, "_write_all", full)
+    monkeypatch.setattr(disk_store, "_write_all", fail)
+    return d, st, pool
+
+
+def test_a_disk_that_stays_full_stops_the_writing_and_the_gauges_count_the_files(tmp_path, monkeypatch, caplog):
+    # another program's files fill the disk
+    d, st, pool = _one_record_then_failing_writes(tmp_path, monkeypatch, errno.ENOSPC, "No space left on device")
     with caplog.at_level(logging.WARNING, logger="deltaserve"):
         for i in range(1, 6):
             pool.data[(i,)] = bytes([i]) * 64
@@ -684,16 +691,7 @@ def test_a_disk_that_stays_full_stops_the_writing_and_the_gauges_count_the_files
 
 
 def test_a_refused_write_turns_the_tier_read_only(tmp_path, monkeypatch, caplog):
-    from deltaserve.runner import disk_store
-
-    d = tmp_path / "tier"
-    st, pool = _store(d)
-    _spill(st, pool, 0)
-
-    def refused(fd, data):
-        raise OSError(errno.EROFS, "Read-only file system")
-
-    monkeypatch.setattr(disk_store, "_write_all", refused)
+    d, st, pool = _one_record_then_failing_writes(tmp_path, monkeypatch, errno.EROFS, "Read-only file system")
     with caplog.at_level(logging.WARNING, logger="deltaserve"):
         for i in range(1, 4):
             _spill(st, pool, i)

