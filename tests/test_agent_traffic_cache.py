@@ -74,7 +74,7 @@ def test_the_system_prefix_is_checkpointed_without_the_grid():
     request still reads the tools and the whole system text: the route hints the end of the system prefix
     (system_prefix_end) and the engine checkpoints it (SaveKind.HINT) on the page grid; session B, reading both of
     session A's hints, saves none of its own."""
-    from deltaserve.server.chat_spec import system_hints, system_prefix_end
+    from deltaserve.server.resume_points import system_hints, system_prefix_end
 
     tok = load_tokenizer(None)
     spec_a = messages_spec(MessagesRequest.model_validate(body(3)))
@@ -118,7 +118,7 @@ def test_the_newest_user_turns_part_boundaries_are_checkpointed():
     typed) and, a request later, re-sends that message without the date reminder. The first request hinted where
     the message's last two parts begin (part_hints), so with the grid off the second reads up to the reminder, not
     only the system prefix."""
-    from deltaserve.server.chat_spec import first_difference, part_hints, system_prefix_end
+    from deltaserve.server.resume_points import first_difference, part_hints, system_prefix_end
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -140,7 +140,7 @@ def test_the_newest_user_turns_part_boundaries_are_checkpointed():
 def test_the_next_request_reads_up_to_the_part_boundary():
     """The engine's side of the above, on the embedded model with the grid off: the second request reads up to the
     date reminder's page, from the part-boundary checkpoint the first request left."""
-    from deltaserve.server.chat_spec import first_difference, part_hints
+    from deltaserve.server.resume_points import first_difference, part_hints
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -181,7 +181,7 @@ def test_the_system_texts_path_lines_are_checkpointed():
     the system text's lines holding a path begin (system_hints): within a page of where the sessions part."""
     import copy
 
-    from deltaserve.server.chat_spec import first_difference, system_hints, system_prefix_end
+    from deltaserve.server.resume_points import first_difference, system_hints, system_prefix_end
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -208,7 +208,7 @@ def test_the_system_texts_path_lines_are_checkpointed():
 def test_a_second_opencode_session_reads_up_to_the_env_block():
     """The engine's side, with the grid off (as under a full pool): a second session in another directory reads
     the tools and the system text up to the working directory's line, from the first session's checkpoint there."""
-    from deltaserve.server.chat_spec import first_difference, system_hints
+    from deltaserve.server.resume_points import first_difference, system_hints
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 

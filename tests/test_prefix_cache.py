@@ -167,7 +167,7 @@ def test_hinted_system_prefix_is_checkpointed(layout):
         hits = [llm.generate([r], greedy(), use_tqdm=False)[0] for r in reqs]
         colds = run(llm, prompts, salt=[f"cold-{i}" for i in range(len(prompts))])
         assert [signature(h) for h in hits] == [signature(c) for c in colds]
-        return [h.num_cached_tokens for h in hits], llm.engine.memory.stats.checkpoints_saved_by_kind["hint"]
+        return [h.num_cached_tokens for h in hits], llm.engine.memory.stats.checkpoints_saved_by_kind["declared"]
 
     assert sessions(hint=True) == ([0, 640, 640], 1)
     assert sessions(hint=False) == ([0, 0, 640], 0)
