@@ -11,8 +11,8 @@ of kinds), each source's positions most likely read first:
   structural  what the render's structure shows, knowing no client: the end of the tools and leading system
               messages (system_prefix_end), where each message of the newest turn (those after the last
               assistant message) begins, where the newest user message's last parts begin, where the system
-              text's last part begins; with --resume-point-path-lines also where its last lines holding an
-              absolute path begin (system_hints, a text heuristic kept as a named option: docs/design.md).
+              text's last part begins; with --resume-point-path-lines (off by default) also where its last lines
+              holding an absolute path begin (system_hints, a text heuristic kept as a named option: docs/design.md).
 
 Every position is found from the render itself: the messages' texts are located in order in the rendered prompt
 (a cursor that only moves forward, so a short text cannot match inside an earlier message), and a character
@@ -70,7 +70,7 @@ def mark_end(message: dict) -> None:
 
 
 def resume_points(tok, spec, prompt_text: str, ids: list[int], ends: list[int] | None,
-                  path_lines: bool = True) -> dict[str, list[int]]:
+                  path_lines: bool = False) -> dict[str, list[int]]:
     """The candidate resume points of a rendered chat request, by source value ({"declared": [...], "structural":
     [...]}, the engine's "cache_hints" dict); a source with none is left out."""
     located = _locate(spec.messages, prompt_text)
