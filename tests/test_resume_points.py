@@ -246,3 +246,120 @@ def test_cache_hints_refuse_an_unknown_source():
     llm = make_llm()
     with pytest.raises(Exception, match="cache_hints"):
         llm.generate([{"prompt_token_ids": [5, 6, 7], "cache_hints": {"grid": [2]}}], greedy(), use_tqdm=False)
+
+
+# ---------------------------------------------------------------- synthetic clients, through the server
+
+def _text(seed: str, words: int) -> str:
+    rng = random.Random(seed)
+    vocab = ["alpha", "build", "check", "delta", "edit", "file", "grep", "hold", "index", "join", "keep", "list",
+             "merge", "note", "open", "patch", "query", "read", "stage", "test", "undo", "view", "write", "yield"]
+    return " ".join(rng.choice(vocab) + str(rng.randrange(100)) for _ in range(words))
+
+
+def _tools(seed: str, tool_note: str = "") -> list[dict]:
+    return [{"type": "function", "function": {"name": f"tool_{i}", "description": _text(f"{seed}-tool{i}", 600)
+             + (f" {tool_note} " + _text(f"{seed}-tail{i}", 120) if tool_note and i == 1 else ""),
+             "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}} for i in range(3)]
+
+
+def _chat(seed: str, k: int, where: str) -> tuple[str, dict]:
+    """Session k of a synthetic Chat Completions client that writes its session's details (a working directory,
+    a date) at `where`."""
+    cwd, date = f"/proj{k}", f"2026-12-0{k + 1}"
+    system = _text(seed + "-sys", 900)
+    user_text = _text(seed + "-user", 300)
+    tools = _tools(seed, f"Files live under /home/u{k}/repo." if where == "tool description" else "")
+    if where == "working directory of one segment":  # inside a one-string system text
+        system = system + f"\nWorking directory: {cwd}\n" + _text(seed + "-sys2", 200)
+    if where == "~/ path":
+        user_text = _text(seed + "-pre", 200) + f" See ~/notes{k}/todo.md for context. " + user_text
+    if where == "date and directory in the first user message":
+        user_text = _text(seed + "-pre", 200) + f" Today is {date}; I work in {cwd}. " + user_text
+    content = user_text
+    if where == "own content part":
+        content = [{"type": "text", "text": _text(seed + "-reminder", 200)},
+                   {"type": "text", "text": f"Working directory: {cwd}. Date: {date}."},
+                   {"type": "text", "text": user_text}]
+    return "/v1/chat/completions", {"model": "m", "max_tokens": 1, "tools": tools, "messages": [
+        {"role": "system", "content": system}, {"role": "user", "content": content}]}
+
+
+def _messages(seed: str, k: int, where: str) -> tuple[str, dict]:
+    """Session k of a synthetic Messages client: its details in a second system message, or after a system block
+    it marks with cache_control."""
+    cwd = f"/proj{k}"
+    tools = [{"name": f"tool_{i}", "description": _text(f"{seed}-tool{i}", 120),
+              "input_schema": {"type": "object"}} for i in range(3)]
+    user = _text(seed + "-user", 300)
+    if where == "second system message":
+        return "/v1/messages", {"model": "m", "max_tokens": 1, "tools": tools,
+                                "system": _text(seed + "-sys", 900), "messages": [
+                                    {"role": "user", "content": user},
+                                    {"role": "system", "content": f"Working directory: {cwd}"}]}
+    marked = where == "cache_control"
+    system = [{"type": "text", "text": _text(seed + "-sys", 900), **({"cache_control": {"type": "ephemeral"}}
+                                                                     if marked else {})},
+              {"type": "text", "text": f"\nWorking directory: {cwd}\n" + _text(seed + "-sys2", 200)}]
+    return "/v1/messages", {"model": "m", "max_tokens": 1, "tools": tools, "system": system,
+                            "messages": [{"role": "user", "content": user}]}
+
+
+# (client, where its sessions differ, the first session that reads >= 95% of what it shares with the earlier ones)
+CLIENTS = [
+    (_messages, "cache_control", 2),  # declared
+    (_messages, "second system message", 2),  # structural: where a message begins
+    (_chat, "own content part", 2),  # structural: where a part begins
+    (_chat, "working directory of one segment", 3),  # learned: inside one text, no boundary marks it
+    (_chat, "~/ path", 3),
+    (_chat, "date and directory in the first user message", 3),
+    (_chat, "tool description", 3),
+    (_messages, "not marked", 3),  # the same system blocks, no cache_control: its last part begins there (2)
+]
+
+
+def test_synthetic_clients_read_their_shared_prefix_without_the_grid():
+    """Each client sends three sessions that differ only in its details at one place; with the grid off (no
+    checkpoints but resume points, as under a pool too full for the grid), a session reads >= 95% of the prefix
+    it shares with the earlier ones from the first repeat where a source marks the place (client-declared,
+    structural) and from the third session on where only traffic can (learned)."""
+    from deltaserve.server import build_app
+    from deltaserve.server.anthropic.input import messages_spec
+    from deltaserve.server.anthropic.protocol import MessagesRequest
+    from deltaserve.server.chat_spec import render_prompt
+    from deltaserve.server.openai.protocol import ChatCompletionRequest
+    from deltaserve.server.openai.routes import chat_spec
+    from deltaserve.server.resume_points import first_difference
+    from server_support import InProcessServer, wait_healthy
+
+    from deltaserve.config import EngineConfig
+    import httpx
+
+    tok = _tok()
+    srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
+    report = []
+    try:
+        wait_healthy(srv.base, timeout=240)
+        for client, where, first in CLIENTS:
+            seen: list[list[int]] = []
+            for k in range(3):
+                path, body = client(where.replace(" ", "-"), k, where)
+                spec = (messages_spec(MessagesRequest.model_validate(body)) if path == "/v1/messages"
+                        else chat_spec(ChatCompletionRequest.model_validate(body)))
+                ids = tok.encode(render_prompt(tok, spec))
+                shared = max((first_difference(ids, s) for s in seen), default=0)
+                r = httpx.post(srv.base + path, json=body, timeout=600)
+                assert r.status_code == 200, r.text
+                u = r.json()["usage"]
+                cached = u.get("cache_read_input_tokens")
+                if cached is None:
+                    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+                report.append((where, k, shared, cached))
+                if k:
+                    assert shared > 2000 and cached <= shared, (where, k, shared, cached)
+                if k + 1 >= first:
+                    assert cached >= 0.95 * shared, (where, k, shared, cached)
+                seen.append(ids)
+    finally:
+        srv.stop()
+    print(report)
