@@ -12,8 +12,11 @@ import os
 import random
 import sys
 
+import httpx
 import pytest
 
+from deltaserve.config import EngineConfig
+from deltaserve.errors import ConfigError
 from deltaserve.memory.save_kind import RESUME_SOURCES, SaveKind
 from deltaserve.scheduler.learned import MAX_AGE, LearnedJunctions
 from deltaserve.scheduler.policy import choose_resume_points
@@ -50,6 +53,18 @@ def test_choose_resume_points(wanted, n, budget, grid, want):
     assert (points, spacing) == want
     assert len(points) + (len(range(spacing, n, spacing)) if spacing else 0) <= budget  # the budget holds
     assert [p for p, _ in points] == sorted(p for p, _ in points)
+
+
+def test_the_budget_in_count_and_bytes():
+    """--resume-points is the count; --resume-point-bytes lowers it to the checkpoints it holds (0 = no bound)."""
+    from deltaserve.scheduler.build import resume_point_budget
+
+    ckpt = 786_432  # the embedded default's checkpoint
+    assert resume_point_budget(EngineConfig(), ckpt) == 64
+    assert resume_point_budget(EngineConfig(resume_point_bytes=10 << 20), ckpt) == 13
+    assert resume_point_budget(EngineConfig(resume_points=4, resume_point_bytes=10 << 20), ckpt) == 4
+    with pytest.raises(ConfigError, match="--resume-points must be >= 0"):
+        EngineConfig(resume_points=-1)
 
 
 def test_sources_are_ordered_and_in_the_one_table():
@@ -331,9 +346,6 @@ def test_synthetic_clients_read_their_shared_prefix_without_the_grid():
     from deltaserve.server.openai.routes import chat_spec
     from deltaserve.server.resume_points import first_difference
     from server_support import InProcessServer, wait_healthy
-
-    from deltaserve.config import EngineConfig
-    import httpx
 
     tok = _tok()
     srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))

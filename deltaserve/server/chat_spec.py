@@ -203,7 +203,8 @@ def _chat_jobs(core: ServingCore, eng, tok, spec: ChatSpec) -> tuple[str, str, l
     tools = spec.template_tools
     rid = f"{spec.id_prefix}{uuid.uuid4().hex}"
     images = spec.images
-    hints = resume_points(tok, spec, prompt_text, ids, ends, eng.config.resume_point_path_lines)
+    config = getattr(eng, "config", None)  # a stand-in engine (the fake ones of the tests) has none: the default
+    hints = resume_points(tok, spec, prompt_text, ids, ends, getattr(config, "resume_point_path_lines", False))
     jobs: list[Job] = []
     for s in range(spec.n):
         seed = None if spec.seed is None else spec.seed + s
