@@ -273,8 +273,8 @@ def _text(seed: str, words: int) -> str:
 
 
 def _tools(seed: str, tool_note: str = "") -> list[dict]:
-    return [{"type": "function", "function": {"name": f"tool_{i}", "description": _text(f"{seed}-tool{i}", 600)
-             + (f" {tool_note} " + _text(f"{seed}-tail{i}", 120) if tool_note and i == 1 else ""),
+    return [{"type": "function", "function": {"name": f"tool_{i}", "description": _text(f"{seed}-tool{i}", 300)
+             + (f" {tool_note} " + _text(f"{seed}-tail{i}", 60) if tool_note and i == 1 else ""),
              "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}} for i in range(3)]
 
 
@@ -282,18 +282,18 @@ def _chat(seed: str, k: int, where: str) -> tuple[str, dict]:
     """Session k of a synthetic Chat Completions client that writes its session's details (a working directory,
     a date) at `where`."""
     cwd, date = f"/proj{k}", f"2026-12-0{k + 1}"
-    system = _text(seed + "-sys", 900)
-    user_text = _text(seed + "-user", 300)
+    system = _text(seed + "-sys", 450)
+    user_text = _text(seed + "-user", 150)
     tools = _tools(seed, f"Files live under /home/u{k}/repo." if where == "tool description" else "")
     if where == "working directory of one segment":  # inside a one-string system text
-        system = system + f"\nWorking directory: {cwd}\n" + _text(seed + "-sys2", 200)
+        system = system + f"\nWorking directory: {cwd}\n" + _text(seed + "-sys2", 100)
     if where == "~/ path":
-        user_text = _text(seed + "-pre", 200) + f" See ~/notes{k}/todo.md for context. " + user_text
+        user_text = _text(seed + "-pre", 100) + f" See ~/notes{k}/todo.md for context. " + user_text
     if where == "date and directory in the first user message":
-        user_text = _text(seed + "-pre", 200) + f" Today is {date}; I work in {cwd}. " + user_text
+        user_text = _text(seed + "-pre", 100) + f" Today is {date}; I work in {cwd}. " + user_text
     content = user_text
     if where == "own content part":
-        content = [{"type": "text", "text": _text(seed + "-reminder", 200)},
+        content = [{"type": "text", "text": _text(seed + "-reminder", 100)},
                    {"type": "text", "text": f"Working directory: {cwd}. Date: {date}."},
                    {"type": "text", "text": user_text}]
     return "/v1/chat/completions", {"model": "m", "max_tokens": 1, "tools": tools, "messages": [
@@ -304,18 +304,18 @@ def _messages(seed: str, k: int, where: str) -> tuple[str, dict]:
     """Session k of a synthetic Messages client: its details in a second system message, or after a system block
     it marks with cache_control."""
     cwd = f"/proj{k}"
-    tools = [{"name": f"tool_{i}", "description": _text(f"{seed}-tool{i}", 120),
+    tools = [{"name": f"tool_{i}", "description": _text(f"{seed}-tool{i}", 60),
               "input_schema": {"type": "object"}} for i in range(3)]
-    user = _text(seed + "-user", 300)
+    user = _text(seed + "-user", 150)
     if where == "second system message":
         return "/v1/messages", {"model": "m", "max_tokens": 1, "tools": tools,
-                                "system": _text(seed + "-sys", 900), "messages": [
+                                "system": _text(seed + "-sys", 450), "messages": [
                                     {"role": "user", "content": user},
                                     {"role": "system", "content": f"Working directory: {cwd}"}]}
     marked = where == "cache_control"
-    system = [{"type": "text", "text": _text(seed + "-sys", 900), **({"cache_control": {"type": "ephemeral"}}
+    system = [{"type": "text", "text": _text(seed + "-sys", 450), **({"cache_control": {"type": "ephemeral"}}
                                                                      if marked else {})},
-              {"type": "text", "text": f"\nWorking directory: {cwd}\n" + _text(seed + "-sys2", 200)}]
+              {"type": "text", "text": f"\nWorking directory: {cwd}\n" + _text(seed + "-sys2", 100)}]
     return "/v1/messages", {"model": "m", "max_tokens": 1, "tools": tools, "system": system,
                             "messages": [{"role": "user", "content": user}]}
 
