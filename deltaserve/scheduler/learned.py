@@ -15,8 +15,9 @@ passes it even after the pool dropped the pages of the requests it was learned f
   - Every junction of k whose block the request's prompt holds is a learned point of it (the next session reads
     the checkpoint the first request to pass it left).
 Aging: a junction not passed by any of the last MAX_AGE requests of its key is forgotten, a key keeps its
-JUNCTIONS most recently passed junctions, and the table keeps the KEYS most recently used keys, so a key's
-junctions follow what its traffic does now and the table's memory is bounded.
+JUNCTIONS most recently passed junctions, and the table keeps the KEYS most recently used keys and the first
+MAX_BLOCKS blocks of each remembered prompt, so a key's junctions follow what its traffic does now and the table's
+memory is bounded.
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ from ..memory.hashing import BlockHash
 KEEP = 4  # the prompts of a key whose block hashes a new request is compared with
 JUNCTIONS = 8  # the junctions one key keeps (most recently passed)
 MAX_AGE = 64  # a junction not passed by one of this many requests of its key is forgotten
-KEYS = 256  # the keys the table keeps (most recently used)
+KEYS = 64  # the keys the table keeps (most recently used)
+# the blocks of a prompt it remembers (128K tokens of 64): with KEYS and KEEP, the table holds at most 2M block
+# hashes' references, a few tens of MB at worst; a junction past them is not learned
+MAX_BLOCKS = 2048
 
 
 class _Key:
@@ -54,6 +58,7 @@ class LearnedJunctions:
         for prev in reversed(k.prompts):  # the newest first: what the traffic does now
             j = next((i for i, (a, b) in enumerate(zip(prev, hashes)) if a != b), min(len(prev), len(hashes)))
             if 0 < j < len(prev) and j < len(hashes):  # shared j blocks, then parted (neither continues the other)
+                # (a prev cut at MAX_BLOCKS that hashes continues past is no parting: j == len(prev) then)
                 k.junctions[hashes[j - 1]] = (j * block_size, k.count)
         out = []
         for h in list(k.junctions):
@@ -67,7 +72,7 @@ class LearnedJunctions:
                 del k.junctions[h]
         while len(k.junctions) > JUNCTIONS:
             k.junctions.popitem(last=False)
-        k.prompts = (k.prompts + [list(hashes)])[-KEEP:]
+        k.prompts = (k.prompts + [list(hashes[:MAX_BLOCKS])])[-KEEP:]
         return out[::-1]
 
     def __len__(self) -> int:
