@@ -123,9 +123,10 @@ class FakeEngine:
         from deltaserve.engine.inputs import EngineInputError, check_request
         from deltaserve.text.tokenizer import IncrementalDetokenizer
 
-        if isinstance(prompt, dict):  # the engine's prompt dict: token ids with cache hints (no images here)
-            assert set(prompt) <= {"prompt_token_ids", "cache_hints"}, prompt
-            assert all(0 < h < len(prompt["prompt_token_ids"]) for h in prompt["cache_hints"]), prompt["cache_hints"]
+        if isinstance(prompt, dict):  # the engine's prompt dict: token ids, cache hints, a key (no images here)
+            assert set(prompt) <= {"prompt_token_ids", "cache_hints", "cache_key"}, prompt
+            hints = prompt.get("cache_hints", {})  # candidate resume points by source (server/resume_points.py)
+            assert all(0 < h < len(prompt["prompt_token_ids"]) for ps in hints.values() for h in ps), hints
             prompt = prompt["prompt_token_ids"]
         ids = list(prompt) if isinstance(prompt, list) else self.tokenizer.encode(prompt)
         params = check_request(ids, params, self.model_config.vocab_size, self.max_model_len)  # as the engine does

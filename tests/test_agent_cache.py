@@ -129,13 +129,16 @@ def test_mutant_publishing_decode_path_blocks_is_caught(monkeypatch):
 
 def test_mutant_fork_save_on_the_wrong_side_is_caught(monkeypatch):
     """A fork checkpoint a block past the fork (into the second session's own text) keeps every state exact, but the
-    third session can no longer hit all of the shared prefix: the gate's cached-token bound sees it."""
+    third session can no longer hit all of the shared prefix: the gate's cached-token bound sees it. The learned
+    resume point at the same junction is shifted too (it would otherwise serve the third session)."""
     from deltaserve.scheduler.policy import AlignEveryBlock
 
     saves = AlignEveryBlock.saves
 
-    def shifted(self, start, end, prompt_end, fork, hints=()):
-        return saves(self, start, end, prompt_end, fork + self.block_size if fork else 0, hints)
+    def shifted(self, start, end, prompt_end, fork, points=(), grid=None):
+        bs = self.block_size
+        return saves(self, start, end, prompt_end, fork + bs if fork else 0,
+                     tuple((p + bs, kind) for p, kind in points), grid)
     monkeypatch.setattr(AlignEveryBlock, "saves", shifted)
     rng = random.Random(21)
     system = random_tokens(rng, 1500)

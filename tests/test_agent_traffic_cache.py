@@ -60,8 +60,10 @@ def test_claude_code_sessions_read_what_they_share_from_the_cache(served):
 
     u = usage(served, 3)
     assert u["cache_read_input_tokens"] == 0 and u["input_tokens"] == len(a1)
-    u = usage(served, 5)  # session B's first request: all it shares with A, on the checkpoint grid
-    assert u["cache_read_input_tokens"] == common // CHECKPOINT_GRID * CHECKPOINT_GRID >= system
+    u = usage(served, 5)  # session B's first request: all it shares with A, to a resume point A left
+    # (before the resume-point policy: the 128-token grid's last point before `common`; now a structural point,
+    # where the first user message's part that B changed begins, lies closer)
+    assert common >= u["cache_read_input_tokens"] >= common // CHECKPOINT_GRID * CHECKPOINT_GRID >= system
     assert u["cache_read_input_tokens"] + u["input_tokens"] == len(b1)
     for prev, n, now in ((a1, 4, a2), (b1, 6, b2)):  # continued turns: the whole previous prompt, on the page grid
         u = usage(served, n)
@@ -71,37 +73,43 @@ def test_claude_code_sessions_read_what_they_share_from_the_cache(served):
 
 def test_the_system_prefix_is_checkpointed_without_the_grid():
     """With the checkpoint grid off (as under a full pool, where grid checkpoints are not taken), session B's first
-    request still reads the tools and the whole system text: the route hints the end of the system prefix
-    (system_prefix_end) and the engine checkpoints it (SaveKind.HINT) on the page grid; session B, reading both of
-    session A's hints, saves none of its own."""
-    from deltaserve.server.chat_spec import system_hints, system_prefix_end
+    request still reads the tools, the whole system text and the first user message up to the part it changed:
+    session A kept its resume points there (declared: Claude Code's cache_control breakpoints; structural: the
+    system prefix's end, where the messages and the first user message's parts begin), within the budget. Session
+    B saves only the structural point where it parts from A (and its prompt and step checkpoints)."""
+    from deltaserve.server.resume_points import resume_points, system_prefix_end
 
     tok = load_tokenizer(None)
-    spec_a = messages_spec(MessagesRequest.model_validate(body(3)))
+    spec_a, spec_b = (messages_spec(MessagesRequest.model_validate(body(n))) for n in (3, 5))
     text_a = render_prompt(tok, spec_a)
     a1, ends = tok.encode_with_ends(text_a)
-    inside = system_hints(tok, spec_a, text_a, a1, ends)  # its memory folder's line, its last block
+    b1 = tok.encode(render_prompt(tok, spec_b))
+    common = next(i for i, (x, y) in enumerate(zip(a1, b1)) if x != y)
+    points = resume_points(tok, spec_a, text_a, a1, ends)
     user = tok.encode("<|im_start|>user")
     system = next(i for i in range(len(a1)) if a1[i:i + len(user)] == user)
     end = system_prefix_end(tok, spec_a, a1)
     assert system < end <= system + 4  # the user turn's opening tokens are shared too
+    # the last of A's points (each on its page boundary) at or before where B parts
+    best = max(p // PAGE * PAGE for ps in points.values() for p in ps if p // PAGE * PAGE <= common)
     srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
     try:
         wait_healthy(srv.base, timeout=240)
 
-        def hint_saves() -> float:
+        def saves() -> dict[str, float]:
             metrics = httpx.get(f"{srv.base}/metrics", timeout=30).text
-            return sum(float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines()
-                       if ln.startswith('deltaserve_checkpoints_saved_by_kind_total{kind="hint"'))
+            return {ln.split('kind="')[1].split('"')[0]: float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines()
+                    if ln.startswith("deltaserve_checkpoints_saved_by_kind_total{")}
 
         assert usage(srv, 3)["cache_read_input_tokens"] == 0
-        after_a = hint_saves()
+        after_a = saves()
+        assert after_a["declared"] >= 2 and after_a["structural"] >= 1 and after_a["grid"] == 0
         u = usage(srv, 5)
-        assert u["cache_read_input_tokens"] == end // PAGE * PAGE >= system - PAGE
-        # session A's hints (the system prefix's end, its memory folder's line, its text's last block) were saved,
-        # a checkpoint per page (one that ends a prefill chunk is saved as that step's); session B read them all
-        assert inside and all(h < end for h in inside)
-        assert 1 <= after_a <= len({h // PAGE for h in (end, *inside)}) and hint_saves() == after_a
+        assert u["cache_read_input_tokens"] == best >= end // PAGE * PAGE
+        assert u["cache_read_input_tokens"] >= 0.95 * common
+        hits = httpx.get(f"{srv.base}/metrics", timeout=30).text
+        assert any(ln.startswith("deltaserve_checkpoints_hit_by_kind_total{") and 'kind="structural"' in ln
+                   and not ln.endswith(" 0.0") for ln in hits.splitlines())
     finally:
         srv.stop()
 
@@ -118,7 +126,7 @@ def test_the_newest_user_turns_part_boundaries_are_checkpointed():
     typed) and, a request later, re-sends that message without the date reminder. The first request hinted where
     the message's last two parts begin (part_hints), so with the grid off the second reads up to the reminder, not
     only the system prefix."""
-    from deltaserve.server.chat_spec import first_difference, part_hints, system_prefix_end
+    from deltaserve.server.resume_points import first_difference, part_hints, system_prefix_end
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -140,7 +148,7 @@ def test_the_newest_user_turns_part_boundaries_are_checkpointed():
 def test_the_next_request_reads_up_to_the_part_boundary():
     """The engine's side of the above, on the embedded model with the grid off: the second request reads up to the
     date reminder's page, from the part-boundary checkpoint the first request left."""
-    from deltaserve.server.chat_spec import first_difference, part_hints
+    from deltaserve.server.resume_points import first_difference, part_hints
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -181,7 +189,7 @@ def test_the_system_texts_path_lines_are_checkpointed():
     the system text's lines holding a path begin (system_hints): within a page of where the sessions part."""
     import copy
 
-    from deltaserve.server.chat_spec import first_difference, system_hints, system_prefix_end
+    from deltaserve.server.resume_points import first_difference, system_hints, system_prefix_end
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -205,29 +213,39 @@ def test_the_system_texts_path_lines_are_checkpointed():
     assert system_hints(tok, plain, text, *tok.encode_with_ends(text)) == ()  # no path line (a URL is none), no hint
 
 
-def test_a_second_opencode_session_reads_up_to_the_env_block():
-    """The engine's side, with the grid off (as under a full pool): a second session in another directory reads
-    the tools and the system text up to the working directory's line, from the first session's checkpoint there."""
-    from deltaserve.server.chat_spec import first_difference, system_hints
+def test_opencode_sessions_read_up_to_the_env_block():
+    """The engine's side, with the grid off (as under a full pool): sessions in other directories part inside
+    opencode's one-string system text, at its <env> block, where no message or part boundary lies. The second
+    session's request learns that junction (the learned source: requests without a key form one group) and keeps a
+    checkpoint there, so the third session reads the tools and the system text up to the working directory's line.
+    With --resume-point-path-lines the first session already kept one there, and the second reads it."""
+    from deltaserve.server.resume_points import first_difference, system_hints
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
     tok = load_tokenizer(None)
-    specs = [chat_spec(ChatCompletionRequest.model_validate(opencode_body(w))) for w in (None, "/home/b/project")]
+    dirs = (None, "/home/b/project", "/srv/c/work")
+    specs = [chat_spec(ChatCompletionRequest.model_validate(opencode_body(w))) for w in dirs]
     texts = [render_prompt(tok, s) for s in specs]
     (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
     shared = first_difference(a, b)
     (hint,) = system_hints(tok, specs[0], texts[0], a, ends)  # the working directory's line
-    srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
-    try:
-        wait_healthy(srv.base, timeout=240)
-        got = []
-        for w in (None, "/home/b/project"):
-            r = httpx.post(f"{srv.base}/v1/chat/completions", json=opencode_body(w), timeout=600)
-            assert r.status_code == 200, r.text
-            got.append(r.json()["usage"])
-        cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in got]
-        assert cached[0] == 0 and got[1]["prompt_tokens"] == len(b)
-        assert cached[1] == hint // PAGE * PAGE >= 0.95 * shared, (cached, hint, shared)
-    finally:
-        srv.stop()
+    for path_lines in (False, True):
+        srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0, resume_point_path_lines=path_lines),
+                                        accept_any_model_name=True))
+        try:
+            wait_healthy(srv.base, timeout=240)
+            got = []
+            for w in dirs:
+                r = httpx.post(f"{srv.base}/v1/chat/completions", json=opencode_body(w), timeout=600)
+                assert r.status_code == 200, r.text
+                got.append(r.json()["usage"])
+            cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in got]
+            assert cached[0] == 0 and got[1]["prompt_tokens"] == len(b)
+            assert cached[2] == shared // PAGE * PAGE >= 0.95 * shared, (cached, shared)  # learned from traffic
+            if path_lines:
+                assert cached[1] == hint // PAGE * PAGE >= 0.95 * shared, (cached, hint, shared)
+            else:  # the second session reads only to the system text's end of its own structure
+                assert cached[1] < 0.95 * shared, (cached, shared)
+        finally:
+            srv.stop()

@@ -164,11 +164,11 @@ def test_a_prompt_checkpoint_replaced_by_a_decode_keeps_its_place():
     m.check_integrity()
 
 
-@pytest.mark.parametrize("kind", ["fork", "hint"])
-def test_fork_and_hint_checkpoints_replaced_keep_their_place(kind):
-    """A fork checkpoint (a second sequence shares the prefix it ends) and a hint checkpoint (the request says the
-    prefix will be re-sent) are taken for a later request: replaced by the sequence's next checkpoint before
-    anyone hit them, they are released in LRU order like the prompt's, not as low value."""
+@pytest.mark.parametrize("kind", ["fork", "declared", "structural", "learned"])
+def test_fork_and_resume_point_checkpoints_replaced_keep_their_place(kind):
+    """A fork checkpoint (a second sequence shares the prefix it ends) and a resume point (declared, structural or
+    learned: a later request is expected to resume there) are taken for a later request: replaced by the sequence's
+    next checkpoint before anyone hit them, they are released in LRU order like the prompt's, not as low value."""
     m = MemoryManager(12, 3, BS, 1, caching=True, layout="in-page")
     m.admit("old")
     compute(m, "old", [9] * 10, 4)  # page 0, checkpoint (1,)

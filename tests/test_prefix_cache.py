@@ -69,7 +69,8 @@ def test_shared_system_prompt_hits_at_the_fork_and_equals_cold(layout):
     """A 700-token system prompt, then per-session text; budget 2048 so each first prompt is one chunk.
     Session 1 leaves checkpoints inside its chunk on a 256-token grid (the pool has room); session 2 hits the
     last of them inside the system prompt (512) and saves one at the fork (token 640, where its text leaves
-    the cached chain), inside its own chunk; sessions 3 and 4 hit there. Every hit equals its cold run, bit
+    the cached chain; a learned resume point, since the sessions share a key, their salt), inside its own chunk;
+    sessions 3 and 4 hit there. Every hit equals its cold run, bit
     for bit; without the grid, session 2 hits nothing and the fork save still serves sessions 3 and 4."""
     rng = random.Random(11)
     system = random_tokens(rng, 700)
@@ -80,7 +81,7 @@ def test_shared_system_prompt_hits_at_the_fork_and_equals_cold(layout):
     assert [h.num_cached_tokens for h in hits] == [0, 512, 640, 640]
     assert [signature(h) for h in hits] == [signature(c) for c in colds]
     kinds = llm.engine.memory.stats.checkpoints_saved_by_kind
-    assert kinds["fork"] >= 1 and kinds["grid"] >= 2
+    assert kinds["learned"] >= 1 and kinds["grid"] >= 2
     no_grid = make_llm(cache_layout=layout, max_num_batched_tokens=2048, kv_cache_memory=128 << 20, checkpoint_grid=0)
     hits = [run(no_grid, [p], salt="shared")[0] for p in prompts]
     assert [h.num_cached_tokens for h in hits] == [0, 0, 640, 640]
@@ -167,7 +168,7 @@ def test_hinted_system_prefix_is_checkpointed(layout):
         hits = [llm.generate([r], greedy(), use_tqdm=False)[0] for r in reqs]
         colds = run(llm, prompts, salt=[f"cold-{i}" for i in range(len(prompts))])
         assert [signature(h) for h in hits] == [signature(c) for c in colds]
-        return [h.num_cached_tokens for h in hits], llm.engine.memory.stats.checkpoints_saved_by_kind["hint"]
+        return [h.num_cached_tokens for h in hits], llm.engine.memory.stats.checkpoints_saved_by_kind["declared"]
 
     assert sessions(hint=True) == ([0, 640, 640], 1)
     assert sessions(hint=False) == ([0, 0, 640], 0)

@@ -53,8 +53,8 @@ def test_align_mode_floors_prefill_chunks_and_saves_on_boundaries():
     assert spans(p4) == [("a", 23, 1, True, True)] and [c.pos for c in p4.saves] == [24]  # a decode completes a block
     assert spans(p5) == [("a", 24, 1, True, True)] and not p5.saves
     assert s.memory.stats.checkpoints_saved == 4
-    assert s.memory.stats.checkpoints_saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0, "hint": 0,
-                                                         "generated": 0}
+    assert s.memory.stats.checkpoints_saved_by_kind == {"step": 3, "prompt": 1, "fork": 0, "grid": 0, "declared": 0,
+                                                         "structural": 0, "learned": 0, "generated": 0}
 
 
 def test_caching_off_chunks_are_not_floored():
@@ -266,7 +266,8 @@ def test_hit_backs_off_to_a_block_with_a_checkpoint(layout):
 def test_shared_system_prompt_gets_a_checkpoint_at_the_fork(layout):
     """Sessions sharing a 3-block system prompt, each computed in one chunk: the first leaves a checkpoint
     only at its own prompt's last block boundary; the second saves one, inside its chunk, where its text
-    diverges from the cached chain (the fork point); every later session hits the shared blocks."""
+    diverges from the cached chain (the fork point, which the learned source names first: requests without a key
+    form one group, and the second parted from the first there); every later session hits the shared blocks."""
     system = list(range(1, 13))  # 3 blocks
     s = make(num_pages=64, budget=32, layout=layout)
     reqs = [Request(f"s{i}", system + [100 + i] * 9, max_tokens=1) for i in range(4)]  # 21 tokens each
@@ -276,7 +277,7 @@ def test_shared_system_prompt_gets_a_checkpoint_at_the_fork(layout):
     p = step(s)
     assert spans(p) == [("s1", 0, 21, False, True)] and reqs[1].num_cached_tokens == 0
     kinds = s.memory.stats.checkpoints_saved_by_kind
-    assert [(c.pos) for c in p.saves] == [12, 20] and kinds["fork"] == 1
+    assert [(c.pos) for c in p.saves] == [12, 20] and kinds["learned"] == 1 and kinds["fork"] == 0
     run_all(s)
     for r in reqs[2:]:
         s.add(r)
@@ -402,11 +403,14 @@ def test_align_policy_chunk_ends():
     g2 = AlignEveryBlock(128, grid=256)
     assert g2.saves(0, 1000, 1000, 640) == [(256, "grid"), (512, "grid"), (640, "fork"), (768, "grid"),
                                             (896, "prompt")]
-    # a hint takes the block boundary at or before it; one the step does not pass, or at the step's end, adds none
-    assert g2.saves(0, 1000, 1000, 0, (700,)) == [(256, "grid"), (512, "grid"), (640, "hint"), (768, "grid"),
-                                                  (896, "prompt")]
-    assert a.saves(0, 384, 1000, 0, (100, 383, 900)) == [(256, "hint"), (384, "step")]
-    assert a.saves(0, 300, 300, 0, (270,)) == [(256, "prompt")]  # the prompt's own boundary keeps its kind
+    # a resume point (a block boundary) the step passes is saved with its source's kind; one the step does not pass,
+    # or at the step's end, adds none
+    assert g2.saves(0, 1000, 1000, 0, ((640, "structural"),)) == [(256, "grid"), (512, "grid"), (640, "structural"),
+                                                                  (768, "grid"), (896, "prompt")]
+    assert a.saves(0, 384, 1000, 0, ((256, "declared"), (384, "structural"), (896, "declared"))) == \
+        [(256, "declared"), (384, "step")]
+    assert a.saves(0, 300, 300, 0, ((256, "declared"),)) == [(256, "prompt")]  # the prompt's own keeps its kind
+    assert g2.saves(0, 1000, 1000, 0, (), grid=768) == [(768, "grid"), (896, "prompt")]  # the request's own spacing
     with pytest.raises(ValueError):
         AlignEveryBlock(128, grid=200)
     g = GridChunks(64)

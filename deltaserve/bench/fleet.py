@@ -8,8 +8,8 @@ new user or tool text (--new-tokens). Sessions start staggered (session k+1 send
 k's first answer is complete) and then run closed-loop. Greedy, ignore_eos, --output-tokens per answer; with
 caching on every hit is bit-identical to the cold run (tests/test_agent_cache.py), so every arm sees exactly the
 same prompts. Every prompt carries the cache hint the chat routes derive for a request with a system prompt and
-tools (a position at the end of the shared prefix: docs/design.md, hint checkpoints); --no-cache-hints sends
-bare token ids, as a client of the raw completions route does.
+tools (a position at the end of the shared prefix: a declared resume point, docs/design.md); --no-cache-hints
+sends bare token ids, as a client of the raw completions route does.
 
 Reported per arm: wall; per turn, the cached fraction of the prompt and TTFT; the first-turn TTFT of sessions
 2..N against session 1's, and the share of the shared prefix they cached; the generated tokens recomputed through

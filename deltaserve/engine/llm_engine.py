@@ -42,6 +42,8 @@ class EngineStats:
     generation_tokens: int  # total tokens generated
     checkpoints_saved_by_kind: dict[str, int] = field(default_factory=dict)  # by SaveKind value
     checkpoints_evicted_by_kind: dict[str, int] = field(default_factory=dict)
+    checkpoints_hit_by_kind: dict[str, int] = field(default_factory=dict)
+    checkpoints_evicted_unread_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoints_kept: int = 0  # checkpoints in the cache or held by requests now
     checkpoint_bytes: int = 0  # the memory they take (pool pages, or the per-block layout's side tensor rows)
     reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (background jobs)
@@ -226,7 +228,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data", "cache_hints"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt", "multi_modal_data", "cache_hints",
+                                     "cache_key"}
             if unknown:
                 raise EngineInputError(f"unknown prompt field(s): {', '.join(sorted(unknown))}", "prompt")
             if "prompt_token_ids" in prompt:
@@ -265,7 +268,7 @@ class LLMEngine:
             images = self._prompt_images(ids, prompt["multi_modal_data"])
             if images is not None:
                 ids = images.token_ids
-                hints = images.widen(hints)
+                hints = {kind: images.widen(ps) for kind, ps in hints.items()}
         params = check_request(ids, params if params is not None else SamplingParams(),
                                self.model_config.vocab_size, self.max_model_len, self.config.strict_max_tokens,
                                self.config.max_output_tokens)
@@ -280,7 +283,8 @@ class LLMEngine:
         req = Request(request_id=request_id, prompt_token_ids=ids, max_tokens=params.max_tokens,
                       cache_salt=cache_salt, arrival_time=now,
                       prompt_logprobs=params.prompt_logprobs is not None,
-                      media=images.media_keys if images is not None else (), cache_hints=hints)
+                      media=images.media_keys if images is not None else (), cache_hints=hints,
+                      cache_key=_cache_key(prompt, cache_salt))
         try:
             self.scheduler.add(req)
         except ValueError as e:
@@ -627,12 +631,31 @@ class LLMEngine:
             **self.scheduler.counters())
 
 
-def _cache_hints(hints, n: int) -> tuple[int, ...]:
+def _cache_hints(hints, n: int) -> dict:
     """A prompt dict's "cache_hints": token positions in (0, n) where the caller expects later requests to share the
-    prompt's prefix up to (the scheduler checkpoints the block boundary at or before each: SaveKind.HINT). A hint
-    changes no output, only what is kept, so positions outside the prompt are dropped rather than refused."""
+    prompt's prefix up to, the candidates for its resume points (scheduler/policy.py choose_resume_points). A list
+    is the caller's own (the declared source); a dict maps a source ("declared", "structural": what the chat routes
+    compute, server/resume_points.py) to its positions, most likely read first. A hint changes no output, only what
+    is kept, so positions outside the prompt are dropped rather than refused."""
+    from ..memory.save_kind import HINTED_SOURCES, SaveKind
+
     if hints is None:
-        return ()
-    if not isinstance(hints, (list, tuple)) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hints):
-        raise EngineInputError("cache_hints is a list of token positions", "cache_hints")
-    return tuple(sorted({h for h in hints if 0 < h < n}))
+        return {}
+    by_source = hints if isinstance(hints, dict) else {SaveKind.DECLARED.value: hints}
+    out: dict = {}
+    for source, ps in by_source.items():
+        if source not in {k.value for k in HINTED_SOURCES}:
+            raise EngineInputError(f"cache_hints: unknown source {source!r} (declared, structural)", "cache_hints")
+        if not isinstance(ps, (list, tuple)) or not all(isinstance(h, int) and not isinstance(h, bool) for h in ps):
+            raise EngineInputError("cache_hints is a list of token positions", "cache_hints")
+        out[SaveKind(source)] = list(dict.fromkeys(h for h in ps if 0 < h < n))
+    return out
+
+
+def _cache_key(prompt, cache_salt: str | None) -> str | None:
+    """What groups requests for the learned resume points: the prompt dict's "cache_key" (the client's
+    prompt_cache_key), else its cache salt (requests that may share pages at all)."""
+    key = prompt.get("cache_key") if isinstance(prompt, dict) else None
+    if key is not None and not isinstance(key, str):
+        raise EngineInputError("cache_key must be a string", "cache_key")
+    return key if key is not None else cache_salt

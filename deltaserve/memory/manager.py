@@ -123,6 +123,9 @@ class MemoryStats:
     # by SaveKind value
     checkpoints_saved_by_kind: dict[str, int] = field(default_factory=zero_by_kind)
     checkpoints_evicted_by_kind: dict[str, int] = field(default_factory=zero_by_kind)
+    checkpoints_hit_by_kind: dict[str, int] = field(default_factory=zero_by_kind)  # prefix hits that resumed there
+    # evicted before any request resumed from them: what a kind cost and nobody read (the resume-point budget's gauge)
+    checkpoints_evicted_unread_by_kind: dict[str, int] = field(default_factory=zero_by_kind)
 
 
 @dataclass(frozen=True)
@@ -468,6 +471,8 @@ class MemoryManager:
                 seq.keys.append((e.hash, e.parent, e.tokens))
             last = self._cache[hit.hashes[-1]]
             last.hits += 1
+            if self.num_gdn_groups and last.checkpoint_kind is not None:
+                self.stats.checkpoints_hit_by_kind[last.checkpoint_kind] += 1
             if self.num_gdn_groups:
                 if last.checkpoint is None or last.checkpoint != hit.checkpoint:
                     raise CheckpointError("stale prefix hit: its checkpoint is no longer cached")
@@ -633,6 +638,8 @@ class MemoryManager:
             self._spill(e, e.page == p)
         if e.checkpoint is not None:
             self.stats.checkpoints_evicted_by_kind[e.checkpoint_kind] += 1
+            if e.hits == 0:
+                self.stats.checkpoints_evicted_unread_by_kind[e.checkpoint_kind] += 1
         if e.page == p:
             del self._cache[h]
             if self._pooled and e.checkpoint:

@@ -67,18 +67,19 @@ def build_scheduler(shape: EngineShape, *, max_num_seqs: int, max_num_batched_to
                     checkpoint_grid: int = 0, chunk_grid: int | None = None,
                     replay_decode: bool = True, reprefill_outputs: bool = False,
                     reprefill_job_tokens: int = ENGINE_DEFAULTS["reprefill_job_tokens"],
-                    eviction: str = "lru", encoder_budget: int | None = None) -> tuple[MemoryManager, Scheduler]:
+                    eviction: str = "lru", encoder_budget: int | None = None,
+                    resume_points: int = 1 << 30) -> tuple[MemoryManager, Scheduler]:
     """A fresh MemoryManager and the Scheduler over it, as the engine builds them. checkpoint_grid is rounded up
     to a multiple of the page (0 = off). chunk_grid and replay_decode are the Scheduler's (defaults: the
     engine's); a simulated foreign engine passes its own (vLLM: chunk_grid 1, replay_decode False).
-    reprefill_job_tokens: the Scheduler's job_tokens."""
+    reprefill_job_tokens: the Scheduler's job_tokens. resume_points: the Scheduler's per-request budget (count)."""
     memory = MemoryManager.from_pool(shape.pool, caching=enable_prefix_caching, eviction=EVICTION_POLICIES[eviction]())
     bs = shape.block_size
     return memory, Scheduler(memory, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              prefill_merge_tokens=prefill_merge_tokens, checkpoint_grid=-(-checkpoint_grid // bs) * bs,
                              chunk_grid=chunk_grid, replay_decode=replay_decode,
                              reprefill_outputs=reprefill_outputs, job_tokens=reprefill_job_tokens,
-                             encoder_budget=encoder_budget)
+                             encoder_budget=encoder_budget, resume_points=resume_points)
 
 
 def state_log_bytes(shape: EngineShape, mc: ModelConfig, num_speculative_tokens: int) -> int:
@@ -114,5 +115,15 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
                                         checkpoint_grid=cfg.checkpoint_grid,
                                         reprefill_outputs=cfg.reprefill_outputs,
                                         reprefill_job_tokens=cfg.reprefill_job_tokens, eviction=cfg.eviction,
-                                        encoder_budget=cfg.max_num_encoder_input_tokens)
+                                        encoder_budget=cfg.max_num_encoder_input_tokens,
+                                        resume_points=resume_point_budget(cfg, shape.pool.slot_bytes))
     return shape, memory, scheduler
+
+
+def resume_point_budget(cfg: EngineConfig, checkpoint_bytes: int) -> int:
+    """How many resume points one request keeps: --resume-points, fewer when --resume-point-bytes (0 = no bound)
+    holds fewer checkpoints of checkpoint_bytes (every GDN layer's state, one sequence's slot)."""
+    n = cfg.resume_points
+    if cfg.resume_point_bytes and checkpoint_bytes:
+        n = min(n, cfg.resume_point_bytes // checkpoint_bytes)
+    return n

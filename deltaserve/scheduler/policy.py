@@ -4,7 +4,7 @@ The scheduler asks the policy two things:
   chunk_end(start, limit, total): where a prefill chunk that starts at `start` ends, given it may run
       to `limit` (start + token budget left) and the sequence has `total` tokens to compute. Returning
       `start` means "not this step".
-  saves(start, end, prompt_end, fork, hints): the checkpoints a step computing [start, end) takes, as
+  saves(start, end, prompt_end, fork, points, grid): the checkpoints a step computing [start, end) takes, as
       (position, kind) in position order, each position a block boundary in (start, end]. A save before
       `end` is taken inside the chunk, by the GDN layers as their chunked kernel passes that boundary
       (docs/design.md), so a chunk never has to stop early for one. Kinds (memory/save_kind.py):
@@ -14,15 +14,15 @@ The scheduler asks the policy two things:
         FORK    where this request's prompt leaves a chain of cached blocks that has no checkpoint at its end
                 (another sequence computed that shared prefix inside a chunk): the next sequence that shares
                 it hits all of it;
-        GRID    every `grid` tokens, so that a prefix someone else will share later (a system prompt, a tool
-                list) has a checkpoint near its end;
-        HINT    the last block boundary at or before each of the request's hint positions: where the request
-                itself says a prefix will be reused (the chat routes pass the end of the system prefix, the
-                tools and system text that every session of an agent re-sends).
+        DECLARED, STRUCTURAL, LEARNED
+                the request's resume points (`points`: block boundaries, chosen under its budget by
+                choose_resume_points), each with its source's kind (memory/save_kind.py);
+        GRID    every `grid` tokens (the request's own spacing under its budget), so that a prefix someone else
+                will share later has a checkpoint near its end.
 A policy never returns GENERATED: the scheduler relabels the save at a background job's end with it (jobs.py).
 The scheduler treats STEP and GENERATED as mandatory: their pages count in what the step needs (it preempts for
-them as for attention pages) and they are reserved first. PROMPT, FORK, HINT and GRID are optional, taken only
-while the pool has room for them: PROMPT, FORK and HINT from any allocatable page, GRID from free pages only (it evicts
+them as for attention pages) and they are reserved first. The others are optional, taken only while the pool has
+room for them: PROMPT, FORK and the resume points from any allocatable page, GRID from free pages only (it evicts
 nothing; such checkpoints are the first evicted). The memory manager refuses any save that is not at the end of a
 full, unpublished block of the chunk.
 """
@@ -30,13 +30,45 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..memory.save_kind import SaveKind
+from ..memory.save_kind import RESUME_SOURCES, SaveKind
+
+Points = tuple[tuple[int, SaveKind], ...]  # (block boundary, source kind), in position order
 
 
 class CheckpointPolicy(Protocol):
     def chunk_end(self, start: int, limit: int, total: int) -> int: ...
     def saves(self, start: int, end: int, prompt_end: int, fork: int,
-              hints: tuple[int, ...] = ()) -> list[tuple[int, SaveKind]]: ...
+              points: Points = (), grid: int | None = None) -> list[tuple[int, SaveKind]]: ...
+
+
+def choose_resume_points(wanted: dict[SaveKind, list[int]], block_size: int, prompt_len: int, budget: int,
+                         grid: int) -> tuple[Points, int]:
+    """The resume points one request keeps, under its budget of `budget` checkpoints, and the grid spacing left for
+    the rest: (points, grid).
+
+    wanted: each source's positions (tokens), most likely to be read first (the order the source gives). A position
+    becomes the block boundary at or before it; one in (0, prompt_len) counts once, for its highest-priority source
+    (RESUME_SOURCES order: declared, structural, learned). Sources are served in priority order and, within one, in
+    the order given, until the budget is spent. The grid (checkpoint_grid, 0 = off) takes what is left: its spacing
+    is widened to a multiple of `grid` so that at most that many grid points fit in the prompt (a long prompt gets a
+    sparse grid rather than its first few points). Pure: the same request always keeps the same points, so a hint
+    changes no output, only where a checkpoint is kept."""
+    assert budget >= 0 and block_size > 0 and grid % block_size == 0
+    seen: set[int] = set()
+    chosen: list[tuple[int, SaveKind]] = []
+    for kind in RESUME_SOURCES:
+        for h in wanted.get(kind, ()):
+            b = h // block_size * block_size
+            if 0 < b < prompt_len and b not in seen and len(chosen) < budget:
+                seen.add(b)
+                chosen.append((b, kind))
+    left = budget - len(chosen)
+    if grid and left <= 0:
+        grid = 0
+    elif grid:
+        per = -(-prompt_len // (left + 1))  # at most `left` multiples of the spacing lie inside the prompt
+        grid = max(grid, -(-per // grid) * grid)
+    return tuple(sorted(chosen)), grid
 
 
 class AlignEveryBlock:
@@ -60,21 +92,24 @@ class AlignEveryBlock:
         return end if end > start else start  # or waits for more budget
 
     def saves(self, start: int, end: int, prompt_end: int, fork: int,
-              hints: tuple[int, ...] = ()) -> list[tuple[int, SaveKind]]:
+              points: Points = (), grid: int | None = None) -> list[tuple[int, SaveKind]]:
+        """grid: the request's spacing (choose_resume_points), default the policy's."""
         bs = self.block_size
+        grid = self.grid if grid is None else grid
         out: dict[int, SaveKind] = {}
         if end % bs == 0:
             out[end] = SaveKind.STEP
         last = prompt_end // bs * bs
         if start < last < end:
             out.setdefault(last, SaveKind.PROMPT)
+        for p, kind in points:  # before the fork: a learned point is the fork the request's key saw coming
+            assert p % bs == 0, "a resume point is a block boundary (choose_resume_points)"
+            if start < p < end:
+                out.setdefault(p, kind)
         if start < fork < end:
             out.setdefault(fork, SaveKind.FORK)
-        for h in hints:
-            if start < h // bs * bs < end:
-                out.setdefault(h // bs * bs, SaveKind.HINT)
-        if self.grid:
-            for p in range((start // self.grid + 1) * self.grid, end, self.grid):
+        if grid:
+            for p in range((start // grid + 1) * grid, end, grid):
                 out.setdefault(p, SaveKind.GRID)
         return sorted(out.items())
 
@@ -100,7 +135,7 @@ class GridChunks:
         return end if end > start else start
 
     def saves(self, start: int, end: int, prompt_end: int, fork: int,
-              hints: tuple[int, ...] = ()) -> list[tuple[int, SaveKind]]:
+              points: Points = (), grid: int | None = None) -> list[tuple[int, SaveKind]]:
         return []
 
 

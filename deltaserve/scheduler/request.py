@@ -55,9 +55,14 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the cache when first scheduled (a block multiple)
     num_preemptions: int = 0
     disk_wait: bool = False  # its prefix hit is being read back from the disk tier (Scheduler.admit)
-    # prompt positions the client says a later request will share a prefix up to (the end of the system prefix): a
-    # checkpoint is taken at the last block boundary at or before each (SaveKind.HINT)
-    cache_hints: tuple[int, ...] = ()
+    # prompt positions where a later request is expected to share this one's prefix up to, by source (the engine's
+    # "cache_hints": declared by the client, structural from the render): the candidates for its resume points
+    cache_hints: dict = field(default_factory=dict)  # SaveKind -> positions, most likely read first
+    cache_key: str | None = None  # groups requests for the learned source (prompt_cache_key, else cache_salt)
+    # the resume points it keeps (block boundaries, by source) and its grid spacing, chosen under the per-request
+    # budget when it is added (policy.choose_resume_points); grid_step None = the policy's own grid
+    resume_points: tuple[tuple[int, str], ...] = ()
+    grid_step: int | None = None
     fork_point: int = 0  # where a cached chain without a checkpoint ends: a checkpoint is taken there (Scheduler._saves)
     finish_reason: str | None = None
     # speculative decoding: the drafts for the positions after the last token, set by the engine after each step; the

@@ -54,7 +54,8 @@ from ..memory.save_kind import DISK_KEPT_KINDS, MANDATORY_KINDS, SaveKind
 from ..memory.sizing import ENGINE_KERNEL_ALIGNMENT as KERNEL_GRID  # the GDN chunked kernel's 64-token grid
 from .jobs import FailedSteps, ReprefillJobs
 from .plan import SeqWork, StateCopy, StepPlan
-from .policy import AlignEveryBlock, CheckpointPolicy, GridChunks
+from .learned import LearnedJunctions
+from .policy import AlignEveryBlock, CheckpointPolicy, GridChunks, choose_resume_points
 from .request import FINISH_STATUS, Request, RequestStatus
 from .stats import SchedulerStats
 
@@ -76,7 +77,8 @@ class Scheduler:
     def __init__(self, memory: MemoryManager, max_num_seqs: int, max_num_batched_tokens: int,
                  checkpoint_policy: CheckpointPolicy | None = None, chunk_grid: int | None = None,
                  replay_decode: bool = True, prefill_merge_tokens: int = 0, checkpoint_grid: int = 0,
-                 reprefill_outputs: bool = False, job_tokens: int = 256, encoder_budget: int | None = None):
+                 reprefill_outputs: bool = False, job_tokens: int = 256, encoder_budget: int | None = None,
+                 resume_points: int = 1 << 30):
         """checkpoint_policy: default AlignEveryBlock(block_size, checkpoint_grid) with caching on,
         GridChunks(chunk_grid) with it off. checkpoint_grid: also save a checkpoint every this many tokens
         inside prefill chunks, from free pages only (0 = none; a multiple of the block size).
@@ -96,6 +98,8 @@ class Scheduler:
         step's fixed cost dominates) still share a step.
         reprefill_outputs: recompute finished requests' outputs through the prefill path in background jobs of
         at most job_tokens tokens a step (at least a block; jobs.py).
+        resume_points: the most resume points (declared, structural, learned and grid checkpoints) one request
+        keeps (policy.choose_resume_points; build.py derives it from --resume-points and --resume-point-bytes).
         encoder_budget: image tokens the vision encoder may produce in one step (default max_num_batched_tokens).
         The runner encodes all of a request's images in the step whose chunk first reaches one of them
         (runner/media.py); that request pays their tokens from this budget. Over it, the chunk ends at the block
@@ -118,6 +122,10 @@ class Scheduler:
         if prefill_merge_tokens < 0:
             raise ConfigError(f"--prefill-merge-tokens must be >= 0 (0 = no limit), not {prefill_merge_tokens}")
         self.prefill_merge_tokens = prefill_merge_tokens
+        if resume_points < 0:
+            raise ConfigError(f"--resume-points must be >= 0, not {resume_points}")
+        self.resume_points = resume_points
+        self.learned = LearnedJunctions()  # the learned resume-point source, by request key
         if checkpoint_policy is None:
             if memory.caching:
                 checkpoint_policy = AlignEveryBlock(memory.block_size, checkpoint_grid)
@@ -161,8 +169,20 @@ class Scheduler:
                              f"exceeds the {cap} tokens one request can hold in this pool")
         request.status = RequestStatus.WAITING
         request.tag_outputs = self.caching  # a hit never serves decode-path bits as prefill ones
+        if self.caching and self.memory.num_gdn_groups and not request.background:
+            self._choose_resume_points(request)
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def _choose_resume_points(self, req: Request) -> None:
+        """req's resume points and grid spacing under the per-request budget (policy.choose_resume_points): its
+        hinted sources, then what earlier requests of its key taught (learned.py; requests without a key form one
+        group), then the grid."""
+        bs = self.block_size
+        hashes = req.block_hashes(req.num_prompt_tokens // bs, bs)
+        wanted = {**req.cache_hints, SaveKind.LEARNED: self.learned.points(req.cache_key or "", hashes, bs)}
+        req.resume_points, req.grid_step = choose_resume_points(wanted, bs, req.num_prompt_tokens,
+                                                                self.resume_points, getattr(self.policy, "grid", 0))
 
     def max_request_tokens(self) -> int:
         """The most tokens (prompt + max_tokens) one request can ever hold; the engine refuses more."""
@@ -391,7 +411,8 @@ class Scheduler:
         (docs/design.md, the 64-token grid)."""
         if not (self.caching and self.memory.num_gdn_groups):
             return []
-        saves = self.policy.saves(start, end, self._prefill_target(req), req.fork_point, req.cache_hints)
+        saves = self.policy.saves(start, end, self._prefill_target(req), req.fork_point, req.resume_points,
+                                  req.grid_step)
         if req.background:  # the job's end is the checkpoint it exists for
             saves = [(p, SaveKind.GENERATED if p == req.num_tokens else kind) for p, kind in saves]
         return saves
@@ -414,7 +435,7 @@ class Scheduler:
 
     def _reserve(self, rec: _Scheduled, saves: list[tuple[int, SaveKind]]) -> None:
         """Reserve the mandatory saves (their pages were counted), then the optional ones while they fit: prompt, fork
-        and hint checkpoints from any allocatable page, grid ones from free pages only (they evict nothing)."""
+        and resume points from any allocatable page, grid ones from free pages only (they evict nothing)."""
         mem, rid, per = self.memory, rec.req.request_id, self.memory.checkpoint_pages
         for pos, kind in sorted(saves, key=lambda s: s[1] not in MANDATORY_KINDS):
             room = mem.num_free_pages() if kind == SaveKind.GRID else mem.num_allocatable()

@@ -10,10 +10,6 @@ The route formats the resulting delta stream (core.ServingCore.deltas) in its ow
 from __future__ import annotations
 
 import asyncio
-import bisect
-import functools
-import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +22,7 @@ from .async_engine import RequestSink
 from .core import Job, ServingCore
 from .errors import bad_request
 from .limits import encode_capped, token_bounds
+from .resume_points import parted, resume_points
 
 RESERVED_TEMPLATE_KWARGS = {"messages", "tools", "tokenize", "add_generation_prompt", "chat_template",
                             "conversation", "return_dict", "return_tensors", "padding", "truncation",
@@ -57,6 +54,8 @@ class ChatSpec:
     response_format: tuple[str, Any] | None = None  # ("json_object", None) | ("json_schema", schema)
     template_kwargs: dict[str, Any] = field(default_factory=dict)
     cache_salt: str | None = None
+    cache_key: str | None = None  # groups requests for the learned resume points (prompt_cache_key)
+    declared_tools: bool = False  # the client marked a tool with cache_control: the system prefix's end is declared
     thinking_budget: int | None = None  # at most this many reasoning tokens, then </think> is forced
     prefill: str = ""  # text the answer starts with (Anthropic's final assistant message); not in the output
     names: dict[str, str] = field(default_factory=dict)
@@ -84,33 +83,16 @@ class ChatSpec:
         return self.tools if self.tools and choice != "none" else None
 
 
-class PartedText(str):
-    """A message's text made of the parts the client sent, joined: a plain string to the template, which also
-    knows where each part after the first begins (`starts`, in characters), for part_hints."""
-
-    starts: tuple[int, ...] = ()
-
-
-def parted(texts: list[str], sep: str) -> str:
-    """texts joined by sep, a PartedText when there are several."""
-    if len(texts) < 2:
-        return sep.join(texts)
-    out, starts, at = PartedText(sep.join(texts)), [], 0
-    for t in texts[:-1]:
-        at += len(t) + len(sep)
-        starts.append(at)
-    out.starts = tuple(starts)
-    return out
-
-
-def image_content(parts: list[tuple[str, str]], role: str, where: str, sep: str = "\n") -> str | list[dict]:
+def image_content(parts: list[tuple[str, str]], role: str, where: str, sep: str = "\n",
+                  marked: tuple[int, ...] = ()) -> str | list[dict]:
     """A message's content from its parts in order, ("text", text) or ("image", data URL / base64). Without
     images: the texts joined by sep (a plain string, as every template takes). With images: the template's
     part list, {"type": "text", "text": ...} and {"type": "image", "image": data} (the Qwen3.5 template renders
     an image part as <|vision_start|><|image_pad|><|vision_end|> and the texts as they are, unseparated).
-    Images go in user messages and tool results only (400 elsewhere; `where` names the field)."""
+    Images go in user messages and tool results only (400 elsewhere; `where` names the field). marked: the indexes
+    of the parts whose end the client declared a resume point (resume_points.parted; a part list keeps none)."""
     if not any(kind == "image" for kind, _ in parts):
-        return parted([text for _, text in parts], sep)
+        return parted([text for _, text in parts], sep, marked)
     if role not in ("user", "tool"):
         raise bad_request(f"Images go in user messages and tool results, not in a {role} message.", where,
                           "invalid_value")
@@ -144,108 +126,6 @@ def render_prompt(tok, spec: ChatSpec) -> str:
     except TypeError as e:
         raise bad_request(f"chat_template_kwargs: {e}", "chat_template_kwargs") from None
     return text + spec.prefill
-
-
-# the first user message's content in the probe of system_prefix_end: no real message starts with it
-_PROBE = "\x00\x01"
-
-
-def system_prefix_end(tok, spec: ChatSpec, ids: list[int]) -> int | None:
-    """Where the prompt's system prefix ends, in tokens: the tools and the leading system messages, rendered, up
-    to the first token that depends on what follows them. That prefix is what every session of an agent re-sends
-    (its tools and its instructions), so the engine checkpoints it (SaveKind.HINT) even when the pool is too full
-    for grid checkpoints: the next session hits all of it. Found by rendering the same tools and system messages
-    before a probe user message and taking the tokens the probe and the prompt share; None when they share
-    nothing or the template refuses the probe."""
-    k = _leading_system(spec)
-    if k == 0 and not spec.template_tools:
-        return None
-    key = json.dumps([spec.messages[:k], spec.template_tools, spec.template_kwargs], default=str)  # key order kept
-    probe = _probe_ids(tok, key)
-    if probe is None:
-        return None
-    shared = first_difference(probe, ids)
-    return shared if 0 < shared < len(ids) else None
-
-
-def _leading_system(spec: ChatSpec) -> int:
-    """How many messages open the conversation as system (or developer) messages."""
-    k = 0
-    while k < len(spec.messages) and spec.messages[k].get("role") in ("system", "developer"):
-        k += 1
-    return k
-
-
-PART_HINTS = 2  # the last part boundaries of the newest user message that get a hint
-SYSTEM_HINTS = 4  # the lines of the system text holding a path that get a hint (the last ones)
-_PATH = re.compile(r"(?<![\w.~:/])/(?:[\w.@+-]+/)+[\w.@+-]*")  # an absolute path of two parts or more
-
-
-def part_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
-    """Where the newest user message's last parts begin, in tokens (at most PART_HINTS, each the tokens the prompt
-    shares with its own text cut there). Agents send a user turn as several parts, reminders the client generates
-    (a date, a file list, the skills it offers) before what the user typed, and the next request may re-send that
-    message without one of them (Qwen Code moves its date reminder to the newest message): a checkpoint at a part
-    boundary is where the next request can resume. The rendered content is found as the template writes it; none
-    when it is not there verbatim."""
-    i = next((k for k in range(len(spec.messages) - 1, -1, -1) if spec.messages[k].get("role") == "user"), None)
-    content = spec.messages[i].get("content") if i is not None else None
-    starts = getattr(content, "starts", ())[-PART_HINTS:]
-    return _hints_at(tok, prompt_text, prompt_text.rfind(content) if starts else -1, starts, ids, ends)
-
-
-def system_hints(tok, spec: ChatSpec, prompt_text: str, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
-    """Where the system text's lines that hold an absolute path begin, in tokens (the last SYSTEM_HINTS), and where
-    its last part begins when the client sent it as parts. Agents write what differs between sessions of one client
-    into their instructions: the working directory (opencode's <env> block after its long prompt), a project folder
-    named after it (Qwen Code's project memory), a home. So the sessions share the tools and the system text up to
-    such a line, and the system prefix's own checkpoint (system_prefix_end) lies past the point where they part. A
-    checkpoint at the start of the line is what the next session, in another directory, resumes from. The last
-    lines: instructions put the environment after the static text, whose examples hold paths too."""
-    k = _leading_system(spec)
-    content = spec.messages[k - 1].get("content") if k else None
-    if not isinstance(content, str) or not content:
-        return ()
-    lines = sorted({content.rfind("\n", 0, m.start()) + 1 for m in _PATH.finditer(content)} - {0})
-    starts = sorted(set(lines[-SYSTEM_HINTS:]) | set(getattr(content, "starts", ())[-1:]))
-    return _hints_at(tok, prompt_text, prompt_text.find(content) if starts else -1, starts, ids, ends)
-
-
-def _hints_at(tok, prompt_text: str, base: int, starts, ids: list[int], ends: list[int] | None) -> tuple[int, ...]:
-    """The token positions of the character offsets `starts` of a text rendered at `base` in prompt_text (none when
-    base < 0: the text is not there verbatim). A boundary's position is the count of tokens that end before it,
-    less one (a token that ends there may merge with what follows in another request); without the tokenizer's
-    offsets, the tokens the prompt shares with its own text cut there."""
-    if base < 0 or (ends is not None and len(ends) != len(ids)):
-        return ()
-    out = []
-    for st in starts:
-        cut = base + st
-        n = (bisect.bisect_right(ends, cut) - 1 if ends is not None
-             else first_difference(tok.encode(prompt_text[:cut]), ids))
-        if 0 < n < len(ids):
-            out.append(n)
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=64)
-def _probe_ids(tok, key: str) -> tuple[int, ...] | None:
-    """The probe's tokens for the system messages, tools and template arguments in key (JSON), rendered before a
-    probe user message; cached, since an agent sends the same tools and system text on every turn and the render
-    is most of the cost. None when the template refuses the probe."""
-    messages, tools, kwargs = json.loads(key)
-    try:
-        text = tok.apply_chat_template([*messages, {"role": "user", "content": _PROBE}], tools=tools,
-                                       add_generation_prompt=False, **kwargs)
-    except (TokenizerError, TypeError):
-        return None
-    return tuple(tok.encode(text))
-
-
-def first_difference(a, b) -> int:
-    """The first position where token sequences a and b differ (the shorter length when one is a prefix of the
-    other)."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def prompt_token_ids(eng, ids: list[int], images: list | None, where: str = "messages") -> list[int]:
@@ -323,9 +203,8 @@ def _chat_jobs(core: ServingCore, eng, tok, spec: ChatSpec) -> tuple[str, str, l
     tools = spec.template_tools
     rid = f"{spec.id_prefix}{uuid.uuid4().hex}"
     images = spec.images
-    end = system_prefix_end(tok, spec, ids)
-    hints = ((end,) if end is not None else ()) + system_hints(tok, spec, prompt_text, ids, ends) \
-        + part_hints(tok, spec, prompt_text, ids, ends)
+    config = getattr(eng, "config", None)  # a stand-in engine (the fake ones of the tests) has none: the default
+    hints = resume_points(tok, spec, prompt_text, ids, ends, getattr(config, "resume_point_path_lines", False))
     jobs: list[Job] = []
     for s in range(spec.n):
         seed = None if spec.seed is None else spec.seed + s
@@ -350,5 +229,5 @@ async def start_chat(core: ServingCore, spec: ChatSpec) -> ChatRun:
     rid, prompt_text, ids, jobs, thinking = await asyncio.to_thread(_chat_jobs, core, eng, tok, spec)
     sink = RequestSink(asyncio.get_running_loop())
     names = {"prompt": spec.name("prompt"), "multi_modal_data": spec.name("multi_modal_data"), **spec.names}
-    await core.submit(jobs, sink, spec.cache_salt, names=names)
+    await core.submit(jobs, sink, spec.cache_salt, names=names, cache_key=spec.cache_key)
     return ChatRun(rid, jobs, sink, prompt_text, jobs[0].prompt_ids if jobs else ids, thinking)

@@ -56,7 +56,8 @@ class Job:
     reasoning_tokens: int = 0  # tokens whose text went to reasoning
     prompt_logprobs: Any = None
     images: list | None = None  # the request's images in order (data URLs, base64 or bytes): multi_modal_data
-    cache_hints: tuple[int, ...] = ()  # prompt positions later requests will share a prefix up to (chat_spec)
+    # candidate resume points by source ({"declared": [...], "structural": [...]}: server/resume_points.py)
+    cache_hints: dict = field(default_factory=dict)
 
     @property
     def completion_tokens(self) -> int:
@@ -175,18 +176,21 @@ class ServingCore:
             raise bad_request(msg, param) from None
 
     async def submit(self, jobs: list[Job], sink: RequestSink, cache_salt: str | None,
-                     names: dict[str, str] | None = None) -> None:
+                     names: dict[str, str] | None = None, cache_key: str | None = None) -> None:
         """Hand every job to the engine; the engine's refusal of one (EngineInputError) aborts them all and
         becomes a 400 naming the field in this route's words (names: engine field -> request field; the prompt
-        is 'messages' in chat, 'input' in responses)."""
+        is 'messages' in chat, 'input' in responses). cache_key: what groups requests for the learned resume points
+        (prompt_cache_key)."""
 
         submitted: list[Job] = []
         try:
             for j in jobs:
                 submitted.append(j)  # aborted on any failure below (an abort of an unknown id is a no-op)
                 prompt: Any = j.prompt_ids
-                if j.images or j.cache_hints:
-                    prompt = {"prompt_token_ids": j.prompt_ids, "cache_hints": list(j.cache_hints)}
+                if j.images or j.cache_hints or cache_key is not None:
+                    prompt = {"prompt_token_ids": j.prompt_ids, "cache_hints": dict(j.cache_hints)}
+                    if cache_key is not None:
+                        prompt["cache_key"] = cache_key
                     if j.images:
                         prompt["multi_modal_data"] = {"image": j.images}
                 ids = await self.engine.add_request(j.request_id, prompt, j.params, sink, cache_salt=cache_salt)

@@ -79,6 +79,10 @@ _DISK_COUNTERS = (
 _BY_KIND = (
     ("deltaserve_checkpoints_saved_by_kind", "checkpoints_saved_by_kind", "GDN checkpoints saved, by why they were taken."),
     ("deltaserve_checkpoints_evicted_by_kind", "checkpoints_evicted_by_kind", "GDN checkpoints evicted, by kind."),
+    ("deltaserve_checkpoints_hit_by_kind", "checkpoints_hit_by_kind",
+     "Prefix-cache hits that resumed from a GDN checkpoint, by the checkpoint's kind (a resume point's source)."),
+    ("deltaserve_checkpoints_evicted_unread_by_kind", "checkpoints_evicted_unread_by_kind",
+     "GDN checkpoints evicted before any request resumed from them, by kind."),
 )
 _CHECKPOINT_GAUGES = (
     ("deltaserve_checkpoints_kept", "checkpoints_kept", "GDN checkpoints in the cache or held by requests."),

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from ...server.anthropic.input import messages_spec
 from ...server.anthropic.protocol import MessagesRequest
-from ...server.chat_spec import first_difference, render_prompt  # noqa: F401 - first_difference: report.py
+from ...server.chat_spec import render_prompt
+from ...server.resume_points import first_difference  # noqa: F401 - first_difference: report.py
 from ...server.openai.protocol import ChatCompletionRequest
 from ...server.openai.routes import chat_spec
 from ...server.responses.input import input_messages, with_instructions

@@ -34,6 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..chat_spec import ChatSpec, image_content
+from ..resume_points import mark_end, parted
 from ..errors import bad_request
 from .protocol import (CountTokensRequest, ImageBlock, MessagesRequest, TextBlock, ThinkingBlock, ToolResultBlock,
                        ToolUseBlock)
@@ -44,11 +45,14 @@ BILLING_HEADER = "x-anthropic-billing-header:"  # a system text block starting s
 
 
 def _system(system) -> str | None:
-    """A system prompt's text: a string as is; text blocks joined, less the client's billing line."""
+    """A system prompt's text: a string as is; text blocks joined, less the client's billing line, each block that
+    carries cache_control marking a declared resume point at its end (resume_points.parted)."""
     if system is None:
         return None
-    return system if isinstance(system, str) else "".join(b.text for b in system
-                                                          if not b.text.startswith(BILLING_HEADER))
+    if isinstance(system, str):
+        return system
+    kept = [b for b in system if not b.text.startswith(BILLING_HEADER)]
+    return parted([b.text for b in kept], "", tuple(k for k, b in enumerate(kept) if b.cache_control is not None))
 
 
 def conversation(req: CountTokensRequest) -> tuple[list[dict], str]:
@@ -73,7 +77,10 @@ def conversation(req: CountTokensRequest) -> tuple[list[dict], str]:
             raise bad_request("A final assistant message (a prefill) cannot be combined with thinking.",
                               f"messages.{len(msgs)}")
         prefill = "".join(b if isinstance(b, str) else b.text for b in blocks)
+    ends: dict[int, int] = {}  # request message index -> the index of its last template message
     for i, m in enumerate(msgs):
+        if out:
+            ends[i - 1] = len(out) - 1
         if m.role == "system":  # not first in the template's messages: a user message holding its text
             text = _system(m.content)
             if text and not (i == 0 and opening):
@@ -94,24 +101,39 @@ def conversation(req: CountTokensRequest) -> tuple[list[dict], str]:
                         {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}})
                     calls.add(b.id)
             out.append(a)
+            if any(b.cache_control is not None for b in m.content):
+                mark_end(a)  # where the template puts a marked block of an assistant turn: its text's end
             continue
         text: list[tuple[str, str]] = []  # ("text", text) / ("image", data URL): chat_spec.image_content
+        marked: list[int] = []  # the parts of text whose block carries cache_control
         for k, b in enumerate(m.content):
             if isinstance(b, ToolResultBlock):
                 if b.tool_use_id not in calls:
                     raise bad_request(f"tool_result block names tool_use_id {b.tool_use_id!r}, which no earlier "
                                       "tool_use block has.", f"messages.{i}.content.{k}.tool_use_id")
                 if text:
-                    out.append({"role": "user", "content": image_content(text, "user", f"messages.{i}.content", "")})
-                    text = []
+                    out.append({"role": "user", "content": image_content(text, "user", f"messages.{i}.content", "",
+                                                                         tuple(marked))})
+                    text, marked = [], []
+                parts = b.parts()
                 out.append({"role": "tool", "tool_call_id": b.tool_use_id,
-                            "content": image_content(b.parts(), "tool", f"messages.{i}.content.{k}.content", "")})
+                            "content": image_content(parts, "tool", f"messages.{i}.content.{k}.content", "")})
+                if b.cache_control is not None:
+                    mark_end(out[-1])
             elif isinstance(b, ImageBlock):
                 text.append(("image", b.source.data_url()))
             else:
+                if b.cache_control is not None:
+                    marked.append(len(text))
                 text.append(("text", b.text))
         if text:
-            out.append({"role": "user", "content": image_content(text, "user", f"messages.{i}.content", "")})
+            out.append({"role": "user", "content": image_content(text, "user", f"messages.{i}.content", "",
+                                                                 tuple(marked))})
+    if out:
+        ends[len(msgs) - 1] = len(out) - 1
+    for i in set(req.resume_points or ()) | ({len(msgs) - 1} if req.cache_control is not None else set()):
+        if i in ends:  # a final assistant message (a prefill) renders after the generation prompt: no point
+            mark_end(out[ends[i]])
     return out, prefill
 
 
@@ -123,7 +145,8 @@ def messages_spec(req: MessagesRequest | CountTokensRequest) -> ChatSpec:
                     tool_name=tc.name if tc is not None and tc.type == "tool" else None,
                     parallel_tool_calls=not (tc is not None and tc.disable_parallel_tool_use),
                     template_kwargs={"enable_thinking": req.thinking_on}, prefill=prefill,
-                    thinking_budget=req.thinking_budget, names=NAMES, id_prefix="msg_")
+                    thinking_budget=req.thinking_budget, names=NAMES, id_prefix="msg_",
+                    declared_tools=any(t.cache_control is not None for t in req.tools or ()))
     if isinstance(req, MessagesRequest):
         spec.max_tokens = req.max_tokens
         if spec.thinking_budget is not None and spec.thinking_budget >= req.max_tokens:

@@ -4,8 +4,11 @@ Unknown fields and block types are refused with a 400 naming them (in Anthropic'
 errors.py), never ignored: image url and file sources (base64 images are served), documents, server tools (web
 search, code execution, ...), citations
 and a service tier are not served, and a client learns so at once. `cache_control` is accepted on every
-block because what it asks for is always done here: deltaserve's prefix cache keeps every prompt's
-blocks, marked or not (the ttl is not promised: pages live until they are evicted).
+block, and honoured: the end of each marked block (and, with a top-level `cache_control`, the end of the last
+message) becomes a declared resume point, where a GDN checkpoint is kept for a later request (server/
+resume_points.py); every prompt's attention blocks are cached anyway, marked or not (the ttl is not promised:
+pages live until they are evicted). `resume_points` (an extension, as on the other two APIs: docs/api-fields.md)
+lists message indexes whose end is a declared resume point.
 
 Accepted as hints, because what they ask for is what happens anyway or only concerns the client's display:
 `tools[].defer_loading` (every tool is in the prompt: the template lists them all), `thinking.display`
@@ -23,7 +26,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from ..openai.protocol import FieldError, StrictModel, object_schema
+from ..openai.protocol import FieldError, StrictModel, check_resume_points, object_schema
 
 
 class CacheControl(StrictModel):
@@ -299,10 +302,12 @@ class _Conversation(StrictModel):
                         Field(discriminator="type")] | None = None
     output_config: OutputConfig | None = None
     context_management: ContextManagement | None = None  # a hint (see the module doc)
-    cache_control: CacheControl | None = None  # the whole request: cached here anyway (see the module doc)
+    cache_control: CacheControl | None = None  # the whole request: its last message's end is a resume point
+    resume_points: list[int] | None = None  # extension: messages whose end is a resume point (docs/api-fields.md)
 
     @model_validator(mode="after")
     def _tools(self):
+        check_resume_points(self.resume_points, len(self.messages), "messages")
         tc = self.tool_choice
         if tc is not None and tc.type in ("any", "tool") and not self.tools:
             raise FieldError("tool_choice", f"tool_choice of type {tc.type} needs tools")

@@ -198,6 +198,13 @@ class ChatMessage(StrictModel):
         return None if self.content is None else [("text", self.content)]
 
 
+def check_resume_points(points: list[int] | None, n: int, what: str) -> None:
+    """The `resume_points` extension field (every chat API): indexes into the request's `what` list (n items), each
+    naming an item whose end the client declares a resume point (server/resume_points.py)."""
+    if points is not None and not all(0 <= k < n for k in points):
+        raise FieldError("resume_points", f"resume_points are indexes into {what} (0 to {n - 1})")
+
+
 def object_schema(v: dict | None, what: str = "function parameters") -> dict | None:
     """A tool's parameter schema must be an object schema whose properties map names to schemas (every API's tools
     become qwen3_coder parameters, one tag per property)."""
@@ -253,12 +260,14 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's reasoning switch: none / minimal turn the template's thinking off, the others leave it on
     # (chat_template_kwargs' enable_thinking, when given, wins)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    # hints clients send with every request; nothing here depends on them: the prefix cache serves every
-    # request (prompt_cache_key), nothing is stored (store), metadata and the safety id are the client's
+    # hints clients send with every request: the prefix cache serves every request, and prompt_cache_key groups
+    # requests for the learned resume points (server/resume_points.py); nothing is stored (store), metadata and
+    # the safety id are the client's
     metadata: dict[str, str] | None = None
     store: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    resume_points: list[int] | None = None  # extension: messages whose end is a resume point (docs/api-fields.md)
     # SGLang's / vLLM's, added by vllm-router to what it forwards: accepted at this server's behaviour only
     separate_reasoning: bool = True
     stream_reasoning: bool = True
@@ -267,6 +276,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     @model_validator(mode="after")
     def _checks(self) -> "ChatCompletionRequest":
+        check_resume_points(self.resume_points, len(self.messages), "messages")
         only(self.separate_reasoning, "separate_reasoning", True,
              "reasoning always comes apart from the answer, in reasoning_content")
         only(self.stream_reasoning, "stream_reasoning", True, "reasoning is streamed as it is generated")

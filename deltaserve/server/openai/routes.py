@@ -26,6 +26,7 @@ from ..core import AbortingStream, Delta, Job, ServingCore
 from ...engine.inputs import EngineInputError
 from ..errors import ApiError, bad_request, error_body  # noqa: F401 - re-exported for older imports
 from ..limits import check_prompt, token_bounds
+from ..resume_points import mark_end
 from ..state import ServerState
 from .protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, NamedToolChoice,
                        TokenizeRequest)
@@ -73,6 +74,8 @@ def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
         if m.reasoning_content is not None:
             d["reasoning_content"] = m.reasoning_content
         messages.append(d)
+    for i in req.resume_points or ():
+        mark_end(messages[i])
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     tc = req.tool_choice
     named = isinstance(tc, NamedToolChoice)
@@ -84,6 +87,7 @@ def chat_spec(req: ChatCompletionRequest) -> ChatSpec:
                     min_tokens=req.min_tokens, ignore_eos=req.ignore_eos,
                     response_format=_json_format(req.response_format),
                     template_kwargs=_template_kwargs(req), cache_salt=req.cache_salt,
+                    cache_key=req.prompt_cache_key,
                     names={"prompt": "messages", "multi_modal_data": "messages"}, id_prefix="chatcmpl-")
 
 

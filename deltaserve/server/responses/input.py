@@ -23,6 +23,7 @@ import json
 from typing import Any
 
 from ..chat_spec import image_content
+from ..resume_points import mark_end
 from ..errors import bad_request
 from .protocol import CallFields, CustomToolCallItem, FunctionCallOutputItem, MessageItem, ReasoningItem
 from .tools import CUSTOM_INPUT, qualified
@@ -63,11 +64,18 @@ def _arguments(text: str, where: str) -> dict:
     return v
 
 
-def input_messages(items: str | list, known_calls: set[str] | None = None) -> list[dict]:
+def input_messages(items: str | list, known_calls: set[str] | None = None,
+                   resume_points: list[int] | None = None) -> list[dict]:
     """The request's input as template messages. known_calls: call ids from the conversation it continues
-    (a function_call_output must answer a call made before it)."""
+    (a function_call_output must answer a call made before it). resume_points: the input items whose end the client
+    declares a resume point (the extension field): the end of the message each one went into is marked (a leading
+    system message is then joined with the instructions, and the system prefix's end is a structural point anyway)."""
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
+        out = [{"role": "user", "content": items}]
+        if resume_points:
+            mark_end(out[0])
+        return out
+    marked = set(resume_points or ())
     calls = set(known_calls or ())
     out: list[dict[str, Any]] = []
     cur: dict[str, Any] | None = None  # the assistant turn being assembled
@@ -111,6 +119,8 @@ def input_messages(items: str | list, known_calls: set[str] | None = None) -> li
             cur = None
             out.append({"role": "tool", "tool_call_id": it.call_id,
                         "content": image_content(it.parts(), "tool", where + ".output", sep="")})
+        if i in marked and out:
+            mark_end(out[-1])
     return out
 
 

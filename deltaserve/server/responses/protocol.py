@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from ..openai.protocol import FieldError, StrictModel, object_schema
+from ..openai.protocol import FieldError, StrictModel, check_resume_points, object_schema
 
 INCLUDABLE = ("reasoning.encrypted_content",)
 
@@ -383,8 +383,9 @@ class ResponsesRequest(StrictModel):
     truncation: Literal["disabled"] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None  # informational, as in chat
-    # a cache-routing hint; this server has one prefix cache that every request already shares
+    # groups requests for the learned resume points (server/resume_points.py); the one prefix cache serves all
     prompt_cache_key: str | None = None
+    resume_points: list[int] | None = None  # extension: input items whose end is a resume point (docs/api-fields.md)
     client_metadata: dict[str, str] | None = None  # a hint: the client's own bookkeeping (Codex CLI's turn ids)
 
     @model_validator(mode="before")
@@ -420,6 +421,7 @@ class ResponsesRequest(StrictModel):
 
     @model_validator(mode="after")
     def _checks(self) -> "ResponsesRequest":
+        check_resume_points(self.resume_points, len(self.input) if isinstance(self.input, list) else 1, "input")
         tc = self.tool_choice
         more = isinstance(self.input, list) and any(isinstance(it, AdditionalToolsItem) for it in self.input)
         if tc is not None and tc not in ("none", "auto") and not self.tools and not more:

@@ -57,7 +57,7 @@ def responses_spec(req: ResponsesRequest, messages: list[dict], tools: ToolSet |
                     tool_choice="function" if named else tc, tool_name=tools.forced if named else None,
                     parallel_tool_calls=req.parallel_tool_calls is not False, max_tokens=req.max_output_tokens,
                     sampling={"temperature": req.temperature, "top_p": req.top_p}, response_format=response_format,
-                    template_kwargs=kwargs, names=NAMES, id_prefix="resp_")
+                    template_kwargs=kwargs, names=NAMES, id_prefix="resp_", cache_key=req.prompt_cache_key)
 
 
 class ResponsesServing(ServingCore):
@@ -71,7 +71,7 @@ class ResponsesServing(ServingCore):
         if req.previous_response_id is not None:
             prior = self.store.get(req.previous_response_id).conversation
         tools = collect_tools(req.tools, req.input, req.tool_choice)
-        conversation = prior + input_messages(req.input, call_ids(prior))
+        conversation = prior + input_messages(req.input, call_ids(prior), req.resume_points)
         run = await start_chat(self, responses_spec(req, with_instructions(req.instructions, conversation), tools))
         created = time.time()
         folder = OutputFolder(summary=req.reasoning is not None and req.reasoning.summary is not None,
