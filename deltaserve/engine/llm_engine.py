@@ -145,8 +145,9 @@ class LLMEngine:
             self.parallel = TensorParallel.start(config, path, self.dtype, self.device)  # loads shard 0
             self.model = self.parallel.model
         else:
+            # --limit-mm-per-prompt image=0: the vision encoder's weights are never read (no memory for them)
             self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head,
-                                    mtp=config.speculative_config is not None)
+                                    mtp=config.speculative_config is not None, vision=config.mm_limit("image") > 0)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, what="tokenizer") or path)
         kern = self.model.decode_kernels
         self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers
