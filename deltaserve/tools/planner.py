@@ -19,8 +19,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import (ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, VisionConfig, VisionConfigIncomplete,
-                      parse_bytes, parse_count)
+from ..config import (DEFAULT_MM_LIMITS, ENGINE_DEFAULTS, ENGINE_FLAGS, QUANTIZE_HEAD_CHOICES, ConfigError, ModelConfig,
+                      VisionConfig, VisionConfigIncomplete, parse_bytes, parse_count, parse_mm_limits)
 from ..memory import sizing as S
 from ..memory.layouts import REPORT_LAYOUTS
 from ..presets import is_preset, load_preset, preset_names, preset_source
@@ -139,6 +139,108 @@ def weights_per_rank(total: int, m: ModelConfig, tp: int, dtype_bytes: int) -> i
     return S.cdiv(max(rest, 0), tp) + embed + S.cdiv(m.vocab_size, tp) * m.hidden_size * dtype_bytes
 
 
+# ---------------------------------------------------------------- deltaserve serve's resident memory
+
+# What a `deltaserve serve` process holds besides the weights and the pool: the interpreter, torch, the compiled
+# kernels, the tokenizer, the HTTP server and a step's scratch. Measured on the 0.8B and 4B shapes
+# (tests/test_load_memory.py holds the whole figure to the process's resident memory).
+RUNTIME_BYTES = 900 * 2**20
+HOST_HEADROOM = 0.10  # of --host-memory, left to the OS and everything else on the machine
+FP8_RUN_SCALE = (16, 128)  # linear_fp8's packed scales: one fp32 per 16 outputs x 128 inputs
+
+
+def _fp8_run_bytes(n: int, k: int) -> int:
+    """A block-FP8 [n, k] weight as linear_fp8 holds it: 1 B codes and its packed scales."""
+    return n * k + S.cdiv(n, FP8_RUN_SCALE[0]) * S.cdiv(k, FP8_RUN_SCALE[1]) * 4
+
+
+def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, stored: WeightBytes) -> WeightBytes:
+    """The weights as `deltaserve serve` holds them on a CPU (model/loader.py; HybridModel.held_weight_bytes
+    measures the same): fp8 codes with linear_fp8's scales, bf16 linears packed (the same bytes), the vision
+    encoder only while images are on (--limit-mm-per-prompt), the MTP layers only with speculative tokens, and a
+    tied head's packed copy beside the embedding (bf16), or the head in block-FP8 (--quantize-head fp8).
+    From the safetensors headers where the checkpoint has them, else from the stored-weight estimate."""
+    m = src.config
+    images = dict(inputs.limit_mm_per_prompt).get("image", 0) > 0
+    mtp = inputs.num_speculative_tokens > 0
+    dtype_bytes = S.dtype_bytes(model_dtype)
+    head = m.vocab_size * m.hidden_size
+    total, how = 0, []
+    files = sorted(glob.glob(os.path.join(src.model_dir, "*.safetensors"))) if src.model_dir is not None else []
+    if files and inputs.weight_bytes is None and inputs.num_params is None:
+        for path in files:
+            for name, info in safetensors_header(path).items():
+                if name == "__metadata__" or name.endswith("_scale_inv"):
+                    continue  # fp8 scales: counted with their weight, in the kernel's layout
+                if name.startswith(("mtp.", "model.mtp.")) and not mtp:
+                    continue
+                if name.startswith(("model.visual.", "visual.", "model.vision_tower.")) and not images:
+                    continue
+                if name == "lm_head.weight" and m.tie_word_embeddings:
+                    continue  # the loader ignores it: the embedding is the head
+                if info["dtype"] == "F8_E4M3" and len(info["shape"]) == 2:
+                    total += _fp8_run_bytes(*info["shape"])
+                else:
+                    start, end = info["data_offsets"]
+                    total += end - start
+        how.append(f"safetensors headers in {src.model_dir}")
+    else:
+        total = stored.bytes
+        if not images and src.vision is not None:
+            total -= src.vision.num_params() * dtype_bytes
+        how.append("the stored-weight estimate")
+    packed = model_dtype == "bfloat16"  # the CPU packs bf16 projections and the head (HybridModel.prepack_linears)
+    if packed and inputs.quantization != "fp8" and not any(f.endswith("_scale_inv") for f in _tensor_names(files)):
+        total += _packing_padding(m, dtype_bytes)
+    if inputs.quantize_head == "fp8":
+        total += _fp8_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
+        how.append("the head in block-FP8 (--quantize-head fp8)")
+    elif packed and m.tie_word_embeddings:
+        total += head * dtype_bytes
+        how.append("the tied head's packed copy")
+    how.append("vision encoder " + ("included" if images and src.vision is not None else "not loaded")
+               if src.vision is not None else "no vision encoder")
+    return WeightBytes(int(total), "; ".join(how))
+
+
+def _tensor_names(files: list[str]) -> list[str]:
+    return [n for path in files for n in safetensors_header(path)]
+
+
+PACK_ROWS = 16  # the compiled linear_bf16 packs output rows in blocks of 16 (ops/packed.py): a fused group pads up
+
+
+def _packing_padding(m: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes the bf16 packing adds: each fused projection's rows rounded up to PACK_ROWS (the GDN in_proj's
+    q|k|v|z|b|a rows are seldom a multiple; the other projections of the published shapes are)."""
+    def pad(rows: int, cols: int) -> int:
+        return (S.cdiv(rows, PACK_ROWS) * PACK_ROWS - rows) * cols * dtype_bytes
+
+    H = m.hidden_size
+    total = 0
+    for i, kind in enumerate(m.layer_types):
+        if kind == "linear_attention":
+            vd = m.linear_num_value_heads * m.linear_value_head_dim
+            total += pad(m.conv_dim + vd + 2 * m.linear_num_value_heads, H) + pad(H, vd)
+        else:
+            hq, hkv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
+            total += pad((2 * hq + 2 * hkv) * d, H) + pad(H, hq * d)
+        if not m.is_moe_layer(i) and m.model_type != "qwen3_5_moe_text":
+            total += pad(2 * m.intermediate_size, H) + pad(H, m.intermediate_size)
+    return total
+
+
+def _serve_report(weights: WeightBytes, budget: int | None, inputs: PlanInputs, warnings: list[str]) -> dict:
+    """The plan's "serve" key: what a `deltaserve serve` process holds resident (one rank, a CPU)."""
+    resident = None if budget is None else weights.bytes + budget + RUNTIME_BYTES
+    if resident is not None and inputs.host_memory is not None and resident > inputs.host_memory:
+        warnings.append(f"deltaserve serve would hold {resident:,} B resident, more than --host-memory "
+                        f"{int(inputs.host_memory):,}")
+    return {"weight_bytes": weights.bytes, "weight_source": weights.source, "pool_bytes": budget,
+            "runtime_bytes": RUNTIME_BYTES, "resident_bytes": resident,
+            "host_memory": None if inputs.host_memory is None else int(inputs.host_memory)}
+
+
 # ---------------------------------------------------------------- the plan
 
 @dataclass(frozen=True)
@@ -176,6 +278,10 @@ class PlanInputs:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     layout: str = ENGINE_DEFAULTS["cache_layout"]
+    # deltaserve serve on a CPU: the machine's memory, whether images are on, how the head is held
+    host_memory: int | None = None
+    limit_mm_per_prompt: tuple = DEFAULT_MM_LIMITS
+    quantize_head: str = "none"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanInputs:
@@ -219,7 +325,8 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
         from_config = params is not None and inputs.num_params is None  # else safetensors or a flag's figure
         warnings.append(f"{src.vision_unknown}: the text model is planned, the vision encoder's size is unknown"
                         + (" and left out of the weight bytes" if from_config else ""))
-    budget, budget_source = _budget(inputs, weight_per_rank, warnings)
+    serve_weights = serve_weight_bytes(src, inputs, shape.dtypes.model, weights)
+    budget, budget_source = _budget(inputs, weight_per_rank, warnings, serve_weights.bytes)
     pools = _layout_pools(shape, budget, inputs)
     warnings += _sizing_warnings(m, inputs, shape, budget, pools)
     return {
@@ -233,6 +340,7 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
         "max_model_len": inputs.max_model_len, "max_num_seqs": inputs.max_num_seqs,
         "num_slots": inputs.max_num_seqs, "slot_bytes": shape.geometry.gdn_state_bytes_per_seq,
         "layout": inputs.layout, **pools,
+        "serve": _serve_report(serve_weights, budget, inputs, warnings),
         "warnings": warnings,
     }
 
@@ -328,13 +436,24 @@ def _count_weights(src: ModelSource, inputs: PlanInputs,
     return weights, params, quant
 
 
-def _budget(inputs: PlanInputs, weight_per_rank: int, warnings: list[str]) -> tuple[int | None, str | None]:
+def _budget(inputs: PlanInputs, weight_per_rank: int, warnings: list[str],
+            serve_weights: int = 0) -> tuple[int | None, str | None]:
     """(the cache budget per rank, where it came from); None when neither --budget nor --device-memory is
     given. Appends the warnings the budget raises."""
     if inputs.budget_bytes is not None:
         return int(inputs.budget_bytes), "--budget"
+    if inputs.device_memory is None and inputs.host_memory is not None:
+        host = int(inputs.host_memory)
+        budget = int(host * (1 - HOST_HEADROOM)) - serve_weights - RUNTIME_BYTES
+        source = (f"--host-memory {host:,} less {HOST_HEADROOM:.0%} headroom - weights as run {serve_weights:,} "
+                  f"- runtime {RUNTIME_BYTES:,}")
+        if budget <= 0:
+            warnings.append(f"the weights as run ({serve_weights:,} B) and the runtime ({RUNTIME_BYTES:,} B) leave no "
+                            f"room for the cache in --host-memory {host:,}")
+            budget = 0
+        return budget, source
     if inputs.device_memory is None:
-        warnings.append("no --budget or --device-memory given: pool sizes are not computed")
+        warnings.append("no --budget or --device-memory given (nor --host-memory): pool sizes are not computed")
         return None, None
     memory, util, reserve = inputs.device_memory, inputs.gpu_memory_utilization, int(inputs.reserve_bytes)
     budget = int(memory * util) - weight_per_rank - reserve
@@ -514,6 +633,14 @@ def format_table(r: dict[str, Any]) -> str:
             extra = (f", {pg['in-page'] / pg['per-block-group']:.2f}x per-block-group"
                      if pg.get("per-block-group") else "")
             out.append(f"  in-page holds {r['pool_ratio_in_page_to_per_block']:.2f}x the per-block pool{extra}")
+    sv = r["serve"]
+    out.append("")
+    row("weights as run", f"{sv['weight_bytes']:,} B ({_mib(sv['weight_bytes'])}): deltaserve serve on a CPU; "
+                          f"{sv['weight_source']}")
+    if sv["resident_bytes"] is not None:
+        row("resident", f"{sv['resident_bytes']:,} B ({_mib(sv['resident_bytes'])}) = weights as run + pool "
+                        f"{sv['pool_bytes']:,} + runtime {sv['runtime_bytes']:,}"
+                        + (f" (of --host-memory {_mib(sv['host_memory'])})" if sv["host_memory"] else ""))
     if r["warnings"]:
         out.append("")
         out.append("warnings:")
@@ -569,6 +696,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "1 B + scales); default: the config.json's quantization_config")
     ap.add_argument("--reserve", type=parse_bytes, default=0,
                     help="bytes for activations, graphs and other runtime reserves (not modeled; default 0)")
+    ap.add_argument("--host-memory", type=parse_bytes, default=None,
+                    help="the machine's memory, for deltaserve serve on a CPU: the pool is what is left after "
+                         f"{HOST_HEADROOM:.0%} headroom, the weights as run and the runtime; resident is checked "
+                         "against it")
+    ap.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default=DEFAULT_MM_LIMITS, metavar="JSON",
+                    help="as the engine's flag: '{\"image\": 0}' leaves the vision encoder out of the weights as run")
+    ap.add_argument("--quantize-head", choices=QUANTIZE_HEAD_CHOICES, default="none",
+                    help="as the engine's flag: the head as run (fp8: block-FP8)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 
