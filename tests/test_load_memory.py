@@ -35,7 +35,10 @@ def _mapped(path: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> str:
+    from deltaserve.text.tokenizer import write_tokenizer
+
     path = str(tmp_path_factory.mktemp("tiny-vl"))
+    write_tokenizer(path)
     make_random_model(load_preset("tiny"), path)  # the tiny preset has a (small) vision tower
     return path
 
@@ -151,3 +154,17 @@ def test_serve_memory_4b_shape(quantize):
     from deltaserve.embedded.model import ensure_model
 
     _check_serve(ensure_model("qwen3.5-4b-shape", quantize=quantize))
+
+
+def test_a_machine_too_small_is_refused_with_the_figures_before_loading(tiny_dir, monkeypatch):
+    """The engine adds the weights as run, the runtime and --kv-cache-memory before reading a byte: more than the
+    machine has available is a ConfigError that names each figure, not a trip to the OOM killer."""
+    from deltaserve import LLM
+    from deltaserve.config import ConfigError
+    from deltaserve.runner import platform
+
+    monkeypatch.setattr(platform, "available_bytes", lambda device: 15 * 10**8)
+    with pytest.raises(ConfigError, match=r"does not fit: weights as run 0\.\d\d GB \+ runtime 0\.75 GB \+ "
+                                          r"--kv-cache-memory 1\.07 GB = 1\.\d\d GB, and this machine has 1\.50 GB"):
+        LLM(model=tiny_dir, kv_cache_memory=1 << 30)
+    LLM(model=tiny_dir, kv_cache_memory=64 << 20)  # fits

@@ -14,13 +14,13 @@ import dataclasses
 import glob
 import json
 import os
-import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
 
 from ..config import (DEFAULT_MM_LIMITS, ENGINE_DEFAULTS, ENGINE_FLAGS, QUANTIZE_HEAD_CHOICES, ConfigError, ModelConfig,
                       VisionConfig, VisionConfigIncomplete, parse_bytes, parse_count, parse_mm_limits)
+from ..memory import resident as R
 from ..memory import sizing as S
 from ..memory.layouts import REPORT_LAYOUTS
 from ..presets import is_preset, load_preset, preset_names, preset_source
@@ -85,16 +85,7 @@ def _config_quantization(src: ModelSource) -> str | None:
     return "fp8" if qc.get("quant_method") == "fp8" else None
 
 
-def safetensors_header(path: str) -> dict[str, Any]:
-    """The JSON header of one .safetensors file (tensor name -> dtype, shape, data_offsets)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ConfigError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise ConfigError(f"{path}: implausible safetensors header length {n}")
-        return json.loads(f.read(n))
+safetensors_header = R.safetensors_header  # the one header reader (memory/resident.py)
 
 
 @dataclass(frozen=True)
@@ -141,103 +132,43 @@ def weights_per_rank(total: int, m: ModelConfig, tp: int, dtype_bytes: int) -> i
 
 # ---------------------------------------------------------------- deltaserve serve's resident memory
 
-# What a `deltaserve serve` process holds besides the weights and the pool: the interpreter, torch, the compiled
-# kernels, the tokenizer, the HTTP server and a step's scratch. Measured on the 0.8B and 4B shapes
-# (tests/test_load_memory.py holds the whole figure to the process's resident memory).
-RUNTIME_BYTES = 900 * 2**20
 HOST_HEADROOM = 0.10  # of --host-memory, left to the OS and everything else on the machine
-FP8_RUN_SCALE = (16, 128)  # linear_fp8's packed scales: one fp32 per 16 outputs x 128 inputs
-
-
-def _fp8_run_bytes(n: int, k: int) -> int:
-    """A block-FP8 [n, k] weight as linear_fp8 holds it: 1 B codes and its packed scales."""
-    return n * k + S.cdiv(n, FP8_RUN_SCALE[0]) * S.cdiv(k, FP8_RUN_SCALE[1]) * 4
 
 
 def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, stored: WeightBytes) -> WeightBytes:
-    """The weights as `deltaserve serve` holds them on a CPU (model/loader.py; HybridModel.held_weight_bytes
-    measures the same): fp8 codes with linear_fp8's scales, bf16 linears packed (the same bytes), the vision
-    encoder only while images are on (--limit-mm-per-prompt), the MTP layers only with speculative tokens, and a
-    tied head's packed copy beside the embedding (bf16), or the head in block-FP8 (--quantize-head fp8).
-    From the safetensors headers where the checkpoint has them, else from the stored-weight estimate."""
+    """The weights as `deltaserve serve` holds them on a CPU (memory/resident.py weights_as_run, from the
+    safetensors headers; HybridModel.held_weight_bytes measures the same): the vision encoder only while images
+    are on (--limit-mm-per-prompt), the MTP layers only with speculative tokens, a tied head's packed copy (bf16)
+    or the head in block-FP8 (--quantize-head fp8). Without headers (a preset, a config, --weight-bytes,
+    --num-params): the stored-weight estimate with the same head and vision terms."""
     m = src.config
     images = dict(inputs.limit_mm_per_prompt).get("image", 0) > 0
-    mtp = inputs.num_speculative_tokens > 0
-    dtype_bytes = S.dtype_bytes(model_dtype)
-    head = m.vocab_size * m.hidden_size
-    total, how = 0, []
-    files = sorted(glob.glob(os.path.join(src.model_dir, "*.safetensors"))) if src.model_dir is not None else []
-    if files and inputs.weight_bytes is None and inputs.num_params is None:
-        for path in files:
-            for name, info in safetensors_header(path).items():
-                if name == "__metadata__" or name.endswith("_scale_inv"):
-                    continue  # fp8 scales: counted with their weight, in the kernel's layout
-                if name.startswith(("mtp.", "model.mtp.")) and not mtp:
-                    continue
-                if name.startswith(("model.visual.", "visual.", "model.vision_tower.")) and not images:
-                    continue
-                if name == "lm_head.weight" and m.tie_word_embeddings:
-                    continue  # the loader ignores it: the embedding is the head
-                if info["dtype"] == "F8_E4M3" and len(info["shape"]) == 2:
-                    total += _fp8_run_bytes(*info["shape"])
-                else:
-                    start, end = info["data_offsets"]
-                    total += end - start
-        how.append(f"safetensors headers in {src.model_dir}")
-    else:
-        total = stored.bytes
+    total = None
+    if src.model_dir is not None and inputs.weight_bytes is None and inputs.num_params is None:
+        total = R.weights_as_run(src.model_dir, m, model_dtype, images=images, mtp=inputs.num_speculative_tokens > 0,
+                                 quantize_head=inputs.quantize_head)
+    how = [f"safetensors headers in {src.model_dir}"] if total is not None else ["the stored-weight estimate"]
+    if total is None:
+        total = stored.bytes + R.head_extra(m, model_dtype, inputs.quantize_head)
         if not images and src.vision is not None:
-            total -= src.vision.num_params() * dtype_bytes
-        how.append("the stored-weight estimate")
-    packed = model_dtype == "bfloat16"  # the CPU packs bf16 projections and the head (HybridModel.prepack_linears)
-    if packed and inputs.quantization != "fp8" and not any(f.endswith("_scale_inv") for f in _tensor_names(files)):
-        total += _packing_padding(m, dtype_bytes)
+            total -= src.vision.num_params() * S.dtype_bytes(model_dtype)
     if inputs.quantize_head == "fp8":
-        total += _fp8_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
         how.append("the head in block-FP8 (--quantize-head fp8)")
-    elif packed and m.tie_word_embeddings:
-        total += head * dtype_bytes
+    elif model_dtype == "bfloat16" and m.tie_word_embeddings:
         how.append("the tied head's packed copy")
-    how.append("vision encoder " + ("included" if images and src.vision is not None else "not loaded")
-               if src.vision is not None else "no vision encoder")
+    if src.vision is not None:
+        how.append("vision encoder " + ("included" if images else "not loaded (images off)"))
     return WeightBytes(int(total), "; ".join(how))
-
-
-def _tensor_names(files: list[str]) -> list[str]:
-    return [n for path in files for n in safetensors_header(path)]
-
-
-PACK_ROWS = 16  # the compiled linear_bf16 packs output rows in blocks of 16 (ops/packed.py): a fused group pads up
-
-
-def _packing_padding(m: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes the bf16 packing adds: each fused projection's rows rounded up to PACK_ROWS (the GDN in_proj's
-    q|k|v|z|b|a rows are seldom a multiple; the other projections of the published shapes are)."""
-    def pad(rows: int, cols: int) -> int:
-        return (S.cdiv(rows, PACK_ROWS) * PACK_ROWS - rows) * cols * dtype_bytes
-
-    H = m.hidden_size
-    total = 0
-    for i, kind in enumerate(m.layer_types):
-        if kind == "linear_attention":
-            vd = m.linear_num_value_heads * m.linear_value_head_dim
-            total += pad(m.conv_dim + vd + 2 * m.linear_num_value_heads, H) + pad(H, vd)
-        else:
-            hq, hkv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
-            total += pad((2 * hq + 2 * hkv) * d, H) + pad(H, hq * d)
-        if not m.is_moe_layer(i) and m.model_type != "qwen3_5_moe_text":
-            total += pad(2 * m.intermediate_size, H) + pad(H, m.intermediate_size)
-    return total
 
 
 def _serve_report(weights: WeightBytes, budget: int | None, inputs: PlanInputs, warnings: list[str]) -> dict:
     """The plan's "serve" key: what a `deltaserve serve` process holds resident (one rank, a CPU)."""
-    resident = None if budget is None else weights.bytes + budget + RUNTIME_BYTES
+    resident = None if budget is None else weights.bytes + budget + R.RUNTIME_BYTES
     if resident is not None and inputs.host_memory is not None and resident > inputs.host_memory:
         warnings.append(f"deltaserve serve would hold {resident:,} B resident, more than --host-memory "
                         f"{int(inputs.host_memory):,}")
     return {"weight_bytes": weights.bytes, "weight_source": weights.source, "pool_bytes": budget,
-            "runtime_bytes": RUNTIME_BYTES, "resident_bytes": resident,
+            "runtime_bytes": R.RUNTIME_BYTES, "resident_bytes": resident,
             "host_memory": None if inputs.host_memory is None else int(inputs.host_memory)}
 
 
@@ -444,11 +375,11 @@ def _budget(inputs: PlanInputs, weight_per_rank: int, warnings: list[str],
         return int(inputs.budget_bytes), "--budget"
     if inputs.device_memory is None and inputs.host_memory is not None:
         host = int(inputs.host_memory)
-        budget = int(host * (1 - HOST_HEADROOM)) - serve_weights - RUNTIME_BYTES
+        budget = int(host * (1 - HOST_HEADROOM)) - serve_weights - R.RUNTIME_BYTES
         source = (f"--host-memory {host:,} less {HOST_HEADROOM:.0%} headroom - weights as run {serve_weights:,} "
-                  f"- runtime {RUNTIME_BYTES:,}")
+                  f"- runtime {R.RUNTIME_BYTES:,}")
         if budget <= 0:
-            warnings.append(f"the weights as run ({serve_weights:,} B) and the runtime ({RUNTIME_BYTES:,} B) leave no "
+            warnings.append(f"the weights as run ({serve_weights:,} B) and the runtime ({R.RUNTIME_BYTES:,} B) leave no "
                             f"room for the cache in --host-memory {host:,}")
             budget = 0
         return budget, source
