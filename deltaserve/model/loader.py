@@ -103,6 +103,7 @@ class _Weights:
                 raise WeightsError(f"{index} names tensors its shards do not hold: {', '.join(missing[:5])}")
         self._fds: dict[str, int] = {}
         self.used: set[str] = set()
+        self.read_bytes = 0  # read so far
 
     def names(self) -> list[str]:
         return list(self._index)
@@ -127,6 +128,7 @@ class _Weights:
                 raise WeightsError(f"{fname}: truncated at tensor {key} ({done} of {n} bytes read)")
             done += got
         self.used.add(key)
+        self.read_bytes += n
         t = out.view(dtype)
         if math.prod(shape) != t.numel():
             raise WeightsError(f"{fname}: tensor {key} holds {n} bytes, its shape {list(shape)} needs another size")
@@ -138,12 +140,19 @@ class _Weights:
         self._fds.clear()
 
 
+# bytes read between trims: each trim hands back the freed pages, which the next groups then fault in afresh
+# (a few us per 4 KiB page), so trimming after every layer costs load time; this bounds what the holes add to
+# the peak to about this much read (and its conversion copies)
+TRIM_EVERY = 512 << 20
+
+
 def _release_free_heap() -> None:
     """Hand the heap the load freed (a layer's stored tensors and conversion copies) back to the OS, after each
     group. The engine tunes glibc to keep allocations below 1 GiB on the heap and never to trim it
     (runner/platform.py tune_allocator). Each layer's buffers then leave holes that the next layer's
     differently sized ones do not fill, and the resident set grows with the model: 11.7 GB resident for a
-    7 GB model on the main thread. malloc_trim returns the free pages wherever they sit. A no-op off glibc."""
+    7 GB model on the main thread. malloc_trim returns the free pages wherever they sit (every TRIM_EVERY
+    bytes read, and once at the end). A no-op off glibc."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -392,11 +401,15 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
                           f"{tdtype} on {model.device.type})".replace("torch.", ""))
     packing = model.packing(quantize_head, quantized=fp8 is not None) if prepack is not False else None
 
+    trimmed = [0]  # weights.read_bytes at the last trim
+
     def pack(root: torch.nn.Module) -> None:
         if packing is not None:
             for module in root.modules():
                 model.pack_module(module, packing)
-        _release_free_heap()  # this group's stored tensors and copies: freed, and off the process's resident set
+        if weights.read_bytes - trimmed[0] >= TRIM_EVERY:  # the groups' freed buffers, off the resident set
+            _release_free_heap()
+            trimmed[0] = weights.read_bytes
 
     for i in range(cfg.num_hidden_layers):  # one layer read, converted, packed at a time
         place(_layer_tensors(cfg, model, i, text_keys, take))
