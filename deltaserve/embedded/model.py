@@ -21,7 +21,7 @@ from ..home import build_dir_once, home
 log = logging.getLogger("deltaserve")
 
 DEFAULT_PRESET = "tiny"
-QWEN35_TOKENIZER_PRESETS = frozenset({"qwen3.5-0.8b-shape"})  # presets served with the real Qwen3.5 tokenizer
+QWEN35_TOKENIZER_PRESETS = frozenset({"qwen3.5-0.8b-shape", "qwen3.5-4b-shape"})  # presets served with the real Qwen3.5 tokenizer
 
 
 def make_model(preset: str, out_dir: str, seed: int = 0, quantize: str | None = None) -> str:

@@ -94,6 +94,31 @@ class _Live:
     num_cached_tokens: int = 0
 
 
+def check_memory(path: str, mc: ModelConfig, config: EngineConfig, dtype: str, device) -> None:
+    """ConfigError, before anything is loaded, where the weights as run (memory/resident.py, from the checkpoint's
+    headers), the runtime and an explicit --kv-cache-memory add up to more than the machine has available: a
+    machine too small is told the figures rather than handed to the OOM killer. Logs the figures otherwise."""
+    from ..memory.resident import RUNTIME_BYTES, weights_as_run
+    from ..runner.platform import available_bytes
+
+    if not os.path.isdir(path):
+        return
+    weights = weights_as_run(path, mc, dtype, images=config.mm_limit("image") > 0,
+                             mtp=config.speculative_config is not None, quantize_head=config.quantize_head)
+    if weights is None:
+        return
+    pool, free = config.kv_cache_memory or 0, available_bytes(device)
+    need = weights + RUNTIME_BYTES + pool
+    figures = (f"weights as run {weights / 1e9:.2f} GB + runtime {RUNTIME_BYTES / 1e9:.2f} GB"
+               + (f" + --kv-cache-memory {pool / 1e9:.2f} GB" if pool else "") + f" = {need / 1e9:.2f} GB")
+    if need > free:
+        raise ConfigError(f"{path} does not fit: {figures}, and this machine has {free / 1e9:.2f} GB available. "
+                          + ("Give a smaller --kv-cache-memory, " if pool else "")
+                          + "serve a block-FP8 checkpoint, or turn images off (--limit-mm-per-prompt "
+                            "'{\"image\": 0}') where the model has a vision encoder")
+    log.info("memory: %s of %.2f GB available", figures, free / 1e9)
+
+
 class LLMEngine:
     """Synchronous engine. Not thread-safe: one thread calls add_request/abort_request/step.
 
@@ -142,19 +167,26 @@ class LLMEngine:
             log.warning("float16 has no fast matmul path on most CPUs (~150x slower than bfloat16 here); "
                         "prefer --dtype bfloat16")
         self.parallel = None  # tensor parallelism: rank 0's handle on the other ranks (deltaserve/parallel/)
+        if self.device.type == "cpu" and config.tensor_parallel_size == 1 and not config.node_rank:
+            check_memory(path, mc, config, self.dtype, self.device)  # before a byte is read: refuse with figures
         if config.tensor_parallel_size > 1 or config.node_rank:
             from ..parallel.launch import TensorParallel
             self.parallel = TensorParallel.start(config, path, self.dtype, self.device)  # loads shard 0
             self.model = self.parallel.model
         else:
+            # --limit-mm-per-prompt image=0: the vision encoder's weights are never read (no memory for them)
             self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head,
-                                    mtp=config.speculative_config is not None)
+                                    mtp=config.speculative_config is not None, vision=config.mm_limit("image") > 0)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, what="tokenizer") or path)
         kern = self.model.decode_kernels
         self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers
 
         # config -> sizing -> memory + scheduler (the builder a simulated replica uses too) -> runner
         budget = config.kv_cache_memory or default_kv_budget(self.device, config.memory_utilization, self.model)
+        if not config.kv_cache_memory:
+            log.info("KV pool sized from the memory free after loading: %.2f GB (--memory-utilization %s of what is "
+                     "available%s); --kv-cache-memory chooses it", budget / 1e9, config.memory_utilization,
+                     ", at most 2 GiB on a CPU" if self.device.type == "cpu" else "")
         if self.parallel:
             budget = self.parallel.agree_budget(budget)  # per rank: the smallest rank's
         shape, self.memory, self.scheduler = build(mc, config, budget, self.dtype)

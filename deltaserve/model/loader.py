@@ -18,9 +18,12 @@ unknown tensor or a wrong shape raises WeightsError naming it.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
+import math
 import os
+import struct
 from collections.abc import Callable
 
 import torch
@@ -41,41 +44,119 @@ FP32_PARAMS = ("A_log", "dt_bias")  # GDN decay parameters stay float32 whatever
 
 # ---- reading ---------------------------------------------------------------------------------------------
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _read_header(fname: str) -> tuple[dict, int]:
+    """(the safetensors header of fname: name -> dtype, shape, data_offsets; where its data starts)."""
+    with open(fname, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise WeightsError(f"{fname}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise WeightsError(f"{fname}: implausible safetensors header length {n}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise WeightsError(f"{fname}: unreadable safetensors header ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 class _Weights:
-    """Lazy access to the tensors of a model directory; records which ones were used."""
+    """The tensors of a model directory, each read on demand into memory of its own; records which were used.
+
+    Invariant: nothing of a checkpoint file is mapped into the process. Each tensor is read (pread) into a
+    fresh tensor that the caller owns, so once the loader has converted it (fused, packed, quantized) and
+    dropped it, no byte of the file stays resident on the process's account; safetensors' own reader would
+    hand out views of one private mapping of the whole file, which any surviving view (a norm weight, a tied
+    embedding) keeps resident for the life of the model. At any moment the loader holds what it has placed
+    plus the tensors of one layer."""
 
     def __init__(self, path: str):
-        from safetensors import safe_open
-
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
-            files = {k: os.path.join(path, v) for k, v in weight_map.items()}
+            fnames = sorted({os.path.join(path, v) for v in weight_map.values()})
         else:
-            names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-            if not names:
+            fnames = [os.path.join(path, n) for n in sorted(os.listdir(path)) if n.endswith(".safetensors")]
+            if not fnames:
                 raise WeightsError(f"no safetensors weights in {path}")
-            files = {}
-            for n in names:
-                with safe_open(os.path.join(path, n), "pt") as f:
-                    for k in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                        files[k] = os.path.join(path, n)
-        self._files = files
-        self._handles: dict[str, object] = {}
-        self._open = safe_open
+        self._index: dict[str, tuple[str, torch.dtype, tuple[int, ...], int, int]] = {}
+        for fname in fnames:
+            header, base = _read_header(fname)
+            for k, info in header.items():
+                if os.path.exists(index) and os.path.join(path, weight_map.get(k, "")) != fname:
+                    continue  # the index names another shard for it
+                dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise WeightsError(f"{fname}: tensor {k} has dtype {info['dtype']}, which deltaserve does not read")
+                start, end = info["data_offsets"]
+                self._index[k] = (fname, dtype, tuple(info["shape"]), base + start, base + end)
+        if os.path.exists(index):
+            missing = sorted(set(weight_map) - set(self._index))
+            if missing:
+                raise WeightsError(f"{index} names tensors its shards do not hold: {', '.join(missing[:5])}")
+        self._fds: dict[str, int] = {}
         self.used: set[str] = set()
+        self.read_bytes = 0  # read so far
 
     def names(self) -> list[str]:
-        return list(self._files)
+        return list(self._index)
+
+    def nbytes(self, key: str) -> int:
+        _, _, _, start, end = self._index[key]
+        return end - start
 
     def get(self, key: str) -> torch.Tensor:
-        fname = self._files[key]
-        h = self._handles.get(fname)
-        if h is None:
-            h = self._handles[fname] = self._open(fname, "pt", device="cpu")
+        """The stored tensor, read into new memory (a tensor no one else references)."""
+        fname, dtype, shape, start, end = self._index[key]
+        n = end - start
+        out = torch.empty(n, dtype=torch.uint8)
+        fd = self._fds.get(fname)
+        if fd is None:
+            fd = self._fds[fname] = os.open(fname, os.O_RDONLY)
+        done = 0
+        while done < n:  # preadv reads at most ~2 GiB per call
+            buf = (ctypes.c_ubyte * (n - done)).from_address(out.data_ptr() + done)
+            got = os.preadv(fd, [buf], start + done)
+            if got <= 0:
+                raise WeightsError(f"{fname}: truncated at tensor {key} ({done} of {n} bytes read)")
+            done += got
         self.used.add(key)
-        return h.get_tensor(key)
+        self.read_bytes += n
+        t = out.view(dtype)
+        if math.prod(shape) != t.numel():
+            raise WeightsError(f"{fname}: tensor {key} holds {n} bytes, its shape {list(shape)} needs another size")
+        return t.reshape(shape)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+# bytes read between trims: each trim hands back the freed pages, which the next groups then fault in afresh
+# (a few us per 4 KiB page), so trimming after every layer costs load time; this bounds what the holes add to
+# the peak to about this much read (and its conversion copies)
+TRIM_EVERY = 512 << 20
+
+
+def _release_free_heap() -> None:
+    """Hand the heap the load freed (a layer's stored tensors and conversion copies) back to the OS, after each
+    group. The engine tunes glibc to keep allocations below 1 GiB on the heap and never to trim it
+    (runner/platform.py tune_allocator). Each layer's buffers then leave holes that the next layer's
+    differently sized ones do not fill, and the resident set grows with the model: 11.7 GB resident for a
+    7 GB model on the main thread. malloc_trim returns the free pages wherever they sit (every TRIM_EVERY
+    bytes read, and once at the end). A no-op off glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _text_key(key: str) -> str | None:
@@ -198,19 +279,9 @@ def _check_supported(hf: dict) -> None:
         raise ConfigError("attn_output_gate=false is not supported (Qwen3.5 / Qwen3-Next gate the attention output)")
 
 
-def _mtp_tensors(cfg: ModelConfig, model: HybridModel, keys: set[str], take: Take) -> dict[str, torch.Tensor]:
-    """The MTP layers' parameters (model.mtp, model/mtp.py) from mtp.*."""
-    sd = {"mtp.fc": take("mtp.fc.weight"), "mtp.norm": take("mtp.norm.weight"),
-          "mtp.pre_fc_norm_embedding": take("mtp.pre_fc_norm_embedding.weight"),
-          "mtp.pre_fc_norm_hidden": take("mtp.pre_fc_norm_hidden.weight")}
-    for i, layer in enumerate(model.mtp.layers):
-        sd.update(_layer_tensors(cfg, model, i, keys, take, f"mtp.layers.{i}.", f"mtp.layers.{i}.", layer))
-    return sd
-
-
 def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu",
                prepack: bool | None = None, dequantize: bool = False, quantize_head: str = "none",
-               mtp: bool = False) -> HybridModel:
+               mtp: bool = False, vision: bool = True) -> HybridModel:
     """A HybridModel from a model directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
 
     prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
@@ -220,6 +291,9 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     quantize_head: "none" | "fp8" (the head quantized to block-FP8 when packed: HybridModel.prepack_linears).
     mtp: load the multi-token-prediction layers too (model.mtp, model/mtp.py: speculative decoding); WeightsError
     where the model has none.
+    vision: load the vision encoder of a multimodal checkpoint (False: images are off, its tensors are skipped
+    unread and take no memory).
+    Weights are streamed (_load): nothing of the checkpoint's files stays mapped or referenced once it returns.
     Raises ConfigError (unsupported model type or feature) or WeightsError (missing / unknown / misshapen tensor).
     """
     cfg_path = os.path.join(path, "config.json")
@@ -238,9 +312,26 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
                            "config.json): speculative decoding with method mtp needs them")
     vc = VisionConfig.from_hf(hf)
     weights = _Weights(path)
+    try:
+        return _load(path, cfg, spec, tdtype, torch.device(device), weights, vc, prepack, dequantize, quantize_head,
+                     mtp, vision)
+    finally:
+        weights.close()
+
+
+def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.device, weights: _Weights,
+          vc: VisionConfig | None, prepack: bool | None, dequantize: bool, quantize_head: str, mtp: bool,
+          vision: bool) -> HybridModel:
+    """load_model's work, streamed: the model is built on the meta device, then each group of parameters (the
+    embedding, each layer, the head, the vision tower) is read, converted to the layout it runs in (fused,
+    fp8-kept or dequantized, packed) and placed, before the next group is read. What is held at once beyond the
+    placed model is one group's stored tensors and their converted copies (one layer's, or the embedding)."""
     vision_keys = {k[len(p):]: k for k in weights.names() for p in VISION_PREFIXES if k.startswith(p)}
     if vc is not None and not vision_keys:
         log.info("config.json has a vision_config but the checkpoint no vision tensors: serving text only")
+        vc = None
+    elif vc is not None and not vision:
+        log.info("images are off (--limit-mm-per-prompt image=0): the vision encoder is not loaded")
         vc = None
     with torch.device("meta"):
         model = HybridModel(cfg, tdtype, mtp=mtp)
@@ -261,6 +352,9 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
             continue
         by_text[_text_key(key)] = key
     text_keys = set(by_text)
+    if mtp and "mtp.fc.weight" not in by_text:
+        raise WeightsError(f"model {path} stores no mtp.* tensors (its config says {cfg.mtp_num_hidden_layers} "
+                           "MTP layer(s)): speculative decoding with method mtp needs them")
 
     def take(name: str) -> torch.Tensor:
         if name not in by_text:
@@ -269,62 +363,99 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
         return quant.fp8_take(by_text[name], weights.get(by_text[name]),
                               weights.get(by_text[scale]) if scale in by_text else None, spec, path)
 
-    sd: dict[str, torch.Tensor] = {"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")}
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # meta tensors: no memory
+    fp8 = None  # the compiled fp8 kernel, where the fp8 weights stay fp8
+    if spec is not None and not dequantize and tdtype == torch.bfloat16 and device.type == "cpu":
+        fp8 = quant.fp8_kernel()
+    if spec is not None:
+        log.info("block-FP8 weights: %s", "linears kept in fp8 for the compiled linear_fp8" if fp8 is not None
+                 else f"dequantized to {tdtype} at load")
+    placed: set[str] = set()
+
+    def place(sd: dict[str, object]) -> None:
+        """Check the group's shapes, convert its tensors to what the model runs (dtype, device; fp8 kept or
+        dequantized) and put them in the model; the caller drops sd, the last reference to what was read."""
+        quantized = {}
+        for name, t in sd.items():
+            want = expected.get(name)
+            if want is None or name in placed:
+                raise WeightsError(f"model {path}: tensor for {name}, which the model does not have or has twice")
+            if quant.shape_of(t) != want:
+                raise WeightsError(f"tensor for {name} has shape {quant.shape_of(t)}, config implies {want}")
+            if fp8 is None:
+                t = quant.dequantize(t, tdtype)
+            placed.add(name)
+            if not isinstance(t, torch.Tensor):
+                quantized[name] = t
+                continue
+            t = t.to(device=device, dtype=torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else tdtype)
+            prefix, _, attr = name.rpartition(".")
+            module = model.get_submodule(prefix) if prefix else model
+            module._parameters[attr] = torch.nn.Parameter(t.contiguous(), requires_grad=False)
+        quant.install(model, quantized)
+
+    place({"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")})
+    model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
+    if quantize_head != "none" and (prepack is False or tdtype != torch.bfloat16 or model.device.type != "cpu"):
+        raise ConfigError(f"--quantize-head {quantize_head} needs bf16 weights on the CPU, packed (this model: "
+                          f"{tdtype} on {model.device.type})".replace("torch.", ""))
+    packing = model.packing(quantize_head, quantized=fp8 is not None) if prepack is not False else None
+
+    trimmed = [0]  # weights.read_bytes at the last trim
+
+    def pack(root: torch.nn.Module) -> None:
+        if packing is not None:
+            for module in root.modules():
+                model.pack_module(module, packing)
+        if weights.read_bytes - trimmed[0] >= TRIM_EVERY:  # the groups' freed buffers, off the resident set
+            _release_free_heap()
+            trimmed[0] = weights.read_bytes
+
+    for i in range(cfg.num_hidden_layers):  # one layer read, converted, packed at a time
+        place(_layer_tensors(cfg, model, i, text_keys, take))
+        pack(model.layers[i])
     if cfg.tie_word_embeddings:
         if "lm_head.weight" in by_text:
             weights.used.add(by_text["lm_head.weight"])
             log.info("tie_word_embeddings: ignoring the model's lm_head.weight (the embedding is the head)")
     else:
-        sd["lm_head"] = take("lm_head.weight")
-    for i in range(cfg.num_hidden_layers):
-        sd.update(_layer_tensors(cfg, model, i, text_keys, take))
+        place({"lm_head": take("lm_head.weight")})
     if mtp:
-        if "mtp.fc.weight" not in by_text:
-            raise WeightsError(f"model {path} stores no mtp.* tensors (its config says {cfg.mtp_num_hidden_layers} "
-                               "MTP layer(s)): speculative decoding with method mtp needs them")
-        sd.update(_mtp_tensors(cfg, model, text_keys, take))
+        place({"mtp.fc": take("mtp.fc.weight"), "mtp.norm": take("mtp.norm.weight"),
+               "mtp.pre_fc_norm_embedding": take("mtp.pre_fc_norm_embedding.weight"),
+               "mtp.pre_fc_norm_hidden": take("mtp.pre_fc_norm_hidden.weight")})
+        for i, layer in enumerate(model.mtp.layers):
+            place(_layer_tensors(cfg, model, i, text_keys, take, f"mtp.layers.{i}.", f"mtp.layers.{i}.", layer))
+        pack(model.mtp)
     if vc is not None:  # the encoder's names are the checkpoint's under model.visual.
-        want = {k[len("visual."):] for k in model.state_dict() if k.startswith("visual.")}
+        want = {k[len("visual."):] for k in expected if k.startswith("visual.")}
         missing, extra = sorted(want - set(vision_keys)), sorted(set(vision_keys) - want)
         if missing or extra:
             raise WeightsError(f"model {path}: vision tensors missing {missing[:5]}, unknown {extra[:5]}")
         for k, stored in vision_keys.items():
-            sd["visual." + k] = weights.get(stored)
+            place({"visual." + k: weights.get(stored)})
+        pack(model.visual)
         log.info("loaded the vision encoder: %d tensors (model.visual.*), %d blocks", len(vision_keys), vc.depth)
 
     unknown = sorted(by_text[k] for k in text_keys if by_text[k] not in weights.used)
     if unknown:
         more = f" (and {len(unknown) - 10} more)" if len(unknown) > 10 else ""
         raise WeightsError(f"model {path} has tensors deltaserve does not know: {', '.join(unknown[:10])}{more}")
+    unplaced = sorted(set(expected) - placed)
+    if unplaced:  # load_state_dict(strict=True)'s check, for the groups placed one by one
+        raise WeightsError(f"model {path}: no tensor for {', '.join(unplaced[:10])}")
     if skipped["vision"]:
         log.info("skipped %d vision tensors (model.visual.*): deltaserve serves the text model", skipped["vision"])
     if skipped["mtp"]:
         log.info("skipped %d multi-token-prediction tensors (mtp.*): not used", skipped["mtp"])
 
-    expected = {k: v for k, v in model.state_dict().items()}
-    fp8 = None  # the compiled fp8 kernel, where the fp8 weights stay fp8
-    if spec is not None and not dequantize and tdtype == torch.bfloat16 and torch.device(device).type == "cpu":
-        fp8 = quant.fp8_kernel()
-    for name, t in sd.items():
-        want = expected[name]
-        if quant.shape_of(t) != tuple(want.shape):
-            raise WeightsError(f"tensor for {name} has shape {quant.shape_of(t)}, config implies {tuple(want.shape)}")
-        if fp8 is None:
-            t = quant.dequantize(t, tdtype)
-        if isinstance(t, torch.Tensor):
-            sd[name] = t.to(torch.float32 if name.rsplit(".", 1)[-1] in FP32_PARAMS else tdtype).contiguous()
-    if spec is not None:
-        log.info("block-FP8 weights: %s", "linears kept in fp8 for the compiled linear_fp8" if fp8 is not None
-                 else f"dequantized to {tdtype} at load")
-    quant.install(model, {n: t for n, t in sd.items() if not isinstance(t, torch.Tensor)})
-    model.load_state_dict({n: t for n, t in sd.items() if isinstance(t, torch.Tensor)}, strict=True, assign=True)
     model.eval()
-    model = model.to(device)
-    model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
-    if quantize_head != "none" and (prepack is False or tdtype != torch.bfloat16 or model.device.type != "cpu"):
-        raise ConfigError(f"--quantize-head {quantize_head} needs bf16 weights on the CPU, packed (this model: "
-                          f"{dtype} on {model.device.type})")
-    if prepack is not False and model.prepack_linears(quantize_head):
+    model = model.to(device)  # the buffers (the weights are on it already)
+    _release_free_heap()
+    if packing is not None:
+        pack(model)  # anything a group above left unpacked (none today): the state prepack_linears leaves
+        model.pack_head(packing, quantize_head)
+        _release_free_heap()
         log.info("bf16 projections and head packed for %s", f"the compiled linear_bf16 ({model.decode_kernels.isa})"
                  if model.linear_kind == "cpp" else "oneDNN" if model.linear_kind == "onednn" else "F.linear")
     if fused.decode_program(model) is not None:  # built now, not in the first decode step

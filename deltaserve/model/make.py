@@ -12,13 +12,14 @@ Initialisation: uniform with std 0.02 for projections and embeddings; conv weigh
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
 import os
+import struct
 
 import torch
-from safetensors.torch import save_file
 
 from ..config import MULTIMODAL_MODEL_TYPES, ModelConfig, VisionConfig
 from ..presets import MEDIA_KEYS
@@ -113,11 +114,15 @@ def _mtp_specs(cfg: ModelConfig, prefix: str) -> list[tuple[str, tuple[int, ...]
 
 def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """The tensors (Hugging Face names, config dtype; A_log / dt_bias float32) of a random model."""
+    return dict(_random_tensors(hf_config, seed))
+
+
+def _random_tensors(hf_config: dict, seed: int = 0):
+    """random_state_dict's tensors one at a time, in their order (the generator's): (name, tensor)."""
     cfg = ModelConfig.from_hf(hf_config)
     dtype = torch_dtype(cfg.dtype)
     prefix = "model.language_model." if hf_config.get("model_type") in MULTIMODAL_MODEL_TYPES else "model."
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    sd: dict[str, torch.Tensor] = {}
     for name, shape, init in _specs(cfg, prefix):
         if init == "normal":
             t = _uniform(gen, shape, STD * math.sqrt(3.0), dtype)
@@ -133,31 +138,44 @@ def random_state_dict(hf_config: dict, seed: int = 0) -> dict[str, torch.Tensor]
             t = torch.tensor([-2.25 - ((h * 5) % 38) / 8.0 for h in range(shape[0])], dtype=torch.float32)
         else:  # pragma: no cover
             raise AssertionError(init)
-        sd[name] = t.contiguous()
+        yield name, t.contiguous()
     vc = VisionConfig.from_hf(hf_config)
     if vc is not None:  # drawn after the text model's tensors: those stay what they were without a vision tower
-        sd.update(_vision_tensors(vc, gen, dtype))
-    return sd
+        yield from _vision_tensors(vc, gen, dtype)
 
 
-def _vision_tensors(vc: VisionConfig, gen: torch.Generator, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """model.visual.* of a random vision encoder: LayerNorms neutral (1, 0), biases 0, matrices with std
-    1/sqrt(fan in) (activations keep their scale through the blocks), the position table std 0.02 and the
-    merger's last projection scaled so an image token's embedding is the size of a text token's (std 0.02)."""
+def _tensor_layout(hf_config: dict) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(name, shape, dtype) of each tensor _random_tensors yields, in its order, without drawing any."""
+    cfg = ModelConfig.from_hf(hf_config)
+    dtype = torch_dtype(cfg.dtype)
+    prefix = "model.language_model." if hf_config.get("model_type") in MULTIMODAL_MODEL_TYPES else "model."
+    out = [(name, shape, torch.float32 if init in ("A_log", "dt_bias") else dtype)
+           for name, shape, init in _specs(cfg, prefix)]
+    vc = VisionConfig.from_hf(hf_config)
+    if vc is not None:
+        out += [("model.visual." + k, shape, dtype) for k, shape in _vision_shapes(vc).items()]
+    return out
+
+
+def _vision_shapes(vc: VisionConfig) -> dict[str, tuple[int, ...]]:
     from .vision import VisionModel
 
     with torch.device("meta"):
-        shapes = {k: tuple(v.shape) for k, v in VisionModel(vc).state_dict().items()}
-    out = {}
-    for k, shape in shapes.items():
+        return {k: tuple(v.shape) for k, v in VisionModel(vc).state_dict().items()}
+
+
+def _vision_tensors(vc: VisionConfig, gen: torch.Generator, dtype: torch.dtype):
+    """model.visual.* of a random vision encoder: LayerNorms neutral (1, 0), biases 0, matrices with std
+    1/sqrt(fan in) (activations keep their scale through the blocks), the position table std 0.02 and the
+    merger's last projection scaled so an image token's embedding is the size of a text token's (std 0.02)."""
+    for k, shape in _vision_shapes(vc).items():
         if len(shape) == 1:
             t = torch.ones(shape, dtype=dtype) if "norm" in k and k.endswith("weight") else torch.zeros(shape, dtype=dtype)
         else:
             fan_in = math.prod(shape[1:])
             std = 0.02 if k.startswith("pos_embed") else (0.04 if k.startswith("merger.linear_fc2") else 1.0) / math.sqrt(fan_in)
             t = _uniform(gen, shape, std * math.sqrt(3.0), dtype)
-        out["model.visual." + k] = t.contiguous()
-    return out
+        yield "model.visual." + k, t.contiguous()
 
 
 # the linears Qwen's -FP8 models quantize (by the last part of the module name); the rest stays in the
@@ -168,6 +186,34 @@ FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z
 QUANTIZE = ("fp8",)
 
 
+def _fp8_module(name: str, shape: tuple[int, ...]) -> str | None:
+    """The module whose weight `name` block-FP8 quantizes (None: the tensor stays as it is)."""
+    module, _, leaf = name.rpartition(".")
+    return module if leaf == "weight" and len(shape) == 2 and module.rsplit(".", 1)[-1] in FP8_LINEARS else None
+
+
+def _not_converted(names: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+    """modules_to_not_convert for a model of these (name, shape) tensors: every other linear module (as
+    transformers matches them), the vision tower (model.visual) as a whole."""
+    keep: list[str] = ["lm_head"]
+    for name, shape in names:
+        module, _, leaf = name.rpartition(".")
+        kind = module.rsplit(".", 1)[-1]
+        if _fp8_module(name, shape) is not None:
+            continue
+        if name.startswith("model.visual.") and "model.visual" not in keep:  # the vision tower stays unquantized
+            keep.append("model.visual")
+        elif leaf == "weight" and len(shape) == 2 and kind in ("in_proj_a", "in_proj_b", "in_proj_ba", "gate",
+                                                              "shared_expert_gate", "embed_tokens"):
+            keep.append(module)
+    return keep
+
+
+def _fp8_config(keep: list[str]) -> dict:
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+            "modules_to_not_convert": keep}
+
+
 def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
     """Block-FP8 (ops/fp8.py quantize_fp8) of every FP8_LINEARS weight of the text model: X.weight becomes
     float8_e4m3fn codes beside X.weight_scale_inv (fp32, one per 128 x 128 block). Returns the tensors and the
@@ -175,24 +221,43 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     them), the vision tower (model.visual) as a whole."""
 
     out: dict[str, torch.Tensor] = {}
-    keep: list[str] = ["lm_head"]
     for name, t in sd.items():
-        module, _, leaf = name.rpartition(".")
-        kind = module.rsplit(".", 1)[-1]
-        if leaf == "weight" and t.dim() == 2 and kind in FP8_LINEARS:
+        module = _fp8_module(name, tuple(t.shape))
+        if module is not None:
             out[name], out[module + ".weight_scale_inv"] = quantize_fp8(t)
-            continue
-        out[name] = t
-        if name.startswith("model.visual.") and "model.visual" not in keep:  # the vision tower stays unquantized
-            keep.append("model.visual")
-        elif leaf == "weight" and t.dim() == 2 and kind in ("in_proj_a", "in_proj_b", "in_proj_ba", "gate",
-                                                          "shared_expert_gate", "embed_tokens"):
-            keep.append(module)
-    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
-          "modules_to_not_convert": keep}
-    return out, qc
+        else:
+            out[name] = t
+    return out, _fp8_config(_not_converted([(n, tuple(t.shape)) for n, t in sd.items()]))
 
 
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+
+
+def _write_safetensors(path: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]], tensors,
+                       metadata: dict[str, str]) -> None:
+    """A safetensors file of the tensors `layout` announces ((name, shape, dtype), in order), drawn from the
+    iterable `tensors` ((name, tensor) in the same order) and written as each comes: what is held at once is one
+    tensor, not the model."""
+    header: dict[str, object] = {"__metadata__": metadata}
+    offset = 0
+    for name, shape, dtype in layout:
+        n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path + ".partial"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        it = iter(tensors)
+        for name, shape, dtype in layout:
+            got, t = next(it)
+            if got != name or tuple(t.shape) != tuple(shape) or t.dtype != dtype:  # pragma: no cover - a bug here
+                raise AssertionError(f"{got} {tuple(t.shape)} {t.dtype} where the header has {name} {shape} {dtype}")
+            t = t.contiguous()
+            if t.numel():
+                f.write((ctypes.c_ubyte * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+    os.replace(tmp, path)
 
 
 def multimodal_form(cfg: dict) -> dict:
@@ -223,11 +288,34 @@ def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: st
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
     config = multimodal_form(dict(hf_config))
     config.setdefault("dtype", "bfloat16")
-    sd = random_state_dict(config, seed)
+    layout = _tensor_layout(config)
+    tensors = _random_tensors(config, seed)
     if quantize == "fp8":
-        sd, config["quantization_config"] = quantize_state_dict(sd)
+        config["quantization_config"] = _fp8_config(_not_converted([(n, s) for n, s, _ in layout]))
+        quantized = []
+        for name, shape, dtype in layout:
+            module = _fp8_module(name, shape)
+            if module is None:
+                quantized.append((name, shape, dtype))
+            else:
+                quantized += [(name, shape, torch.float8_e4m3fn),
+                              (module + ".weight_scale_inv", (-(-shape[0] // 128), -(-shape[1] // 128)), torch.float32)]
+        layout, tensors = quantized, _quantized(tensors)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
         f.write("\n")
-    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    # streamed, one tensor at a time: a model larger than half the machine's memory can be made
+    _write_safetensors(os.path.join(out_dir, "model.safetensors"), layout, tensors, {"format": "pt"})
+
+
+def _quantized(tensors):
+    """quantize_state_dict's rule on a stream of (name, tensor)."""
+    for name, t in tensors:
+        module = _fp8_module(name, tuple(t.shape))
+        if module is None:
+            yield name, t
+        else:
+            q, scale = quantize_fp8(t)
+            yield name, q
+            yield module + ".weight_scale_inv", scale

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,15 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
         return TORCH_DTYPES[str(name).replace("torch.", "")]
     except KeyError:
         raise ConfigError(f"unsupported dtype {name!r}; use one of {', '.join(TORCH_DTYPES)}") from None
+
+
+class Packing(NamedTuple):
+    """How a model's weights are packed (HybridModel.packing): the compiled bf16 linear's module (None:
+    oneDNN's layout), the compiled fp8 linear's (None: no fp8 weights) and its path."""
+
+    ext: object
+    fp8_ext: object
+    fp8_path: str
 
 
 def _consecutive(xs: list[int]) -> tuple[int, int] | None:
@@ -204,6 +214,29 @@ class HybridModel(nn.Module):
         w = self.packed_head if self.packed_head is not None else (self.embed_tokens if self.tied else self.lm_head)
         return linear(hidden, w).float()
 
+    def held_weight_bytes(self) -> dict[str, int]:
+        """Bytes of weights the model holds as it runs them (packed, fp8 codes and scales, the head's packed copy
+        beside a tied embedding): {"text": ..., "head": the packed head, "vision": the encoder, "mtp": ...,
+        "total": their sum}. What the start-up screen reports and tests hold `deltaserve plan`'s figure to."""
+        from .ops.fp8 import weight_nbytes
+
+        def held(root: nn.Module | None) -> int:
+            if root is None:
+                return 0
+            total = 0
+            for module in root.modules():
+                total += sum(p.numel() * p.element_size() for p in module._parameters.values() if p is not None)
+                for name in getattr(module, "PACKABLE", ()):
+                    w = module.__dict__.get(name)  # packed or quantized: off the parameters
+                    for x in (w if isinstance(w, list) else [w] if w is not None else []):
+                        total += weight_nbytes(x)
+            return total
+
+        vision, mtp = held(self.visual), held(self.mtp)
+        head = weight_nbytes(self.packed_head) if self.packed_head is not None else 0
+        text = held(self) - vision - mtp
+        return {"text": text, "head": head, "vision": vision, "mtp": mtp, "total": text + head + vision + mtp}
+
     packed_head: PackedWeight | Fp8Weight | None = None  # the head as compute_logits multiplies it
     linear_kind: str | None = None  # "cpp" | "onednn" once prepack_linears packed, else None (F.linear)
     decode_kernels: DecodeKernels | None = None  # chosen once, on first use or by select_decode_kernels()
@@ -227,27 +260,52 @@ class HybridModel(nn.Module):
         quantize_head "fp8": the head is quantized to block-FP8 (ops/fp8.py quantize_fp8, the rule a -FP8
         model's linears were made by) and multiplied by the compiled linear_fp8; a tied embedding stays bf16
         for the lookups beside it. ConfigError where there is no compiled fp8 kernel."""
-        if self.packed_head is not None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
+        packing = self.packing(quantize_head)
+        if packing is None:
             return False
+        for module in self.modules():
+            self.pack_module(module, packing)
+        self.pack_head(packing, quantize_head)
+        return True
+
+    def packing(self, quantize_head: str = "none", quantized: bool | None = None) -> Packing | None:
+        """How prepack_linears packs this model (the kernels' modules and the fp8 path), or None where packing
+        does not apply (not bf16 on a CPU, the head packed already, no packed linear on this machine).
+        quantized: whether the model holds block-FP8 weights (None: look at the weights it holds now; the
+        streaming loader says so before any are placed). ConfigError as prepack_linears."""
+        if self.packed_head is not None or self.dtype != torch.bfloat16 or self.device.type != "cpu":
+            return None
         kernels = self.decode_kernels or self.select_decode_kernels()
         ext = kernels.ext if kernels.compiled and kernels.ext.bf16_linear_available() else None
         if ext is None and not can_prepack(self.dtype, self.device):
             if quantize_head != "none":
                 raise ConfigError(f"--quantize-head {quantize_head}: no compiled linear on this machine")
-            return False  # neither the compiled linear (any instruction set) nor oneDNN's bf16
+            return None  # neither the compiled linear (any instruction set) nor oneDNN's bf16
+        if quantized is None:
+            quantized = bool(quant.quantized_bytes(self))
         # block-FP8 weights the loader kept: the fp8 build of the decode kernels' instruction set
-        fp8_ext = fp8_kernel(kernels.isa) if quant.quantized_bytes(self) or quantize_head == "fp8" else None
+        fp8_ext = fp8_kernel(kernels.isa) if quantized or quantize_head == "fp8" else None
         if quantize_head == "fp8" and fp8_ext is None:
             raise ConfigError("--quantize-head fp8: this machine has no compiled fp8 linear (see the warning above)")
         fp8_path = path_for(fp8_ext, kernels.isa) if fp8_ext is not None else ""  # amx: AMX tiles for fp8 too
-        for module in self.modules():
-            names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
-            if names:
-                prepack(module, names, ext)
-            if fp8_ext is not None:
-                quant.pack(module, fp8_ext, ext, fp8_path)
         if fp8_ext is not None:
             log.info("fp8 linear: path %s", fp8_path or fp8_ext.fp8_paths()[0])
+        return Packing(ext, fp8_ext, fp8_path)
+
+    @staticmethod
+    def pack_module(module: nn.Module, packing: Packing) -> None:
+        """Pack module's own PACKABLE weights (not its children's) as `packing` says; the unpacked weights are
+        dropped. Idempotent: what is packed already stays as it is."""
+        names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
+        if names:
+            prepack(module, names, packing.ext)
+        if packing.fp8_ext is not None:
+            quant.pack(module, packing.fp8_ext, packing.ext, packing.fp8_path)
+
+    def pack_head(self, packing: Packing, quantize_head: str = "none") -> None:
+        """Pack the head (an untied lm_head leaves the parameters; a tied one stays the embedding beside its
+        packed copy), or quantize it to block-FP8 (quantize_head "fp8")."""
+        ext, fp8_ext, fp8_path = packing
         head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
         if quantize_head != "fp8":
             self.packed_head = PackedWeight(head, ext)
@@ -261,4 +319,3 @@ class HybridModel(nn.Module):
             self.packed_head.pack(fp8_ext, fp8_path)
             log.info("LM head quantized to block-FP8 (%s MB, was %s MB in bf16)",
                      f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
-        return True

@@ -54,7 +54,7 @@ def load_shard(path: str, dtype: str, device: torch.device, tp: int, rank: int, 
     sliced (sharding.py), moved to device, connected to the group, its kernels chosen and bf16 weights packed."""
 
     # a block-FP8 model is sharded as its dequantized weights (docs/fp8.md): fp8 weights are not sharded yet
-    full = load_model(path, dtype=dtype, device="cpu", prepack=False, dequantize=True)
+    full = load_model(path, dtype=dtype, device="cpu", prepack=False, dequantize=True, vision=False)
     # the ranks serve text: a multimodal checkpoint's vision encoder (visual.*) is not sharded (docs/images.md)
     sd = {k: v for k, v in full.state_dict().items() if not k.startswith("visual.")}
     model = build_sharded(sd, full.config, full.dtype, tp, rank, device)

@@ -38,7 +38,8 @@ def select_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _available_bytes(device: torch.device) -> int:
+def available_bytes(device: torch.device) -> int:
+    """Memory free for this process now: the device's, or the machine's MemAvailable on a CPU."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
@@ -52,7 +53,7 @@ def _available_bytes(device: torch.device) -> int:
 def default_kv_budget(device: torch.device, utilization: float, model: torch.nn.Module) -> int:
     """--memory-utilization of the memory still free after loading the weights (capped at 2 GiB on CPU,
     where the pool is zeroed page by page and shares RAM with everything else)."""
-    budget = int(_available_bytes(device) * utilization)
+    budget = int(available_bytes(device) * utilization)
     if device.type == "cpu":
         budget = min(budget, 2 << 30)
     return budget

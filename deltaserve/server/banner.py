@@ -4,8 +4,9 @@ point each client.
     print(startup_screen(engine, host, port, served_name, api_key))
 
 One block of plain text, no log prefixes: the model and where it came from, dtype and quantization, the
-instruction set of the compiled kernels and why it was chosen, the cache layout and pool, the context and
-the largest request that fits, the endpoints, and one line per agent client (Claude Code, Codex CLI, Qwen
+instruction set of the compiled kernels and why it was chosen, the cache layout and pool, what the process
+holds (weights as run, pool, GDN slots, everything else; resident and peak), the context and the largest
+request that fits, the endpoints, and one line per agent client (Claude Code, Codex CLI, Qwen
 Code, opencode) and SDK. The lines for the clients are the settings the agent benchmark runs them with
 (bench/clis/clients.py), as one shell line each. An API key is shown as $KEY, never printed.
 """
@@ -79,6 +80,38 @@ def _model_source(eng: Any) -> str:
     return f"Hugging Face Hub, revision {eng.config.revision or 'main'} ({eng.model_path})"
 
 
+def _process_memory() -> dict[str, int]:
+    """This process's resident (VmRSS) and peak resident (VmHWM) bytes; {} where /proc does not say."""
+    try:
+        with open("/proc/self/status") as f:
+            lines = dict(line.split(":", 1) for line in f if ":" in line)
+        return {k: int(lines[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM")}
+    except (OSError, KeyError, ValueError):
+        return {}
+
+
+def memory_line(eng: Any) -> str:
+    """What the process holds: the weights as run, the pool (KV pages, GDN slots) and everything else (the
+    interpreter, torch, kernels, tokenizer, server: resident less the two), with the resident and peak figures
+    `deltaserve plan` predicts (tools/planner.py RUNTIME_BYTES is the everything else it assumes)."""
+    pool = eng.pool
+    held = getattr(getattr(eng, "model", None), "held_weight_bytes", None)  # a tensor-parallel model: not counted
+    weights = held() if held is not None else None
+    slots = pool.num_slots * getattr(pool, "slot_bytes", 0)
+    pages = pool.total_bytes - slots
+    gb = lambda n: f"{n / 1e9:,.2f} GB" if n >= 10**9 else f"{n / 1e6:,.1f} MB"  # noqa: E731
+    parts = []
+    if weights is not None:
+        extra = [f"{k} {gb(weights[k])}" for k in ("head", "vision", "mtp") if weights[k]]
+        parts.append(f"weights {gb(weights['total'])} as run" + (f" ({', '.join(extra)})" if extra else ""))
+    parts.append(f"pool {gb(pool.total_bytes)} (KV pages {gb(pages)}, GDN slots {gb(slots)})")
+    mem = _process_memory()
+    if mem:
+        rest = mem["VmRSS"] - pool.total_bytes - (weights["total"] if weights is not None else 0)
+        parts.append(f"everything else {gb(max(rest, 0))}; resident {gb(mem['VmRSS'])}, peak {gb(mem['VmHWM'])}")
+    return ", ".join(parts)
+
+
 def startup_screen(eng: Any, host: str, port: int, served_name: str, api_key: str | None = None) -> str:
     """The ready screen of a loaded LLMEngine served on host:port under served_name."""
     pool, mc = eng.pool, eng.model_config
@@ -96,6 +129,7 @@ def startup_screen(eng: Any, host: str, port: int, served_name: str, api_key: st
         ("cache", f"layout {eng.config.cache_layout}, {pool.num_pages:,} pages of {eng.block_size} tokens "
                   f"= {pool.pool_tokens:,} tokens + {pool.num_slots} GDN slots ({pool.total_bytes / 2**20:,.0f} MiB); "
                   f"prefix caching {'on' if eng.config.enable_prefix_caching else 'off'}"),
+        ("memory", memory_line(eng)),
         ("context", f"{eng.max_model_len:,} tokens per request ({limit}); the largest request the pool fits "
                     f"alone: {largest:,} tokens; up to {eng.config.max_num_seqs} at once"),
     ]

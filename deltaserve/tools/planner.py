@@ -14,13 +14,13 @@ import dataclasses
 import glob
 import json
 import os
-import struct
 import sys
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import (ENGINE_DEFAULTS, ENGINE_FLAGS, ConfigError, ModelConfig, VisionConfig, VisionConfigIncomplete,
-                      parse_bytes, parse_count)
+from ..config import (DEFAULT_MM_LIMITS, ENGINE_DEFAULTS, ENGINE_FLAGS, QUANTIZE_HEAD_CHOICES, ConfigError, ModelConfig,
+                      VisionConfig, VisionConfigIncomplete, parse_bytes, parse_count, parse_mm_limits)
+from ..memory import resident as R
 from ..memory import sizing as S
 from ..memory.layouts import REPORT_LAYOUTS
 from ..presets import is_preset, load_preset, preset_names, preset_source
@@ -85,16 +85,7 @@ def _config_quantization(src: ModelSource) -> str | None:
     return "fp8" if qc.get("quant_method") == "fp8" else None
 
 
-def safetensors_header(path: str) -> dict[str, Any]:
-    """The JSON header of one .safetensors file (tensor name -> dtype, shape, data_offsets)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ConfigError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise ConfigError(f"{path}: implausible safetensors header length {n}")
-        return json.loads(f.read(n))
+safetensors_header = R.safetensors_header  # the one header reader (memory/resident.py)
 
 
 @dataclass(frozen=True)
@@ -139,6 +130,48 @@ def weights_per_rank(total: int, m: ModelConfig, tp: int, dtype_bytes: int) -> i
     return S.cdiv(max(rest, 0), tp) + embed + S.cdiv(m.vocab_size, tp) * m.hidden_size * dtype_bytes
 
 
+# ---------------------------------------------------------------- deltaserve serve's resident memory
+
+HOST_HEADROOM = 0.10  # of --host-memory, left to the OS and everything else on the machine
+
+
+def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, stored: WeightBytes) -> WeightBytes:
+    """The weights as `deltaserve serve` holds them on a CPU (memory/resident.py weights_as_run, from the
+    safetensors headers; HybridModel.held_weight_bytes measures the same): the vision encoder only while images
+    are on (--limit-mm-per-prompt), the MTP layers only with speculative tokens, a tied head's packed copy (bf16)
+    or the head in block-FP8 (--quantize-head fp8). Without headers (a preset, a config, --weight-bytes,
+    --num-params): the stored-weight estimate with the same head and vision terms."""
+    m = src.config
+    images = dict(inputs.limit_mm_per_prompt).get("image", 0) > 0
+    total = None
+    if src.model_dir is not None and inputs.weight_bytes is None and inputs.num_params is None:
+        total = R.weights_as_run(src.model_dir, m, model_dtype, images=images, mtp=inputs.num_speculative_tokens > 0,
+                                 quantize_head=inputs.quantize_head)
+    how = [f"safetensors headers in {src.model_dir}"] if total is not None else ["the stored-weight estimate"]
+    if total is None:
+        total = stored.bytes + R.head_extra(m, model_dtype, inputs.quantize_head)
+        if not images and src.vision is not None:
+            total -= src.vision.num_params() * S.dtype_bytes(model_dtype)
+    if inputs.quantize_head == "fp8":
+        how.append("the head in block-FP8 (--quantize-head fp8)")
+    elif model_dtype == "bfloat16" and m.tie_word_embeddings:
+        how.append("the tied head's packed copy")
+    if src.vision is not None:
+        how.append("vision encoder " + ("included" if images else "not loaded (images off)"))
+    return WeightBytes(int(total), "; ".join(how))
+
+
+def _serve_report(weights: WeightBytes, budget: int | None, inputs: PlanInputs, warnings: list[str]) -> dict:
+    """The plan's "serve" key: what a `deltaserve serve` process holds resident (one rank, a CPU)."""
+    resident = None if budget is None else weights.bytes + budget + R.RUNTIME_BYTES
+    if resident is not None and inputs.host_memory is not None and resident > inputs.host_memory:
+        warnings.append(f"deltaserve serve would hold {resident:,} B resident, more than --host-memory "
+                        f"{int(inputs.host_memory):,}")
+    return {"weight_bytes": weights.bytes, "weight_source": weights.source, "pool_bytes": budget,
+            "runtime_bytes": R.RUNTIME_BYTES, "resident_bytes": resident,
+            "host_memory": None if inputs.host_memory is None else int(inputs.host_memory)}
+
+
 # ---------------------------------------------------------------- the plan
 
 @dataclass(frozen=True)
@@ -176,6 +209,10 @@ class PlanInputs:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     layout: str = ENGINE_DEFAULTS["cache_layout"]
+    # deltaserve serve on a CPU: the machine's memory, whether images are on, how the head is held
+    host_memory: int | None = None
+    limit_mm_per_prompt: tuple = DEFAULT_MM_LIMITS
+    quantize_head: str = "none"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> PlanInputs:
@@ -219,7 +256,8 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
         from_config = params is not None and inputs.num_params is None  # else safetensors or a flag's figure
         warnings.append(f"{src.vision_unknown}: the text model is planned, the vision encoder's size is unknown"
                         + (" and left out of the weight bytes" if from_config else ""))
-    budget, budget_source = _budget(inputs, weight_per_rank, warnings)
+    serve_weights = serve_weight_bytes(src, inputs, shape.dtypes.model, weights)
+    budget, budget_source = _budget(inputs, weight_per_rank, warnings, serve_weights.bytes)
     pools = _layout_pools(shape, budget, inputs)
     warnings += _sizing_warnings(m, inputs, shape, budget, pools)
     return {
@@ -233,6 +271,7 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
         "max_model_len": inputs.max_model_len, "max_num_seqs": inputs.max_num_seqs,
         "num_slots": inputs.max_num_seqs, "slot_bytes": shape.geometry.gdn_state_bytes_per_seq,
         "layout": inputs.layout, **pools,
+        "serve": _serve_report(serve_weights, budget, inputs, warnings),
         "warnings": warnings,
     }
 
@@ -328,13 +367,24 @@ def _count_weights(src: ModelSource, inputs: PlanInputs,
     return weights, params, quant
 
 
-def _budget(inputs: PlanInputs, weight_per_rank: int, warnings: list[str]) -> tuple[int | None, str | None]:
+def _budget(inputs: PlanInputs, weight_per_rank: int, warnings: list[str],
+            serve_weights: int = 0) -> tuple[int | None, str | None]:
     """(the cache budget per rank, where it came from); None when neither --budget nor --device-memory is
     given. Appends the warnings the budget raises."""
     if inputs.budget_bytes is not None:
         return int(inputs.budget_bytes), "--budget"
+    if inputs.device_memory is None and inputs.host_memory is not None:
+        host = int(inputs.host_memory)
+        budget = int(host * (1 - HOST_HEADROOM)) - serve_weights - R.RUNTIME_BYTES
+        source = (f"--host-memory {host:,} less {HOST_HEADROOM:.0%} headroom - weights as run {serve_weights:,} "
+                  f"- runtime {R.RUNTIME_BYTES:,}")
+        if budget <= 0:
+            warnings.append(f"the weights as run ({serve_weights:,} B) and the runtime ({R.RUNTIME_BYTES:,} B) leave no "
+                            f"room for the cache in --host-memory {host:,}")
+            budget = 0
+        return budget, source
     if inputs.device_memory is None:
-        warnings.append("no --budget or --device-memory given: pool sizes are not computed")
+        warnings.append("no --budget or --device-memory given (nor --host-memory): pool sizes are not computed")
         return None, None
     memory, util, reserve = inputs.device_memory, inputs.gpu_memory_utilization, int(inputs.reserve_bytes)
     budget = int(memory * util) - weight_per_rank - reserve
@@ -514,6 +564,14 @@ def format_table(r: dict[str, Any]) -> str:
             extra = (f", {pg['in-page'] / pg['per-block-group']:.2f}x per-block-group"
                      if pg.get("per-block-group") else "")
             out.append(f"  in-page holds {r['pool_ratio_in_page_to_per_block']:.2f}x the per-block pool{extra}")
+    sv = r["serve"]
+    out.append("")
+    row("weights as run", f"{sv['weight_bytes']:,} B ({_mib(sv['weight_bytes'])}): deltaserve serve on a CPU; "
+                          f"{sv['weight_source']}")
+    if sv["resident_bytes"] is not None:
+        row("resident", f"{sv['resident_bytes']:,} B ({_mib(sv['resident_bytes'])}) = weights as run + pool "
+                        f"{sv['pool_bytes']:,} + runtime {sv['runtime_bytes']:,}"
+                        + (f" (of --host-memory {_mib(sv['host_memory'])})" if sv["host_memory"] else ""))
     if r["warnings"]:
         out.append("")
         out.append("warnings:")
@@ -569,6 +627,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "1 B + scales); default: the config.json's quantization_config")
     ap.add_argument("--reserve", type=parse_bytes, default=0,
                     help="bytes for activations, graphs and other runtime reserves (not modeled; default 0)")
+    ap.add_argument("--host-memory", type=parse_bytes, default=None,
+                    help="the machine's memory, for deltaserve serve on a CPU: the pool is what is left after "
+                         f"{HOST_HEADROOM:.0%} headroom, the weights as run and the runtime; resident is checked "
+                         "against it")
+    ap.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default=DEFAULT_MM_LIMITS, metavar="JSON",
+                    help="as the engine's flag: '{\"image\": 0}' leaves the vision encoder out of the weights as run")
+    ap.add_argument("--quantize-head", choices=QUANTIZE_HEAD_CHOICES, default="none",
+                    help="as the engine's flag: the head as run (fp8: block-FP8)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     return ap
 

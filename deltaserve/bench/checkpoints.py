@@ -1,0 +1,60 @@
+"""The benchmarks' checkpoints and what their deltaserve arms will hold, settled before any arm loads.
+
+made_apart: a preset's checkpoint (bf16, or block-FP8) found or made in a child process, so the benchmark's own
+process never holds a model's tensors on their way to disk (nor the heap they leave behind).
+check_arms_fit: the arms' weights as run, pools and the runtime (memory/resident.py) against the memory the
+machine has available; ArmsDoNotFit names every figure before a byte of any arm is loaded.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from ..config import ModelConfig
+from ..memory.resident import RUNTIME_BYTES, weights_as_run
+
+_MAKE = ("import sys\nfrom deltaserve.embedded.model import ensure_model\n"
+         "print(ensure_model(sys.argv[1], quantize=sys.argv[2] or None))")
+
+
+def made_apart(preset: str, quantize: str | None = None) -> str:
+    """ensure_model(preset, quantize=quantize) run in a child process: the checkpoint's directory."""
+    r = subprocess.run([sys.executable, "-c", _MAKE, preset, quantize or ""], capture_output=True, text=True)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise RuntimeError(f"making the {preset}{' ' + quantize if quantize else ''} checkpoint failed: "
+                           f"{(r.stderr or r.stdout).strip()[-2000:]}")
+    return r.stdout.strip().splitlines()[-1]
+
+
+class ArmsDoNotFit(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class ArmMemory:
+    """One deltaserve arm's own engine: its weights as run and its pool."""
+
+    name: str
+    weights: int
+    pool: int
+
+
+def arm_memory(name: str, model_dir: str, pool: int, *, mtp: bool = False, quantize_head: str = "none") -> ArmMemory:
+    """The arm's figures for a bf16 engine with images off (how bench throughput starts its arms)."""
+    weights = weights_as_run(model_dir, ModelConfig.from_path(model_dir), "bfloat16", images=False, mtp=mtp,
+                             quantize_head=quantize_head) or 0
+    return ArmMemory(name, weights, pool)
+
+
+def check_arms_fit(arms: list[ArmMemory], available: int) -> str:
+    """The arms' figures as one line; ArmsDoNotFit (the same figures) where their weights, pools and one runtime
+    add up to more than `available` bytes."""
+    total = sum(a.weights + a.pool for a in arms) + RUNTIME_BYTES
+    parts = [f"{a.name} {a.weights / 1e9:.2f} GB weights + {a.pool / 1e9:.2f} GB pool" for a in arms]
+    line = f"{'; '.join(parts)}; runtime {RUNTIME_BYTES / 1e9:.2f} GB: {total / 1e9:.2f} GB in all"
+    if total > available:
+        raise ArmsDoNotFit(f"the deltaserve arms do not fit together ({line}), and this machine has "
+                           f"{available / 1e9:.2f} GB available: run fewer arms (--cpu-isas, --fp8, --fp8-head, "
+                           "--speculative) or give a smaller --kv-cache-memory")
+    return line

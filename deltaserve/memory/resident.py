@@ -1,0 +1,107 @@
+"""What a `deltaserve serve` process holds resident on a CPU: the weights as it runs them, the pool, and the rest.
+
+Torch-free: the figures come from a checkpoint's safetensors headers and its config, so `deltaserve plan` and the
+engine's check before loading (engine/llm_engine.py) agree with what the loader then holds
+(HybridModel.held_weight_bytes; tests/test_load_memory.py holds both to a real server's VmRSS).
+
+    weights_as_run(model_dir, cfg, "bfloat16", images=True, mtp=False, quantize_head="none") -> bytes or None
+    resident = weights_as_run(...) + pool bytes + RUNTIME_BYTES
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+
+from ..config import ConfigError, ModelConfig
+from . import sizing as S
+
+# What the process holds besides the weights and the pool: the interpreter, torch, the compiled kernels, the
+# tokenizer, the HTTP server and a step's scratch: 0.66-0.75 GB measured after load and one request on the 0.8B
+# and 4B shapes, bf16 and block-FP8, with a 1 GiB pool.
+RUNTIME_BYTES = 720 * 2**20
+FP8_RUN_SCALE = (16, 128)  # linear_fp8's packed scales: one fp32 per 16 outputs x 128 inputs
+PACK_ROWS = 16  # the compiled linear_bf16 packs output rows in blocks of 16 (ops/packed.py): a fused group pads up
+VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
+MTP_PREFIXES = ("mtp.", "model.mtp.")
+
+
+def safetensors_header(path: str) -> dict:
+    """The JSON header of one .safetensors file (tensor name -> dtype, shape, data_offsets)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ConfigError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > 100 * 2**20:
+            raise ConfigError(f"{path}: implausible safetensors header length {n}")
+        return json.loads(f.read(n))
+
+
+def fp8_run_bytes(n: int, k: int) -> int:
+    """A block-FP8 [n, k] weight as linear_fp8 holds it: 1 B codes and its packed scales."""
+    return n * k + S.cdiv(n, FP8_RUN_SCALE[0]) * S.cdiv(k, FP8_RUN_SCALE[1]) * 4
+
+
+def packing_padding(m: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes the bf16 packing adds: each fused projection's rows rounded up to PACK_ROWS (the GDN in_proj's
+    q|k|v|z|b|a rows are seldom a multiple; the other projections of the published shapes are)."""
+    def pad(rows: int, cols: int) -> int:
+        return (S.cdiv(rows, PACK_ROWS) * PACK_ROWS - rows) * cols * dtype_bytes
+
+    H = m.hidden_size
+    total = 0
+    for i, kind in enumerate(m.layer_types):
+        if kind == "linear_attention":
+            vd = m.linear_num_value_heads * m.linear_value_head_dim
+            total += pad(m.conv_dim + vd + 2 * m.linear_num_value_heads, H) + pad(H, vd)
+        else:
+            hq, hkv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
+            total += pad((2 * hq + 2 * hkv) * d, H) + pad(H, hq * d)
+        if not m.is_moe_layer(i) and m.model_type != "qwen3_5_moe_text":
+            total += pad(2 * m.intermediate_size, H) + pad(H, m.intermediate_size)
+    return total
+
+
+def head_extra(m: ModelConfig, model_dtype: str, quantize_head: str = "none") -> int:
+    """Bytes the head adds to the stored weights as run: a tied head's packed copy beside the embedding (bf16 is
+    packed on a CPU), or the head in block-FP8 (--quantize-head fp8: an untied bf16 head leaves)."""
+    dtype_bytes = S.dtype_bytes(model_dtype)
+    head = m.vocab_size * m.hidden_size
+    if quantize_head == "fp8":
+        return fp8_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
+    if model_dtype == "bfloat16" and m.tie_word_embeddings:
+        return head * dtype_bytes
+    return 0
+
+
+def weights_as_run(model_dir: str, m: ModelConfig, model_dtype: str, *, images: bool = True, mtp: bool = False,
+                   quantize_head: str = "none") -> int | None:
+    """The weights as `deltaserve serve` holds them on a CPU (model/loader.py), from the safetensors headers in
+    model_dir (None where it has none): fp8 codes with linear_fp8's scales, bf16 linears packed (the same bytes
+    and the packing's row padding), the vision encoder only while images are on, the MTP layers only for
+    speculative decoding, a tied checkpoint's lm_head.weight ignored, and the head as head_extra says."""
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        return None
+    total, fp8 = 0, False
+    for path in files:
+        for name, info in safetensors_header(path).items():
+            if name == "__metadata__":
+                continue
+            if name.endswith("_scale_inv"):
+                fp8 = True  # counted with their weight, in the kernel's layout
+                continue
+            if (name.startswith(MTP_PREFIXES) and not mtp) or (name.startswith(VISION_PREFIXES) and not images):
+                continue
+            if name == "lm_head.weight" and m.tie_word_embeddings:
+                continue  # the loader ignores it: the embedding is the head
+            if info["dtype"] == "F8_E4M3" and len(info["shape"]) == 2:
+                total += fp8_run_bytes(*info["shape"])
+            else:
+                start, end = info["data_offsets"]
+                total += end - start
+    if model_dtype == "bfloat16" and not fp8:
+        total += packing_padding(m, S.dtype_bytes(model_dtype))
+    return total + head_extra(m, model_dtype, quantize_head)

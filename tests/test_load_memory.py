@@ -1,0 +1,170 @@
+"""What a loaded model and a serving process hold: nothing of the checkpoint stays mapped once the model is up,
+the vision encoder is read only while images are on, the planner's weights as run are what the model holds, and
+`deltaserve serve`'s peak (VmHWM) and resident (VmRSS) memory after load and one request stay within
+1.10 x (weights as run + pool) + 0.8 GB, the planner's resident figure within 10% of the measurement.
+
+The server tests read /proc/PID/status of a real `deltaserve serve` process: the 0.8B shape here, the 4B shape
+(9.3 GB bf16, 5 GB block-FP8) under DELTASERVE_SLOW=1."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from deltaserve.model.loader import load_model
+from deltaserve.model.make import make_random_model
+from deltaserve.presets import load_preset
+from deltaserve.tools.planner import plan
+
+GB = 10**9
+POOL = 1 << 30  # --kv-cache-memory 1G
+LINUX = sys.platform.startswith("linux")
+
+
+def _mapped(path: str) -> list[str]:
+    with open("/proc/self/maps") as f:
+        return [line for line in f if path in line]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    from deltaserve.text.tokenizer import write_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-vl"))
+    write_tokenizer(path)
+    make_random_model(load_preset("tiny"), path)  # the tiny preset has a (small) vision tower
+    return path
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/self/maps")
+def test_loaded_model_maps_nothing_of_the_checkpoint(tiny_dir):
+    """Every weight lives in memory of its own: no view into a mapping of the safetensors file survives the load
+    (a norm weight or a tied embedding left as a view would keep the whole file mapped for the model's life)."""
+    model = load_model(tiny_dir)
+    assert model.visual is not None
+    assert not _mapped(tiny_dir), _mapped(tiny_dir)[:3]
+
+
+def test_images_off_leaves_the_vision_encoder_unread(tiny_dir):
+    """vision=False (the engine's --limit-mm-per-prompt image=0): no encoder, none of its bytes held; the planner
+    leaves it out of the weights as run as well."""
+    with_images, text_only = load_model(tiny_dir), load_model(tiny_dir, vision=False)
+    assert text_only.visual is None and with_images.visual is not None
+    held, held_off = with_images.held_weight_bytes(), text_only.held_weight_bytes()
+    assert held_off["vision"] == 0 and held["vision"] > 0
+    assert held_off["total"] == held["total"] - held["vision"]
+    off = plan(tiny_dir, budget_bytes=POOL, limit_mm_per_prompt=(("image", 0),))["serve"]
+    assert off["weight_bytes"] == held_off["total"]
+
+
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_planner_weights_as_run_are_what_the_model_holds(tmp_path, quantize):
+    """`deltaserve plan`'s weights as run (from the safetensors headers) against HybridModel.held_weight_bytes of
+    the loaded model: equal for bf16 (packing keeps the bytes), within 1% for block-FP8 (linear_fp8's scales)."""
+    make_random_model(load_preset("tiny"), str(tmp_path), quantize=quantize)
+    held = load_model(str(tmp_path)).held_weight_bytes()["total"]
+    want = plan(str(tmp_path), budget_bytes=POOL)["serve"]["weight_bytes"]
+    if quantize is None:
+        assert want == held
+    else:
+        assert abs(want - held) <= 0.01 * held, (want, held)
+
+
+# ---- the serving process ------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _memory(pid: int) -> dict[str, int]:
+    with open(f"/proc/{pid}/status") as f:
+        text = f.read()
+    return {k: int(re.search(k + r":\s+(\d+)", text).group(1)) * 1024 for k in ("VmHWM", "VmRSS")}
+
+
+def serve_memory(model_dir: str, *flags: str, timeout: float = 1200) -> dict:
+    """Start `deltaserve serve` on model_dir, wait until /health answers, send one completion; the server's VmHWM
+    and VmRSS after load and after the request, its start-up screen, and whether the file is still mapped."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--model", model_dir, "--port", str(port),
+                             "--log-level", "warning", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() - t0 < timeout, "the server did not come up"
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                time.sleep(0.5)
+        loaded = _memory(proc.pid)
+        body = json.dumps({"model": model_dir, "prompt": "Hello there, how are you", "max_tokens": 8}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(req, timeout=600).read())["usage"]["completion_tokens"] > 0
+        after = _memory(proc.pid)
+        with open(f"/proc/{proc.pid}/maps") as f:
+            mapped = [line for line in f if ".safetensors" in line]
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    return {"loaded": loaded, "after": after, "mapped": mapped, "screen": out}
+
+
+def _check_serve(model_dir: str) -> None:
+    r = serve_memory(model_dir, "--kv-cache-memory", "1G")
+    serve = plan(model_dir, budget_bytes=POOL)["serve"]
+    bound = 1.10 * (serve["weight_bytes"] + POOL) + 0.8 * GB
+    figures = (f"{model_dir}: weights as run {serve['weight_bytes'] / GB:.2f} GB, bound {bound / GB:.2f} GB, "
+               f"after load {r['loaded']}, after a request {r['after']}, planner {serve['resident_bytes']}")
+    assert not r["mapped"], r["mapped"]
+    for key in ("VmHWM", "VmRSS"):
+        assert r["after"][key] <= bound, figures
+    assert abs(serve["resident_bytes"] - r["after"]["VmRSS"]) <= 0.10 * r["after"]["VmRSS"], figures
+    assert "memory:" in r["screen"], r["screen"][-2000:]
+
+
+@pytest.fixture(scope="module")
+def shape_08b() -> str:
+    from deltaserve.embedded.model import ensure_model
+
+    return ensure_model("qwen3.5-0.8b-shape")
+
+
+@pytest.mark.skipif(not LINUX, reason="reads /proc/PID/status")
+def test_serve_memory_08b_shape(shape_08b):
+    _check_serve(shape_08b)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not LINUX or os.environ.get("DELTASERVE_SLOW") != "1", reason="DELTASERVE_SLOW=1: 4B shape")
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_serve_memory_4b_shape(quantize):
+    from deltaserve.embedded.model import ensure_model
+
+    _check_serve(ensure_model("qwen3.5-4b-shape", quantize=quantize))
+
+
+def test_a_machine_too_small_is_refused_with_the_figures_before_loading(tiny_dir, monkeypatch):
+    """The engine adds the weights as run, the runtime and --kv-cache-memory before reading a byte: more than the
+    machine has available is a ConfigError that names each figure, not a trip to the OOM killer."""
+    from deltaserve import LLM
+    from deltaserve.config import ConfigError
+    from deltaserve.runner import platform
+
+    monkeypatch.setattr(platform, "available_bytes", lambda device: 15 * 10**8)
+    with pytest.raises(ConfigError, match=r"does not fit: weights as run 0\.\d\d GB \+ runtime 0\.75 GB \+ "
+                                          r"--kv-cache-memory 1\.07 GB = 1\.\d\d GB, and this machine has 1\.50 GB"):
+        LLM(model=tiny_dir, kv_cache_memory=1 << 30)
+    LLM(model=tiny_dir, kv_cache_memory=64 << 20)  # fits
