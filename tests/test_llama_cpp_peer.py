@@ -281,6 +281,10 @@ def test_llama_server_end_to_end_tiny(tiny_dir, tmp_path, capsys):
         assert theirs == ours
         t = srv.complete(list(range(20, 120)), 8)
         assert t.prompt_n == 100 and t.cache_n == 0 and t.predicted_n == 8 and t.prompt_ms > 0 and t.predicted_ms > 0
+        counts = []  # streamed: every event says how many tokens the stream holds (the client-side decode phase)
+        t = srv.stream(list(range(20, 120)), 8, counts.append)
+        assert t.predicted_n == 8 and counts[0] == 1 and counts[-1] == 8 and counts == sorted(counts)
+        assert set(range(1, 9)) <= set(counts)
     finally:
         srv.close()
     assert srv.proc.poll() is not None
