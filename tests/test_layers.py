@@ -20,7 +20,7 @@ PACKAGE = os.path.join(ROOT, "deltaserve")
 # bottom first; a top-level package or root module of deltaserve per name
 LAYERS = [
     ["errors"],
-    ["config", "presets", "hub", "home", "home"],
+    ["config", "presets", "hub", "home", "safetensors_header"],
     ["memory", "model", "text", "media"],
     ["scheduler", "embedded"],
     ["runner", "sim"],
@@ -34,8 +34,9 @@ LAYERS = [
     ["__main__"],
 ]
 # modules that must run without torch (the simulator's and the planner's world), each with what it imports
-TORCH_FREE = ["errors", "config", "presets", "hub", "home", "memory", "scheduler", "sim", "engine.inputs", "engine.sampling_params",
-              "engine.outputs", "profile.coverage", "profile.grid", "profile.machine", "tools.planner",
+TORCH_FREE = ["errors", "config", "presets", "hub", "home", "safetensors_header", "memory", "scheduler", "sim",
+              "engine.inputs", "engine.sampling_params", "engine.outputs", "profile.coverage", "profile.grid",
+              "profile.machine", "tools.planner",
               "tools.validate.scenarios", "tools.validate.simulate", "tools.validate.speed", "tools.validate.compare",
               "tools.validate.report"]
 

@@ -10,11 +10,10 @@ engine's check before loading (engine/llm_engine.py) agree with what the loader 
 from __future__ import annotations
 
 import glob
-import json
 import os
-import struct
 
 from ..config import ConfigError, ModelConfig
+from ..safetensors_header import read_header
 from . import sizing as S
 
 # What the process holds besides the weights and the pool: the interpreter, torch, the compiled kernels, the
@@ -28,15 +27,11 @@ MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
 def safetensors_header(path: str) -> dict:
-    """The JSON header of one .safetensors file (tensor name -> dtype, shape, data_offsets)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ConfigError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise ConfigError(f"{path}: implausible safetensors header length {n}")
-        return json.loads(f.read(n))
+    """The tensors of one .safetensors file: name -> dtype, shape, data_offsets (ConfigError if unreadable)."""
+    try:
+        return read_header(path)[0]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def fp8_run_bytes(n: int, k: int) -> int:

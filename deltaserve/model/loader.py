@@ -23,12 +23,12 @@ import json
 import logging
 import math
 import os
-import struct
 from collections.abc import Callable
 
 import torch
 
 from ..config import ConfigError, ModelConfig, VisionConfig
+from ..safetensors_header import read_header
 from . import fused, quant
 from .errors import WeightsError
 from .ops.fp8 import fuse
@@ -51,19 +51,10 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 
 def _read_header(fname: str) -> tuple[dict, int]:
     """(the safetensors header of fname: name -> dtype, shape, data_offsets; where its data starts)."""
-    with open(fname, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise WeightsError(f"{fname}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 2**20:
-            raise WeightsError(f"{fname}: implausible safetensors header length {n}")
-        try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise WeightsError(f"{fname}: unreadable safetensors header ({e})") from None
-    header.pop("__metadata__", None)
-    return header, 8 + n
+    try:
+        return read_header(fname)
+    except ValueError as e:
+        raise WeightsError(str(e)) from None
 
 
 class _Weights:

@@ -85,7 +85,7 @@ def _config_quantization(src: ModelSource) -> str | None:
     return "fp8" if qc.get("quant_method") == "fp8" else None
 
 
-safetensors_header = R.safetensors_header  # the one header reader (memory/resident.py)
+safetensors_header = R.safetensors_header  # the one header reader (safetensors_header.py), ConfigError on a bad file
 
 
 @dataclass(frozen=True)
