@@ -26,6 +26,20 @@ VISION_PREFIXES = ("model.visual.", "visual.", "model.vision_tower.")
 MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
+def host_memory() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) of this machine in bytes, from /proc/meminfo ((0, 0) where there is none)."""
+    got = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("MemTotal", "MemAvailable"):
+                    got[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return got.get("MemTotal", 0), got.get("MemAvailable", 0)
+
+
 def safetensors_header(path: str) -> dict:
     """The tensors of one .safetensors file: name -> dtype, shape, data_offsets (ConfigError if unreadable)."""
     try:

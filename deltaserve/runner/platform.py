@@ -6,6 +6,8 @@ import logging
 
 import torch
 
+from ..memory.resident import host_memory
+
 log = logging.getLogger("deltaserve")
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -43,11 +45,7 @@ def available_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 4 << 30
+    return host_memory()[1] or 4 << 30
 
 
 def default_kv_budget(device: torch.device, utilization: float, model: torch.nn.Module) -> int:

@@ -25,24 +25,11 @@ import sys
 from typing import Any
 
 from ..config import parse_bytes
+from ..memory.resident import host_memory
 from ..presets import preset_names
 
 FIT_FRACTION = 0.8
 FORMATS = ("bf16", "fp8")  # weight formats the engine loads (fp8: Qwen's block-FP8 checkpoints)
-
-
-def memory_bytes() -> tuple[int, int]:
-    """(MemTotal, MemAvailable) of this machine, from /proc/meminfo (0, 0 where there is none)."""
-    got = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("MemTotal", "MemAvailable"):
-                    got[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return got.get("MemTotal", 0), got.get("MemAvailable", 0)
 
 
 def model_fits(memory: int) -> list[dict[str, Any]]:
@@ -100,7 +87,7 @@ def agent_clis() -> dict[str, str | None]:
 
 
 def report(memory: int | None = None) -> dict[str, Any]:
-    total, available = memory_bytes()
+    total, available = host_memory()
     planned = memory if memory is not None else available
     import torch
 
