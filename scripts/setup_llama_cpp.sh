@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server (build b11434) for the benchmarks (`deltaserve bench throughput --peers
+# Build llama.cpp's llama-server and llama-quantize (build b11434) for the benchmarks (`deltaserve bench throughput --peers
 # llama.cpp`, `deltaserve bench agent --peers llama.cpp`). Benchmark only: llama.cpp is never a dependency
 # of deltaserve; nothing of it is installed into deltaserve's environment or imported by deltaserve.
 #
 # Usage: scripts/setup_llama_cpp.sh [--download-only] [DIR]
 #   DIR defaults to $DELTASERVE_HOME/llama.cpp/b11434 ($DELTASERVE_HOME defaults to ~/.cache/deltaserve):
 #   DIR/src is the source tree (its convert_hf_to_gguf.py and gguf-py make the GGUF files), DIR/build its
-#   own CMake build directory. Skipped when DIR/build/bin/llama-server exists. Prints the llama-server
+#   own CMake build directory (llama-quantize makes the 4-bit GGUF arms from the converted file). Skipped when
+#   DIR/build/bin/llama-server and llama-quantize exist. Prints the llama-server
 #   path on the last line. --download-only fetches and checks the sdist into DIR/download, prints its path
 #   and stops (no compiler needed).
 #
@@ -33,6 +34,7 @@ SHA256=${LLAMA_CPP_SDIST_SHA256:-b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd2595
 JOBS=${JOBS:-$(nproc)}
 PYTHON=${PYTHON:-python3}
 SERVER="$DIR/build/bin/llama-server"
+QUANTIZE="$DIR/build/bin/llama-quantize"
 DL="$DIR/download"
 
 log() { echo "[setup_llama_cpp] $*" >&2; }
@@ -63,7 +65,7 @@ if [ "$DOWNLOAD_ONLY" = 1 ]; then
   exit 0
 fi
 
-if [ -x "$SERVER" ]; then
+if [ -x "$SERVER" ] && [ -x "$QUANTIZE" ]; then
   log "already built: $SERVER"
   echo "$SERVER"
   exit 0
@@ -86,8 +88,8 @@ log "configuring ($DIR/build)"
 nice -n 10 cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
   -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$DIR/configure.log" 2>&1 \
   || { tail -30 "$DIR/configure.log" >&2; exit 1; }
-log "building llama-server with $JOBS jobs (about 20 minutes on 2 cores; log $DIR/build.log)"
-nice -n 10 cmake --build "$DIR/build" --target llama-server -j "$JOBS" >"$DIR/build.log" 2>&1 \
+log "building llama-server and llama-quantize with $JOBS jobs (about 20 minutes on 2 cores; log $DIR/build.log)"
+nice -n 10 cmake --build "$DIR/build" --target llama-server llama-quantize -j "$JOBS" >"$DIR/build.log" 2>&1 \
   || { tail -30 "$DIR/build.log" >&2; exit 1; }
 "$SERVER" --version >&2 2>&1 || true
 echo "$SERVER"

@@ -22,6 +22,7 @@ from .batch import long_tensor
 from .layers import AttentionMixer, DenseMLP, GDNMixer
 from .ops.cpu_kernels import tap_major
 from .ops.fp8 import Fp8Weight, SplitWeight
+from .ops.int4 import Int4Weight
 from .ops.packed import PackedWeight
 
 
@@ -37,6 +38,9 @@ def _parts(w, ext, fp8_exts: set) -> list | None:
     if isinstance(w, Fp8Weight) and w.packed is not None:
         fp8_exts.add(w.ext)
         return [(w.packed, w.scales, w.shape[0], w.path)]
+    if isinstance(w, Int4Weight) and w.packed is not None:  # the same module's linear_int4, by its "int4" path
+        fp8_exts.add(w.ext)
+        return [(w.packed, w.packed_scales, w.shape[0], w.path)]
     return None
 
 

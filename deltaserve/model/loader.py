@@ -272,14 +272,17 @@ def _check_supported(hf: dict) -> None:
 
 def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu",
                prepack: bool | None = None, dequantize: bool = False, quantize_head: str = "none",
-               mtp: bool = False, vision: bool = True) -> HybridModel:
+               mtp: bool = False, vision: bool = True, quantize: str = "none") -> HybridModel:
     """A HybridModel from a model directory. dtype: auto (the config's) | bfloat16 | float16 | float32.
 
     prepack: pack the projection weights once for a faster bf16 GEMM (HybridModel.prepack_linears: the
     compiled linear_bf16, else oneDNN's layout); None = wherever it applies (bf16 on a CPU).
     Block-FP8 models (model/quant.py): the linears stay fp8 for the compiled linear_fp8 (bf16 on a CPU);
     dequantize=True, another dtype or device, or no compiled kernel: dequantized to the model dtype at load.
-    quantize_head: "none" | "fp8" (the head quantized to block-FP8 when packed: HybridModel.prepack_linears).
+    quantize_head: "none" | "fp8" | "int4" (the head quantized when packed: HybridModel.prepack_linears).
+    quantize: "none" | "int4" | "int4-g32": every projection of the text model quantized to int4 as each layer is
+    placed (a block-FP8 checkpoint's are dequantized first), run by the compiled linear_int4 (ops/int4.py);
+    ConfigError where the model is not bf16 on the CPU, packed.
     mtp: load the multi-token-prediction layers too (model.mtp, model/mtp.py: speculative decoding); WeightsError
     where the model has none.
     vision: load the vision encoder of a multimodal checkpoint (False: images are off, its tensors are skipped
@@ -305,14 +308,14 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     weights = _Weights(path)
     try:
         return _load(path, cfg, spec, tdtype, torch.device(device), weights, vc, prepack, dequantize, quantize_head,
-                     mtp, vision)
+                     mtp, vision, quantize)
     finally:
         weights.close()
 
 
 def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.device, weights: _Weights,
           vc: VisionConfig | None, prepack: bool | None, dequantize: bool, quantize_head: str, mtp: bool,
-          vision: bool) -> HybridModel:
+          vision: bool, quantize: str = "none") -> HybridModel:
     """load_model's work, streamed: the model is built on the meta device, then each group of parameters (the
     embedding, each layer, the head, the vision tower) is read, converted to the layout it runs in (fused,
     fp8-kept or dequantized, packed) and placed, before the next group is read. What is held at once beyond the
@@ -356,7 +359,7 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
 
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # meta tensors: no memory
     fp8 = None  # the compiled fp8 kernel, where the fp8 weights stay fp8
-    if spec is not None and not dequantize and tdtype == torch.bfloat16 and device.type == "cpu":
+    if spec is not None and not dequantize and tdtype == torch.bfloat16 and device.type == "cpu" and quantize == "none":
         fp8 = quant.fp8_kernel()
     if spec is not None:
         log.info("block-FP8 weights: %s", "linears kept in fp8 for the compiled linear_fp8" if fp8 is not None
@@ -387,17 +390,19 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
 
     place({"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")})
     model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
-    if quantize_head != "none" and (prepack is False or tdtype != torch.bfloat16 or model.device.type != "cpu"):
-        raise ConfigError(f"--quantize-head {quantize_head} needs bf16 weights on the CPU, packed (this model: "
-                          f"{tdtype} on {model.device.type})".replace("torch.", ""))
-    packing = model.packing(quantize_head, quantized=fp8 is not None) if prepack is not False else None
+    for flag, value in (("--quantize-head", quantize_head), ("--quantize", quantize)):
+        if value != "none" and (prepack is False or tdtype != torch.bfloat16 or model.device.type != "cpu"):
+            raise ConfigError(f"{flag} {value} needs bf16 weights on the CPU, packed (this model: "
+                              f"{tdtype} on {model.device.type})".replace("torch.", ""))
+    packing = model.packing(quantize_head, quantized=fp8 is not None, quantize=quantize) \
+        if prepack is not False else None
 
     trimmed = [0]  # weights.read_bytes at the last trim
 
     def pack(root: torch.nn.Module) -> None:
-        if packing is not None:
+        if packing is not None:  # the vision encoder stays bf16 under --quantize (it is the text model's flag)
             for module in root.modules():
-                model.pack_module(module, packing)
+                model.pack_module(module, packing._replace(int4_group=0) if root is model.visual else packing)
         if weights.read_bytes - trimmed[0] >= TRIM_EVERY:  # the groups' freed buffers, off the resident set
             _release_free_heap()
             trimmed[0] = weights.read_bytes

@@ -22,6 +22,7 @@ import torch
 from ..config import ConfigError
 from .errors import WeightsError
 from .ops.fp8 import BLOCK, FP8, Fp8Weight, SplitWeight, dequantize_weight, fp8_kernel, is_quantized  # noqa: F401
+from .ops.int4 import Int4Weight
 
 SUPPORTED = ("block-FP8 only: quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128], activation_scheme "
              "'dynamic', weight_scale_inv in fp32 or bf16 (the format of Qwen's -FP8 models)")
@@ -151,6 +152,9 @@ def pack(module: torch.nn.Module, fp8_ext, bf16_ext, path: str = "") -> int:
         for x in (w if isinstance(w, list) else [w]):
             if isinstance(x, Fp8Weight) and x.packed is None:
                 x.pack(fp8_ext, path)
+                n += 1
+            elif isinstance(x, Int4Weight) and x.packed is None:
+                x.pack(fp8_ext)
                 n += 1
             elif isinstance(x, SplitWeight):
                 x.pack(fp8_ext, bf16_ext, path)

@@ -27,6 +27,7 @@ from .mtp import MTPHead
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
+from .ops.int4 import Int4Weight, cat_int4
 from .ops.linear import linear
 from .ops.packed import PackedWeight, can_prepack
 from .ops.table import Ops
@@ -45,13 +46,19 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
         raise ConfigError(f"unsupported dtype {name!r}; use one of {', '.join(TORCH_DTYPES)}") from None
 
 
+# --quantize: the int4 group size of each choice (ops/int4.py; 0: the weights stay as the checkpoint holds them)
+INT4_GROUPS = {"none": 0, "int4": 128, "int4-g32": 32}
+
+
 class Packing(NamedTuple):
     """How a model's weights are packed (HybridModel.packing): the compiled bf16 linear's module (None:
-    oneDNN's layout), the compiled fp8 linear's (None: no fp8 weights) and its path."""
+    oneDNN's layout), the compiled quantized linears' (fp8 and int4; None: no quantized weights), the fp8 path,
+    and the int4 group size the bf16 projections are quantized to at load (0: they stay bf16)."""
 
     ext: object
     fp8_ext: object
     fp8_path: str
+    int4_group: int = 0
 
 
 def _consecutive(xs: list[int]) -> tuple[int, int] | None:
@@ -237,7 +244,7 @@ class HybridModel(nn.Module):
         text = held(self) - vision - mtp
         return {"text": text, "head": head, "vision": vision, "mtp": mtp, "total": text + head + vision + mtp}
 
-    packed_head: PackedWeight | Fp8Weight | None = None  # the head as compute_logits multiplies it
+    packed_head: PackedWeight | Fp8Weight | Int4Weight | None = None  # the head as compute_logits multiplies it
     linear_kind: str | None = None  # "cpp" | "onednn" once prepack_linears packed, else None (F.linear)
     decode_kernels: DecodeKernels | None = None  # chosen once, on first use or by select_decode_kernels()
     ops: Ops | None = None  # the op table over those kernels (ops/table.py)
@@ -251,7 +258,7 @@ class HybridModel(nn.Module):
         self.ops = Ops.for_kernels(self.decode_kernels)
         return self.decode_kernels
 
-    def prepack_linears(self, quantize_head: str = "none") -> bool:
+    def prepack_linears(self, quantize_head: str = "none", quantize: str = "none") -> bool:
         """Where it helps (bf16 weights on a CPU): pack every projection and the head once, for the compiled
         linear_bf16 where the decode kernels are compiled (any instruction set: batch-invariant, fastest here),
         else into oneDNN's layout (F.linear's bits). The packed weights replace the parameters (they leave
@@ -259,16 +266,23 @@ class HybridModel(nn.Module):
         before serving. self.linear_kind says which packing ("cpp", "onednn" or None).
         quantize_head "fp8": the head is quantized to block-FP8 (ops/fp8.py quantize_fp8, the rule a -FP8
         model's linears were made by) and multiplied by the compiled linear_fp8; a tied embedding stays bf16
-        for the lookups beside it. ConfigError where there is no compiled fp8 kernel."""
-        packing = self.packing(quantize_head)
+        for the lookups beside it. ConfigError where there is no compiled fp8 kernel.
+        quantize "int4" / "int4-g32": every projection of the text model (and the MTP layer) quantized to int4 at
+        load (ops/int4.py, groups of 128 / 32 k with a zero point), multiplied by the compiled linear_int4;
+        quantize_head "int4" does the same to the head."""
+        packing = self.packing(quantize_head, quantize=quantize)
         if packing is None:
+            if quantize != "none":
+                raise ConfigError(f"--quantize {quantize} needs bf16 weights on the CPU and the compiled kernels")
             return False
-        for module in self.modules():
-            self.pack_module(module, packing)
+        vision = {id(m) for m in self.visual.modules()} if self.visual is not None else set()
+        for module in self.modules():  # the vision encoder's projections stay bf16 (--quantize is the text model's)
+            self.pack_module(module, packing._replace(int4_group=0) if id(module) in vision else packing)
         self.pack_head(packing, quantize_head)
         return True
 
-    def packing(self, quantize_head: str = "none", quantized: bool | None = None) -> Packing | None:
+    def packing(self, quantize_head: str = "none", quantized: bool | None = None,
+                quantize: str = "none") -> Packing | None:
         """How prepack_linears packs this model (the kernels' modules and the fp8 path), or None where packing
         does not apply (not bf16 on a CPU, the head packed already, no packed linear on this machine).
         quantized: whether the model holds block-FP8 weights (None: look at the weights it holds now; the
@@ -283,20 +297,34 @@ class HybridModel(nn.Module):
             return None  # neither the compiled linear (any instruction set) nor oneDNN's bf16
         if quantized is None:
             quantized = bool(quant.quantized_bytes(self))
-        # block-FP8 weights the loader kept: the fp8 build of the decode kernels' instruction set
-        fp8_ext = fp8_kernel(kernels.isa) if quantized or quantize_head == "fp8" else None
-        if quantize_head == "fp8" and fp8_ext is None:
-            raise ConfigError("--quantize-head fp8: this machine has no compiled fp8 linear (see the warning above)")
+        int4_group = INT4_GROUPS[quantize]
+        # quantized weights the loader kept or made: the build of the decode kernels' instruction set
+        fp8_ext = fp8_kernel(kernels.isa) if quantized or quantize_head != "none" or int4_group else None
+        if quantize_head != "none" and fp8_ext is None:
+            raise ConfigError(f"--quantize-head {quantize_head}: this machine has no compiled quantized linear (see "
+                              "the warning above)")
+        if int4_group and fp8_ext is None:
+            raise ConfigError(f"--quantize {quantize}: this machine has no compiled int4 linear (see the warning above)")
+        if int4_group and ext is None:
+            raise ConfigError(f"--quantize {quantize}: needs the compiled CPU kernels (--decode-kernels cpp)")
         fp8_path = path_for(fp8_ext, kernels.isa) if fp8_ext is not None else ""  # amx: AMX tiles for fp8 too
         if fp8_ext is not None:
-            log.info("fp8 linear: path %s", fp8_path or fp8_ext.fp8_paths()[0])
-        return Packing(ext, fp8_ext, fp8_path)
+            log.info("fp8 linear: path %s; int4 linear: path %s", fp8_path or fp8_ext.fp8_paths()[0],
+                     fp8_ext.int4_paths()[0])
+        return Packing(ext, fp8_ext, fp8_path, int4_group)
 
     @staticmethod
     def pack_module(module: nn.Module, packing: Packing) -> None:
         """Pack module's own PACKABLE weights (not its children's) as `packing` says; the unpacked weights are
         dropped. Idempotent: what is packed already stays as it is."""
         names = tuple(n for n in getattr(module, "PACKABLE", ()) if n in module._parameters)
+        if names and packing.int4_group:  # --quantize int4: the bf16 projections become int4 (asymmetric groups)
+            for name in names:
+                w = module._parameters.pop(name).detach()
+                q = [Int4Weight.quantize(x, packing.int4_group, sym=False) for x in w] if w.dim() == 3 else \
+                    Int4Weight.quantize(w, packing.int4_group, sym=False)
+                setattr(module, name, q)
+            names = ()
         if names:
             prepack(module, names, packing.ext)
         if packing.fp8_ext is not None:
@@ -305,11 +333,20 @@ class HybridModel(nn.Module):
     def pack_head(self, packing: Packing, quantize_head: str = "none") -> None:
         """Pack the head (an untied lm_head leaves the parameters; a tied one stays the embedding beside its
         packed copy), or quantize it to block-FP8 (quantize_head "fp8")."""
-        ext, fp8_ext, fp8_path = packing
+        ext, fp8_ext, fp8_path, _ = packing
         head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
-        if quantize_head != "fp8":
+        if quantize_head == "none":
             self.packed_head = PackedWeight(head, ext)
             self.linear_kind = self.packed_head.kind
+        elif quantize_head == "int4":  # groups of 128 k with a zero point, the --quantize int4 rule
+            self.linear_kind = "cpp" if ext is not None else "onednn"
+            rows = 64 * 128  # row blocks at a time: the quantizer's fp32 copies stay small for a large vocab
+            parts = [Int4Weight.quantize(head.detach()[r: r + rows], 128, sym=False)
+                     for r in range(0, head.shape[0], rows)]
+            self.packed_head = cat_int4(parts)
+            self.packed_head.pack(fp8_ext)
+            log.info("LM head quantized to int4 (%s MB, was %s MB in bf16)",
+                     f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
         else:  # the projections' packing names linear_kind; the head is not packed in bf16 at all
             self.linear_kind = "cpp" if ext is not None else "onednn"
             rows = 64 * 128  # 128-row blocks at a time: quantize_fp8's fp32 copies stay small for a large vocab

@@ -71,7 +71,7 @@ def kernels() -> dict[str, Any]:
         what = f"the {build} CPU kernels ({len(sources)} C++ files)"
         builds[isa] = {"build": build, "built": not needs_build(ck.build_name("deltaserve_kernels", build), sources),
                        "last_build_seconds": last_build_seconds(what)}
-    fp8_builds = {b: not needs_build(ck.build_name("deltaserve_fp8_kernels", b), [str(fp8._SOURCE)])
+    fp8_builds = {b: not needs_build(ck.build_name("deltaserve_fp8_kernels", b), [str(f) for f in fp8._SOURCES])
                   for b in fp8.executable_builds()}
     skipped = {i: ck._why_not(i, ck.cpu_flags()) for i in ck.ISAS if i not in runs}
     return {"machine": platform.machine(), "chosen": chosen, "refused": why, "executable": list(runs),

@@ -29,6 +29,7 @@ import torch
 
 from .cpu_kernels import build_name, cpu_flags  # one reading of /proc/cpuinfo for every compiled kernel
 from .build_notice import build_notice
+from .int4 import Int4Weight, cat_int4
 from .packed import PackedWeight, linear_packed
 
 log = logging.getLogger("deltaserve")
@@ -38,7 +39,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
 COLS = 16  # output columns per kernel column block: the scale granularity of a packed weight
 
-_SOURCE = Path(__file__).with_name("csrc") / "linear_fp8.cpp"
+# the quantized linears' extension: block-FP8 (linear_fp8.cpp) and int4 (linear_int4.cpp, ops/int4.py), one module
+_SOURCES = [Path(__file__).with_name("csrc") / f for f in ("linear_fp8.cpp", "linear_int4.cpp")]
 _lock = threading.Lock()
 _exts: dict[str, object] = {}  # build -> the module, or the exception that stopped its build
 
@@ -109,8 +111,9 @@ def linear_fp8_reference(x: torch.Tensor, q: torch.Tensor, row_scale: torch.Tens
 # builds: the -march level each is compiled for and the /proc/cpuinfo flags it needs (fastest first). A build
 # never holds an instruction outside its set, so its cached binary is safe on any CPU that has the set.
 _V3 = {"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}
-BUILDS = {"avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi"],
-                     _V3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_bf16", "avx512vbmi"}),
+BUILDS = {"avx512": (["-march=x86-64-v4", "-mavx512bf16", "-mavx512vbmi", "-mavx512vnni"],
+                     _V3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_bf16", "avx512vbmi",
+                            "avx512_vnni"}),
           "avx2": (["-march=x86-64-v3"], _V3),
           "generic": ([], set())}
 
@@ -137,9 +140,9 @@ def load_fp8_extension(build: str | None = None):
             t0 = time.perf_counter()
             try:
                 name = build_name("deltaserve_fp8_kernels", build)
-                with build_notice(name, [str(_SOURCE)], f"the {build} fp8 linear kernel"):
+                with build_notice(name, [str(f) for f in _SOURCES], f"the {build} fp8 and int4 linear kernels"):
                     _exts[build] = cpp_extension.load(
-                        name=name, sources=[str(_SOURCE)],
+                        name=name, sources=[str(f) for f in _SOURCES],
                         extra_cflags=["-O3", *BUILDS[build][0], "-ffp-contract=off", "-fopenmp"],
                         extra_ldflags=["-fopenmp"], verbose=False)
                 log.info("fp8 linear: compiled kernel %s, path %s, built or loaded in %.1f s", build,
@@ -233,8 +236,8 @@ class Fp8Weight:
 
 
 class SplitWeight:
-    """A fused projection held as parts (Fp8Weight, bf16 tensor or its PackedWeight), stacked along the
-    output rows: y = cat(part products). Used where the parts cannot share one Fp8Weight."""
+    """A fused projection held as parts (Fp8Weight, Int4Weight, bf16 tensor or its PackedWeight), stacked along the
+    output rows: y = cat(part products). Used where the parts cannot share one quantized weight."""
 
     def __init__(self, parts: list):
         self.parts = list(parts)
@@ -252,30 +255,48 @@ class SplitWeight:
         for i, p in enumerate(self.parts):
             if isinstance(p, Fp8Weight) and p.packed is None:
                 p.pack(fp8_ext, path)
+            elif isinstance(p, Int4Weight) and p.packed is None:
+                p.pack(fp8_ext)
             elif isinstance(p, torch.Tensor):
                 self.parts[i] = PackedWeight(p, bf16_ext)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([p.dequantize(dtype) if isinstance(p, Fp8Weight) else p.to(dtype) for p in self.parts])
+        return torch.cat([p.dequantize(dtype) if isinstance(p, QUANTIZED) else p.to(dtype) for p in self.parts])
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([p.linear(x) if isinstance(p, Fp8Weight) else linear_packed(x, p) for p in self.parts], dim=-1)
+        return torch.cat([p.linear(x) if isinstance(p, QUANTIZED) else linear_packed(x, p) for p in self.parts], dim=-1)
+
+
+QUANTIZED = (Fp8Weight, Int4Weight)  # the weight kinds that hold codes (SplitWeight holds parts)
 
 
 def weight_nbytes(w) -> int:
-    if isinstance(w, (Fp8Weight, SplitWeight)):
+    if isinstance(w, (*QUANTIZED, SplitWeight)):
         return w.nbytes
     if isinstance(w, torch.Tensor):
         return w.numel() * w.element_size()
     return w.packed.numel() * w.packed.element_size()  # PackedWeight
 
 
-def fuse(parts: list) -> torch.Tensor | Fp8Weight | SplitWeight:
-    """Stack projection parts (tensors and Fp8Weights, in row order) into what the layer holds: a tensor when
-    none is fp8; one Fp8Weight when all are and every part but the last has a multiple of 16 rows (a column
-    block of the packed kernel then never mixes two parts' scales); else a SplitWeight of runs, each run fused."""
-    if not any(isinstance(p, Fp8Weight) for p in parts):
+def fuse(parts: list) -> torch.Tensor | Fp8Weight | Int4Weight | SplitWeight:
+    """Stack projection parts (tensors, Fp8Weights, Int4Weights, in row order) into what the layer holds: a tensor
+    when none is quantized; one Int4Weight when all are int4 with one group size (each row keeps its own scales);
+    one Fp8Weight when all are fp8 and every part but the last has a multiple of 16 rows (a column block of the
+    packed kernel then never mixes two parts' scales); else a SplitWeight of runs, each run fused."""
+    if not any(isinstance(p, QUANTIZED) for p in parts):
         return torch.cat(parts, 0)
+    if any(isinstance(p, Int4Weight) for p in parts):
+        if all(isinstance(p, Int4Weight) and p.group == parts[0].group for p in parts):
+            return cat_int4(parts)
+        runs4: list[list] = []
+        for p in parts:
+            if runs4 and type(runs4[-1][0]) is type(p) and isinstance(p, (Int4Weight, torch.Tensor)):
+                runs4[-1].append(p)
+            else:
+                runs4.append([p])
+        fused4 = [r[0] if len(r) == 1 else cat_int4(r) if isinstance(r[0], Int4Weight) else torch.cat(r, 0)
+                  for r in runs4]
+        return SplitWeight(fused4)
     runs: list[list] = []
     for p in parts:
         fp8 = isinstance(p, Fp8Weight)
@@ -291,7 +312,7 @@ def fuse(parts: list) -> torch.Tensor | Fp8Weight | SplitWeight:
 
 
 def is_quantized(w) -> bool:
-    return isinstance(w, (Fp8Weight, SplitWeight))
+    return isinstance(w, (*QUANTIZED, SplitWeight))
 
 
 def dequantize_weight(w, dtype: torch.dtype) -> torch.Tensor:

@@ -762,6 +762,20 @@ torch::Tensor linear_fp8(const torch::Tensor& x, const torch::Tensor& packed, co
   return y;
 }
 
+// linear_int4.cpp, built into this extension
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales, int64_t N,
+                          const std::string& path);
+void register_int4(pybind11::module& m);
+
+namespace {
+// the decode program's quantized projection: an int4 part names an "int4" path (ops/int4.py), any other is fp8
+at::Tensor linear_quantized(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t N,
+                            const std::string& path) {
+  if (path.rfind("int4", 0) == 0) return linear_int4(x, packed, scales, N, path);
+  return linear_fp8(x, packed, scales, N, path);
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fp8_paths", &fp8_paths, "the compiled paths of linear_fp8, best first");
   m.def("pack_fp8_weight", &pack_fp8_weight, "pack an e4m3 [N, K] weight and its row scales for linear_fp8");
@@ -769,7 +783,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("packed"), py::arg("scales"), py::arg("n"), py::arg("path") = "");
   // the decode kernels' whole-model call (decode_layers.cpp) runs fp8 projections through this pointer
   m.def("linear_fp8_capsule", [] {
-    const Fp8Linear f = &linear_fp8;
+    const Fp8Linear f = &linear_quantized;
     return py::capsule(reinterpret_cast<void*>(f), kFp8LinearCapsule);
-  }, "linear_fp8 as a C function pointer (a PyCapsule) for DecodeModel");
+  }, "linear_fp8 and linear_int4 (an \"int4\" path) as one C function pointer (a PyCapsule) for DecodeModel");
+  register_int4(m);
 }
