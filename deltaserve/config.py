@@ -348,7 +348,9 @@ def parse_mm_limits(text: str) -> tuple[tuple[str, int], ...]:
 
 
 # --quantize-head: how the LM head's weights are held (HybridModel.prepack_linears)
-QUANTIZE_HEAD_CHOICES = ("none", "fp8")
+QUANTIZE_HEAD_CHOICES = ("none", "fp8", "int4")
+# --quantize: the text model's projections quantized at load (docs/int4.md): int4 in groups of 128 or 32 k
+QUANTIZE_CHOICES = ("none", "int4", "int4-g32")
 
 # --cpu-isa: the compiled CPU kernels' instruction sets (deltaserve/model/ops/cpu_kernels.py builds each)
 CPU_ISA_CHOICES = ("auto", "amx", "avx512bf16", "avx512", "avx2", "generic")
@@ -440,9 +442,14 @@ class EngineConfig:
                         metavar="NAME")
     dtype: str = _flag("auto", "weights, activations, KV and conv state (auto = the model's)",
                        choices=MODEL_DTYPE_CHOICES, replica=True)
-    quantize_head: str = _flag("none", "the LM head: none (as the model holds it) or fp8 (block-FP8 at load, "
-                               "as a -FP8 model's linears; a decode step reads half the head's bytes, the logits "
-                               "change by FP8's rounding; CPU, bf16, one rank)", choices=QUANTIZE_HEAD_CHOICES)
+    quantize_head: str = _flag("none", "the LM head: none (as the model holds it), fp8 (block-FP8 at load, "
+                               "as a -FP8 model's linears; a decode step reads half the head's bytes) or int4 "
+                               "(groups of 128 with a zero point, a quarter of the bytes); the logits change by "
+                               "the format's rounding; CPU, bf16, one rank", choices=QUANTIZE_HEAD_CHOICES)
+    quantize: str = _flag("none", "the text model's projections at load: none (as the checkpoint holds them), "
+                          "int4 (4-bit codes with a scale and zero per 128 k, ~4.4 bits a weight) or int4-g32 (per "
+                          "32 k, ~5.3 bits, closer to the bf16 model); bf16 or FP8 checkpoints; CPU, one rank "
+                          "(docs/int4.md)", choices=QUANTIZE_CHOICES)
     max_model_len: int | None = _flag(None, "longest prompt + completion (default: min(the model's "
                                       "max_position_embeddings, what one request can hold in the pool))",
                                       parse_count, metavar="N", replica=True)
@@ -558,7 +565,13 @@ class EngineConfig:
             raise ConfigError(f"--quantize-head must be one of {', '.join(QUANTIZE_HEAD_CHOICES)}, not "
                               f"{self.quantize_head!r}")
         if self.quantize_head != "none" and self.tensor_parallel_size > 1:
-            raise ConfigError("--quantize-head fp8 runs on one rank only: drop it or --tensor-parallel-size")
+            raise ConfigError(f"--quantize-head {self.quantize_head} runs on one rank only: drop it or "
+                              "--tensor-parallel-size")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ConfigError(f"--quantize must be one of {', '.join(QUANTIZE_CHOICES)}, not {self.quantize!r}")
+        if self.quantize != "none" and self.tensor_parallel_size > 1:
+            raise ConfigError(f"--quantize {self.quantize} runs on one rank only (the packed int4 weights are not "
+                              "sharded): drop it or --tensor-parallel-size")
         if self.cpu_isa not in CPU_ISA_CHOICES:
             raise ConfigError(f"--cpu-isa must be one of {', '.join(CPU_ISA_CHOICES)}, not {self.cpu_isa!r}")
         if self.tensor_parallel_size < 1 or self.nnodes < 1 or self.tensor_parallel_size % self.nnodes:

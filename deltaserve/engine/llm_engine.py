@@ -176,7 +176,8 @@ class LLMEngine:
         else:
             # --limit-mm-per-prompt image=0: the vision encoder's weights are never read (no memory for them)
             self.model = load_model(path, dtype=self.dtype, device=self.device, quantize_head=config.quantize_head,
-                                    mtp=config.speculative_config is not None, vision=config.mm_limit("image") > 0)
+                                    mtp=config.speculative_config is not None, vision=config.mm_limit("image") > 0,
+                                    quantize=config.quantize)
         self.tokenizer = load_tokenizer(resolve_model(config.tokenizer, what="tokenizer") or path)
         kern = self.model.decode_kernels
         self.cpu_kernels = kern.isa if kern is not None and kern.compiled else "torch"  # stats, bench footers
@@ -201,7 +202,7 @@ class LLMEngine:
             from ..runner.disk_store import DiskStore, fingerprint
             self.disk = DiskStore(config.cache_disk, config.cache_disk_bytes, self.memory, self.store,
                                   fingerprint(path, self.dtype, pool, config.cache_layout, self.cpu_kernels,
-                                              config.quantize_head, self.device.type),
+                                              config.quantize_head, self.device.type, config.quantize),
                                   EVICTION_POLICIES[config.eviction]())
         if self.parallel:
             self.runner = self.parallel.attach(self.runner, pool)  # every step runs on every rank

@@ -77,12 +77,12 @@ def model_digest(path: str) -> str:
 
 
 def fingerprint(model_path: str, dtype: str, pool, layout: str, kernels: str, quantize_head: str,
-                device: str) -> dict:
-    """Everything that changes a record's bits (module docstring)."""
+                device: str, quantize: str = "none") -> dict:
+    """Everything that changes a record's bits (module docstring): int4 at load (--quantize) changes every one."""
     return {"format": FORMAT, "model": model_digest(model_path), "dtype": dtype, "layout": layout,
             "block_size": pool.block_size, "page_bytes": pool.page_bytes, "group_size": pool.group_size,
             "pages_per_state": pool.pages_per_state, "kernels": kernels, "quantize_head": quantize_head,
-            "device": device}
+            "quantize": quantize, "device": device}
 
 
 def record_name(kind: str, h: bytes, fp_digest: str) -> str:

@@ -66,6 +66,8 @@ def _quantization(eng: Any) -> str:
     except (OSError, ValueError):
         spec = None
     parts = ["block-FP8 linears (the checkpoint's)"] if spec is not None else []
+    if eng.config.quantize != "none":
+        parts.append(f"projections {eng.config.quantize} at load (--quantize)")
     if eng.config.quantize_head != "none":
         parts.append(f"LM head {eng.config.quantize_head} (--quantize-head)")
     return ", ".join(parts) or "none"

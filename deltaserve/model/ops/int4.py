@@ -73,8 +73,8 @@ def check_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g
 
 def dequantize_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int,
                     dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The stored weight in dtype: (code - zero) * scale in fp32 (exact: a small integer times a scale), rounded
-    once to dtype."""
+    """The stored weight in dtype: (code - zero) * scale in fp32 (one rounding; none for an fp16 scale, as GPTQ
+    files hold: a 5-bit integer times an 11-bit significand fits fp32's 24), rounded once to dtype."""
     K = codes.shape[1]
     z = zeros.float().repeat_interleave(group, dim=1)[:, :K]
     s = scales.float().repeat_interleave(group, dim=1)[:, :K]
