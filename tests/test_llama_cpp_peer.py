@@ -249,11 +249,44 @@ def test_cli_rejects_unknown_peers_and_types(capsys):
         main(["throughput", "--peers", "llamacpp"])
     assert "choose from transformers, vllm, llama.cpp" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["throughput", "--peers", "llama.cpp", "--llama-cpp-types", "q4_0"])
-    assert "choose from bf16, f32, q8_0" in capsys.readouterr().err
+        main(["throughput", "--peers", "llama.cpp", "--llama-cpp-types", "q3_k"])
+    assert "choose from bf16, f32, q8_0, q4_k_m, q4_0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["throughput", "--int4", "int3"])
+    assert "--int4 int3: choose from int4, int4-head" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["agent", "--peers", "llama"])
     assert "llama.cpp" in capsys.readouterr().err
+
+
+def test_four_bit_files_are_llama_quantize_of_the_bf16_conversion(tmp_path, monkeypatch):
+    """A 4-bit arm's GGUF: the bf16 conversion (kept), then llama-quantize into the type in capitals; no
+    llama-quantize: the arm is unavailable with the script that builds it."""
+    from deltaserve.bench.peers import llama_cpp as lc
+
+    assert lc.quantize_command("/b/llama-quantize", "m.gguf", "o.gguf", "q4_k_m", 2) == [
+        "/b/llama-quantize", "m.gguf", "o.gguf", "Q4_K_M", "2"]
+    with pytest.raises(ValueError, match="not made here"):
+        lc.quantize_command("/b/llama-quantize", "m.gguf", "o.gguf", "q8_0")
+    monkeypatch.setenv("DELTASERVE_HOME", str(tmp_path))
+    root = tmp_path / "llama"
+    (root / "src").mkdir(parents=True)
+    (root / "src" / "convert_hf_to_gguf.py").write_text("")
+    model = tmp_path / "m"
+    model.mkdir()
+    os.makedirs(os.path.dirname(lc.gguf_path(str(model), "bf16")), exist_ok=True)
+    with open(lc.gguf_path(str(model), "bf16"), "w") as f:
+        f.write("bf16 file")
+    with pytest.raises(lc.PeerUnavailable, match="no llama-quantize .*setup_llama_cpp.sh"):
+        lc.ensure_gguf(str(model), "q4_0", root=str(root))
+    tool = root / "build" / "bin" / "llama-quantize"
+    tool.parent.mkdir(parents=True)
+    tool.write_text('#!/bin/sh\necho "$@" > "$2"\n')
+    tool.chmod(0o755)
+    out = lc.ensure_gguf(str(model), "q4_0", root=str(root))
+    assert out == lc.gguf_path(str(model), "q4_0")
+    with open(out) as f:
+        assert f.read().split()[2:] == ["Q4_0", str(os.cpu_count())]
 
 
 # --------------------------------------------------------------------------- the real llama-server

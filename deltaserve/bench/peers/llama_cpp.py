@@ -29,6 +29,9 @@ from .gguf_bytes import decode_bytes_per_token
 
 BUILD = "b11434"
 OUTTYPES = ("bf16", "f32", "q8_0")  # GGUF weight formats the converter writes for our checkpoints
+# formats llama-quantize makes from the converted bf16 GGUF: the 4-bit files CPU users run (Q4_K_M is what llama.cpp,
+# Ollama and LM Studio hand them by default), with llama-quantize's own per-tensor mixture (output Q6_K, ...)
+QUANT_TYPES = ("q4_k_m", "q4_0", "q4_k_s", "q5_k_m", "q6_k")
 CONVERTER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gguf_convert.py")
 
 
@@ -40,6 +43,18 @@ def default_dir() -> str:
 
 def server_binary(root: str | None = None) -> str:
     return os.path.join(root or default_dir(), "build", "bin", "llama-server")
+
+
+def quantize_binary(root: str | None = None) -> str:
+    return os.path.join(root or default_dir(), "build", "bin", "llama-quantize")
+
+
+def quantize_command(binary: str, src: str, dst: str, gtype: str, threads: int | None = None) -> list[str]:
+    """llama-quantize's command line: the bf16 GGUF src into dst in gtype (a QUANT_TYPES name; the tool spells it
+    in capitals), with its default mixture of tensor types and no importance matrix (llama.cpp's default too)."""
+    if gtype not in QUANT_TYPES:
+        raise ValueError(f"GGUF type {gtype!r} not made here; choose from {', '.join(OUTTYPES + QUANT_TYPES)}")
+    return [binary, src, dst, gtype.upper()] + ([str(threads)] if threads else [])
 
 
 def require_server(root: str | None = None) -> str:
@@ -87,11 +102,20 @@ def gguf_path(model_dir: str, outtype: str) -> str:
 
 def ensure_gguf(model_dir: str, outtype: str, *, root: str | None = None, log_path: str | None = None,
                 timeout: float = 3600.0) -> str:
-    """Convert once (atomically: a temporary file renamed into place) and reuse afterwards."""
+    """Convert once (atomically: a temporary file renamed into place) and reuse afterwards. A QUANT_TYPES type is
+    llama-quantize's file made from the bf16 conversion (itself made and kept first)."""
     root = root or default_dir()
     out = gguf_path(model_dir, outtype)
     if os.path.exists(out):
         return out
+    if outtype in QUANT_TYPES:
+        src = ensure_gguf(model_dir, "bf16", root=root, log_path=log_path, timeout=timeout)
+        binary = quantize_binary(root)
+        if not os.access(binary, os.X_OK):
+            raise PeerUnavailable(f"no llama-quantize at {binary} (run scripts/setup_llama_cpp.sh)")
+        _, tmp = _converter(root, out)
+        return _convert(quantize_command(binary, src, tmp, outtype, os.cpu_count()), tmp, out, log_path, timeout,
+                        f"llama-quantize ({outtype})")
     tree, tmp = _converter(root, out)
     return _convert(convert_command(model_dir, outtype, tmp, tree=tree), tmp, out, log_path, timeout,
                     f"GGUF conversion ({outtype})")
