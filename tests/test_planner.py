@@ -229,3 +229,29 @@ def test_the_vision_encoder_counts_in_the_weights(capsys):
     assert 100e6 < r["vision_params"] < 101e6
     assert r["num_params"] > r["vision_params"] and "vision encoder" in r["weight_source"]
     assert run_json(capsys, "--model", "qwen3.5-27b", "--budget", "4GiB")["vision_params"] == 0  # a text preset
+
+
+def test_int4_weights_match_what_the_loaded_model_holds(tmp_path, capsys):
+    """`--quantization gptq-int4` / `int4` count int4 linears as linear_int4 holds them (69 B per row and 128 k):
+    the tiny GPTQ checkpoint's plan (from its headers, and from the config alone) and the tiny model under
+    --quantize int4 are within 10% of HybridModel.held_weight_bytes (the header count is exact); the published
+    shapes' GPTQ figures sit between int4-everywhere and block-FP8 (the 35B-A3B's experts are most of it)."""
+    from deltaserve.embedded.model import ensure_model, make_model
+    from deltaserve.model.loader import load_model
+
+    d = make_model("tiny", str(tmp_path / "tiny-gptq"), quantize="gptq-int4")
+    held = load_model(d).held_weight_bytes()["total"]
+    r = P.plan(d, budget_bytes=1 << 28)
+    assert r["weight_quantization"] == "gptq-int4" and r["serve"]["weight_bytes"] == held
+    estimate = P.plan("tiny", quantization="gptq-int4", budget_bytes=1 << 28)["serve"]["weight_bytes"]
+    assert abs(estimate - held) <= 0.1 * held, (estimate, held)
+    held4 = load_model(ensure_model("tiny"), quantize="int4").held_weight_bytes()["total"]
+    r4 = P.plan(ensure_model("tiny"), quantization="int4", budget_bytes=1 << 28)
+    assert r4["weight_quantization"] == "int4" and abs(r4["serve"]["weight_bytes"] - held4) <= 0.1 * held4, \
+        (r4["serve"]["weight_bytes"], held4)
+    for preset in ("qwen3.5-4b-shape", "qwen3.5-27b", "qwen3.5-35b-a3b"):
+        w = {q: P.plan(preset, quantization=q, budget_bytes=1 << 34)["weight_bytes"] for q in ("int4", "gptq-int4")}
+        w[None] = P.plan(preset, budget_bytes=1 << 34)["weight_bytes"]
+        assert w["int4"] < w["gptq-int4"] < 0.65 * w[None], (preset, w)
+    r = run_json(capsys, "--model", "qwen3.5-35b-a3b", "--quantization", "gptq-int4", "--budget", "4GiB")
+    assert r["weight_quantization"] == "gptq-int4" and "GPTQ-Int4" in r["weight_source"]

@@ -27,7 +27,7 @@ QWEN35_TOKENIZER_PRESETS = frozenset({"qwen3.5-0.8b-shape", "qwen3.5-4b-shape"})
 def make_model(preset: str, out_dir: str, seed: int = 0, quantize: str | None = None) -> str:
     """Write preset `preset` (random weights + its tokenizer) to out_dir. The tokenizer comes first: for the
     Qwen3.5 one a failed fetch stops the build before the weights are written. quantize="fp8": block-FP8
-    linears (model/make.py quantize_state_dict)."""
+    linears (model/make.py quantize_state_dict); "gptq-int4": Qwen's GPTQ-Int4 layout (model/make.py)."""
     from ..model.make import make_random_model  # torch: only when the model is not made yet
 
     cfg = {k: v for k, v in load_preset(preset).items() if not k.startswith("_")}

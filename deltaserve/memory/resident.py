@@ -10,6 +10,7 @@ engine's check before loading (engine/llm_engine.py) agree with what the loader 
 from __future__ import annotations
 
 import glob
+import json
 import os
 
 from ..config import ConfigError, ModelConfig
@@ -53,9 +54,10 @@ def fp8_run_bytes(n: int, k: int) -> int:
     return n * k + S.cdiv(n, FP8_RUN_SCALE[0]) * S.cdiv(k, FP8_RUN_SCALE[1]) * 4
 
 
-def packing_padding(m: ModelConfig, dtype_bytes: int) -> int:
+def packing_padding(m: ModelConfig, dtype_bytes: int, mlp: bool = True) -> int:
     """Bytes the bf16 packing adds: each fused projection's rows rounded up to PACK_ROWS (the GDN in_proj's
-    q|k|v|z|b|a rows are seldom a multiple; the other projections of the published shapes are)."""
+    q|k|v|z|b|a rows are seldom a multiple; the other projections of the published shapes are). mlp=False: the
+    dense MLP is not bf16 (a GPTQ-Int4 model's: int4_run_bytes counts its padding)."""
     def pad(rows: int, cols: int) -> int:
         return (S.cdiv(rows, PACK_ROWS) * PACK_ROWS - rows) * cols * dtype_bytes
 
@@ -68,7 +70,7 @@ def packing_padding(m: ModelConfig, dtype_bytes: int) -> int:
         else:
             hq, hkv, d = m.num_attention_heads, m.num_key_value_heads, m.head_dim
             total += pad((2 * hq + 2 * hkv) * d, H) + pad(H, hq * d)
-        if not m.is_moe_layer(i) and m.model_type != "qwen3_5_moe_text":
+        if mlp and not m.is_moe_layer(i) and m.model_type != "qwen3_5_moe_text":
             total += pad(2 * m.intermediate_size, H) + pad(H, m.intermediate_size)
     return total
 
@@ -80,6 +82,8 @@ def head_extra(m: ModelConfig, model_dtype: str, quantize_head: str = "none") ->
     head = m.vocab_size * m.hidden_size
     if quantize_head == "fp8":
         return fp8_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
+    if quantize_head == "int4":
+        return S.int4_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
     if model_dtype == "bfloat16" and m.tie_word_embeddings:
         return head * dtype_bytes
     return 0
@@ -94,9 +98,12 @@ def weights_as_run(model_dir: str, m: ModelConfig, model_dtype: str, *, images: 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         return None
-    total, fp8 = 0, False
-    for path in files:
-        for name, info in safetensors_header(path).items():
+    total, fp8, gptq = 0, False, False
+    group = gptq_group(model_dir)
+    headers = [safetensors_header(path) for path in files]
+    int4 = {n[:-len(".qweight")] for h in headers for n in h if n.endswith(".qweight")}  # across the shards
+    for header in headers:
+        for name, info in header.items():
             if name == "__metadata__":
                 continue
             if name.endswith("_scale_inv"):
@@ -106,11 +113,33 @@ def weights_as_run(model_dir: str, m: ModelConfig, model_dtype: str, *, images: 
                 continue
             if name == "lm_head.weight" and m.tie_word_embeddings:
                 continue  # the loader ignores it: the embedding is the head
+            module, _, leaf = name.rpartition(".")
+            if module in int4 and leaf in GPTQ_PARTS:  # GPTQ-Int4: the weight packed for linear_int4
+                gptq = True
+                if leaf == "qweight":
+                    k8, n = info["shape"]
+                    total += S.int4_run_bytes(n, 8 * k8, group if group > 0 else S.cdiv(8 * k8, 32) * 32)
+                continue
             if info["dtype"] == "F8_E4M3" and len(info["shape"]) == 2:
                 total += fp8_run_bytes(*info["shape"])
             else:
                 start, end = info["data_offsets"]
                 total += end - start
     if model_dtype == "bfloat16" and not fp8:
-        total += packing_padding(m, S.dtype_bytes(model_dtype))
+        total += packing_padding(m, S.dtype_bytes(model_dtype), mlp=not gptq)
     return total + head_extra(m, model_dtype, quantize_head)
+
+
+GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def gptq_group(model_dir: str) -> int:
+    """The group_size of model_dir's GPTQ quantization_config (128 where it has none)."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return S.INT4_GROUP
+    qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config") or {}
+    group = qc.get("group_size", S.INT4_GROUP) if qc.get("quant_method") == "gptq" else S.INT4_GROUP
+    return group if isinstance(group, int) else S.INT4_GROUP

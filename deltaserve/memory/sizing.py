@@ -255,6 +255,63 @@ def fp8_weight_bytes(m: ModelConfig, dtype: str) -> tuple[int, int]:
     return (param_count(m) - q) * dtype_bytes(dtype) + q + 4 * scales, q
 
 
+# ---- int4 weights as the compiled linear_int4 holds them (model/ops/int4.py, csrc/linear_int4.cpp)
+
+INT4_COLS = 16  # output rows per packed column block: a weight's rows round up to it
+INT4_GROUP = 128  # Qwen's GPTQ-Int4 group and --quantize int4's
+
+
+def int4_run_bytes(n: int, k: int, group: int = INT4_GROUP) -> int:
+    """An int4 [n, k] weight packed for linear_int4: per output row (rounded up to 16) and group of k (k rounded
+    up to whole groups), group / 2 bytes of codes, a 1-byte zero and a fp32 scale: 69 B per 128 weights."""
+    return cdiv(n, INT4_COLS) * INT4_COLS * cdiv(k, group) * (group // 2 + 1 + 4)
+
+
+def mlp_run_shapes(m: ModelConfig, shared: bool = True) -> list[tuple[int, int]]:
+    """[out, in] of the MLP projections as the layers fuse them: the dense gate_up and down, each routed
+    expert's, and (shared) the shared expert's."""
+    h = m.hidden_size
+    out: list[tuple[int, int]] = []
+    for i in range(m.num_hidden_layers):
+        if m.is_moe_layer(i):
+            mi = m.moe_intermediate_size
+            out += [(2 * mi, h), (h, mi)] * m.num_experts
+            if shared and m.shared_expert_intermediate_size:
+                si = m.shared_expert_intermediate_size
+                out += [(2 * si, h), (h, si)]
+        else:
+            out += [(2 * m.intermediate_size, h), (h, m.intermediate_size)]
+    return out
+
+
+def mixer_run_shapes(m: ModelConfig) -> list[tuple[int, int]]:
+    """[out, in] of the attention and GDN projections as the layers fuse them (qkv_proj + o_proj; GDN in_proj =
+    qkv | z | b | a, out_proj)."""
+    h, hd = m.hidden_size, m.head_dim
+    hq, hkv = m.num_attention_heads, m.num_key_value_heads
+    vd = m.linear_num_value_heads * m.linear_value_head_dim
+    out: list[tuple[int, int]] = []
+    for kind in m.layer_types:
+        if kind == "full_attention":
+            out += [((2 * hq + 2 * hkv) * hd, h), (h, hq * hd)]
+        else:
+            out += [(m.conv_dim + vd + 2 * m.linear_num_value_heads, h), (h, vd)]
+    return out
+
+
+def int4_weight_bytes(m: ModelConfig, dtype: str, quantization: str) -> tuple[int, int]:
+    """(weight bytes as run, int4 parameters) of the text model with int4 linears packed for linear_int4 (groups
+    of 128), every other parameter at `dtype`. quantization "gptq-int4": Qwen's -GPTQ-Int4 checkpoints (the dense
+    MLP and the routed experts int4; attention, GDN, the shared expert, the router, embeddings and head bf16);
+    "int4": --quantize int4 at load (every projection of the text model: attention, GDN, MLP, experts, shared
+    expert; the router, the shared-expert gate, embeddings and head stay in dtype)."""
+    shapes = mlp_run_shapes(m, shared=quantization == "int4")
+    if quantization == "int4":
+        shapes += mixer_run_shapes(m)
+    q = sum(n * k for n, k in shapes)
+    return (param_count(m) - q) * dtype_bytes(dtype) + sum(int4_run_bytes(n, k) for n, k in shapes), q
+
+
 @dataclass(frozen=True)
 class Pool:
     """How a byte budget splits into pages and GDN slots for one layout.

@@ -214,6 +214,8 @@ def _layer_tensors(cfg: ModelConfig, model: HybridModel, i: int, keys: set[str],
         if a + "in_proj_qkvz.weight" in keys or cfg.model_type == "qwen3_next":
             if a + "in_proj_qkvz.weight_scale_inv" in keys:  # its per-key-head grouping cuts through 128-row blocks
                 raise WeightsError(f"{a}in_proj_qkvz: block-FP8 qwen3_next GDN projections are not supported")
+            if a + "in_proj_qkvz.qweight" in keys or a + "in_proj_ba.qweight" in keys:
+                raise WeightsError(f"{a}in_proj_qkvz: GPTQ qwen3_next GDN projections are not supported")
             qw, kw, vw, zw = unfuse_qkvz(take(a + "in_proj_qkvz.weight"), hk, dk, hv, dv)
             bw, aw = unfuse_ba(take(a + "in_proj_ba.weight"), hk, hv)
             parts = [qw, kw, vw, zw, bw, aw]
@@ -279,6 +281,9 @@ def load_model(path: str, dtype: str = "auto", device: str | torch.device = "cpu
     compiled linear_bf16, else oneDNN's layout); None = wherever it applies (bf16 on a CPU).
     Block-FP8 models (model/quant.py): the linears stay fp8 for the compiled linear_fp8 (bf16 on a CPU);
     dequantize=True, another dtype or device, or no compiled kernel: dequantized to the model dtype at load.
+    GPTQ-Int4 models (model/gptq.py): each module holding .qweight becomes an Int4Weight for the compiled
+    linear_int4 (bf16 on a CPU, packed); dequantize=True, another dtype or device, prepack=False or no compiled
+    kernel: dequantized to the model dtype at load.
     quantize_head: "none" | "fp8" | "int4" (the head quantized when packed: HybridModel.prepack_linears).
     quantize: "none" | "int4" | "int4-g32": every projection of the text model quantized to int4 as each layer is
     placed (a block-FP8 checkpoint's are dequantized first), run by the compiled linear_int4 (ops/int4.py);
@@ -352,18 +357,31 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
 
     def take(name: str) -> torch.Tensor:
         if name not in by_text:
+            module = name[:-len(".weight")] if name.endswith(".weight") else None
+            if module is not None and module + ".qweight" in by_text:  # GPTQ: X.qweight, X.qzeros, X.scales, X.g_idx
+                if name in ("lm_head.weight", "model.embed_tokens.weight"):
+                    raise WeightsError(f"model {path}: {module} is GPTQ-quantized; deltaserve loads a GPTQ model's "
+                                       "embedding and head unquantized (--quantize-head int4 quantizes the head)")
+                stored = {by_text[k]: by_text[k] for k in (f"{module}.{p}" for p in (*quant.GPTQ_PARTS, "bias"))
+                          if k in by_text}
+                return quant.gptq_take(by_text[module + ".qweight"][:-len(".qweight")], stored, weights.get, spec,
+                                       path)
             raise WeightsError(f"model {path} is missing tensor {name!r}")
+        if name.endswith(".weight") and name[:-len("weight")] + "qweight" in by_text:
+            raise WeightsError(f"model {path}: {by_text[name]} beside a GPTQ qweight: a module holds one or the other")
         scale = name + "_scale_inv"  # block-FP8: the weight's scales travel with it (model/quant.py)
         return quant.fp8_take(by_text[name], weights.get(by_text[name]),
                               weights.get(by_text[scale]) if scale in by_text else None, spec, path)
 
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # meta tensors: no memory
-    fp8 = None  # the compiled fp8 kernel, where the fp8 weights stay fp8
-    if spec is not None and not dequantize and tdtype == torch.bfloat16 and device.type == "cpu" and quantize == "none":
+    # the compiled quantized linears (fp8 and int4: one module), where the checkpoint's quantized weights stay as
+    # they are; None: they are dequantized to the model dtype as each group is placed. GPTQ-Int4 also needs the
+    # packing (an unpacked Int4Weight runs the torch reference: bit-exact but far too slow to serve)
+    gptq = isinstance(spec, quant.GptqSpec)
+    fp8 = None
+    if spec is not None and not dequantize and tdtype == torch.bfloat16 and device.type == "cpu" and \
+            quantize == "none" and not (gptq and prepack is False):
         fp8 = quant.fp8_kernel()
-    if spec is not None:
-        log.info("block-FP8 weights: %s", "linears kept in fp8 for the compiled linear_fp8" if fp8 is not None
-                 else f"dequantized to {tdtype} at load")
     placed: set[str] = set()
 
     def place(sd: dict[str, object]) -> None:
@@ -396,6 +414,12 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
                               f"{tdtype} on {model.device.type})".replace("torch.", ""))
     packing = model.packing(quantize_head, quantized=fp8 is not None, quantize=quantize) \
         if prepack is not False else None
+    if gptq and packing is None:
+        fp8 = None  # nothing would pack the int4 weights: dequantized (place reads fp8 as each group comes)
+    if spec is not None:
+        kept = "linears kept in fp8 for the compiled linear_fp8" if not gptq else \
+            "MLP / expert linears kept in int4 for the compiled linear_int4"
+        log.info("%s weights: %s", spec.name, kept if fp8 is not None else f"dequantized to {tdtype} at load")
 
     trimmed = [0]  # weights.read_bytes at the last trim
 

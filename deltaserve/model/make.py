@@ -183,7 +183,11 @@ def _vision_tensors(vc: VisionConfig, gen: torch.Generator, dtype: torch.dtype):
 # MoE router (mlp.gate) and the shared-expert gate
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_qkvz", "out_proj",
                "gate_proj", "up_proj", "down_proj")
-QUANTIZE = ("fp8",)
+QUANTIZE = ("fp8", "gptq-int4")
+# the linears Qwen's -GPTQ-Int4 models quantize: the dense MLP's and the routed experts' (the shared expert, every
+# attention and GDN projection, the MTP layer and the vision tower stay bf16: GPTQ_DYNAMIC's exclusions)
+GPTQ_LINEARS = ("gate_proj", "up_proj", "down_proj")
+GPTQ_GROUP = 128
 
 
 def _fp8_module(name: str, shape: tuple[int, ...]) -> str | None:
@@ -230,7 +234,57 @@ def quantize_state_dict(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return out, _fp8_config(_not_converted([(n, tuple(t.shape)) for n, t in sd.items()]))
 
 
-_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3"}
+def gptq_config(prefix: str) -> dict:
+    """Qwen's -GPTQ-Int4 quantization_config, its `dynamic` map in its order (the first matching rule decides);
+    prefix: the text model's ("model.language_model." in a multimodal checkpoint)."""
+    return {"quant_method": "gptq", "bits": 4, "group_size": GPTQ_GROUP, "sym": True, "desc_act": False,
+            "dynamic": {"lm_head": {}, prefix + "embed_tokens": {}, "-:.*attn.*": {}, "-:.*shared_expert.*": {},
+                        "-:.*mtp.*": {}, "-:.*visual.*": {}}}
+
+
+def _gptq_module(name: str, shape: tuple[int, ...], spec) -> str | None:
+    """The module whose weight `name` GPTQ-Int4 quantizes (None: the tensor stays as it is)."""
+    module, _, leaf = name.rpartition(".")
+    if leaf != "weight" or len(shape) != 2 or module.rsplit(".", 1)[-1] not in GPTQ_LINEARS:
+        return None
+    return module if spec.converts(module) else None
+
+
+def _gptq_layout(name: str, shape: tuple[int, ...]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    module = name[:-len(".weight")]
+    N, K = shape
+    G = -(-K // GPTQ_GROUP)
+    return [(module + ".qweight", (K // 8, N), torch.int32), (module + ".qzeros", (G, N // 8), torch.int32),
+            (module + ".scales", (G, N), torch.float16), (module + ".g_idx", (K,), torch.int32)]
+
+
+def _gptq_quantized(tensors, spec):
+    """The GPTQ-Int4 writer on a stream of (name, tensor): gptq.quantize_gptq (round to nearest, symmetric, fp16
+    scales, v1 zeros) of each _gptq_module weight, in _gptq_layout's order."""
+    from .gptq import quantize_gptq
+
+    for name, t in tensors:
+        if _gptq_module(name, tuple(t.shape), spec) is None:
+            yield name, t
+        else:
+            q = quantize_gptq(t, GPTQ_GROUP)
+            for key, _, _ in _gptq_layout(name, tuple(t.shape)):
+                yield key, q[key.rpartition(".")[2]]
+
+
+def _sorted_config(obj, key: str = ""):
+    """The config with its keys sorted (as json's sort_keys), except a GPTQ `dynamic` map, whose order is its
+    meaning."""
+    if isinstance(obj, list):
+        return [_sorted_config(v) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    items = obj.items() if key == "dynamic" else sorted(obj.items())
+    return {k: _sorted_config(v, k) for k, v in items}
+
+
+_ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
+              torch.int32: "I32"}
 
 
 def _write_safetensors(path: str, layout: list[tuple[str, tuple[int, ...], torch.dtype]], tensors,
@@ -282,7 +336,10 @@ def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: st
     """Write config.json and model.safetensors (seeded random weights) to out_dir, in the Hugging Face format
     of hf_config's model_type (qwen3_5_text, qwen3_5_moe_text, qwen3_next, or the text part of qwen3_5 /
     qwen3_5_moe under model.language_model.*). quantize="fp8": the same weights in block-FP8 (Qwen's -FP8
-    format, quantize_state_dict), with its quantization_config."""
+    format, quantize_state_dict), with its quantization_config. quantize="gptq-int4": Qwen's -GPTQ-Int4 layout
+    (the dense MLP's and routed experts' gate / up / down as qweight, qzeros, fp16 scales and g_idx, symmetric,
+    groups of 128, v1 zeros; everything else bf16) by round to nearest: a test of the format, not a quality
+    quantizer (no calibration)."""
 
     if quantize not in (None, *QUANTIZE):
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE)}, not {quantize!r}")
@@ -301,9 +358,18 @@ def make_random_model(hf_config: dict, out_dir: str, seed: int = 0, quantize: st
                 quantized += [(name, shape, torch.float8_e4m3fn),
                               (module + ".weight_scale_inv", (-(-shape[0] // 128), -(-shape[1] // 128)), torch.float32)]
         layout, tensors = quantized, _quantized(tensors)
+    elif quantize == "gptq-int4":
+        from .gptq import read_gptq
+
+        prefix = "model.language_model." if config.get("model_type") in MULTIMODAL_MODEL_TYPES else "model."
+        config["quantization_config"] = gptq_config(prefix)
+        spec = read_gptq(config["quantization_config"])
+        layout = [x for name, shape, dtype in layout for x in
+                  ([(name, shape, dtype)] if _gptq_module(name, shape, spec) is None else _gptq_layout(name, shape))]
+        tensors = _gptq_quantized(tensors, spec)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
+        json.dump(_sorted_config(config), f, indent=2)
         f.write("\n")
     # streamed, one tensor at a time: a model larger than half the machine's memory can be made
     _write_safetensors(os.path.join(out_dir, "model.safetensors"), layout, tensors, {"format": "pt"})

@@ -1,6 +1,9 @@
 """Quantized models: which quantization_config deltaserve loads, and how its tensors become layer weights.
 
-Supported: Hugging Face block-FP8, the format of Qwen's -FP8 models (transformers' FineGrainedFP8Config):
+Supported: Hugging Face block-FP8 (below) and GPTQ-Int4, the format of Qwen's -GPTQ-Int4 models (model/gptq.py:
+quant_method "gptq", 4 bits, X.qweight / X.qzeros / X.scales / X.g_idx unpacked into an Int4Weight by gptq_take).
+
+Block-FP8, the format of Qwen's -FP8 models (transformers' FineGrainedFP8Config):
 
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                             "weight_block_size": [128, 128], "modules_to_not_convert": [...]}
@@ -21,11 +24,14 @@ import torch
 
 from ..config import ConfigError
 from .errors import WeightsError
+from .gptq import SUPPORTED as GPTQ_SUPPORTED
+from .gptq import GptqSpec, read_gptq, unpack_gptq
 from .ops.fp8 import BLOCK, FP8, Fp8Weight, SplitWeight, dequantize_weight, fp8_kernel, is_quantized  # noqa: F401
 from .ops.int4 import Int4Weight
 
-SUPPORTED = ("block-FP8 only: quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128], activation_scheme "
-             "'dynamic', weight_scale_inv in fp32 or bf16 (the format of Qwen's -FP8 models)")
+FP8_SUPPORTED = ("block-FP8: quant_method 'fp8', fmt 'e4m3', weight_block_size [128, 128], activation_scheme "
+                 "'dynamic', weight_scale_inv in fp32 or bf16 (the format of Qwen's -FP8 models)")
+SUPPORTED = f"{FP8_SUPPORTED}; or {GPTQ_SUPPORTED}"
 _KEYS = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert", "ignored_layers",
          "scale_fmt", "modules_to_convert", "dequantize", "expert_dtype"}
 
@@ -35,6 +41,7 @@ class Fp8Spec:
     """A model's block-FP8 quantization_config (validated)."""
 
     not_convert: tuple[str, ...] = ()
+    name = "block-FP8"
 
     def converts(self, module: str) -> bool:
         """transformers' should_convert_module: a pattern matching the module's name from its start up to a module
@@ -43,9 +50,10 @@ class Fp8Spec:
         return not any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in self.not_convert)
 
 
-def read_quantization(hf: dict) -> Fp8Spec | None:
-    """The model's quantization (config.json's quantization_config, top level or in text_config); None when
-    it has none. Raises ConfigError naming what is supported for anything else."""
+def read_quantization(hf: dict) -> Fp8Spec | GptqSpec | None:
+    """The model's quantization (config.json's quantization_config, top level or in text_config): an Fp8Spec, a
+    GptqSpec (model/gptq.py read_gptq), or None when it has none. Raises ConfigError naming what is supported for
+    anything else."""
     qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
     if qc is None:
         return None
@@ -56,6 +64,8 @@ def read_quantization(hf: dict) -> Fp8Spec | None:
         return ConfigError(f"quantization_config: {what} is not supported; deltaserve loads {SUPPORTED}")
 
     method = qc.get("quant_method")
+    if method == "gptq":
+        return read_gptq(qc)
     if method != "fp8":
         raise refuse(f"quant_method {method!r}")
     unknown = sorted(set(qc) - _KEYS)
@@ -87,12 +97,15 @@ def fp8_take(key: str, t: torch.Tensor, scale: torch.Tensor | None, spec: Fp8Spe
     module = key[:-len(".weight")] if key.endswith(".weight") else key
     if t.dtype != FP8:
         if scale is not None:
-            raise WeightsError(f"model {path}: {key} is {t.dtype} but has a weight_scale_inv ({SUPPORTED})")
+            raise WeightsError(f"model {path}: {key} is {t.dtype} but has a weight_scale_inv ({FP8_SUPPORTED})")
         if t.dtype.is_floating_point and t.element_size() == 1:
-            raise WeightsError(f"model {path}: {key} is {t.dtype}; deltaserve loads {SUPPORTED}")
+            raise WeightsError(f"model {path}: {key} is {t.dtype}; deltaserve loads {FP8_SUPPORTED}")
         return t
     if spec is None:
         raise WeightsError(f"model {path}: {key} is float8_e4m3fn but config.json has no quantization_config")
+    if not isinstance(spec, Fp8Spec):
+        raise WeightsError(f"model {path}: {key} is float8_e4m3fn but config.json's quantization_config is "
+                           f"{spec.name}")
     if not key.endswith(".weight") or t.dim() != 2:
         raise WeightsError(f"model {path}: {key} {tuple(t.shape)} is float8; deltaserve loads fp8 only as "
                            "2-D linear weights (X.weight with X.weight_scale_inv; fused 3-D experts are not supported)")
@@ -102,7 +115,7 @@ def fp8_take(key: str, t: torch.Tensor, scale: torch.Tensor | None, spec: Fp8Spe
         raise WeightsError(f"model {path}: {module} is quantized but quantization_config.modules_to_not_convert "
                            "lists it")
     if scale.dtype not in (torch.float32, torch.bfloat16):
-        raise WeightsError(f"model {path}: {module}.weight_scale_inv is {scale.dtype}; {SUPPORTED}")
+        raise WeightsError(f"model {path}: {module}.weight_scale_inv is {scale.dtype}; {FP8_SUPPORTED}")
     try:
         w = Fp8Weight.from_block_scales(t, scale.float(), key)
     except ValueError as e:
@@ -111,6 +124,33 @@ def fp8_take(key: str, t: torch.Tensor, scale: torch.Tensor | None, spec: Fp8Spe
     if nan:
         raise WeightsError(f"model {path}: {key} holds {nan} NaN codes")
     return w
+
+
+GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
+
+
+def gptq_take(module: str, stored: dict[str, str], get, spec, path: str) -> Int4Weight | None:
+    """A GPTQ-Int4 linear `module` (its stored name) as an Int4Weight, or None where the module holds no .qweight
+    (its .weight is read as it is: a bf16 weight is fine wherever it is). stored: tensor name -> its key in the
+    checkpoint (present ones only); get(key) reads one (marking it used). Raises WeightsError where the config is
+    not GPTQ, the dynamic rules exclude the module, it also holds .weight or a .bias, or a part is missing or
+    inconsistent (gptq.unpack_gptq)."""
+    if module + ".qweight" not in stored:
+        return None
+    if not isinstance(spec, GptqSpec):
+        raise WeightsError(f"model {path}: {module}.qweight (GPTQ) but config.json's quantization_config is "
+                           f"{'absent' if spec is None else spec.name}")
+    if not spec.converts(module):
+        raise WeightsError(f"model {path}: {module} is quantized (it holds qweight) but quantization_config.dynamic "
+                           "excludes it")
+    for extra in ("weight", "bias"):
+        if module + "." + extra in stored:
+            raise WeightsError(f"model {path}: {module} holds qweight and a {extra} ({GPTQ_SUPPORTED})")
+    for part in GPTQ_PARTS[:3]:
+        if module + "." + part not in stored:
+            raise WeightsError(f"model {path}: {module} holds qweight without {module}.{part}")
+    t = {p: get(stored[module + "." + p]) if module + "." + p in stored else None for p in GPTQ_PARTS}
+    return unpack_gptq(t["qweight"], t["qzeros"], t["scales"], t["g_idx"], spec, f"model {path}: {module}")
 
 
 def stack(parts: list) -> torch.Tensor | list:

@@ -76,14 +76,17 @@ def resolve_model(spec: str | None) -> ModelSource:
 
 
 def _config_quantization(src: ModelSource) -> str | None:
-    """"fp8" when the model's config.json declares a block-FP8 quantization_config, else None."""
+    """"fp8" / "gptq-int4" when the model's config.json declares a block-FP8 / GPTQ quantization_config, else
+    None."""
     if src.kind not in ("checkpoint", "config") or not os.path.isfile(src.source):
         return None  # a ModelConfig handed over in code has no config.json to read
     with open(src.source) as f:
         hf = json.load(f)
     qc = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config") or {}
-    return "fp8" if qc.get("quant_method") == "fp8" else None
+    return {"fp8": "fp8", "gptq": "gptq-int4"}.get(qc.get("quant_method"))
 
+
+QUANTIZATIONS = ("fp8", "gptq-int4", "int4")  # --quantization
 
 safetensors_header = R.safetensors_header  # the one header reader (safetensors_header.py), ConfigError on a bad file
 
@@ -144,7 +147,8 @@ def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, s
     m = src.config
     images = dict(inputs.limit_mm_per_prompt).get("image", 0) > 0
     total = None
-    if src.model_dir is not None and inputs.weight_bytes is None and inputs.num_params is None:
+    if src.model_dir is not None and inputs.weight_bytes is None and inputs.num_params is None and \
+            inputs.quantization != "int4":
         total = R.weights_as_run(src.model_dir, m, model_dtype, images=images, mtp=inputs.num_speculative_tokens > 0,
                                  quantize_head=inputs.quantize_head)
     how = [f"safetensors headers in {src.model_dir}"] if total is not None else ["the stored-weight estimate"]
@@ -154,6 +158,8 @@ def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, s
             total -= src.vision.num_params() * S.dtype_bytes(model_dtype)
     if inputs.quantize_head == "fp8":
         how.append("the head in block-FP8 (--quantize-head fp8)")
+    elif inputs.quantize_head == "int4":
+        how.append("the head in int4 (--quantize-head int4)")
     elif model_dtype == "bfloat16" and m.tie_word_embeddings:
         how.append("the tied head's packed copy")
     if src.vision is not None:
@@ -192,7 +198,9 @@ class PlanInputs:
     weight_bytes: int | None = None
     num_params: int | None = None
     weight_dtype: str | None = None
-    quantization: str | None = None  # "fp8": the weights in block-FP8 (sizing.fp8_weight_bytes)
+    # "fp8": the weights in block-FP8 (sizing.fp8_weight_bytes); "gptq-int4": a GPTQ-Int4 checkpoint, "int4":
+    # --quantize int4 at load (sizing.int4_weight_bytes: int4 linears as linear_int4 holds them)
+    quantization: str | None = None
     # geometry and blocks
     tensor_parallel_size: int = 1
     block_size: int | None = None
@@ -347,8 +355,10 @@ def _count_weights(src: ModelSource, inputs: PlanInputs,
         skip = ("mtp.",) if inputs.num_speculative_tokens == 0 else ()  # speculation loads the MTP head
         weights = model_weight_bytes(src.model_dir, skip)
     quant = inputs.quantization or _config_quantization(src)
-    if quant not in (None, "fp8"):
-        raise ConfigError(f"--quantization must be fp8, not {quant!r}")
+    if quant not in (None, *QUANTIZATIONS):
+        raise ConfigError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, not {quant!r}")
+    if quant == "int4" and inputs.weight_bytes is None and num_params is None:
+        weights = None  # quantized at load: the checkpoint's headers hold bf16, the weights as run are int4
     vision = src.vision.num_params() if src.vision is not None else 0  # the encoder stays in the model dtype
     and_vision = f", the vision encoder's {vision:,} included" if vision else \
         ", the vision encoder left out (its size is unknown)" if src.vision_unknown is not None else ""
@@ -359,6 +369,15 @@ def _count_weights(src: ModelSource, inputs: PlanInputs,
                               f"block-FP8: {q:,} linear parameters x 1 B + a fp32 scale per 128 x 128 "
                               f"block, the other {params - q:,} x {model_dtype} (parameters from config.json"
                               f"{and_vision})")
+    if weights is None and quant in ("gptq-int4", "int4") and num_params is None:
+        params = S.param_count(m) + vision
+        int4_bytes, q = S.int4_weight_bytes(m, model_dtype, quant)
+        what = "GPTQ-Int4 (the dense MLP and routed experts)" if quant == "gptq-int4" else \
+            "--quantize int4 (every projection)"
+        weights = WeightBytes(int4_bytes + vision * S.dtype_bytes(model_dtype),
+                              f"{what}: {q:,} linear parameters as linear_int4 holds them (per row and 128 k: "
+                              f"64 B codes, a zero byte, a fp32 scale), the other {params - q:,} x {model_dtype} "
+                              f"(parameters from config.json{and_vision})")
     if weights is None:
         params = int(num_params) if num_params is not None else S.param_count(m) + vision
         wdt = S.normalize_dtype(inputs.weight_dtype) if inputs.weight_dtype else model_dtype
@@ -521,7 +540,8 @@ def format_table(r: dict[str, Any]) -> str:
     row("model", f"{md['name']} ({md['kind']}) · {md['model_type']} · {md['num_hidden_layers']} layers: "
                  f"{md['gdn_layers']} GDN + {md['attention_layers']} attention")
     row("per TP rank", f"--tensor-parallel-size {r['tensor_parallel_size']} (heads divide by it)")
-    fp8 = " (linears block-FP8)" if r.get("weight_quantization") == "fp8" else ""
+    fp8 = {"fp8": " (linears block-FP8)", "gptq-int4": " (MLP / experts GPTQ-Int4)",
+           "int4": " (projections int4)"}.get(r.get("weight_quantization"), "")
     row("dtypes", f"weights {dt['model']}{fp8} · KV {dt['kv_cache']} · conv {dt['mamba_cache']} · "
                   f"SSM {dt['mamba_ssm_cache']} ({dt['mamba_ssm_cache_source']})")
     out.append("")
@@ -622,9 +642,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="total weight bytes (default: the checkpoint's safetensors headers, else parameters x dtype)")
     ap.add_argument("--num-params", type=parse_count, default=None, help="parameter count, e.g. 27B")
     ap.add_argument("--weight-dtype", default=None, help="dtype for --num-params (default the model dtype)")
-    ap.add_argument("--quantization", choices=("fp8",), default=None,
-                    help="count the weights as a block-FP8 checkpoint (Qwen's -FP8 format: quantized linears at "
-                         "1 B + scales); default: the config.json's quantization_config")
+    ap.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                    help="count the weights as a block-FP8 checkpoint (fp8: Qwen's -FP8 format, quantized linears at "
+                         "1 B + scales), a GPTQ-Int4 one (gptq-int4: Qwen's -GPTQ-Int4 format, the MLP and experts "
+                         "int4), or as --quantize int4 runs them (int4: every projection int4); int4 weights are "
+                         "counted as linear_int4 holds them (69 B per row and 128 k); default: the config.json's "
+                         "quantization_config")
     ap.add_argument("--reserve", type=parse_bytes, default=0,
                     help="bytes for activations, graphs and other runtime reserves (not modeled; default 0)")
     ap.add_argument("--host-memory", type=parse_bytes, default=None,
