@@ -104,7 +104,8 @@ def check_memory(path: str, mc: ModelConfig, config: EngineConfig, dtype: str, d
     if not os.path.isdir(path):
         return
     weights = weights_as_run(path, mc, dtype, images=config.mm_limit("image") > 0,
-                             mtp=config.speculative_config is not None, quantize_head=config.quantize_head)
+                             mtp=config.speculative_config is not None, quantize_head=config.quantize_head,
+                             quantize=config.quantize)
     if weights is None:
         return
     pool, free = config.kv_cache_memory or 0, available_bytes(device)

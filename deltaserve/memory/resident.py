@@ -90,11 +90,13 @@ def head_extra(m: ModelConfig, model_dtype: str, quantize_head: str = "none") ->
 
 
 def weights_as_run(model_dir: str, m: ModelConfig, model_dtype: str, *, images: bool = True, mtp: bool = False,
-                   quantize_head: str = "none") -> int | None:
+                   quantize_head: str = "none", quantize: str = "none") -> int | None:
     """The weights as `deltaserve serve` holds them on a CPU (model/loader.py), from the safetensors headers in
     model_dir (None where it has none): fp8 codes with linear_fp8's scales, bf16 linears packed (the same bytes
     and the packing's row padding), the vision encoder only while images are on, the MTP layers only for
-    speculative decoding, a tied checkpoint's lm_head.weight ignored, and the head as head_extra says."""
+    speculative decoding, a tied checkpoint's lm_head.weight ignored, and the head as head_extra says.
+    quantize "int4" / "int4-g32" (int4 at load, of a bf16 checkpoint): the text model's projections as linear_int4
+    holds them (sizing.int4_weight_bytes) in place of their stored bytes."""
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
     if not files:
         return None
@@ -125,7 +127,10 @@ def weights_as_run(model_dir: str, m: ModelConfig, model_dtype: str, *, images: 
             else:
                 start, end = info["data_offsets"]
                 total += end - start
-    if model_dtype == "bfloat16" and not fp8:
+    if quantize != "none" and not fp8 and not gptq:  # every projection int4: no bf16 packing padding either
+        group = 32 if quantize == "int4-g32" else S.INT4_GROUP
+        total += S.int4_weight_bytes(m, model_dtype, "int4", group)[0] - S.param_count(m) * S.dtype_bytes(model_dtype)
+    elif model_dtype == "bfloat16" and not fp8:
         total += packing_padding(m, S.dtype_bytes(model_dtype), mlp=not gptq)
     return total + head_extra(m, model_dtype, quantize_head)
 

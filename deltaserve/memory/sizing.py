@@ -299,17 +299,17 @@ def mixer_run_shapes(m: ModelConfig) -> list[tuple[int, int]]:
     return out
 
 
-def int4_weight_bytes(m: ModelConfig, dtype: str, quantization: str) -> tuple[int, int]:
+def int4_weight_bytes(m: ModelConfig, dtype: str, quantization: str, group: int = INT4_GROUP) -> tuple[int, int]:
     """(weight bytes as run, int4 parameters) of the text model with int4 linears packed for linear_int4 (groups
     of 128), every other parameter at `dtype`. quantization "gptq-int4": Qwen's -GPTQ-Int4 checkpoints (the dense
     MLP and the routed experts int4; attention, GDN, the shared expert, the router, embeddings and head bf16);
     "int4": --quantize int4 at load (every projection of the text model: attention, GDN, MLP, experts, shared
-    expert; the router, the shared-expert gate, embeddings and head stay in dtype)."""
+    expert; the router, the shared-expert gate, embeddings and head stay in dtype); group: 32 for int4-g32."""
     shapes = mlp_run_shapes(m, shared=quantization == "int4")
     if quantization == "int4":
         shapes += mixer_run_shapes(m)
     q = sum(n * k for n, k in shapes)
-    return (param_count(m) - q) * dtype_bytes(dtype) + sum(int4_run_bytes(n, k) for n, k in shapes), q
+    return (param_count(m) - q) * dtype_bytes(dtype) + sum(int4_run_bytes(n, k, group) for n, k in shapes), q
 
 
 @dataclass(frozen=True)

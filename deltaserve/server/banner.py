@@ -65,7 +65,10 @@ def _quantization(eng: Any) -> str:
             spec = read_quantization(json.load(f))
     except (OSError, ValueError):
         spec = None
-    parts = ["block-FP8 linears (the checkpoint's)"] if spec is not None else []
+    from ..model.gptq import GptqSpec
+
+    kind = "GPTQ-Int4 MLP / expert linears" if isinstance(spec, GptqSpec) else "block-FP8 linears"
+    parts = [f"{kind} (the checkpoint's)"] if spec is not None else []
     if eng.config.quantize != "none":
         parts.append(f"projections {eng.config.quantize} at load (--quantize)")
     if eng.config.quantize_head != "none":
