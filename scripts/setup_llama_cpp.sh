@@ -22,6 +22,10 @@
 #   2. when the file is not there, the extra indexes: $PIP_EXTRA_INDEX_URL, else install.extra-index-url,
 #      else global.extra-index-url (the first that is set; each may list several).
 # The log line names the index the file came from. The build takes about 15-20 minutes on 2 cores (nice'd).
+# LLAMA_CPP_CMAKE_ARGS adds configure flags, e.g. a build without AMX for a VM that advertises AMX but faults on it
+# (ggml's AMX kernels then die of SIGILL and the benchmark falls back to --no-repack, its slower kernels):
+#   LLAMA_CPP_CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+#     -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON" scripts/setup_llama_cpp.sh ~/.cache/deltaserve/llama.cpp/b11434-noamx
 set -euo pipefail
 
 DOWNLOAD_ONLY=0
@@ -86,7 +90,8 @@ fi
 
 log "configuring ($DIR/build)"
 nice -n 10 cmake -S "$DIR/src" -B "$DIR/build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF >"$DIR/configure.log" 2>&1 \
+  -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF ${LLAMA_CPP_CMAKE_ARGS:-} \
+  >"$DIR/configure.log" 2>&1 \
   || { tail -30 "$DIR/configure.log" >&2; exit 1; }
 log "building llama-server and llama-quantize with $JOBS jobs (about 20 minutes on 2 cores; log $DIR/build.log)"
 nice -n 10 cmake --build "$DIR/build" --target llama-server llama-quantize -j "$JOBS" >"$DIR/build.log" 2>&1 \

@@ -55,7 +55,7 @@ SHAPES = [(1, 32), (15, 96), (16, 128), (17, 130), (33, 200), (130, 1024), (48, 
 
 @pytest.mark.parametrize("build_path", build_paths())
 @pytest.mark.parametrize("N,K", SHAPES)
-@pytest.mark.parametrize("group,sym", [(128, True), (32, False), (64, False)])
+@pytest.mark.parametrize("group,sym", [(128, True), (32, False), (64, False), (256, False)])
 def test_matches_the_reference_bit_for_bit(build_path, N, K, group, sym):
     e, path = ext_path(build_path)
     w = weight(N, K, group, sym, seed=N * 7 + K)
@@ -80,13 +80,13 @@ def test_activation_codes_are_the_reference_quantizers(ext):
     x = rand(6, 100, seed=3) * torch.tensor([1e-30, 1.0, 1e4, 0.0, 3.0, 1.0])[:, None]
     x[5, :40] = torch.tensor([127.0, 63.5, -63.5, 0.5] * 10)  # halves after the division: round half to even
     x = x.to(torch.bfloat16)
-    for kp in (128, 160):
-        got, want = ext.quantize_int8_rows(x, kp), quantize_activations(x, kp)
+    for kp, sub in ((128, 32), (160, 32), (128, 128), (256, 128), (192, 64)):
+        got, want = ext.quantize_int8_rows(x, kp, sub), quantize_activations(x, kp, sub)
         for a, b in zip(got, want):
             assert torch.equal(a, b)
-    q, s, total = want
-    assert (q[3] == 0).all() and (s[3] == 0).all() and (q[:, 100:] == 0).all()
-    assert torch.equal(total, q.view(6, -1, 32).sum(-1, dtype=torch.int32))
+        q, s, total = want
+        assert (q[3] == 0).all() and (s[3] == 0).all() and (q[:, 100:] == 0).all()
+        assert torch.equal(total, q.view(6, -1, sub).sum(-1, dtype=torch.int32))
 
 
 def test_the_format_means_what_it_says():

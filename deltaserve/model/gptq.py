@@ -30,7 +30,7 @@ import torch
 
 from ..config import ConfigError
 from .errors import WeightsError
-from .ops.int4 import SUB, Int4Weight, cdiv
+from .ops.int4 import SUB, Int4Weight, cdiv, whole_row_group
 
 SUPPORTED = ("GPTQ-Int4: quant_method 'gptq', bits 4, group_size a multiple of 32 (or -1: one group per row), "
              "sym true or false, desc_act false (or true with a trivial g_idx), checkpoint_format 'gptq' or "
@@ -76,8 +76,8 @@ def read_gptq(qc: dict) -> GptqSpec:
     if bits != 4:
         raise refuse(f"bits {bits!r}")
     group = qc.get("group_size", 128)
-    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or (group > 0 and group % SUB == 0)):
-        raise refuse(f"group_size {group!r} (the int4 kernel takes groups of a multiple of 32 k)")
+    if not isinstance(group, int) or isinstance(group, bool) or not (group == -1 or (group > 0 and group % SUB == 0 and (group <= 128 or group % 128 == 0))):
+        raise refuse(f"group_size {group!r} (the int4 kernel takes groups of a multiple of 32 k, of 128 above 128)")
     sym, desc_act = qc.get("sym", True), qc.get("desc_act", False)
     if not isinstance(sym, bool) or not isinstance(desc_act, bool):
         raise refuse(f"sym {sym!r} / desc_act {desc_act!r} (booleans)")
@@ -138,7 +138,7 @@ def unpack_gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     if qweight.dtype != torch.int32 or qweight.dim() != 2:
         raise bad(f"qweight is {qweight.dtype} {tuple(qweight.shape)}; GPTQ-Int4 packs 8 codes per int32, [K / 8, N]")
     K, N = qweight.shape[0] * 8, qweight.shape[1]
-    group = spec.group_size if spec.group_size != -1 else cdiv(K, SUB) * SUB  # per-channel: one group per row
+    group = spec.group_size if spec.group_size != -1 else whole_row_group(K)  # per-channel: one group per row
     G = cdiv(K, group)
     if qzeros.dtype != torch.int32 or tuple(qzeros.shape) != (G, cdiv(N, 8)) or N % 8:
         raise bad(f"qzeros is {qzeros.dtype} {tuple(qzeros.shape)}; a [{K}, {N}] weight in groups of "

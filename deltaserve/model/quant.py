@@ -183,7 +183,7 @@ def install(model: torch.nn.Module, weights: dict[str, object]) -> None:
         setattr(mod, attr, w)
 
 
-def pack(module: torch.nn.Module, fp8_ext, bf16_ext, path: str = "") -> int:
+def pack(module: torch.nn.Module, fp8_ext, bf16_ext, path: str = "", int4_path: str = "int4") -> int:
     """Pack the quantized weights among module's PACKABLE attributes for the compiled kernels, to run on linear_fp8's
     `path` ("" its default); returns how many."""
     n = 0
@@ -194,10 +194,10 @@ def pack(module: torch.nn.Module, fp8_ext, bf16_ext, path: str = "") -> int:
                 x.pack(fp8_ext, path)
                 n += 1
             elif isinstance(x, Int4Weight) and x.packed is None:
-                x.pack(fp8_ext)
+                x.pack(fp8_ext, int4_path)
                 n += 1
             elif isinstance(x, SplitWeight):
-                x.pack(fp8_ext, bf16_ext, path)
+                x.pack(fp8_ext, bf16_ext, path, int4_path)
                 n += 1
     return n
 

@@ -27,7 +27,7 @@ from .mtp import MTPHead
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
-from .ops.int4 import Int4Weight, cat_int4
+from .ops.int4 import Int4Weight, cat_int4, int4_path_for
 from .ops.linear import linear
 from .ops.packed import PackedWeight, can_prepack
 from .ops.table import Ops
@@ -59,6 +59,7 @@ class Packing(NamedTuple):
     fp8_ext: object
     fp8_path: str
     int4_group: int = 0
+    int4_path: str = "int4"  # linear_int4's path (ops/int4.py int4_path_for)
 
 
 def _consecutive(xs: list[int]) -> tuple[int, int] | None:
@@ -310,8 +311,9 @@ class HybridModel(nn.Module):
         fp8_path = path_for(fp8_ext, kernels.isa) if fp8_ext is not None else ""  # amx: AMX tiles for fp8 too
         if fp8_ext is not None:
             log.info("fp8 linear: path %s; int4 linear: path %s", fp8_path or fp8_ext.fp8_paths()[0],
-                     fp8_ext.int4_paths()[0])
-        return Packing(ext, fp8_ext, fp8_path, int4_group)
+                     int4_path_for(fp8_ext, kernels.isa))
+        int4_path = int4_path_for(fp8_ext, kernels.isa) if fp8_ext is not None else "int4"
+        return Packing(ext, fp8_ext, fp8_path, int4_group, int4_path)
 
     @staticmethod
     def pack_module(module: nn.Module, packing: Packing) -> None:
@@ -328,12 +330,12 @@ class HybridModel(nn.Module):
         if names:
             prepack(module, names, packing.ext)
         if packing.fp8_ext is not None:
-            quant.pack(module, packing.fp8_ext, packing.ext, packing.fp8_path)
+            quant.pack(module, packing.fp8_ext, packing.ext, packing.fp8_path, packing.int4_path)
 
     def pack_head(self, packing: Packing, quantize_head: str = "none") -> None:
         """Pack the head (an untied lm_head leaves the parameters; a tied one stays the embedding beside its
         packed copy), or quantize it to block-FP8 (quantize_head "fp8")."""
-        ext, fp8_ext, fp8_path, _ = packing
+        ext, fp8_ext, fp8_path, _, int4_path = packing
         head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
         if quantize_head == "none":
             self.packed_head = PackedWeight(head, ext)
@@ -344,7 +346,7 @@ class HybridModel(nn.Module):
             parts = [Int4Weight.quantize(head.detach()[r: r + rows], 128, sym=False)
                      for r in range(0, head.shape[0], rows)]
             self.packed_head = cat_int4(parts)
-            self.packed_head.pack(fp8_ext)
+            self.packed_head.pack(fp8_ext, int4_path)
             log.info("LM head quantized to int4 (%s MB, was %s MB in bf16)",
                      f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
         else:  # the projections' packing names linear_kind; the head is not packed in bf16 at all

@@ -249,14 +249,14 @@ class SplitWeight:
     def nbytes(self) -> int:
         return sum(weight_nbytes(p) for p in self.parts)
 
-    def pack(self, fp8_ext, bf16_ext, path: str = "") -> None:
+    def pack(self, fp8_ext, bf16_ext, path: str = "", int4_path: str = "int4") -> None:
         """fp8 parts for fp8_ext's linear_fp8 `path`, bf16 parts for bf16_ext; parts packed already stay as they are
         (the streaming loader packs each layer as it is placed, then sweeps the whole model once)."""
         for i, p in enumerate(self.parts):
             if isinstance(p, Fp8Weight) and p.packed is None:
                 p.pack(fp8_ext, path)
             elif isinstance(p, Int4Weight) and p.packed is None:
-                p.pack(fp8_ext)
+                p.pack(fp8_ext, int4_path)
             elif isinstance(p, torch.Tensor):
                 self.parts[i] = PackedWeight(p, bf16_ext)
 

@@ -10,7 +10,7 @@ at load (quantize_int4: round to nearest, symmetric with zero 8 or with a zero p
     linear_int4_reference(x, codes, zeros, scales, group) # the compiled kernel's terms in plain torch: its very bits
     Int4Weight(codes, zeros, scales, group).pack(ext)     # packed once for csrc/linear_int4.cpp
 
-The kernel (csrc/linear_int4.cpp) quantizes each activation row to int8 per 32 k (that row's own absmax / 127,
+The kernel (csrc/linear_int4.cpp) quantizes each activation row to int8 per min(group, 128) k (that row's own absmax / 127,
 round half to even), sums code x activation in integers (exact), and scales per 32 k and per group in fp32 in one
 fixed order. linear_int4_reference does the same operations with torch, so the kernel, every one of its paths,
 and the reference agree bit for bit, at any batch and any thread count. Against the dequantized weight's bf16
@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import torch
 
-SUB = 32  # k per activation sub-block: one int8 scale per row and 32 k
+SUB = 32  # the smallest group and activation sub-block
+SUB_MAX = 128  # the largest activation sub-block: one int8 scale per row and min(group, 128) k
 COLS = 16  # output rows per packed column block
 GROUPS = (32, 64, 128, 256)  # group sizes the kernel takes (any multiple of 32 would do; these are what formats use)
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def whole_row_group(k: int) -> int:
+    """The group of a per-channel weight (one scale per row): K rounded up to a group size the kernel takes."""
+    return cdiv(k, SUB) * SUB if k <= SUB_MAX else cdiv(k, SUB_MAX) * SUB_MAX
 
 
 # ---- the format --------------------------------------------------------------------------------------------
@@ -62,8 +68,8 @@ def quantize_int4(w: torch.Tensor, group: int = 128, sym: bool = True) -> tuple[
 def check_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, name: str = "weight") -> None:
     N, K = codes.shape
     G = cdiv(K, group)
-    if group % SUB or group <= 0:
-        raise ValueError(f"{name}: int4 group size {group}; the kernel takes multiples of 32")
+    if group % SUB or group <= 0 or (group > SUB_MAX and group % SUB_MAX):
+        raise ValueError(f"{name}: int4 group size {group}; the kernel takes multiples of 32 (of 128 above 128)")
     if codes.dtype != torch.uint8 or zeros.dtype != torch.uint8 or scales.dtype != torch.float32:
         raise ValueError(f"{name}: int4 codes / zeros must be uint8 and scales fp32")
     if tuple(zeros.shape) != (N, G) or tuple(scales.shape) != (N, G):
@@ -81,13 +87,18 @@ def dequantize_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tens
     return ((codes.float() - z) * s).to(dtype)
 
 
-def quantize_activations(x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq [M, kp] int8, xs [M, kp / 32] fp32, xsum [M, kp / 32] int32), the kernel's rule: per row
-    and 32 k, xs = amax / 127, xq = round-half-even(x / xs) (0 where amax is 0), zero past K."""
+def sub_for(group: int) -> int:
+    """The activation sub-block of a group size: min(group, 128) k share one int8 scale."""
+    return min(group, SUB_MAX)
+
+
+def quantize_activations(x: torch.Tensor, kp: int, sub: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq [M, kp] int8, xs [M, kp / sub] fp32, xsum [M, kp / sub] int32), the kernel's rule: per row
+    and sub k, xs = amax / 127, xq = round-half-even(x / xs) (0 where amax is 0), zero past K."""
     M, K = x.shape
     xf = torch.zeros(M, kp, dtype=torch.float32)
     xf[:, :K] = x.float()
-    b = xf.view(M, kp // SUB, SUB)
+    b = xf.view(M, kp // sub, sub)
     amax = b.abs().amax(dim=2)
     xs = amax / 127
     safe = torch.where(amax > 0, xs, torch.ones_like(xs))
@@ -98,25 +109,23 @@ def quantize_activations(x: torch.Tensor, kp: int) -> tuple[torch.Tensor, torch.
 def linear_int4_reference(x: torch.Tensor, codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor,
                           group: int) -> torch.Tensor:
     """x [M, K] @ dequant(w)^T -> [M, N] in x's dtype, by the kernel's own operations (csrc/linear_int4.cpp): the
-    integer sums in float64 (exact: every sum is below 2^18), then the same fp32 steps in the same order."""
+    integer sums in float64 (exact: every sum is below 2^20), then the same fp32 steps in the same order."""
     M, K = x.shape
     N = codes.shape[0]
     G = cdiv(K, group)
-    kp, nsub = G * group, group // SUB
-    xq, xs, xsum = quantize_activations(x, kp)
+    sub = sub_for(group)
+    kp, nsub = G * group, group // sub
+    xq, xs, xsum = quantize_activations(x, kp, sub)
     cf = torch.zeros(N, kp, dtype=torch.float64)
     cf[:, :K] = codes.double()
     # isum[m, n, sb] = sum over the sub-block of code * xq, exactly
-    isum = torch.einsum("msk,nsk->mns", xq.double().view(M, kp // SUB, SUB), cf.view(N, kp // SUB, SUB))
+    isum = torch.einsum("msk,nsk->mns", xq.double().view(M, kp // sub, sub), cf.view(N, kp // sub, sub))
     z = zeros.double().repeat_interleave(nsub, dim=1)  # [N, SB]
     isum = isum - z[None] * xsum.double()[:, None, :]
     t = isum.float() * xs[:, None, :]  # [M, N, SB], one fp32 rounding each
     y = None
-    for g in range(G):
-        gacc = t[:, :, g * nsub]
-        for b in range(1, nsub):
-            gacc = gacc + t[:, :, g * nsub + b]
-        u = gacc * scales[:, g].float()[None, :]
+    for sb in range(G * nsub):  # u_b = t_b * scale of b's group, summed in ascending order
+        u = t[:, :, sb] * scales[:, sb // nsub].float()[None, :]
         y = u if y is None else y + u
     return y.to(x.dtype)
 
@@ -164,6 +173,14 @@ class Int4Weight:
         else:
             y = linear_int4_reference(x2.to(torch.bfloat16), self.codes, self.zeros, self.scales, self.group)
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+
+def int4_path_for(ext, isa: str | None) -> str:
+    """The linear_int4 path a model on the decode kernels' instruction set `isa` runs: "int4:amx" (AMX-INT8 tiles from
+    16 rows on, the same bits) on the amx set where this process may use AMX, else "int4" (the build's best)."""
+    from .cpu_kernels import cpu_flags
+
+    return "int4:amx" if isa == "amx" and "int4:amx" in ext.int4_paths() and "amx_int8" in cpu_flags() else "int4"
 
 
 def cat_int4(parts: list[Int4Weight]) -> Int4Weight:
