@@ -40,10 +40,11 @@ class ArmMemory:
     pool: int
 
 
-def arm_memory(name: str, model_dir: str, pool: int, *, mtp: bool = False, quantize_head: str = "none") -> ArmMemory:
+def arm_memory(name: str, model_dir: str, pool: int, *, mtp: bool = False, quantize_head: str = "none",
+               quantize: str = "none") -> ArmMemory:
     """The arm's figures for a bf16 engine with images off (how bench throughput starts its arms)."""
     weights = weights_as_run(model_dir, ModelConfig.from_path(model_dir), "bfloat16", images=False, mtp=mtp,
-                             quantize_head=quantize_head) or 0
+                             quantize_head=quantize_head, quantize=quantize) or 0
     return ArmMemory(name, weights, pool)
 
 

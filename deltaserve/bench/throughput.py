@@ -420,6 +420,9 @@ def _check_arms_fit(args, grid: Grid) -> None:
     for flag, name, head in (("fp8", "deltaserve-fp8", "none"), ("fp8_head", "deltaserve-fp8-head", "fp8")):
         if getattr(args, flag, False):
             arms.append(arm_memory(name, made_apart(grid.preset, quantize="fp8"), pool, quantize_head=head))
+    for arm in getattr(args, "int4", None) or []:  # int4 at load: the bf16 checkpoint's weights as linear_int4 holds them
+        quantize, head = INT4_ARMS[arm]
+        arms.append(arm_memory(f"deltaserve-{arm}", grid.model_dir, pool, quantize_head=head, quantize=quantize))
     import torch
 
     try:
