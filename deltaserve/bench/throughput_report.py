@@ -354,7 +354,7 @@ def llama_cpp_targets(res: Results) -> list[str]:
             a, b = res.best.get((preset, label, ours)), res.best.get((preset, label, peer))
             if a and b:
                 out.append(f"- {preset} {label}: {ours} / {peer} {a / b:.2f}x "
-                           f"({'met' if a / b >= bar else 'missed'}, target >= {bar:.1f}x)")
+                           f"({'met' if a / b >= bar else 'missed'}, target >= {bar:g}x)")
     return out
 
 
