@@ -417,7 +417,9 @@ def _check_arms_fit(args, grid: Grid) -> None:
     arms = [arm_memory("deltaserve" if i == 0 else f"deltaserve-{isa}", grid.model_dir, pool)
             for i, isa in enumerate(args.cpu_isas) if not getattr(args, "no_bf16", False)]
     if args.speculative and args.draft_accept:  # the speculative arms share one engine, with the MTP layers
-        arms.append(arm_memory(f"deltaserve-mtp{args.speculative}", grid.model_dir, pool, mtp=True))
+        int4 = getattr(args, "speculative_int4", False)
+        arms.append(arm_memory(f"deltaserve{'-int4-head' if int4 else ''}-mtp{args.speculative}", grid.model_dir, pool,
+                               mtp=True, quantize="int4" if int4 else "none", quantize_head="int4" if int4 else "none"))
     for flag, name, head in (("fp8", "deltaserve-fp8", "none"), ("fp8_head", "deltaserve-fp8-head", "fp8")):
         if getattr(args, flag, False):
             arms.append(arm_memory(name, made_apart(grid.preset, quantize="fp8"), pool, quantize_head=head))
@@ -462,13 +464,16 @@ def _deltaserve_arms(args, res: Results, grid: Grid) -> list:
     first = None  # the speculative arms share the first one's engine
     for i, (p, rule) in enumerate(args.draft_accept if args.speculative else ()):  # an arm per drafter
         rule = "fixed" if getattr(args, "fixed_drafts", False) else rule
-        name = f"deltaserve-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}") + (f"-{rule}" if rule else "")
+        int4 = getattr(args, "speculative_int4", False)  # beside the deltaserve-int4-head arm, its plain counterpart
+        name = (f"deltaserve{'-int4-head' if int4 else ''}-mtp{args.speculative}" + ("" if p is None else f"-p{p:g}")
+                + (f"-{rule}" if rule else ""))
         if first is not None:
             arms.append(SpeculativePeer.sharing(first, p, name, i, rule=rule))
             res.arm_info[(grid.preset, name)] = arms[-1].info
             continue
         try:
-            arms.append(first := SpeculativePeer(grid.model_dir, args.speculative, p, rule=rule,
+            quant = {"quantize": "int4", "quantize_head": "int4"} if int4 else {}
+            arms.append(first := SpeculativePeer(grid.model_dir, args.speculative, p, rule=rule, **quant,
                                                  max_num_seqs=grid.max_seqs,
                                                  max_num_batched_tokens=grid.max_num_batched_tokens,
                                                  kv_cache_memory=grid.kv_cache_memory, name=name))
@@ -761,6 +766,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "-fixed drafts K every step (adaptive drafting off), -uncapped drafts by acceptance alone "
                         "(no max_verify_rows), e.g. 1,0.8,0,0-fixed "
                         "(default 1,0.7,0.4,0,mtp)")
+    p.add_argument("--speculative-int4", action="store_true",
+                   help="the speculative arms on the model quantized to int4 at load, head included (--quantize int4 "
+                        "--quantize-head int4; the MTP layer too): compare them with --int4 int4-head, their plain arm")
     p.add_argument("--images", type=_ints, default=[], metavar="N,..",
                    help="image rows (bench/vision.py): the vision encoder's images/s, and the time to first token of "
                         "a prompt with N images, cold and hit (the hit must skip the encoder and match cold bit for "

@@ -118,7 +118,7 @@ def _columns(res: Results) -> Columns:
             engines.insert(1, arm)
     # the speculative arms (--speculative K, one per drafter acceptance), after plain deltaserve, in run order
     spec = list(dict.fromkeys(e for (_, e) in list(res.arm_info) + list(res.unavailable)
-                              if e.startswith("deltaserve-mtp")))
+                              if e.startswith("deltaserve") and "-mtp" in e))
     engines[1:1] = spec
     ratio_pairs = []
     if "llama.cpp" in res.info.get("peers", []):
@@ -230,7 +230,7 @@ def _spec_table(res: Results) -> list[str]:
 def _spec_line(res: Results) -> list[str]:
     """The speculative arms' drafters: deltaserve-mtpK-pP drafts plain greedy's continuation, right with probability
     P; deltaserve-mtpK drafts with the model's MTP layer; each with the acceptance of its latest decode row."""
-    arms = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("deltaserve-mtp")]
+    arms = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("deltaserve") and "-mtp" in e]
     if not arms:
         return []
     parts = [f"{p} {e} accepted {v.get('acceptance')} of its drafts ({v.get('drafts_per_step')} a step)"
