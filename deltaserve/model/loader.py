@@ -414,6 +414,8 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
                               f"{tdtype} on {model.device.type})".replace("torch.", ""))
     packing = model.packing(quantize_head, quantized=fp8 is not None, quantize=quantize) \
         if prepack is not False else None
+    if quantize != "none" and packing is None:  # never serve bf16 weights the user asked to have in int4
+        raise ConfigError(f"--quantize {quantize}: this model cannot be packed here (bf16 weights on a CPU are needed)")
     if gptq and packing is None:
         fp8 = None  # nothing would pack the int4 weights: dequantized (place reads fp8 as each group comes)
     if spec is not None:

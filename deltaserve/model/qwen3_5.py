@@ -292,10 +292,10 @@ class HybridModel(nn.Module):
             return None
         kernels = self.decode_kernels or self.select_decode_kernels()
         ext = kernels.ext if kernels.compiled and kernels.ext.bf16_linear_available() else None
-        if ext is None and not can_prepack(self.dtype, self.device):
+        if ext is None and not can_prepack(self.dtype, self.device) and not INT4_GROUPS[quantize]:
             if quantize_head != "none":
                 raise ConfigError(f"--quantize-head {quantize_head}: no compiled linear on this machine")
-            return None  # neither the compiled linear (any instruction set) nor oneDNN's bf16
+            return None  # neither the compiled linear (any instruction set) nor oneDNN's bf16 (int4 needs neither)
         if quantized is None:
             quantized = bool(quant.quantized_bytes(self))
         int4_group = INT4_GROUPS[quantize]
@@ -306,8 +306,6 @@ class HybridModel(nn.Module):
                               "the warning above)")
         if int4_group and fp8_ext is None:
             raise ConfigError(f"--quantize {quantize}: this machine has no compiled int4 linear (see the warning above)")
-        if int4_group and ext is None:
-            raise ConfigError(f"--quantize {quantize}: needs the compiled CPU kernels (--decode-kernels cpp)")
         fp8_path = path_for(fp8_ext, kernels.isa) if fp8_ext is not None else ""  # amx: AMX tiles for fp8 too
         if fp8_ext is not None:
             log.info("fp8 linear: path %s; int4 linear: path %s", fp8_path or fp8_ext.fp8_paths()[0],
