@@ -41,6 +41,7 @@ SAMPLES = {
     "device": ("cpu", "cpu"),
     "cpu_isa": ("avx2", "avx2"),
     "quantize_head": ("fp8", "fp8"),
+    "quantize": ("int4", "int4"),
     "tensor_parallel_size": ("2", 2),
     "nnodes": ("1", 1),
     "node_rank": ("0", 0),

@@ -17,7 +17,7 @@ from deltaserve.model.ops import fp8
 from deltaserve.model.ops.fp8 import Fp8Weight, SplitWeight, fuse, linear_fp8_reference, quantize_fp8
 from deltaserve.model.ops.linear import linear
 from deltaserve.model.ops.packed import PackedWeight
-from tests.util import assert_linear_rows_batch_invariant
+from tests.util import assert_linear_rows_batch_invariant, prefill_logits, rewrite_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -229,11 +229,6 @@ def test_transformers_loads_our_checkpoint_with_our_weights(fp8_dir):
         assert torch.equal(fp8.dequantize_fp8(ck[k], ck[k + "_scale_inv"], torch.bfloat16), t), k
 
 
-def _logits(model, ids):
-    from model_driver import Sequence, make_caches, prefill
-
-    caches = make_caches(model, 1, 4, 128)
-    return prefill(model, caches, Sequence(0, list(range(4))), ids)
 
 
 def test_loader_keeps_fp8_and_logits_match_the_dequantized_model(ext, fp8_dir):
@@ -251,7 +246,7 @@ def test_loader_keeps_fp8_and_logits_match_the_dequantized_model(ext, fp8_dir):
     exact = load_model(fp8_dir, dtype="float32")
     assert isinstance(deq.layers[0].mlp.gate_up, PackedWeight)  # dequantized: the bf16 path
     ids = torch.randint(10, 4000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    y8, yb, y32 = _logits(m, ids), _logits(deq, ids), _logits(exact, ids)
+    y8, yb, y32 = prefill_logits(m, ids), prefill_logits(deq, ids), prefill_logits(exact, ids)
     rel = lambda a, b: ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
     floor = rel(yb, y32)
     assert rel(y8, y32) <= 1.25 * floor, (rel(y8, y32), floor)
@@ -259,26 +254,9 @@ def test_loader_keeps_fp8_and_logits_match_the_dequantized_model(ext, fp8_dir):
     # the unpacked model (the torch reference for every linear) is the FP8 model up to fp32 rounding
     ref = load_model(fp8_dir, prepack=False)
     assert isinstance(ref.layers[0].mlp.gate_up, Fp8Weight) and ref.layers[0].mlp.gate_up.packed is None
-    assert rel(_logits(ref, ids[:130]), y8[:130]) < 0.02
+    assert rel(prefill_logits(ref, ids[:130]), y8[:130]) < 0.02
 
 
-def _rewrite(src, dst, config=None, tensors=None):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    if config:
-        config(cfg)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    if tensors:
-        sd = load_file(os.path.join(dst, "model.safetensors"))
-        tensors(sd)
-        save_file(sd, os.path.join(dst, "model.safetensors"))
-    return dst
 
 
 @pytest.mark.parametrize("change,match", [
@@ -298,7 +276,7 @@ def _rewrite(src, dst, config=None, tensors=None):
 def test_refusals_config(fp8_dir, tmp_path, change, match):
     from deltaserve.model.loader import load_model
 
-    d = _rewrite(fp8_dir, str(tmp_path / "m"), config=change)
+    d = rewrite_checkpoint(fp8_dir, str(tmp_path / "m"), config=change)
     with pytest.raises(ConfigError, match=match):
         load_model(d, prepack=False)
 
@@ -319,7 +297,7 @@ def test_refusals_config(fp8_dir, tmp_path, change, match):
 def test_refusals_tensors(fp8_dir, tmp_path, change, match):
     from deltaserve.model.loader import WeightsError, load_model
 
-    d = _rewrite(fp8_dir, str(tmp_path / "m"), tensors=change)
+    d = rewrite_checkpoint(fp8_dir, str(tmp_path / "m"), tensors=change)
     with pytest.raises(WeightsError, match=match):
         load_model(d, prepack=False)
 
@@ -390,7 +368,7 @@ def test_quantize_head_fp8_logits_and_bits(ext, fp8_dir):
         for i in (0, 7, 8, 40):
             assert torch.equal(m.compute_logits(h[i:i + 1])[0], y[i])
         ids = torch.randint(10, 4000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-        y8, yb = _logits(m, ids), _logits(plain, ids)
+        y8, yb = prefill_logits(m, ids), prefill_logits(plain, ids)
         assert rel(y8, yb) < 0.06, rel(y8, yb)
         assert (y8.argmax(-1) == yb.argmax(-1)).float().mean() > 0.9
 
@@ -413,8 +391,8 @@ def test_quantize_head_refusals():
     from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
 
-    with pytest.raises(ConfigError, match="--quantize-head must be one of none, fp8"):
-        EngineConfig(quantize_head="int4")
+    with pytest.raises(ConfigError, match="--quantize-head must be one of none, fp8, int4"):
+        EngineConfig(quantize_head="int3")
     with pytest.raises(ConfigError, match="one rank only"):
         EngineConfig(quantize_head="fp8", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="needs bf16 weights on the CPU"):

@@ -23,6 +23,7 @@ from deltaserve.model.gptq import GptqSpec, read_gptq, unpack_gptq
 from deltaserve.model.ops.int4 import Int4Weight
 from deltaserve.model.ops.packed import PackedWeight
 from deltaserve.model.quant import read_quantization
+from util import prefill_logits, rewrite_checkpoint
 
 QWEN = {"quant_method": "gptq", "bits": 4, "group_size": 128, "sym": True, "desc_act": False,
         "dynamic": {"lm_head": {}, "model.language_model.embed_tokens": {}, "-:.*attn.*": {},
@@ -213,11 +214,6 @@ def test_writer_layout(gptq_dir):
                                                                        for k in keys)
 
 
-def _logits(model, ids):
-    from model_driver import Sequence, make_caches, prefill
-
-    caches = make_caches(model, 1, 4, 128)
-    return prefill(model, caches, Sequence(0, list(range(4))), ids)
 
 
 IDS = torch.randint(10, 4000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -259,8 +255,8 @@ def test_loader_holds_int4_mlps_and_matches_the_direct_int4_model_bit_for_bit(ex
         quant.install(d, direct)
     assert d.prepack_linears()
     assert isinstance(d.layers[2].mlp.down, Int4Weight) and d.layers[2].mlp.down.packed is not None
-    y = _logits(m, IDS)
-    assert torch.equal(y, _logits(d, IDS))
+    y = prefill_logits(m, IDS)
+    assert torch.equal(y, prefill_logits(d, IDS))
 
 
 def test_logits_within_the_stated_tolerance(ext, gptq_dir):
@@ -275,10 +271,10 @@ def test_logits_within_the_stated_tolerance(ext, gptq_dir):
     m, deq, exact = load_model(gptq_dir), load_model(gptq_dir, dequantize=True), load_model(gptq_dir, dtype="float32")
     assert isinstance(deq.layers[0].mlp.gate_up, PackedWeight)  # dequantized at load: the bf16 path
     assert isinstance(load_model(gptq_dir, prepack=False).layers[0].mlp.down, torch.Tensor)  # no packing: bf16
-    y4, yb, y32 = _logits(m, IDS), _logits(deq, IDS), _logits(exact, IDS)
+    y4, yb, y32 = prefill_logits(m, IDS), prefill_logits(deq, IDS), prefill_logits(exact, IDS)
     floor = rel(yb, y32)
     assert rel(y4, yb) <= 3 * floor, (rel(y4, yb), floor)
-    assert rel(y4, _logits(load_model(ensure_model("tiny")), IDS)) < 0.4
+    assert rel(y4, prefill_logits(load_model(ensure_model("tiny")), IDS)) < 0.4
 
 
 def _moe_cfg():
@@ -313,27 +309,10 @@ def test_moe_experts_int4_shared_expert_bf16(ext, tmp_path):
     assert all(isinstance(w, Int4Weight) and w.packed is not None for w in mlp.experts_gate_up + mlp.experts_down)
     assert isinstance(mlp.shared_gate_up, PackedWeight) and isinstance(mlp.router, torch.Tensor)
     deq, exact = load_model(d, dequantize=True), load_model(d, dtype="float32")
-    y4, yb, y32 = _logits(m, IDS[:200]), _logits(deq, IDS[:200]), _logits(exact, IDS[:200])
+    y4, yb, y32 = prefill_logits(m, IDS[:200]), prefill_logits(deq, IDS[:200]), prefill_logits(exact, IDS[:200])
     assert rel(y4, yb) <= 3 * rel(yb, y32), (rel(y4, yb), rel(yb, y32))
 
 
-def _rewrite(src, dst, config=None, tensors=None):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    with open(os.path.join(dst, "config.json")) as f:
-        cfg = json.load(f)
-    if config:
-        config(cfg)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    if tensors:
-        sd = load_file(os.path.join(dst, "model.safetensors"))
-        tensors(sd)
-        save_file(sd, os.path.join(dst, "model.safetensors"))
-    return dst
 
 
 L0 = "model.language_model.layers.0."
@@ -363,7 +342,7 @@ def _shuffle_g_idx(sd):
 def test_tensor_refusals(gptq_dir, tmp_path, config, tensors, match):
     from deltaserve.model.loader import load_model
 
-    d = _rewrite(gptq_dir, str(tmp_path / "m"), config=config, tensors=tensors)
+    d = rewrite_checkpoint(gptq_dir, str(tmp_path / "m"), config=config, tensors=tensors)
     with pytest.raises(WeightsError, match=match):
         load_model(d, prepack=False)
 

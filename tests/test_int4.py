@@ -17,7 +17,8 @@ from deltaserve.model.ops import fp8, int4
 from deltaserve.model.ops.int4 import (Int4Weight, dequantize_int4, linear_int4_reference, quantize_activations,
                                        quantize_int4)
 from deltaserve.model.ops.linear import linear
-from util import (assert_linear_rows_batch_invariant, greedy, make_llm, random_tokens, run, signature)
+from util import (assert_linear_rows_batch_invariant, greedy, make_llm, prefill_logits, random_tokens, run,
+                  signature)
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +162,6 @@ def test_errors(ext):
 
 # ---- the model -----------------------------------------------------------------------------------------------
 
-def _logits(model, ids):
-    from model_driver import Sequence, make_caches, prefill
-
-    caches = make_caches(model, 1, 4, 128)
-    return prefill(model, caches, Sequence(0, list(range(4))), ids)
 
 
 def _rel(a, b):
@@ -196,7 +192,7 @@ def test_quantize_int4_at_load_and_its_tolerance(ext):
                 for w in (p.data if p.dim() == 3 else p.data[None]):
                     w.copy_(dequantize_int4(*quantize_int4(w, 128, sym=False), 128, torch.bfloat16))
     ids = torch.randint(10, 4000, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    y4, yd, yb, y32 = (_logits(x, ids) for x in (m, deq, plain, exact))
+    y4, yd, yb, y32 = (prefill_logits(x, ids) for x in (m, deq, plain, exact))
     floor = _rel(yb, y32)
     assert _rel(y4, yd) <= 3 * floor, (_rel(y4, yd), floor)
     assert abs(_rel(y4, yb) - _rel(yd, yb)) <= 2 * floor  # the format's rounding, not the kernel, sets the distance

@@ -356,6 +356,9 @@ def test_llama_cpp_targets_lines():
     assert llama_cpp_targets(r)[2:] == [
         "- tiny decode@1: deltaserve-fp8 / llama.cpp-q8_0 0.96x (missed, target >= 1.0x)",
         "- tiny decode@1: deltaserve-fp8-head / llama.cpp-q8_0 1.20x (met, target >= 1.0x)"]
+    r.best.update({("tiny", "decode@1", "llama.cpp-q4_k_m"): 100.0, ("tiny", "decode@1", "deltaserve-int4-head"): 110.0})
+    assert llama_cpp_targets(r)[4:] == [
+        "- tiny decode@1: deltaserve-int4-head / llama.cpp-q4_k_m 1.10x (missed, target >= 1.15x)"]
 
 
 # --------------------------------------------------------------------------- the vision tower as an mmproj GGUF

@@ -84,3 +84,35 @@ def png(h: int, w: int, seed: int) -> bytes:
     buf = io.BytesIO()
     img.save(buf, format="PNG")
     return buf.getvalue()
+
+
+def prefill_logits(model, ids):
+    """The logits of prefilling ids after a 4-token prefix, on a fresh one-sequence cache (the quantized-weight
+    tests' comparison of whole models)."""
+    from model_driver import Sequence, make_caches, prefill
+
+    caches = make_caches(model, 1, 4, 128)
+    return prefill(model, caches, Sequence(0, list(range(4))), ids)
+
+
+def rewrite_checkpoint(src, dst, config=None, tensors=None):
+    """A copy of the checkpoint src at dst, its config.json passed through config(cfg) and its tensors through
+    tensors(state_dict) (each changing its argument in place); returns dst."""
+    import json
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    if config:
+        config(cfg)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if tensors:
+        sd = load_file(os.path.join(dst, "model.safetensors"))
+        tensors(sd)
+        save_file(sd, os.path.join(dst, "model.safetensors"))
+    return dst

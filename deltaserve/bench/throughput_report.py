@@ -353,8 +353,9 @@ def llama_cpp_targets(res: Results) -> list[str]:
         for ours, peer, label, bar in LLAMA_CPP_TARGETS:
             a, b = res.best.get((preset, label, ours)), res.best.get((preset, label, peer))
             if a and b:
+                target = f"{bar:.1f}" if round(bar, 1) == bar else f"{bar:.2f}"  # 1.0x, 1.5x, 1.15x
                 out.append(f"- {preset} {label}: {ours} / {peer} {a / b:.2f}x "
-                           f"({'met' if a / b >= bar else 'missed'}, target >= {bar:g}x)")
+                           f"({'met' if a / b >= bar else 'missed'}, target >= {target}x)")
     return out
 
 
