@@ -189,7 +189,7 @@ def test_quantize_int4_at_load_and_its_tolerance(ext):
     m = load_model(d, quantize="int4")
     for w in (m.layers[0].mlp.gate_up, m.layers[0].linear_attn.in_proj, m.layers[3].self_attn.qkv_proj):
         assert isinstance(w, Int4Weight) and w.packed is not None and w.group == 128
-    assert fused.decode_program(m) is not None
+    assert (fused.decode_program(m) is not None) == m.decode_kernels.compiled  # int4 parts in the compiled step
     plain, deq, exact = load_model(d, prepack=False), load_model(d, prepack=False), load_model(d, dtype="float32")
     for module in deq.modules():
         for name in getattr(module, "PACKABLE", ()):
