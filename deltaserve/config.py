@@ -447,8 +447,8 @@ class EngineConfig:
                                "(groups of 128 with a zero point, a quarter of the bytes); the logits change by "
                                "the format's rounding; CPU, bf16, one rank", choices=QUANTIZE_HEAD_CHOICES)
     quantize: str = _flag("none", "the text model's projections at load: none (as the checkpoint holds them), "
-                          "int4 (4-bit codes with a scale and zero per 128 k, ~4.4 bits a weight) or int4-g32 (per "
-                          "32 k, ~5.3 bits, closer to the bf16 model); bf16 or FP8 checkpoints; CPU, one rank "
+                          "int4 (4-bit codes with a scale and zero per 128 k, 4.31 bits a weight) or int4-g32 (per "
+                          "32 k, 5.25 bits, closer to the bf16 model); bf16 or FP8 checkpoints; CPU, one rank "
                           "(docs/int4.md)", choices=QUANTIZE_CHOICES)
     max_model_len: int | None = _flag(None, "longest prompt + completion (default: min(the model's "
                                       "max_position_embeddings, what one request can hold in the pool))",
