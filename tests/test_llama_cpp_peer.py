@@ -504,3 +504,24 @@ def test_gguf_decode_bytes_count_the_files_own_tensors(tmp_path):
     f.write_bytes(b"GGML" + bytes(20))
     with pytest.raises(ValueError, match="not a GGUF"):
         decode_bytes_per_token(str(f))
+
+
+def test_roofline_shares_never_pass_the_fastest_stream():
+    """Each arm's share is at its own bytes per token; where an arm streamed faster than the bandwidth probe read,
+    the ceiling is that arm's stream (it reads 100%), never a share above it; a speculative arm has none."""
+    from deltaserve.bench.throughput_report import Columns, Results, _roofline_row
+
+    r = Results()
+    r.roofline["p"] = {"bytes_read": 8_000_000_000}
+    r.bandwidth["read_Bps"] = 20e9
+    r.arm_info.update({("p", "deltaserve-int4"): {"bytes_read": 3_200_000_000},
+                       ("p", "deltaserve-int4-head"): {"bytes_read": 2_270_000_000},
+                       ("p", "llama.cpp-q4_k_m"): {"bytes_read": 2_700_000_000}})
+    r.best.update({("p", "decode@1", "deltaserve-int4"): 7.3, ("p", "decode@1", "deltaserve-int4-head"): 8.2,
+                   ("p", "decode@1", "llama.cpp-q4_k_m"): 4.1, ("p", "decode@1", "deltaserve-int4-head-mtp2"): 40.0})
+    cols = Columns(["deltaserve-int4", "deltaserve-int4-head", "llama.cpp-q4_k_m", "deltaserve-int4-head-mtp2"], [])
+    line = _roofline_row(r, cols, "p")[0]
+    assert "deltaserve-int4 streamed 23.4 GB/s, above the 20.0 GB/s probe" in line
+    assert line.split("|")[3:7] == [" 100% ", " 80% ", " 47% ", " n/a "]
+    r.bandwidth["read_Bps"] = 30e9  # a probe above every stream: the probe is the ceiling
+    assert _roofline_row(r, cols, "p")[0].split("|")[3:6] == [" 78% ", " 62% ", " 37% "]
