@@ -522,6 +522,6 @@ def test_roofline_shares_never_pass_the_fastest_stream():
     cols = Columns(["deltaserve-int4", "deltaserve-int4-head", "llama.cpp-q4_k_m", "deltaserve-int4-head-mtp2"], [])
     line = _roofline_row(r, cols, "p")[0]
     assert "deltaserve-int4 streamed 23.4 GB/s, above the 20.0 GB/s probe" in line
-    assert line.split("|")[3:7] == [" 100% ", " 80% ", " 47% ", " n/a "]
+    assert line.split("|")[3:7] == [" 100% of 3,200 MB ", " 80% of 2,270 MB ", " 47% of 2,700 MB ", " n/a "]
     r.bandwidth["read_Bps"] = 30e9  # a probe above every stream: the probe is the ceiling
-    assert _roofline_row(r, cols, "p")[0].split("|")[3:6] == [" 78% ", " 62% ", " 37% "]
+    assert [c.split(" of ")[0] for c in _roofline_row(r, cols, "p")[0].split("|")[3:6]] == [" 78%", " 62%", " 37%"]

@@ -218,7 +218,7 @@ def _roofline_row(res: Results, cols: Columns, preset: str) -> list[str]:
     for e in cols.engines:
         v, _ = _cell(res, preset, "decode@1", e)
         nbytes = _arm_bytes(res, preset, e)
-        cells.append(f"{100 * v * nbytes / bw:.0f}%" if v and nbytes else "n/a")
+        cells.append(f"{100 * v * nbytes / bw:.0f}% of {nbytes / 1e6:,.0f} MB" if v and nbytes else "n/a")
     return [f"| {preset} | roofline@1 = {_fmt(ceiling)} tok/s ({bw / 1e9:.1f} GB/s: {how} / "
             f"{rf['bytes_read'] / 1e6:,.1f} MB per token); decode@1 as a share, each arm at its own bytes | "
             + " | ".join(cells) + cols.no_ratios]

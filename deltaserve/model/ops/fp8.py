@@ -285,29 +285,22 @@ def fuse(parts: list) -> torch.Tensor | Fp8Weight | Int4Weight | SplitWeight:
     packed kernel then never mixes two parts' scales); else a SplitWeight of runs, each run fused."""
     if not any(isinstance(p, QUANTIZED) for p in parts):
         return torch.cat(parts, 0)
-    if any(isinstance(p, Int4Weight) for p in parts):
-        if all(isinstance(p, Int4Weight) and p.group == parts[0].group for p in parts):
-            return cat_int4(parts)
-        runs4: list[list] = []
-        for p in parts:
-            if runs4 and type(runs4[-1][0]) is type(p) and isinstance(p, (Int4Weight, torch.Tensor)):
-                runs4[-1].append(p)
-            else:
-                runs4.append([p])
-        fused4 = [r[0] if len(r) == 1 else cat_int4(r) if isinstance(r[0], Int4Weight) else torch.cat(r, 0)
-                  for r in runs4]
-        return SplitWeight(fused4)
-    runs: list[list] = []
+
+    def kind(p):
+        return Fp8Weight if isinstance(p, Fp8Weight) else Int4Weight if isinstance(p, Int4Weight) else torch.Tensor
+
+    runs: list[list] = []  # consecutive parts of one kind that fuse into one weight
     for p in parts:
-        fp8 = isinstance(p, Fp8Weight)
-        if runs and isinstance(runs[-1][0], Fp8Weight) == fp8 and (
-                not fp8 or runs[-1][-1].shape[0] % COLS == 0 and all(r.shape[0] % COLS == 0 for r in runs[-1])):
-            runs[-1].append(p)
+        run = runs[-1] if runs else None
+        if run and kind(run[0]) is kind(p) and (kind(p) is torch.Tensor
+                                                or kind(p) is Int4Weight and p.group == run[0].group
+                                                or kind(p) is Fp8Weight and all(r.shape[0] % COLS == 0 for r in run)):
+            run.append(p)
         else:
             runs.append([p])
     fused = [r[0] if len(r) == 1 else
-             Fp8Weight(torch.cat([x.q for x in r]), torch.cat([x.row_scale for x in r])) if isinstance(r[0], Fp8Weight)
-             else torch.cat(r, 0) for r in runs]
+             Fp8Weight(torch.cat([x.q for x in r]), torch.cat([x.row_scale for x in r])) if kind(r[0]) is Fp8Weight
+             else cat_int4(r) if kind(r[0]) is Int4Weight else torch.cat(r, 0) for r in runs]
     return fused[0] if len(fused) == 1 else SplitWeight(fused)
 
 

@@ -38,6 +38,7 @@
 #if !(defined(__AVX512BF16__) && defined(__AVX512VBMI__)) && defined(__AVX2__) && defined(__FMA__)
 #define DS_FP8_AVX2 1  // the AVX2 + FMA build's vector path (avx2), which packs k-major (group_offset)
 #include <immintrin.h>
+#include "avx2_bf16.h"
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 #define DS_FP8_AVX512 1
@@ -134,14 +135,6 @@ inline __m256 codes8(const uint8_t* c) {
   return _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
 }
 
-// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rounding), 8 lanes
-inline __m256i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-
 // MT rows of xf (fp32, stride K) x NB column blocks (w: the first block's groups, k's 16 codes at + 16 k; the next
 // block at + wstride). Several blocks at few rows: each accumulator is a chain of fmas in k order, so one row
 // needs several chains in flight (4 cycles an fma) to be bound by the conversion instead.
@@ -184,17 +177,7 @@ void tile_avx2(const float* xf, int64_t K, const uint8_t* w, int64_t wstride, co
     for (int j = 0; j < NB; ++j) {
       const int64_t left = ncols - int64_t(j) * kCols;
       if (left <= 0) break;
-      // packus interleaves 128-bit lanes: [lo 0-3, hi 0-3, lo 4-7, hi 4-7] -> columns 0-15 after the permute
-      const __m256i words =
-          _mm256_permute4x64_epi64(_mm256_packus_epi32(to_bf16(tot[i][2 * j]), to_bf16(tot[i][2 * j + 1])), 0xD8);
-      at::BFloat16* out = y + i * ys + j * kCols;
-      if (left >= kCols) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), words);
-      } else {
-        alignas(32) uint16_t tmp[kCols];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), words);
-        std::memcpy(out, tmp, left * sizeof(uint16_t));
-      }
+      ds_avx2::store_bf16x16(tot[i][2 * j], tot[i][2 * j + 1], y + i * ys + j * kCols, left);
     }
 }
 

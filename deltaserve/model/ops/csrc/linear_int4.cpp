@@ -54,6 +54,7 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #define DS_INT4_AVX2 1
 #include <immintrin.h>
+#include "avx2_bf16.h"
 #endif
 
 namespace {
@@ -314,14 +315,6 @@ DS_INT4_AMX_TARGET void release_int8_tiles() { _tile_release(); }
 #endif  // DS_INT4_AMX
 
 #if defined(DS_INT4_AVX2)
-// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rounding), 8 lanes
-inline __m256i to_bf16(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
-  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-
 // u8 x s8 dot products of 4 k, added to acc: vpmaddubsw (pairs, int16, never saturating here) then vpmaddwd by ones
 inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
@@ -376,17 +369,7 @@ void tile_avx2(const Acts& a, int64_t m0, const uint8_t* w, const float* s, int6
       }
     }
   }
-  for (int i = 0; i < MT; ++i) {
-    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(to_bf16(tot[i][0]), to_bf16(tot[i][1])), 0xD8);
-    at::BFloat16* out = y + i * ys;
-    if (ncols >= kCols) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), words);
-    } else {
-      alignas(32) uint16_t tmp[kCols];
-      _mm256_store_si256(reinterpret_cast<__m256i*>(tmp), words);
-      std::memcpy(out, tmp, ncols * sizeof(uint16_t));
-    }
-  }
+  for (int i = 0; i < MT; ++i) ds_avx2::store_bf16x16(tot[i][0], tot[i][1], y + i * ys, ncols);
 }
 
 using Avx2Tile = void (*)(const Acts&, int64_t, const uint8_t*, const float*, int64_t, int64_t, at::BFloat16*,
