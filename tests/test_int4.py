@@ -131,6 +131,23 @@ def test_every_nibble_position_reaches_the_kernel(ext):
         assert y[col].item() == 15.0 and (y.count_nonzero() == 1), (k, y)
 
 
+@pytest.mark.parametrize("group", [32, 64, 96, 128, 256])
+def test_the_largest_sums_do_not_saturate(group):
+    """Every code 15, zero 0, and every activation at its extreme code (+-127): each product is 15 * 127, the
+    largest the format makes, so a path that sums products in narrower integers (the avx2 path's vpmaddubsw adds
+    pairs of them in int16 lanes) is at its limit. Every path gives the reference's bits and the exact value, +-15 K."""
+    N, K = 32, 2 * group
+    codes = torch.full((N, K), 15, dtype=torch.uint8)
+    w = Int4Weight(codes, torch.zeros(N, 2, dtype=torch.uint8), torch.ones(N, 2), group)
+    x = torch.ones(2, K, dtype=torch.bfloat16)
+    x[1] = -1
+    want = linear_int4_reference(x, w.codes, w.zeros, w.scales, group)
+    assert (want[0] == 15 * K).all() and (want[1] == -15 * K).all()
+    for build_path in build_paths():
+        e, path = ext_path(build_path)
+        assert torch.equal(linear(x, packed(e, w, path)), want), build_path
+
+
 @pytest.mark.parametrize("N,K", [(776, 256), (1000, 1024)])
 def test_rows_are_batch_and_thread_invariant(N, K):
     for build_path in build_paths():
