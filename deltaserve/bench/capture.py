@@ -104,10 +104,12 @@ def cap_budget(raw: bytes, cap: int) -> tuple[bytes, int | None]:
 
 
 def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet: bool, cap_output: int = 0,
-                 natural_stop: bool = False):
+                 natural_stop: bool = False, after=None):
     """The proxy's request handler; cap_output > 0 lowers every request's output budget to it (cap_budget);
     natural_stop presents a budget-cut answer as one the model ended (bench/natural_stop.py). The record keeps
-    the answer as the server sent it."""
+    the answer as the server sent it. after(record) -> dict, when given, runs once the whole answer has come from
+    the server and before its end reaches the client (so the client's next request has not started): what it
+    returns joins the record (bench agents reads llama-server's own prompt there)."""
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"  # keep-alive and chunked replies, as the clients expect
 
@@ -160,6 +162,7 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
             meter.streamed = streamed
             kept = bytearray()
             rewritten = False
+            finished = False
             try:
                 # send_response_only: the upstream's own date and server headers go through, not a second pair
                 self.send_response_only(resp.status_code)
@@ -174,7 +177,9 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                     self.send_header("transfer-encoding", "chunked")
                 self.end_headers()
                 # raw bytes: the client gets exactly what the server sent (compressed or not), but for the
-                # natural_stop rewrite, which holds a whole answer back until its end and a stream line by line
+                # natural_stop rewrite, which holds a whole answer back until its end and a stream line by line;
+                # with an after hook the last piece waits for it: a stream's closing event ends in that piece
+                held = b""
                 for chunk in () if bodiless else resp.iter_raw():
                     if not chunk:
                         continue  # an empty chunk would end the chunked reply early
@@ -185,7 +190,15 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                         kept += chunk[: STREAM_KEEP - len(kept)]
                     if rewrite and not streamed:
                         continue  # sent whole, rewritten, below
-                    self._send_chunk(lines.feed(chunk) if lines else chunk)
+                    out = lines.feed(chunk) if lines else chunk
+                    if after is not None:
+                        out, held = held, out
+                    self._send_chunk(out)
+                meter.finish()
+                finished = True
+                if after is not None:
+                    record.update(after({**record, "status": resp.status_code, "usage": vars(meter.usage)}))
+                    self._send_chunk(held)
                 if lines:
                     self._send_chunk(lines.finish())
                     rewritten = lines.changed
@@ -201,7 +214,8 @@ def make_handler(upstream: str, recorder: Recorder, client: httpx.Client, quiet:
                 self.close_connection = True
             finally:
                 resp.close()
-                meter.finish()
+                if not finished:
+                    meter.finish()
                 record.update(status=resp.status_code, response_headers=dict(resp.headers), streamed=streamed,
                               seconds=round(time.time() - started, 3), first_content_s=meter.first_content_s,
                               stop_rewritten=rewritten,

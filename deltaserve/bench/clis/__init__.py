@@ -24,6 +24,11 @@ Servers:
                template; where it refuses a system message that is not first, a copy that renders it as a user
                turn, as deltaserve does: bench/clis/peer_template.py), one slot per
                session (-np), -n; its prompt cache as it ships
+  llama.cpp-tuned  the same with its recurrent-state checkpoints raised (--llama-cpp-tuned-args)
+
+Each server is measured in its own tokens: deltaserve's prompts are its own rendering of each body; llama-server's
+are the prompts it ran, read off its /slots after each main request (bench/clis/own_tokens.py). The report says
+what each server changes in a request before it renders it (NORMALISATIONS in bench/clis/report.py).
 """
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ from ...text.tokenizer import load_tokenizer
 from ..capture import Recorder, make_handler
 from ..peers import PeerUnavailable, stop_group
 from ..peers.llama_cpp import LlamaServer, ensure_gguf, free_port
+from .own_tokens import ENV as SLOTS_ENV, SlotWatch
 from .peer_template import write_peer_template
 from ..progress import progress_for
 from .clients import CLIENTS, MODEL
@@ -57,13 +63,18 @@ FIRST = ["What files are in this directory? Answer in one line.", "Write a one-l
          "Name three prime numbers, one line.", "Say hello in French, one line.", "What is 2 + 2? One line.",
          "Name a colour, one word.", "Name a planet, one word.", "Name a fruit, one word."]
 LATER = ["thanks, now say bye", "one more line, please", "and a last one"]
+LLAMA_SERVERS = ("llama.cpp", "llama.cpp-tuned")
+# a user who wants llama-server's prefix cache to serve agents raises its recurrent-state checkpoints: more of
+# them a slot and closer together, so a hit can end nearer to where two prompts part
+TUNED = "--ctx-checkpoints 64 --checkpoint-min-step 256"
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="deltaserve bench agents", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--clients", default="claude,codex,qwen,opencode", help="comma-separated: " + ",".join(CLIENTS))
-    ap.add_argument("--servers", default="deltaserve,llama.cpp", help="comma-separated: deltaserve, llama.cpp")
+    ap.add_argument("--servers", default="deltaserve,llama.cpp,llama.cpp-tuned",
+                    help="comma-separated: deltaserve, llama.cpp (as it ships), llama.cpp-tuned (--llama-cpp-tuned-args)")
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--model", default="tiny", help="a model directory or a preset (default: the embedded tiny)")
@@ -73,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads of both servers (default: all)")
     ap.add_argument("--llama-cpp-type", default="bf16", help="the GGUF's weight type")
     ap.add_argument("--llama-cpp-ctx-per-slot", type=int, default=49152)
+    ap.add_argument("--llama-cpp-tuned-args", default=TUNED,
+                    help="llama-server's flags in the llama.cpp-tuned arm: its state checkpoints raised (as shipped: "
+                         "at most 32 a slot, at least 8,192 tokens apart)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds one CLI turn may take")
     ap.add_argument("--no-install", action="store_true", help="do not run scripts/setup_agents.sh for missing CLIs")
     ap.add_argument("--out", default=None, help="folder for the records and the report (default runs/agents-TIME)")
@@ -82,11 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 class Metered:
     """A server behind the metering proxy: base is the proxy's URL, recorder.records what passed."""
 
-    def __init__(self, upstream: str, out: Path, cap_output: int):
+    def __init__(self, upstream: str, out: Path, cap_output: int, after=None):
         self.recorder = Recorder(out)
         self._client = httpx.Client(timeout=httpx.Timeout(30.0, read=None), follow_redirects=False)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(upstream, self.recorder, self._client, True,
-                                                                               cap_output, natural_stop=True))
+                                                                               cap_output, natural_stop=True,
+                                                                               after=after))
         self._server.daemon_threads = True
         self.base = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
@@ -137,9 +152,10 @@ def _start(server: str, model_dir: str, a, out: Path):
     if template is not None:
         _say(f"llama-server: the model's chat template with a later system message rendered as a user turn "
              f"(as deltaserve does; as shipped it raises): {template}")
+    tuned = tuple(a.llama_cpp_tuned_args.split()) if server == "llama.cpp-tuned" else ()
     return LlamaServer(gguf, ctx=a.sessions * a.llama_cpp_ctx_per_slot, slots=a.sessions, threads=threads,
-                       log_path=log, extra=("--jinja", "-n", str(a.max_output_tokens),
-                                            *(("--chat-template-file", str(template)) if template else ())))
+                       log_path=log, env=SLOTS_ENV, extra=("--jinja", "-n", str(a.max_output_tokens),
+                                            *(("--chat-template-file", str(template)) if template else ()), *tuned))
 
 
 def _install(names: list[str], no_install: bool) -> list[str]:
@@ -185,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     names = [n.strip() for n in a.clients.split(",") if n.strip()]
     servers = [s.strip() for s in a.servers.split(",") if s.strip()]
-    bad = [n for n in names if n not in CLIENTS] + [s for s in servers if s not in ("deltaserve", "llama.cpp")]
+    bad = [n for n in names if n not in CLIENTS] + [s for s in servers if s not in ("deltaserve", *LLAMA_SERVERS)]
     if bad or a.sessions < 1 or a.turns < 1:
         print(f"unknown clients/servers {bad} or fewer than one session/turn", file=sys.stderr)
         return 2
@@ -205,13 +221,16 @@ def main(argv: list[str] | None = None) -> int:
             _say(f"{server}: left out: {e}")
             continue
         _say(f"{server}: up at {proc.base}")
-        metered = Metered(proc.base, out / server / "requests", a.max_output_tokens)
+        watch = SlotWatch(proc.base) if server in LLAMA_SERVERS else None
+        metered = Metered(proc.base, out / server / "requests", a.max_output_tokens, watch and watch.after)
         try:
             for n in names:
                 rows.setdefault(server, []).extend(run_client(CLIENTS[n], metered, a, out / server / n))
         finally:
             metered.close()
             proc.close()
+            if watch:
+                watch.close()
     result = analyse(rows, tok)
     text = format_report(result, vars(a) | {"model_dir": model_dir})
     (out / "report.md").write_text(text)

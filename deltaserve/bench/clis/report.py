@@ -5,7 +5,8 @@ than it could (divergence.explain).
 A main request is a POST to one of the three APIs whose body offers tools (the turn's work); the others (a title,
 a summary, a token count) are side requests, counted only. Each main request is set against the earlier main
 request of the same client and server (any session) whose rendering it shares the longest prefix with: what a
-prefix cache could serve it. The share of a turn (its first main request) is cached / that shared prefix:
+prefix cache could serve it, in the server's own tokens (analyse). The share of a turn (its first main request) is
+cached / that shared prefix:
 - first turns of sessions 2..N: the tools, the system text and what else the CLI puts before the first prompt;
 - later turns: the previous request's prompt, which the turn re-sends (a CLI's side agents with their own tool
   lists, such as Qwen Code's memory extraction, are not what a turn continues).
@@ -18,6 +19,18 @@ from dataclasses import replace
 from .divergence import explain, first_difference, render
 
 APIS = ("/v1/messages", "/v1/chat/completions", "/v1/responses")
+# What each server changes in a request before its template renders it: what makes two sessions' prompts share
+# more (or less) in that server's tokens. deltaserve's list is docs/api-fields.md's, in short.
+NORMALISATIONS = {
+    "deltaserve": "its own rendering (tokens: the checkpoint's tokenizer). Leaves out Claude Code's "
+                  "`x-anthropic-billing-header:` system block (client telemetry that differs per session); renders "
+                  "a system message after the first as a user message; flattens Responses namespace tools to "
+                  "`<namespace>__<name>` and leaves built-in tools (web_search, ...) out of the prompt.",
+    "llama.cpp": "the prompt it ran (tokens: its /slots text through its /tokenize). Its own conversion of "
+                 "Anthropic Messages and Responses to chat messages; Claude Code's billing block kept as system text, "
+                 "its per-request `cch=` stamp set to a constant; the checkpoint's template with a later system message rendered as a user turn (as shipped it "
+                 "raises on one).",
+}
 SLACK = 64  # a hit on the 64-token grid counts as whole: less than a page short is not a divergence
 
 
@@ -38,11 +51,15 @@ def _min(xs: list[float]) -> float | None:
 
 
 def analyse(rows: dict[str, list[dict]], tok) -> dict:
-    """{server: {client: summary}} plus the side-by-side TTFT ratios (llama.cpp / deltaserve) per client."""
-    ids_of: dict[str, list[int] | None] = {}
+    """{server: {client: summary}} plus the side-by-side TTFT ratios (each llama-server arm / deltaserve) per
+    client. A request's tokens are its server's own: `own_ids` where the bench read them off the server (None: not
+    read, so not measured), else deltaserve's rendering of its body."""
+    ids_of: dict[int, list[int] | None] = {}
 
     def ids(q: dict) -> list[int] | None:
-        key = q.get("file")
+        if "own_ids" in q:
+            return q["own_ids"]
+        key = id(q)  # the record itself: file names repeat across servers
         if key not in ids_of:
             try:
                 ids_of[key] = tok.encode(render(q["path"], q["body"], tok))
@@ -55,15 +72,16 @@ def analyse(rows: dict[str, list[dict]], tok) -> dict:
         for client in dict.fromkeys(r["client"] for r in srows):
             crow = [r for r in srows if r["client"] == client]
             out.setdefault(server, {})[client] = _client(crow, ids, tok)
-    sides = {}
-    if "deltaserve" in out and "llama.cpp" in out:
+    sides: dict = {}
+    for server in [s for s in out if s != "deltaserve"] if "deltaserve" in out else ():
         for client, ours in out["deltaserve"].items():
-            peer = out["llama.cpp"].get(client)
+            peer = out[server].get(client)
             if not peer:
                 continue
-            sides[client] = {k: (round(peer[k] / ours[k], 2) if peer.get(k) and ours.get(k) else None)
-                             for k in ("first_turn_ttft_s", "later_turn_ttft_s")}
-    return {"servers": out, "llama_over_deltaserve_ttft": sides}
+            sides.setdefault(server, {})[client] = {
+                k: (round(peer[k] / ours[k], 2) if peer.get(k) and ours.get(k) else None)
+                for k in ("first_turn_ttft_s", "later_turn_ttft_s", "wall_s")}
+    return {"servers": out, "peer_over_deltaserve": sides}
 
 
 def _client(crow: list[dict], ids, tok) -> dict:
@@ -111,6 +129,8 @@ def _client(crow: list[dict], ids, tok) -> dict:
     first_later = [t for t in turns if t["turn"] == 0 and t["session"] > 0]
     later = [t for t in turns if t["turn"] > 0]
     return {"turns": turns, "turns_ok": len(ok), "turns_total": len(turns),
+            "wall_s": round(sum(t["wall_s"] for t in turns), 2),
+            "unmeasured": sum(1 for r in crow for q in r["requests"] if is_main(q) and ids(q) is None),
             "requests": sum(t["requests"] for t in turns), "main_requests": sum(t["main"] for t in turns),
             "session1_ttft_s": _mean([t["ttft_s"] for t in turns if t["turn"] == 0 and t["session"] == 0]),
             "first_turn_ttft_s": _mean([t["ttft_s"] for t in first_later]),
@@ -159,11 +179,18 @@ def format_report(result: dict, args: dict) -> str:
                          f"({s['main_requests']}) | {_f(s['session1_ttft_s'])} | {_f(s['first_turn_ttft_s'])} | "
                          f"{_f(s['later_turn_ttft_s'])} | {_f(s['first_turn_share_min'], True)} | "
                          f"{_f(s['later_turn_share_min'], True)} |")
-    if result["llama_over_deltaserve_ttft"]:
-        lines += ["", "llama-server TTFT / deltaserve TTFT (same client runs):", "",
-                  "| client | sessions 2..N first turn | later turns |", "|---|---|---|"]
-        for client, r in result["llama_over_deltaserve_ttft"].items():
-            lines.append(f"| {client} | {_f(r['first_turn_ttft_s'])}x | {_f(r['later_turn_ttft_s'])}x |")
+    for server, sides in result["peer_over_deltaserve"].items():
+        lines += ["", f"{server} / deltaserve, the same client's runs (above 1.0x deltaserve is faster):", "",
+                  "| client | TTFT, sessions 2..N first turn | TTFT, later turns | wall, all turns |", "|---|---|---|---|"]
+        for client, r in sides.items():
+            lines.append(f"| {client} | {_f(r['first_turn_ttft_s'])}x | {_f(r['later_turn_ttft_s'])}x | "
+                         f"{_f(r['wall_s'])}x |")
+    lines += ["", "## Each server's tokens and what it changes before rendering", ""]
+    for server, clients in result["servers"].items():
+        unmeasured = sum(s["unmeasured"] for s in clients.values())
+        lines.append(f"- {server}: {NORMALISATIONS.get(server, NORMALISATIONS['llama.cpp'])}"
+                     + (f" Main requests whose prompt could not be read in its tokens (left out of the shares): "
+                        f"{unmeasured}." if unmeasured else ""))
     lines += ["", "## Per turn (first main request)", "",
               "| server | client | session | turn | exit | prompt | cached | share | TTFT s | requests |",
               "|---|---|---|---|---|---|---|---|---|---|"]

@@ -229,7 +229,8 @@ class LlamaServer:
     says whether the retry happened."""
 
     def __init__(self, gguf: str, *, ctx: int, slots: int, threads: int, log_path: str, root: str | None = None,
-                 extra: tuple[str, ...] = (), startup_timeout: float = 300.0):
+                 extra: tuple[str, ...] = (), startup_timeout: float = 300.0, env: dict[str, str] | None = None):
+        self._env = {**os.environ, **(env or {})}
         try:
             self._start(gguf, ctx=ctx, slots=slots, threads=threads, log_path=log_path, root=root, extra=extra,
                         startup_timeout=startup_timeout)
@@ -251,7 +252,8 @@ class LlamaServer:
         self._log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the server
         self._log.write(f"\n===== {time.strftime('%F %T')} {' '.join(self.cmd)}\n")
         t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=self._env)
         while True:
             if self.proc.poll() is not None:
                 self.close()
