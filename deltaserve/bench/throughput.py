@@ -535,7 +535,8 @@ def held_bytes_read(model) -> int:
     """Bytes of weights a batch-1 decode step of a loaded model reads as it holds them (packed, quantized): every
     weight of the text model but the input embedding (a one-row lookup), and the head."""
     held = model.held_weight_bytes()
-    embed = model.embed_tokens.numel() * model.embed_tokens.element_size()
+    e = model.embed_tokens  # None: a tied head's packing is the embedding (counted once, in "head")
+    embed = 0 if e is None else e.numel() * e.element_size()
     head = held["head"] if model.packed_head is not None else embed
     return held["text"] - embed + head
 

@@ -76,8 +76,9 @@ def packing_padding(m: ModelConfig, dtype_bytes: int, mlp: bool = True) -> int:
 
 
 def head_extra(m: ModelConfig, model_dtype: str, quantize_head: str = "none") -> int:
-    """Bytes the head adds to the stored weights as run: a tied head's packed copy beside the embedding (bf16 is
-    packed on a CPU), or the head in block-FP8 (--quantize-head fp8: an untied bf16 head leaves)."""
+    """Bytes the head adds to the stored weights as run: a tied bf16 head's packing, which serves as the
+    embedding too (its zero rows up to a multiple of 16 only), or the head in block-FP8 / int4 (--quantize-head:
+    beside a tied embedding, or in place of an untied bf16 head)."""
     dtype_bytes = S.dtype_bytes(model_dtype)
     head = m.vocab_size * m.hidden_size
     if quantize_head == "fp8":
@@ -85,7 +86,7 @@ def head_extra(m: ModelConfig, model_dtype: str, quantize_head: str = "none") ->
     if quantize_head == "int4":
         return S.int4_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
     if model_dtype == "bfloat16" and m.tie_word_embeddings:
-        return head * dtype_bytes
+        return (S.cdiv(m.vocab_size, 16) * 16 - m.vocab_size) * m.hidden_size * dtype_bytes
     return 0
 
 

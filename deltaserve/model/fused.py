@@ -82,21 +82,23 @@ def decode_program(model):
     """The model's DecodeModel, or None: it does not qualify. Built on first use, and again when the kernels, the
     packing, or the embedding or final norm tensor changed, or a source of its derived weights (the conv weights
     it holds tap-major, the A_log it holds as -exp(A_log)) was changed in place."""
-    base = (id(model.decode_kernels), model.linear_kind, id(model.embed_tokens), id(model.norm))
+    # the embedding: embed_tokens, or a tied head's packing where that is the embedding (model.embed)
+    embed = model.embed_tokens if model.embed_tokens is not None else model.packed_head.packed
+    base = (id(model.decode_kernels), model.linear_kind, id(embed), id(model.norm))
     cached = model.__dict__.get("_decode_program")  # (base, sources, their versions, program)
     if cached is not None and cached[0] == base and cached[2] == _versions(cached[1]):
         return cached[3]
     kernels = model.decode_kernels
     program, sources = None, ()
     if (kernels is not None and kernels.compiled and model.dtype == torch.bfloat16
-            and model.embed_tokens.is_contiguous() and model.norm.dtype == torch.bfloat16):
+            and embed.is_contiguous() and model.norm.dtype == torch.bfloat16):
         fp8_exts: set = set()
         plans = [_layer(layer, kernels.ext, fp8_exts) for layer in model.layers]
         fp8 = fp8_exts.pop().linear_fp8_capsule() if len(fp8_exts) == 1 else None
         if plans and all(p is not None for p in plans) and not fp8_exts:  # at most one fp8 module
             # ops/linear.py multiplies bf16 weights on AMX tiles where the set is amx (its linear_bf16)
-            program = kernels.ext.DecodeModel(model.embed_tokens, model.norm, model.config.rms_norm_eps,
-                                              kernels.ext.kernel_isa() == "amx", fp8)
+            program = kernels.ext.DecodeModel(embed, model.norm, model.config.rms_norm_eps,
+                                              kernels.ext.kernel_isa() == "amx", fp8, vocab=model.config.vocab_size)
             for is_gdn, w, parts, dims, eps, scale in plans:
                 if is_gdn:
                     program.add_gdn(w, parts, dims, eps)

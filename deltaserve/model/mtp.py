@@ -75,7 +75,7 @@ class MTPHead(nn.Module):
         into cache. step: the draft's index (picks layer step % layers)."""
         ops: Ops = model.ops
         n = token_ids.shape[0]
-        e = F.embedding(token_ids, model.embed_tokens)
+        e = model.embed(token_ids)
         e = ops.rms_norm(e, self.pre_fc_norm_embedding, self.eps)
         h = ops.rms_norm(hidden, self.pre_fc_norm_hidden, self.eps)
         x = ops.linear(torch.cat([e, h], dim=-1), self.fc)

@@ -29,7 +29,7 @@ from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
 from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
 from .ops.int4 import Int4Weight, cat_int4, int4_path_for
 from .ops.linear import linear
-from .ops.packed import PackedWeight, can_prepack
+from .ops.packed import PackedWeight, can_prepack, embedding_packed
 from .ops.table import Ops
 
 log = logging.getLogger("deltaserve")
@@ -70,7 +70,8 @@ def _consecutive(xs: list[int]) -> tuple[int, int] | None:
 
 
 class HybridModel(nn.Module):
-    """Parameters (state_dict names): embed_tokens [V, H]; layers.{i}.*; norm [H]; lm_head [V, H] unless tied.
+    """Parameters (state_dict names): embed_tokens [V, H] (None once a tied head is packed for the compiled
+    linear_bf16, whose packing then serves the lookups: embed()); layers.{i}.*; norm [H]; lm_head [V, H] unless tied.
 
     dtype: the weight / activation / KV / conv-state dtype. The GDN recurrent state is always float32.
     """
@@ -110,7 +111,14 @@ class HybridModel(nn.Module):
     # ---- what the runner allocates -------------------------------------------------------------------
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.device
+        return self.norm.device
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of ids: from embed_tokens, or, once a tied head is packed for the compiled
+        linear_bf16 (pack_head), from that packing (ops/packed.py embedding_packed: the same bits, held once)."""
+        if self.embed_tokens is None:
+            return embedding_packed(ids, self.packed_head)
+        return F.embedding(ids, self.embed_tokens)
 
     @property
     def kv_dtype(self) -> torch.dtype:
@@ -194,7 +202,7 @@ class HybridModel(nn.Module):
             if hidden is not None:
                 return hidden
         ctx = self._context(batch, caches, ops)
-        x = F.embedding(batch.input_ids.to(self.device), self.embed_tokens)
+        x = self.embed(batch.input_ids.to(self.device))
         if batch.embed_rows is not None:  # image placeholders take the vision encoder's output
             x = x.index_copy(0, batch.embed_rows.to(self.device), batch.embeds.to(self.device, x.dtype))
         gi = ai = 0
@@ -223,8 +231,8 @@ class HybridModel(nn.Module):
         return linear(hidden, w).float()
 
     def held_weight_bytes(self) -> dict[str, int]:
-        """Bytes of weights the model holds as it runs them (packed, fp8 codes and scales, the head's packed copy
-        beside a tied embedding): {"text": ..., "head": the packed head, "vision": the encoder, "mtp": ...,
+        """Bytes of weights the model holds as it runs them (packed, fp8 codes and scales; a tied head packed for
+        the compiled linear once, as the embedding too): {"text": ..., "head": the packed head, "vision": ..., "mtp": ...,
         "total": their sum}. What the start-up screen reports and tests hold `deltaserve plan`'s figure to."""
         from .ops.fp8 import weight_nbytes
 
@@ -331,13 +339,16 @@ class HybridModel(nn.Module):
             quant.pack(module, packing.fp8_ext, packing.ext, packing.fp8_path, packing.int4_path)
 
     def pack_head(self, packing: Packing, quantize_head: str = "none") -> None:
-        """Pack the head (an untied lm_head leaves the parameters; a tied one stays the embedding beside its
-        packed copy), or quantize it to block-FP8 (quantize_head "fp8")."""
+        """Pack the head (an untied lm_head leaves the parameters; a tied one packed for the compiled
+        linear_bf16 becomes the embedding too, embed_tokens None, and stays the embedding beside any other copy),
+        or quantize it to block-FP8 / int4 (quantize_head "fp8" / "int4")."""
         ext, fp8_ext, fp8_path, _, int4_path = packing
         head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
         if quantize_head == "none":
             self.packed_head = PackedWeight(head, ext)
             self.linear_kind = self.packed_head.kind
+            if self.tied and self.packed_head.kind == "cpp":  # the packing holds the embedding's rows: held once
+                self.embed_tokens = None
         elif quantize_head == "int4":  # groups of 128 k with a zero point, the --quantize int4 rule
             self.linear_kind = "cpp" if ext is not None else "onednn"
             rows = 64 * 128  # row blocks at a time: the quantizer's fp32 copies stay small for a large vocab

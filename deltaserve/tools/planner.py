@@ -141,8 +141,8 @@ HOST_HEADROOM = 0.10  # of --host-memory, left to the OS and everything else on 
 def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, stored: WeightBytes) -> WeightBytes:
     """The weights as `deltaserve serve` holds them on a CPU (memory/resident.py weights_as_run, from the
     safetensors headers; HybridModel.held_weight_bytes measures the same): the vision encoder only while images
-    are on (--limit-mm-per-prompt), the MTP layers only with speculative tokens, a tied head's packed copy (bf16)
-    or the head in block-FP8 (--quantize-head fp8). Without headers (a preset, a config, --weight-bytes,
+    are on (--limit-mm-per-prompt), the MTP layers only with speculative tokens, a tied bf16 head held once (its
+    packing is the embedding too) or the head in block-FP8 / int4 (--quantize-head). Without headers (a preset, a config, --weight-bytes,
     --num-params): the stored-weight estimate with the same head and vision terms."""
     m = src.config
     images = dict(inputs.limit_mm_per_prompt).get("image", 0) > 0
@@ -161,7 +161,7 @@ def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, s
     elif inputs.quantize_head == "int4":
         how.append("the head in int4 (--quantize-head int4)")
     elif model_dtype == "bfloat16" and m.tie_word_embeddings:
-        how.append("the tied head's packed copy")
+        how.append("the tied head held once (its packing serves the embedding's lookups)")
     if src.vision is not None:
         how.append("vision encoder " + ("included" if images else "not loaded (images off)"))
     return WeightBytes(int(total), "; ".join(how))

@@ -13,6 +13,10 @@ Two packings, chosen once per model (HybridModel.prepack_linears):
   F.linear streams weights at ~12-14 GB/s at decode sizes, the reordered ones ~18-23 GB/s (docs/cpu.md); for
   bf16 the product has F.linear's bits for every row count (tests/test_parity.py).
 fp32 weights stay on F.linear.
+
+A tied head packed "cpp" is the embedding too (embedding_packed): the packing is a permutation of the weight's
+elements with zero rows after the last, so a token's row is read back from it bit for bit and the [V, H]
+embedding is not held beside it.
 """
 from __future__ import annotations
 
@@ -36,6 +40,17 @@ class PackedWeight:
         else:
             self.kind, self.ext = "onednn", None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
+
+
+def embedding_packed(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """F.embedding(ids, the weight w was packed from), read from the "cpp" packing [ceil(V/16), H/2, 16, 2]:
+    row r is packed[r // 16, :, r % 16, :]. The same bits (a copy). ids of any shape -> [*ids.shape, H]."""
+    assert w.kind == "cpp", "only the compiled linear_bf16's packing is a layout to read rows from"
+    flat = ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= w.shape[0]):
+        raise IndexError(f"token id outside the vocabulary of {w.shape[0]}")
+    rows = w.packed[flat // 16, :, flat % 16, :]  # [n, H/2, 2]: the two advanced indices' dim comes first
+    return rows.reshape(*ids.shape, w.shape[1])
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device) -> bool:

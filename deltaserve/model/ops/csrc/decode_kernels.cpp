@@ -759,15 +759,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gate_output", &gate_output, "o * sigmoid(gate) for o, gate [T, N]");
   py::class_<DecodeModel>(m, "DecodeModel", py::module_local(),
                           "a model's decode-only step in one call (decode_layers.cpp)")
-      .def(py::init([](at::Tensor embed, at::Tensor norm, double eps, bool amx, py::object fp8) {
+      .def(py::init([](at::Tensor embed, at::Tensor norm, double eps, bool amx, py::object fp8, int64_t vocab) {
              Fp8Linear f = nullptr;
              if (!fp8.is_none()) {  // the fp8 extension's linear_fp8_capsule()
                f = reinterpret_cast<Fp8Linear>(PyCapsule_GetPointer(fp8.ptr(), kFp8LinearCapsule));
                if (f == nullptr) throw py::error_already_set();
              }
-             return DecodeModel(std::move(embed), std::move(norm), eps, amx, f);
+             return DecodeModel(std::move(embed), std::move(norm), eps, amx, f, vocab);
            }),
-           py::arg("embed"), py::arg("norm"), py::arg("eps"), py::arg("amx"), py::arg("fp8") = py::none())
+           py::arg("embed"), py::arg("norm"), py::arg("eps"), py::arg("amx"), py::arg("fp8") = py::none(),
+           py::arg("vocab") = 0)
       .def("add_gdn",
            [](DecodeModel& d, std::vector<at::Tensor> w, const std::vector<std::vector<PartArg>>& proj,
               std::vector<int64_t> dims, double eps) { d.add_gdn(std::move(w), projections(proj), std::move(dims), eps); },

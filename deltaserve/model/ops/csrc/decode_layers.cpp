@@ -31,6 +31,7 @@
 
 #include <ATen/ops/arange.h>
 
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <vector>
@@ -168,7 +169,7 @@ DecodeModel::Views& DecodeModel::views(int64_t B) const {
   if (work_ == nullptr || work_->cap < B) {  // new buffers for B rows; every view made again
     auto w = std::make_shared<Work>();
     w->cap = B;
-    const int64_t H = embed_.size(1);
+    const int64_t H = H_;
     int64_t proj = 0, hv = 0, c = 0, o = 0, qd = 0, kn = 0, core = 0, gu = 0;  // the widest row of each buffer
     for (const Layer& l : layers_) {
       proj = std::max(proj, width(l.proj[0]));
@@ -196,7 +197,7 @@ DecodeModel::Views& DecodeModel::views(int64_t B) const {
   Work& w = *work_;
   auto found = w.views.find(B);
   if (found != w.views.end()) return found->second;
-  const int64_t H = embed_.size(1);
+  const int64_t H = H_;
   Views v;
   v.x = take(w.x, {B, H}), v.h = take(w.h, {B, H}), v.y = take(w.y, {B, H});
   v.x3 = v.x.view({B, 1, H}), v.h3 = v.h.view({B, 1, H});
@@ -263,10 +264,19 @@ DecodeModel::Waves& DecodeModel::waves(int64_t B, const std::vector<int64_t>& si
   return work_->waves.emplace(sizes, std::move(ws)).first->second;
 }
 
-DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8)
+DecodeModel::DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8, int64_t vocab)
     : embed_(std::move(embed)), norm_(std::move(norm)), eps_(eps), amx_(amx), fp8_(fp8) {
-  TORCH_CHECK(embed_.dim() == 2 && embed_.is_contiguous() && embed_.scalar_type() == at::kBFloat16,
-              "DecodeModel: the embedding must be contiguous bf16 [V, H]");
+  // [V, H], or a tied head packed by pack_bf16_weight [ceil(V / 16), H / 2, 16, 2] with its vocab V: that
+  // packing holds every row of the embedding (a row's (2p, 2p + 1) pair at [r / 16, p, r % 16]), so the
+  // model keeps no [V, H] copy beside it
+  TORCH_CHECK(embed_.is_contiguous() && embed_.scalar_type() == at::kBFloat16 &&
+                  (embed_.dim() == 2 || (embed_.dim() == 4 && embed_.size(2) == 16 && embed_.size(3) == 2)),
+              "DecodeModel: the embedding must be contiguous bf16 [V, H] or packed [ceil(V/16), H/2, 16, 2]");
+  packed_ = embed_.dim() == 4;
+  V_ = packed_ ? vocab : embed_.size(0);
+  H_ = packed_ ? 2 * embed_.size(1) : embed_.size(1);
+  TORCH_CHECK(!packed_ || (vocab > 0 && (vocab + 15) / 16 == embed_.size(0)), "DecodeModel: a packed embedding of ",
+              embed_.size(0), " row blocks does not hold a vocabulary of ", vocab);
 }
 
 void DecodeModel::add(Layer layer, size_t nw, size_t ndims, const char* what) {
@@ -279,7 +289,7 @@ void DecodeModel::add(Layer layer, size_t nw, size_t ndims, const char* what) {
                   ": an fp8 part in a program built without linear_fp8");
   }
   // the widths the step's buffers and views are cut to
-  const int64_t H = embed_.size(1), pw = width(layer.proj[0]);
+  const int64_t H = H_, pw = width(layer.proj[0]);
   TORCH_CHECK(width(layer.proj[1]) == H && width(layer.proj[3]) == H && width(layer.proj[2]) % 2 == 0, "DecodeModel.",
               what, ": the output and down projections must give ", H, " columns, gate_up an even number");
   const auto& d = layer.dims;
@@ -384,7 +394,7 @@ at::Tensor DecodeModel::step(const at::Tensor& ids, const std::vector<at::Tensor
   for (const at::Tensor& t : conv) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "conv caches must be bf16");
   for (const at::Tensor& t : ssm) TORCH_CHECK(t.scalar_type() == at::kFloat, "GDN state caches must be fp32");
   for (const at::Tensor& t : kv) TORCH_CHECK(t.scalar_type() == at::kBFloat16, "KV pools must be bf16");
-  const int64_t V = embed_.size(0), H = embed_.size(1);
+  const int64_t V = V_, H = H_;
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < B; ++i)
     TORCH_CHECK(ip[i] >= 0 && ip[i] < V, "token id ", ip[i], " is outside the vocabulary");
@@ -410,7 +420,16 @@ at::Tensor DecodeModel::step(const at::Tensor& ids, const std::vector<at::Tensor
   }
   const auto* ep = embed_.data_ptr<at::BFloat16>();  // F.embedding: a row copy
   auto* xp = v.x.data_ptr<at::BFloat16>();
-  for (int64_t i = 0; i < B; ++i) std::memcpy(xp + i * H, ep + ip[i] * H, H * sizeof(at::BFloat16));
+  if (packed_) {  // row r's pairs, 16 rows apart in the packing (ops/packed.py embedding_packed)
+    const auto* pp = reinterpret_cast<const uint32_t*>(ep);
+    auto* xw = reinterpret_cast<uint32_t*>(xp);
+    for (int64_t i = 0; i < B; ++i) {
+      const uint32_t* src = pp + (ip[i] / 16) * (H / 2) * 16 + ip[i] % 16;
+      for (int64_t p = 0; p < H / 2; ++p) xw[i * (H / 2) + p] = src[p * 16];
+    }
+  } else {
+    for (int64_t i = 0; i < B; ++i) std::memcpy(xp + i * H, ep + ip[i] * H, H * sizeof(at::BFloat16));
+  }
   rms_norm_into(v.x3, layers_[0].w[0], layers_[0].eps, v.h3);
   int64_t gi = 0, ai = 0;
   for (size_t li = 0; li < layers_.size(); ++li) {

@@ -170,7 +170,7 @@ class DecodeModel {
   };
   using Proj = std::vector<Part>;
   // fp8: linear_fp8, or nullptr for a model without fp8 weights
-  DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8);
+  DecodeModel(at::Tensor embed, at::Tensor norm, double eps, bool amx, Fp8Linear fp8, int64_t vocab = 0);
   // w: ln1, ln2, conv_wt [K, C] fp32, dt_bias, neg_decay, norm_w; proj: in_proj, out_proj, gate_up, down;
   // dims: conv_dim, value_dim, Hv, Hk, dk, dv
   void add_gdn(std::vector<at::Tensor> w, std::vector<Proj> proj, std::vector<int64_t> dims, double eps);
@@ -223,6 +223,8 @@ class DecodeModel {
   void add(Layer layer, size_t nw, size_t ndims, const char* what);
   Views& views(int64_t B) const;  // made on first use (the buffers too, when they hold fewer than B rows)
   at::Tensor embed_, norm_;
+  bool packed_ = false;  // embed_ is a tied head's linear_bf16 packing
+  int64_t V_ = 0, H_ = 0;
   double eps_;
   bool amx_;
   Fp8Linear fp8_;
