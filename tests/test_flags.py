@@ -205,3 +205,19 @@ def test_serve_takes_variables_under_its_flags(monkeypatch):
     cfg = engine_config_from_args(args)
     assert (cfg.max_num_seqs, cfg.max_model_len, cfg.model, args.port) == (4, 32_000, "/cli/model", 9001)
     assert engine_config_from_args(make_parser().parse_args([])).model == "/env/model"
+
+
+def test_engine_argv_gives_serve_the_values_an_in_process_arm_takes():
+    """config.engine_argv: the flags a benchmark passes to `deltaserve serve` for an arm it also runs in-process
+    parse back to the same values (every sample value, booleans both ways, None left at the default)."""
+    from deltaserve.config import engine_argv
+    from deltaserve.server.cli import make_parser
+
+    parse = make_parser().parse_args
+    kwargs = {name: want for name, (_, want) in SAMPLES.items()
+              if name not in ("speculative_config", "tensor_parallel_size", "nnodes")}  # their own checks
+    kwargs["strict_max_tokens"] = True
+    assert engine_args(parse(engine_argv(kwargs))) == kwargs
+    assert engine_argv({"enable_prefix_caching": True, "seed": None}) == ["--enable-prefix-caching"]
+    with pytest.raises(KeyError):
+        engine_argv({"not_a_flag": 1})

@@ -56,7 +56,7 @@ from ...embedded.model import ensure_model
 from ..peers import PeerUnavailable
 from ..peers.vllm_peer import default_vllm_python
 from ..progress import progress_for
-from .drivers import EngineDriver, HttpDriver, LlamaCppDriver, TransformersDriver, VllmDriver
+from .drivers import EngineDriver, HttpDriver, LlamaCppDriver, ServedDriver, TransformersDriver, VllmDriver
 from .report import bars, cell, format_table, measure_ideal, measure_ideal_in_context, plot, summarize
 from .workload import Turn, TurnResult, make_sessions, prompts_of
 
@@ -93,6 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--llama-cpp-threads", type=int, default=2, help="llama-server -t (default 2: both cores)")
     p.add_argument("--llama-cpp-slots", type=int, default=None, help="llama-server -np (default: --max-num-seqs)")
     p.add_argument("--llama-cpp-dir", default=None, help="llama.cpp tree + build (default $DELTASERVE_HOME/llama.cpp/b11434)")
+    p.add_argument("--http-arm", default=None,
+                   help="one of the in-process arms also served by `deltaserve serve` and driven over HTTP as "
+                        "llama-server is; llama-server's bars are held against it (default: runs when llama.cpp "
+                        "is a peer, else none)")
     p.add_argument("--base-url", default=None, help="also replay against this OpenAI-compatible server")
     p.add_argument("--served-model", default=None, help="model name for --base-url (default: its first model)")
     p.add_argument("--label", default="server", help="arm name of the --base-url server")
@@ -166,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     if set(peers) - {"transformers", "vllm", "llama.cpp"}:
         p.error(f"unknown peer(s) {sorted(set(peers) - {'transformers', 'vllm', 'llama.cpp'})}; "
                 "choose from transformers, vllm, llama.cpp")
+    http_arm = a.http_arm if a.http_arm is not None else ("runs" if "llama.cpp" in peers else "none")
+    if http_arm != "none" and http_arm not in ARMS:
+        p.error(f"unknown --http-arm {http_arm}; choose from {list(ARMS)} or none")
     if a.ideal_context_repeats < 1:
         p.error(f"--ideal-context-repeats must be at least 1, not {a.ideal_context_repeats}")
 
@@ -219,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     for arm in arms:
         _progress(f"{arm}: starting the engine")
         do(EngineDriver(arm, {**base, **ARMS[arm]}), ideal=ARMS[arm]["enable_prefix_caching"])
+    if http_arm != "none":
+        _progress(f"{http_arm}-http: starting deltaserve serve")
+        do(ServedDriver(http_arm, {**base, **ARMS[http_arm]}, os.path.join(_log_dir(a), f"deltaserve-agent-{a.preset}.log")),
+           ideal=ARMS[http_arm]["enable_prefix_caching"])
     if a.base_url:
         drv = HttpDriver(a.base_url, a.label, a.served_model, a.api_key)
         do(drv, ideal=True)

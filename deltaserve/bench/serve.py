@@ -1,0 +1,47 @@
+"""deltaserve as a server for a benchmark: `python -m deltaserve serve` in a process of its own, its engine flags
+from the same keyword arguments an in-process arm takes (config.engine_argv), waited for on /health, stopped with
+its process group. A peer served over HTTP is measured against this, not against an in-process engine."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+
+from ..config import engine_argv
+from .peers import stop_group
+from .peers.llama_cpp import free_port
+
+
+class DeltaserveServer:
+    """`deltaserve serve` on 127.0.0.1: base is its URL; engine: EngineConfig keyword arguments (model, preset,
+    kv_cache_memory, ...); extra: other serve flags (--served-model-name, ...)."""
+
+    def __init__(self, engine: dict, log_path: str, extra: tuple[str, ...] = (), startup_timeout: float = 600.0):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "deltaserve", "serve", "--port", str(self.port), *engine_argv(engine),
+                    *extra]
+        self._log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the server
+        self._log.write(f"===== {time.strftime('%F %T')} {' '.join(self.cmd)}\n")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.time() + startup_timeout
+        while True:
+            if self.proc.poll() is not None:
+                self._log.close()
+                raise RuntimeError(f"deltaserve exited with {self.proc.returncode} at start-up (log: {log_path})")
+            try:
+                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                self.close()
+                raise RuntimeError(f"deltaserve not ready in {startup_timeout:.0f} s (log: {log_path})")
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        stop_group(self.proc)
+        if not self._log.closed:
+            self._log.close()
