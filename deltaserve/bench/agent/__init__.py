@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         do(EngineDriver(arm, {**base, **ARMS[arm]}), ideal=ARMS[arm]["enable_prefix_caching"])
     if http_arm != "none":
         _progress(f"{http_arm}-http: starting deltaserve serve")
-        do(ServedDriver(http_arm, {**base, **ARMS[http_arm]}, os.path.join(_log_dir(a), f"deltaserve-agent-{a.preset}.log")),
-           ideal=ARMS[http_arm]["enable_prefix_caching"])
+        log = os.path.join(_log_dir(a), f"deltaserve-agent-{a.preset}.log")
+        do(ServedDriver(http_arm, {**base, **ARMS[http_arm]}, log), ideal=ARMS[http_arm]["enable_prefix_caching"])
     if a.base_url:
         drv = HttpDriver(a.base_url, a.label, a.served_model, a.api_key)
         do(drv, ideal=True)

@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--clients", default="claude,codex,qwen,opencode", help="comma-separated: " + ",".join(CLIENTS))
     ap.add_argument("--servers", default="deltaserve,llama.cpp,llama.cpp-tuned",
-                    help="comma-separated: deltaserve, llama.cpp (as it ships), llama.cpp-tuned (--llama-cpp-tuned-args)")
+                    help="comma-separated: deltaserve, llama.cpp (as it ships), llama.cpp-tuned "
+                         "(--llama-cpp-tuned-args)")
     ap.add_argument("--sessions", type=int, default=3)
     ap.add_argument("--turns", type=int, default=3)
     ap.add_argument("--model", default="tiny", help="a model directory or a preset (default: the embedded tiny)")

@@ -27,9 +27,10 @@ NORMALISATIONS = {
                   "a system message after the first as a user message; flattens Responses namespace tools to "
                   "`<namespace>__<name>` and leaves built-in tools (web_search, ...) out of the prompt.",
     "llama.cpp": "the prompt it ran (tokens: its /slots text through its /tokenize). Its own conversion of "
-                 "Anthropic Messages and Responses to chat messages; Claude Code's billing block kept as system text, "
-                 "its per-request `cch=` stamp set to a constant; the checkpoint's template with a later system message rendered as a user turn (as shipped it "
-                 "raises on one).",
+                 "Anthropic Messages and Responses to chat messages (a Responses request keeps only its `function` "
+                 "tools); Claude Code's billing block kept as system text, its per-request `cch=` stamp set to a "
+                 "constant; the checkpoint's template with a later system message rendered as a user turn (as "
+                 "shipped it raises on one).",
 }
 SLACK = 64  # a hit on the 64-token grid counts as whole: less than a page short is not a divergence
 
