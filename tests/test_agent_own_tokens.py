@@ -139,7 +139,7 @@ def _row(session, turn, *requests):
     return {"client": "codex", "session": session, "turn": turn, "rc": 0, "wall_s": 2.0, "requests": list(requests)}
 
 
-def _req(text: str, cached: int, tok, own: bool, file: str, ttft: float = 1.0) -> dict:
+def _req(text: str, cached: int, own: bool, file: str, ttft: float = 1.0) -> dict:
     body = {"model": "m", "tools": TOOLS, "messages": [{"role": "user", "content": text}]}
     q = {"file": file, "method": "POST", "path": "/v1/chat/completions", "body": body, "status": 200,
          "first_content_s": ttft, "usage": {"prompt": None, "cached": cached, "output": 0}, "reasoned": False}
@@ -152,11 +152,11 @@ def test_the_report_divides_by_what_each_servers_own_tokens_share(tok):
     """The same file names on both servers (each recorder numbers its own), different bodies: each request is
     rendered as its own server ran it. llama-server's shares use its own ids; a request it could not read is
     counted as unmeasured and gives no share."""
-    ours = [_row(0, 0, _req("1 2 3 4 5 6 7 8", 0, tok, False, "0001", 4.0)),
-            _row(1, 0, _req("1 2 3 4 5 6 9 9", 0, tok, False, "0002", 2.0))]
-    peer = [_row(0, 0, _req("1 2 3 4 5 6 7 8 10 11", 0, tok, True, "0002", 8.0)),
-            _row(1, 0, _req("1 2 3 4 5 6 7 8 12", 4, tok, True, "0001", 6.0)),
-            _row(2, 0, {**_req("1 2", 0, tok, True, "0003"), "own_ids": None})]
+    ours = [_row(0, 0, _req("1 2 3 4 5 6 7 8", 0, False, "0001", 4.0)),
+            _row(1, 0, _req("1 2 3 4 5 6 9 9", 0, False, "0002", 2.0))]
+    peer = [_row(0, 0, _req("1 2 3 4 5 6 7 8 10 11", 0, True, "0002", 8.0)),
+            _row(1, 0, _req("1 2 3 4 5 6 7 8 12", 4, True, "0001", 6.0)),
+            _row(2, 0, {**_req("1 2", 0, True, "0003"), "own_ids": None})]
     result = analyse({"deltaserve": ours, "llama.cpp": peer}, tok)
     mine = result["servers"]["deltaserve"]["codex"]["turns"][1]
     assert mine["base"] > 8  # deltaserve's rendering: the template and the tool block come first

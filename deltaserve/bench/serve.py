@@ -7,10 +7,8 @@ import subprocess
 import sys
 import time
 
-import httpx
-
 from ..config import engine_argv
-from .peers import stop_group
+from .peers import stop_group, wait_healthy
 from .peers.llama_cpp import free_port
 
 
@@ -26,20 +24,10 @@ class DeltaserveServer:
         self._log = open(log_path, "a", buffering=1)  # noqa: SIM115 - lives as long as the server
         self._log.write(f"===== {time.strftime('%F %T')} {' '.join(self.cmd)}\n")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.time() + startup_timeout
-        while True:
-            if self.proc.poll() is not None:
-                self._log.close()
-                raise RuntimeError(f"deltaserve exited with {self.proc.returncode} at start-up (log: {log_path})")
-            try:
-                if httpx.get(self.base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                self.close()
-                raise RuntimeError(f"deltaserve not ready in {startup_timeout:.0f} s (log: {log_path})")
-            time.sleep(0.5)
+        why = wait_healthy(self.proc, self.base + "/health", startup_timeout)
+        if why is not None:
+            self.close()
+            raise RuntimeError(f"deltaserve {why} at start-up (log: {log_path})")
 
     def close(self) -> None:
         stop_group(self.proc)

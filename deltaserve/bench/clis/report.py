@@ -74,7 +74,8 @@ def analyse(rows: dict[str, list[dict]], tok) -> dict:
             crow = [r for r in srows if r["client"] == client]
             out.setdefault(server, {})[client] = _client(crow, ids, tok)
     sides: dict = {}
-    for server in [s for s in out if s != "deltaserve"] if "deltaserve" in out else ():
+    peers = [s for s in out if s != "deltaserve"]
+    for server in peers if "deltaserve" in out else ():
         for client, ours in out["deltaserve"].items():
             peer = out[server].get(client)
             if not peer:
@@ -189,7 +190,7 @@ def format_report(result: dict, args: dict) -> str:
     lines += ["", "## Each server's tokens and what it changes before rendering", ""]
     for server, clients in result["servers"].items():
         unmeasured = sum(s["unmeasured"] for s in clients.values())
-        lines.append(f"- {server}: {NORMALISATIONS.get(server, NORMALISATIONS['llama.cpp'])}"
+        lines.append(f"- {server}: {NORMALISATIONS[server.removesuffix('-tuned')]}"
                      + (f" Main requests whose prompt could not be read in its tokens (left out of the shares): "
                         f"{unmeasured}." if unmeasured else ""))
     lines += ["", "## Per turn (first main request)", "",

@@ -9,10 +9,31 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
+import urllib.error
+import urllib.request
 
 
 class PeerUnavailable(RuntimeError):
     """The peer cannot run here; str(exc) is the reason printed in the table."""
+
+
+def wait_healthy(p: subprocess.Popen, url: str, timeout: float) -> str | None:
+    """Wait until the server process p answers GET url 200: None, or why not ("exited (rc)", "not ready within
+    N s"). Every server a benchmark starts (llama-server, deltaserve serve) is waited for here."""
+    t0 = time.time()
+    while True:
+        if p.poll() is not None:
+            return f"exited ({p.returncode})"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return None
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.time() - t0 > timeout:
+            return f"not ready within {timeout:.0f}s"
+        time.sleep(0.2)
 
 
 def stop_group(p: subprocess.Popen, grace_s: float = 15.0) -> None:

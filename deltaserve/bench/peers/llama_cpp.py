@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ...home import home
 from ..decode_phase import decode_phase
-from . import PeerUnavailable, stop_group
+from . import PeerUnavailable, stop_group, wait_healthy
 from .gguf_bytes import decode_bytes_per_token
 
 BUILD = "b11434"
@@ -254,21 +254,11 @@ class LlamaServer:
         t0 = time.time()
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env=self._env)
-        while True:
-            if self.proc.poll() is not None:
-                self.close()
-                raise PeerUnavailable(f"llama-server exited ({self.proc.returncode}) at start-up: {self._tail()}"
-                                      f" (log: {log_path})")
-            try:
-                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.time() - t0 > startup_timeout:
-                self.close()
-                raise PeerUnavailable(f"llama-server not ready within {startup_timeout:.0f}s (log: {log_path})")
-            time.sleep(0.2)
+        why = wait_healthy(self.proc, self.base + "/health", startup_timeout)
+        if why is not None:
+            self.close()
+            tail = f": {self._tail()}" if self.proc.returncode is not None else ""
+            raise PeerUnavailable(f"llama-server {why} at start-up{tail} (log: {log_path})")
         self.startup_s = round(time.time() - t0, 1)
         try:
             with urllib.request.urlopen(self.base + "/props", timeout=10) as r:
