@@ -1,12 +1,12 @@
 # Two commands do all the set-up on a fresh machine:
 #   make serve   make a virtual environment, install, then serve the embedded default model on 127.0.0.1:8000
-#   make test    make a virtual environment, install (with the test extras), then run the test suite
+#   make test    make a virtual environment, install (with the test extras), compile the kernels, run the test suite
 # The environment is $(VENV) (default .venv beside this file); .ci/run points it at a fresh temporary one.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: install install-test serve generate test test-all
+.PHONY: install install-test kernels serve generate test test-all
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -26,8 +26,13 @@ serve: install
 generate: install
 	$(PY) -m deltaserve generate --prompt "Hello, deltaserve" --max-tokens 32
 
-test: install-test
+# the project's C++ for every instruction set this CPU executes, compiled as an install compiles an extension:
+# a compile error stops here with the compiler's message, and the suite's time is the tests'
+kernels: install-test
+	$(PY) -m deltaserve doctor --build
+
+test: kernels
 	$(PY) -m pytest -q
 
-test-all: install-test
+test-all: kernels
 	DELTASERVE_SLOW=1 $(PY) -m pytest -q

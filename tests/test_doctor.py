@@ -41,3 +41,24 @@ def test_doctor_text_report(capsys):
     text = capsys.readouterr().out
     assert "kernels: " in text and "does not fit" in text and "largest in bf16: qwen3.5-0.8b-shape" in text
     assert "agent CLIs" in text and "Codex CLI" in text
+
+
+def test_doctor_build_compiles_every_executable_build_and_fails_with_the_compilers_message(capsys, monkeypatch):
+    from deltaserve.model.ops import cpu_kernels, fp8
+
+    built = []
+    monkeypatch.setattr(cpu_kernels, "executable_isas", lambda flags=None: ("amx", "avx512bf16", "avx2"))
+    monkeypatch.setattr(cpu_kernels, "load_extension", lambda isa=None: built.append(isa))
+    monkeypatch.setattr(fp8, "executable_builds", lambda: ("avx2", "generic"))
+    monkeypatch.setattr(fp8, "load_fp8_extension", lambda build=None: built.append(f"fp8 {build}"))
+    assert doctor.main(["--build"]) == 0
+    assert built == ["avx512bf16", "avx2", "fp8 avx2", "fp8 generic"]  # amx is a view of the avx512bf16 build
+    assert capsys.readouterr().out.count(": ready") == 4
+
+    def broken(build=None):
+        raise RuntimeError("error building extension: linear_fp8.cpp:12: error: expected ';'")
+
+    monkeypatch.setattr(fp8, "load_fp8_extension", broken)
+    assert doctor.main(["--build"]) == 1
+    err = capsys.readouterr().err
+    assert "fp8/int4 linear avx2: FAILED" in err and "linear_fp8.cpp:12: error: expected ';'" in err

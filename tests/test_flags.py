@@ -221,3 +221,18 @@ def test_engine_argv_gives_serve_the_values_an_in_process_arm_takes():
     assert engine_argv({"enable_prefix_caching": True, "seed": None}) == ["--enable-prefix-caching"]
     with pytest.raises(KeyError):
         engine_argv({"not_a_flag": 1})
+
+
+@pytest.mark.parametrize("argv", [[c] for c in ("serve", "generate", "make-model", "doctor", "plan", "profile",
+                                               "simulate")]
+                         + [["bench", s] for s in __import__("deltaserve.bench", fromlist=["x"]).SUBCOMMANDS]
+                         + [["simulate", "validate"]])
+def test_every_command_prints_its_help(argv, capsys):
+    """--help of every command and subcommand prints its usage and exits 0 (a help string is %-formatted by
+    argparse: a bare % in one is a traceback where the user asked what the flags are)."""
+    from deltaserve.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--help"])
+    assert e.value.code == 0
+    assert "usage:" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """`deltaserve doctor`: what this machine gets, without loading a model.
 
     deltaserve doctor [--memory BYTES] [--json]
+    deltaserve doctor --build     compile every kernel build this CPU executes now (make test runs it first)
 
 The instruction set the kernels would be built for and why, which compiled builds are already in torch's
 extension cache (a first `serve` builds the missing one), the memory, and for each shipped model shape
@@ -148,11 +149,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=parse_bytes, default=None, metavar="BYTES",
                    help="plan the models for this much memory instead of what is available now (e.g. 64G)")
     p.add_argument("--json", action="store_true", help="the report as JSON")
+    p.add_argument("--build", action="store_true",
+                   help="compile every kernel build this CPU executes (into torch's extension cache) and exit: "
+                        "non-zero with the compiler's message when one fails")
     return p
+
+
+def build_all() -> list[tuple[str, float | Exception]]:
+    """Compile (or load from torch's cache) every build of the project's C++ this CPU executes: the kernels of
+    each executable instruction set and each fp8 / int4 linear build. A build is what an install makes, like a
+    wheel's extension: the tests and the first serve then load it instead of compiling inside a timed run.
+    Returns (what, seconds or the exception) per build."""
+    import time
+
+    from ..model.ops import cpu_kernels as ck
+    from ..model.ops import fp8
+
+    jobs = [(f"kernels {ck.ISA_BUILD.get(i, i)}", lambda i=i: ck.load_extension(i)) for i in ck.executable_isas()
+            if ck.ISA_BUILD.get(i, i) == i]
+    jobs += [(f"fp8/int4 linear {b}", lambda b=b: fp8.load_fp8_extension(b)) for b in fp8.executable_builds()]
+    out = []
+    for what, load in jobs:
+        t0 = time.perf_counter()
+        try:
+            load()
+            out.append((what, time.perf_counter() - t0))
+        except Exception as e:  # noqa: BLE001 - reported with the compiler's message, then a non-zero exit
+            out.append((what, e))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if a.build:
+        failed = 0
+        for what, r in build_all():
+            if isinstance(r, Exception):
+                failed += 1
+                print(f"{what}: FAILED\n{r}", file=sys.stderr)
+            else:
+                print(f"{what}: ready ({r:.0f} s)")
+        return 1 if failed else 0
     r = report(a.memory)
     print(json.dumps(r, indent=1) if a.json else format_report(r))
     return 0

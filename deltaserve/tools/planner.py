@@ -652,7 +652,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="bytes for activations, graphs and other runtime reserves (not modeled; default 0)")
     ap.add_argument("--host-memory", type=parse_bytes, default=None,
                     help="the machine's memory, for deltaserve serve on a CPU: the pool is what is left after "
-                         f"{HOST_HEADROOM:.0%} headroom, the weights as run and the runtime; resident is checked "
+                         f"{HOST_HEADROOM:.0%}% headroom, the weights as run and the runtime; resident is checked "
                          "against it")
     ap.add_argument("--limit-mm-per-prompt", type=parse_mm_limits, default=DEFAULT_MM_LIMITS, metavar="JSON",
                     help="as the engine's flag: '{\"image\": 0}' leaves the vision encoder out of the weights as run")
