@@ -36,7 +36,8 @@ def test_json_keys_and_27b_figures(capsys):
     assert set(r["pool_tokens"]) == {"in-page", "runs", "per-block", "per-block-group"}
     assert r["pool_tokens"]["in-page"] % 784 == 0
     assert r["engine_block_size"] == 832
-    assert any("prompts shorter than 784 tokens never hit" in w for w in r["warnings"])
+    assert any("prompts shorter than 16 tokens never hit: a hit is a whole number of 16-token pages" in w
+               for w in r["warnings"])  # the runs layout: its pages, not the 784-token hybrid block
     assert any("state dtype differs from weight dtype" in w for w in r["warnings"])
 
 
@@ -255,3 +256,12 @@ def test_int4_weights_match_what_the_loaded_model_holds(tmp_path, capsys):
         assert w["int4"] < w["gptq-int4"] < 0.65 * w[None], (preset, w)
     r = run_json(capsys, "--model", "qwen3.5-35b-a3b", "--quantization", "gptq-int4", "--budget", "4GiB")
     assert r["weight_quantization"] == "gptq-int4" and "GPTQ-Int4" in r["weight_source"]
+
+
+def test_the_runs_layout_warns_of_its_page_not_the_hybrid_block(capsys):
+    """In the runs layout a state spans several pages of the alignment, so a hit is a whole number of pages (64
+    tokens), not of the hybrid block (576 tokens on the 0.8B shape): the warning says the unit that holds."""
+    r = run_json(capsys, "--model", "qwen3.5-0.8b-shape", "--layout", "runs", "--budget", "2G")
+    assert r["block_size"] == 576
+    assert any("prompts shorter than 64 tokens never hit: a hit is a whole number of 64-token pages (the runs "
+               "layout)" in w for w in r["warnings"]), r["warnings"]

@@ -454,8 +454,9 @@ def _sizing_warnings(m: ModelConfig, inputs: PlanInputs, shape: CacheShape, budg
     tp, kernel = inputs.tensor_parallel_size, shape.kernel
     warnings: list[str] = []
     if mode != "none" and g.n_gdn_layers:
-        warnings.append(f"prompts shorter than {block} tokens never hit: a hit is a whole number of "
-                        f"{block}-token blocks (the runs layout: {shape.alignment}-token pages)")
+        unit, what = ((shape.alignment, "pages") if layout == "runs" else (block, "blocks"))
+        warnings.append(f"prompts shorter than {unit} tokens never hit: a hit is a whole number of {unit}-token "
+                        f"{what} (the {layout} layout)")
     if budget is not None:
         chosen, concurrent = pools["pool_tokens"][layout], pools["max_concurrent_seqs"][layout]
         short = chosen is not None and chosen < max_model_len
