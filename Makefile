@@ -31,8 +31,10 @@ generate: install
 kernels: install-test
 	$(PY) -m deltaserve doctor --build
 
+# two worker processes (pytest-xdist): most of the suite's time is one core's (servers starting, HTTP, Python), so
+# two of them fill a 2-core machine; a test file alone still runs as `pytest tests/test_x.py`
 test: kernels
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist worksteal
 
 test-all: kernels
-	DELTASERVE_SLOW=1 $(PY) -m pytest -q
+	DELTASERVE_SLOW=1 $(PY) -m pytest -q -n 2 --dist worksteal
