@@ -554,7 +554,8 @@ class LLMEngine:
         adaptive rule the batch's drafts are cut to the step's max_verify_rows (speculative.fit_drafts)."""
         wanted: dict[str, tuple[int, float]] = {}  # every request about to decode: (drafts it asks for, its rate)
         for w in plan.work:
-            req = self.scheduler.requests.get(w.request_id)
+            req = self.scheduler.get(w.request_id)
+            req = None if req is None or req.is_finished else req
             if w.request_id not in self._live or req is None or w.request_id not in hidden:
                 if req is None:
                     self.drafter.forget(w.request_id)
@@ -572,8 +573,8 @@ class LLMEngine:
                     wanted[w.request_id] = (k, 1.0)
         cap = self.spec.max_verify_rows if self.spec.adaptive else 0  # fixed drafts: K every step, no cap
         for rid, k in fit_drafts(wanted, len(wanted), cap).items():
-            req = self.scheduler.requests[rid]
-            req.draft_token_ids = self.drafter.propose(rid, req.all_token_ids, k) if k else []
+            self.scheduler.set_drafts(rid, self.drafter.propose(rid, self.scheduler.get(rid).all_token_ids, k)
+                                      if k else [])
 
     def _append(self, live: _Live, s, now: float) -> None:
         req = self.scheduler.get(live.request_id)
@@ -601,17 +602,13 @@ class LLMEngine:
                 reason, stop = "stop", hit
             elif s.guide_finished:
                 reason = "stop"
-        if reason is None and (n_out >= p.max_tokens or len(live.prompt_ids) + n_out >= self.max_model_len):
-            reason = "length"
+        if reason is None and n_out >= req.max_tokens:  # the scheduler's limit (check_request: within the context),
+            reason = "length"  # at which update() has finished the request already
         if reason is not None:
-            req = self.scheduler.get(live.request_id)
-            if req is not None and len(req.output_token_ids) > n_out:  # a verify step's tokens past the stop
-                del req.output_token_ids[n_out:]
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             if stop is None or isinstance(stop, int):
                 live.text += live.detok.flush()  # a stream ending mid-character
             live.finish_reason, live.stop_reason = reason, stop
-            self.scheduler.finish(live.request_id, reason)
+            self.scheduler.finish(live.request_id, reason, outputs=n_out)  # a verify step's tokens past a stop go
 
     def _find_stop(self, live: _Live, new_chars: int) -> str | None:
         """Look for a stop string in the new text (and the tail it may complete); truncate the text there."""

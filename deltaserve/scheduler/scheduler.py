@@ -188,14 +188,20 @@ class Scheduler:
         """The most tokens (prompt + max_tokens) one request can ever hold; the engine refuses more."""
         return self.memory.max_request_tokens()
 
-    def finish(self, request_id: str, reason: str) -> bool:
+    def finish(self, request_id: str, reason: str, outputs: int | None = None) -> bool:
         """Finish a request ("stop", "length" or "abort") and free everything it holds.
 
+        outputs: how many generated tokens the request keeps, where the caller stopped it inside a verify step's
+        tokens (a stop string or token before its last): those after it are dropped, also from a request update()
+        has just finished at max_tokens, before its outputs are recomputed for the cache (jobs.py).
         Safe at any moment (between schedule() and update() too: update() then skips its work).
         Returns False if the request is unknown or already finished.
         """
         if reason not in FINISH_STATUS:
             raise ValueError(f"finish reason must be one of {sorted(FINISH_STATUS)}, not {reason!r}")
+        if outputs is not None and (done := self.get(request_id)) is not None and len(done.output_token_ids) > outputs:
+            del done.output_token_ids[outputs:]
+            done.num_computed_tokens = min(done.num_computed_tokens, done.num_tokens - 1)
         req = self.requests.pop(request_id, None)
         if req is None:
             return False
@@ -215,6 +221,10 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         return self.finish(request_id, "abort")
+
+    def set_drafts(self, request_id: str, drafts: list[int]) -> None:
+        """The drafter's proposals for the request's next step, which _drafts trims to what that step can verify."""
+        self.requests[request_id].draft_token_ids = list(drafts)
 
     def get(self, request_id: str) -> Request | None:
         """An unfinished request, or one finished since the last schedule() (so the engine can still
