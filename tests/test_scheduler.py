@@ -499,3 +499,25 @@ def test_encoder_budget_cuts_the_second_image_request_of_a_step():
     big = Request("c", [IMG] * 12 + [1] * 4, max_tokens=1, media=((0, 12, b"C" * 32),))
     solo.add(big)
     assert spans(step(solo)) == [("c", 0, 16, False, True)]  # over the budget alone: the first always runs
+
+
+@pytest.mark.parametrize("max_tokens", [8, 4])  # 4: the verify step's last token reaches it
+def test_a_stop_inside_a_verify_step_drops_the_tokens_after_it(max_tokens):
+    """The engine owns none of a request's state: it hands the drafts to the scheduler (set_drafts) and, where a
+    stop string or token ends the answer before a verify step's last token, says how many outputs the request
+    keeps (finish(outputs=)); that holds too when update() has just finished the request at max_tokens."""
+    s = make(caching=False)
+    s.add(Request("a", [1, 2, 3], max_tokens=max_tokens))
+    step(s)  # the prompt, and the first token
+    req = s.get("a")
+    first = req.output_token_ids[0]
+    s.set_drafts("a", [7, 8, 9])
+    plan = s.schedule()  # at most max_tokens - 2 drafts: the outputs so far and the token after the drafts
+    assert [(w.start_pos, w.num_drafts) for w in plan.work] == [(3, min(3, max_tokens - 2))]
+    s.update(plan, {"a": [7, 8, 5]})  # two drafts accepted, then the token after them (8: the third rejected)
+    assert req.output_token_ids == [first, 7, 8, 5] and req.num_computed_tokens == 6
+    assert req.is_finished == (max_tokens == 4)  # "length", by update()
+    assert s.finish("a", "stop", outputs=2) == (max_tokens == 8)
+    assert req.output_token_ids == [first, 7] and req.num_computed_tokens == req.num_tokens - 1 == 4
+    assert not s.has_unfinished()
+    s.memory.check_integrity()
