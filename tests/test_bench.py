@@ -26,20 +26,49 @@ def test_throughput_smoke(tmp_path, capsys):
     assert rows[0].startswith("preset,row,engine") and any(",best," in r for r in rows)
 
 
-def test_throughput_arms_that_do_not_fit_end_the_run_before_loading(tmp_path, monkeypatch, capsys):
-    """Every deltaserve arm is an engine of its own, loaded together: where their weights as run, pools and the
-    runtime exceed the memory available, the run ends before any arm loads, naming each figure."""
+def test_throughput_arms_that_do_not_fit_together_load_one_after_another(tmp_path, monkeypatch, capsys):
+    """Every deltaserve arm is an engine of its own: where their weights as run, pools and the runtime exceed the
+    memory available, each arm is loaded alone, measured and closed before the next loads, and the report says so;
+    where one arm alone does not fit, the run ends before any arm loads, naming each figure."""
     from deltaserve.bench import throughput
     from deltaserve.runner import platform
 
+    argv = ["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens", "32", "--streams", "1", "--fp8",
+            "--kv-cache-memory", "1G", "--decode-tokens", "2", "--repeats", "1", "--omp-wait-policy", "inherit",
+            "--settle", "0", "--out", str(tmp_path / "bench.csv"), "--log-dir", str(tmp_path)]
+    live, loaded = [], []
+
+    class Arm:  # an engine's footprint only: which arms are held at once
+        def __init__(self, model_dir, *, name, **kw):
+            assert not live, f"{name} loaded while {live} is held"
+            self.name, self.info = name, {"cpu_kernels": "none", "linear": "none"}
+            live.append(name)
+            loaded.append(name)
+
+        def prefill(self, prompts):
+            return 0.01, sum(len(p) for p in prompts)
+
+        def decode(self, prompts, max_tokens):
+            return 0.01, len(prompts) * max_tokens
+
+        def close(self):
+            live.remove(self.name)
+
+    monkeypatch.setattr(throughput, "DeltaservePeer", Arm)
     monkeypatch.setattr(platform, "available_bytes", lambda device: 2 * 10**9)
-    monkeypatch.setattr(throughput, "DeltaservePeer", lambda *a, **k: pytest.fail("an arm was loaded"))
+    assert main(argv) == 0
+    assert loaded == ["deltaserve", "deltaserve-fp8"] and not live
+    out = capsys.readouterr()
+    assert "GB available: each arm is loaded alone, one after another" in out.err  # the progress line, with figures
+    assert "tiny: each deltaserve arm loaded alone, one after another" in out.out  # the report's conditions
+
+    loaded.clear()
+    monkeypatch.setattr(platform, "available_bytes", lambda device: 1 * 10**9)
     with pytest.raises(SystemExit, match=r"tiny: the deltaserve arms do not fit together \(deltaserve 0\.\d\d GB "
-                                         r"weights \+ 1\.07 GB pool; deltaserve-fp8 0\.\d\d GB weights \+ 1\.07 GB "
-                                         r"pool; runtime 0\.75 GB: 2\.\d\d GB in all\), and this machine has 2\.00 GB"):
-        main(["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens", "32", "--streams", "1", "--fp8",
-              "--kv-cache-memory", "1G", "--decode-tokens", "2", "--repeats", "1", "--omp-wait-policy", "inherit",
-              "--out", str(tmp_path / "bench.csv"), "--log-dir", str(tmp_path)])
+                                         r"weights \+ 1\.07 GB pool; runtime 0\.75 GB: 1\.\d\d GB in all\), and this "
+                                         r"machine has 1\.00 GB"):
+        main(argv)
+    assert loaded == []
 
 
 def test_bench_checkpoints_are_made_in_a_child_process(tmp_path, monkeypatch):

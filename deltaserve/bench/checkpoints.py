@@ -28,7 +28,7 @@ def made_apart(preset: str, quantize: str | None = None) -> str:
 
 
 class ArmsDoNotFit(RuntimeError):
-    pass
+    figures = ""  # the figures alone, without the advice
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,10 @@ def check_arms_fit(arms: list[ArmMemory], available: int) -> str:
     parts = [f"{a.name} {a.weights / 1e9:.2f} GB weights + {a.pool / 1e9:.2f} GB pool" for a in arms]
     line = f"{'; '.join(parts)}; runtime {RUNTIME_BYTES / 1e9:.2f} GB: {total / 1e9:.2f} GB in all"
     if total > available:
-        raise ArmsDoNotFit(f"the deltaserve arms do not fit together ({line}), and this machine has "
-                           f"{available / 1e9:.2f} GB available: run fewer arms (--cpu-isas, --fp8, --fp8-head, "
-                           "--speculative) or give a smaller --kv-cache-memory")
+        figures = (f"the deltaserve arms do not fit together ({line}), and this machine has {available / 1e9:.2f} GB "
+                   "available")
+        err = ArmsDoNotFit(f"{figures}: run fewer arms (--cpu-isas, --fp8, --fp8-head, --speculative) or give a "
+                           "smaller --kv-cache-memory")
+        err.figures = figures
+        raise err
     return line

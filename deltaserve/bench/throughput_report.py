@@ -274,7 +274,9 @@ def _conditions(res: Results) -> str:
             f"{', '.join(f'{p}: {n}' for p, n in res.info['decode_tokens'].items())} generated tokens per stream); "
             f"{bwl}; {res.info.get('cpu', 'cpu not recorded')}; torch threads {res.info.get('torch_threads')}; "
             f"{res.info.get('omp', '')}; load average {l0[0]:.1f} at start, "
-            f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s.")
+            f"{l1[0]:.1f} at end; wall {res.info.get('wall_s', 0):.0f}s"
+            + "".join(f"; {p}: each deltaserve arm loaded alone, one after another (not interleaved with the others' "
+                      "rows)" for p in res.info.get("arms_apart", ())) + ".")
 
 
 def _kernel_line(res: Results) -> list[str]:
