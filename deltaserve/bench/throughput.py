@@ -79,6 +79,7 @@ class DeltaservePeer:
         from ..engine.llm import LLM  # imports torch: only once main has set OMP_WAIT_POLICY
 
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
+        t0 = time.perf_counter()
         self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa,
                        quantize_head=quantize_head, speculative_config=speculative_config, quantize=quantize,
@@ -88,7 +89,8 @@ class DeltaservePeer:
         self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)
         self.cpu_s: float | None = None  # the process's CPU time over the latest decode()'s decode phase
         self.info = {"block_size": self.engine.block_size, "pool_tokens": self.engine.pool.pool_tokens,
-                     "cpu_kernels": self.engine.cpu_kernels, "linear": self.engine.model.linear_kind}
+                     "cpu_kernels": self.engine.cpu_kernels, "linear": self.engine.model.linear_kind,
+                     "load_s": round(time.perf_counter() - t0, 2)}  # checkpoint to a ready engine (a first kernel build in it)
 
     def _params(self, n: int):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

@@ -283,7 +283,8 @@ def _kernel_line(res: Results) -> list[str]:
     di = [(p, e, v) for (p, e), v in res.arm_info.items() if e.startswith("deltaserve") and "cpu_kernels" in v]
     if not di:
         return []
-    return ["deltaserve CPU kernels: " + ", ".join(f"{p} {e} {v['cpu_kernels']} (linear {v.get('linear')})"
+    return ["deltaserve CPU kernels: " + ", ".join(f"{p} {e} {v['cpu_kernels']} (linear {v.get('linear')}"
+                                                   + (f", loaded in {v['load_s']:.1f} s" if "load_s" in v else "") + ")"
                                                    for p, e, v in di)
             + "; ms per decode step = streams / (decode tok/s), the median engine step in brackets."]
 
