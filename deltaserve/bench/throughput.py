@@ -88,9 +88,10 @@ class DeltaservePeer:
         self._n = 0
         self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)
         self.cpu_s: float | None = None  # the process's CPU time over the latest decode()'s decode phase
+        # load_s: from the checkpoint to a ready engine (a first build of the kernels would be in it)
         self.info = {"block_size": self.engine.block_size, "pool_tokens": self.engine.pool.pool_tokens,
                      "cpu_kernels": self.engine.cpu_kernels, "linear": self.engine.model.linear_kind,
-                     "load_s": round(time.perf_counter() - t0, 2)}  # checkpoint to a ready engine (a first kernel build in it)
+                     "load_s": round(time.perf_counter() - t0, 2)}
 
     def _params(self, n: int):
         return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
