@@ -397,3 +397,16 @@ def test_quantize_head_refusals():
         EngineConfig(quantize_head="fp8", tensor_parallel_size=2)
     with pytest.raises(ConfigError, match="needs bf16 weights on the CPU"):
         load_model(ensure_model("tiny"), dtype="float32", quantize_head="fp8")
+
+
+def test_quantize_in_bands_gives_the_bytes_of_the_whole(monkeypatch):
+    """quantize_fp8 works a band of block rows at a time (its fp32 temporaries bounded, not several copies of a
+    vocabulary-sized head): the codes and scales are those of the whole tensor at once, with ragged last blocks."""
+    w = rand(700, 300, seed=5, scale=0.05)
+    w[130:140] = 0  # rows of zeros inside a block: its scale from the other rows
+    whole = quantize_fp8(w)
+    monkeypatch.setattr(fp8, "QUANTIZE_BAND_BYTES", 128 * 3 * 128 * 4 * 2)  # two block rows a band
+    banded = quantize_fp8(w)
+    assert whole[0].dtype == banded[0].dtype == fp8.FP8 and whole[0].shape == (700, 300)
+    assert torch.equal(whole[0].view(torch.uint8), banded[0].view(torch.uint8))
+    assert torch.equal(whole[1], banded[1]) and banded[1].shape == (6, 3)

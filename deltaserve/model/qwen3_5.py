@@ -360,10 +360,9 @@ class HybridModel(nn.Module):
                      f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
         else:  # the projections' packing names linear_kind; the head is not packed in bf16 at all
             self.linear_kind = "cpp" if ext is not None else "onednn"
-            rows = 64 * 128  # 128-row blocks at a time: quantize_fp8's fp32 copies stay small for a large vocab
-            parts = [quantize_fp8(head.detach()[r: r + rows]) for r in range(0, head.shape[0], rows)]
-            self.packed_head = Fp8Weight.from_block_scales(torch.cat([q for q, _ in parts]),
-                                                         torch.cat([s for _, s in parts]), "lm_head")
+            q, scale = quantize_fp8(head.detach())  # a band of block rows at a time: fp32 copies stay small
+            self.packed_head = Fp8Weight.from_block_scales(q, scale, "lm_head")
+            del q
             self.packed_head.pack(fp8_ext, fp8_path)
             log.info("LM head quantized to block-FP8 (%s MB, was %s MB in bf16)",
                      f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")

@@ -37,6 +37,7 @@ log = logging.getLogger("deltaserve")
 BLOCK = 128  # the scale block, both dims (weight_block_size [128, 128])
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite e4m3fn value
+QUANTIZE_BAND_BYTES = 64 << 20  # quantize_fp8's fp32 working set
 COLS = 16  # output columns per kernel column block: the scale granularity of a packed weight
 
 # the quantized linears' extension: block-FP8 (linear_fp8.cpp) and int4 (linear_int4.cpp, ops/int4.py), one module
@@ -58,13 +59,23 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     assert w.dim() == 2
     N, K = w.shape
     nb, kb = cdiv(N, BLOCK), cdiv(K, BLOCK)
-    wf = torch.zeros(nb * BLOCK, kb * BLOCK, dtype=torch.float32)
-    wf[:N, :K] = w.float()
-    blocks = wf.view(nb, BLOCK, kb, BLOCK)
-    amax = blocks.abs().amax(dim=(1, 3))  # [nb, kb]
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q.view(nb * BLOCK, kb * BLOCK)[:N, :K].contiguous(), scale.contiguous()
+    q = torch.empty(N, K, dtype=FP8)
+    scale = torch.empty(nb, kb, dtype=torch.float32)
+    # a band of block rows at a time: a block's bytes depend on that block alone, and the fp32 temporaries stay a
+    # band's (a few tens of MB), not several copies of the tensor (2.5 GB each for the 4B shape's head)
+    step = max(1, QUANTIZE_BAND_BYTES // (BLOCK * kb * BLOCK * 4))
+    for b0 in range(0, nb, step):
+        b1 = min(nb, b0 + step)
+        r0, r1 = b0 * BLOCK, min(N, b1 * BLOCK)
+        wf = torch.zeros((b1 - b0) * BLOCK, kb * BLOCK, dtype=torch.float32)
+        wf[:r1 - r0, :K] = w[r0:r1].float()
+        blocks = wf.view(b1 - b0, BLOCK, kb, BLOCK)
+        amax = blocks.abs().amax(dim=(1, 3))  # [band, kb]
+        s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        band = (blocks / s[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        q[r0:r1] = band.view((b1 - b0) * BLOCK, kb * BLOCK)[:r1 - r0, :K]
+        scale[b0:b1] = s
+    return q, scale
 
 
 def check_scale_shape(q: torch.Tensor, scale_inv: torch.Tensor, name: str = "weight") -> None:
