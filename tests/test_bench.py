@@ -65,8 +65,8 @@ def test_throughput_arms_that_do_not_fit_together_load_one_after_another(tmp_pat
     loaded.clear()
     monkeypatch.setattr(platform, "available_bytes", lambda device: 1 * 10**9)
     with pytest.raises(SystemExit, match=r"tiny: the deltaserve arms do not fit together \(deltaserve 0\.\d\d GB "
-                                         r"weights \+ 1\.07 GB pool; runtime 0\.75 GB: 1\.\d\d GB in all\), and this "
-                                         r"machine has 1\.00 GB"):
+                                         r"weights \+ 1\.07 GB pool \+ 0\.00 GB loading; runtime 0\.75 GB: 1\.\d\d GB "
+                                         r"in all\), and this machine has 1\.00 GB"):
         main(argv)
     assert loaded == []
 

@@ -8,6 +8,7 @@ The server tests read /proc/PID/status of a real `deltaserve serve` process: the
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -164,7 +165,29 @@ def test_a_machine_too_small_is_refused_with_the_figures_before_loading(tiny_dir
     from deltaserve.runner import platform
 
     monkeypatch.setattr(platform, "available_bytes", lambda device: 15 * 10**8)
-    with pytest.raises(ConfigError, match=r"does not fit: weights as run 0\.\d\d GB \+ runtime 0\.75 GB \+ "
-                                          r"--kv-cache-memory 1\.07 GB = 1\.\d\d GB, and this machine has 1\.50 GB"):
+    with pytest.raises(ConfigError, match=r"does not fit: weights as run 0\.\d\d GB \+ loading's largest tensor "
+                                          r"0\.00 GB \+ runtime 0\.75 GB \+ --kv-cache-memory 1\.07 GB = 1\.\d\d GB, "
+                                          r"and this machine has 1\.50 GB"):
         LLM(model=tiny_dir, kv_cache_memory=1 << 30)
     LLM(model=tiny_dir, kv_cache_memory=64 << 20)  # fits
+
+
+def test_loading_is_counted_at_its_largest_tensor(tiny_dir):
+    """The pre-load checks count what loading holds beside the placed weights: the checkpoint's largest tensor read
+    (the vision encoder's only with images on, a tied head's lm_head.weight never)."""
+    import glob
+
+    from safetensors import safe_open
+
+    from deltaserve.config import ModelConfig
+    from deltaserve.memory.resident import largest_tensor
+
+    m = ModelConfig.from_path(tiny_dir)
+    sizes = {}
+    for path in glob.glob(os.path.join(tiny_dir, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            sizes.update({k: f.get_slice(k).get_shape() for k in f.keys()})
+    nbytes = {k: 2 * math.prod(shape) for k, shape in sizes.items()}  # bf16
+    text = max(v for k, v in nbytes.items() if not k.startswith(("model.visual.", "mtp.")))
+    assert largest_tensor(tiny_dir, m, images=False) == text > 0
+    assert largest_tensor(tiny_dir, m, images=True) == max(v for k, v in nbytes.items() if not k.startswith("mtp."))

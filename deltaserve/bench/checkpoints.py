@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..memory.resident import RUNTIME_BYTES, weights_as_run
+from ..memory.resident import RUNTIME_BYTES, largest_tensor, weights_as_run
 
 _MAKE = ("import sys\nfrom deltaserve.embedded.model import ensure_model\n"
          "print(ensure_model(sys.argv[1], quantize=sys.argv[2] or None))")
@@ -38,21 +38,26 @@ class ArmMemory:
     name: str
     weights: int
     pool: int
+    loading: int = 0  # the largest tensor its load reads: what loading may leave in the process's heap
 
 
 def arm_memory(name: str, model_dir: str, pool: int, *, mtp: bool = False, quantize_head: str = "none",
                quantize: str = "none") -> ArmMemory:
     """The arm's figures for a bf16 engine with images off (how bench throughput starts its arms)."""
-    weights = weights_as_run(model_dir, ModelConfig.from_path(model_dir), "bfloat16", images=False, mtp=mtp,
-                             quantize_head=quantize_head, quantize=quantize) or 0
-    return ArmMemory(name, weights, pool)
+    m = ModelConfig.from_path(model_dir)
+    weights = weights_as_run(model_dir, m, "bfloat16", images=False, mtp=mtp, quantize_head=quantize_head,
+                             quantize=quantize) or 0
+    return ArmMemory(name, weights, pool, largest_tensor(model_dir, m, images=False, mtp=mtp))
 
 
 def check_arms_fit(arms: list[ArmMemory], available: int) -> str:
-    """The arms' figures as one line; ArmsDoNotFit (the same figures) where their weights, pools and one runtime
-    add up to more than `available` bytes."""
-    total = sum(a.weights + a.pool for a in arms) + RUNTIME_BYTES
-    parts = [f"{a.name} {a.weights / 1e9:.2f} GB weights + {a.pool / 1e9:.2f} GB pool" for a in arms]
+    """The arms' figures as one line; ArmsDoNotFit (the same figures) where their weights, pools, the largest
+    tensor each one's loading reads and one runtime add up to more than `available` bytes."""
+    # each arm's loading may leave up to its largest tensor in the heap the arms share (three 4B-shape arms in one
+    # process reached 24.3 GB resident, the OOM killer's figure, against 21.1 GB of weights, pools and runtime)
+    total = sum(a.weights + a.pool + a.loading for a in arms) + RUNTIME_BYTES
+    parts = [f"{a.name} {a.weights / 1e9:.2f} GB weights + {a.pool / 1e9:.2f} GB pool"
+             + (f" + {a.loading / 1e9:.2f} GB loading" if a.loading else "") for a in arms]
     line = f"{'; '.join(parts)}; runtime {RUNTIME_BYTES / 1e9:.2f} GB: {total / 1e9:.2f} GB in all"
     if total > available:
         figures = (f"the deltaserve arms do not fit together ({line}), and this machine has {available / 1e9:.2f} GB "

@@ -96,22 +96,25 @@ class _Live:
 
 def check_memory(path: str, mc: ModelConfig, config: EngineConfig, dtype: str, device) -> None:
     """ConfigError, before anything is loaded, where the weights as run (memory/resident.py, from the checkpoint's
-    headers), the runtime and an explicit --kv-cache-memory add up to more than the machine has available: a
+    headers), the largest tensor loading holds beside them, the runtime and an explicit --kv-cache-memory add up
+    to more than the machine has available: a
     machine too small is told the figures rather than handed to the OOM killer. Logs the figures otherwise."""
-    from ..memory.resident import RUNTIME_BYTES, weights_as_run
+    from ..memory.resident import RUNTIME_BYTES, largest_tensor, weights_as_run
     from ..runner.platform import available_bytes
 
     if not os.path.isdir(path):
         return
-    weights = weights_as_run(path, mc, dtype, images=config.mm_limit("image") > 0,
-                             mtp=config.speculative_config is not None, quantize_head=config.quantize_head,
+    images, mtp = config.mm_limit("image") > 0, config.speculative_config is not None
+    weights = weights_as_run(path, mc, dtype, images=images, mtp=mtp, quantize_head=config.quantize_head,
                              quantize=config.quantize)
     if weights is None:
         return
     pool, free = config.kv_cache_memory or 0, available_bytes(device)
-    need = weights + RUNTIME_BYTES + pool
-    figures = (f"weights as run {weights / 1e9:.2f} GB + runtime {RUNTIME_BYTES / 1e9:.2f} GB"
-               + (f" + --kv-cache-memory {pool / 1e9:.2f} GB" if pool else "") + f" = {need / 1e9:.2f} GB")
+    loading = largest_tensor(path, mc, images=images, mtp=mtp)  # held beside the placed weights while loading
+    need = weights + loading + RUNTIME_BYTES + pool
+    figures = (f"weights as run {weights / 1e9:.2f} GB + loading's largest tensor {loading / 1e9:.2f} GB + runtime "
+               f"{RUNTIME_BYTES / 1e9:.2f} GB" + (f" + --kv-cache-memory {pool / 1e9:.2f} GB" if pool else "")
+               + f" = {need / 1e9:.2f} GB")
     if need > free:
         raise ConfigError(f"{path} does not fit: {figures}, and this machine has {free / 1e9:.2f} GB available. "
                           + ("Give a smaller --kv-cache-memory, " if pool else "")
