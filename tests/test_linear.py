@@ -166,3 +166,18 @@ def test_amx_tail_alone_is_vdpbf16ps_order(amx):
         assert torch.equal(linear(x, PackedWeight(w, amx)), linear(x, PackedWeight(w, vdp)))
     w, x = rand(776, 1024, seed=5), rand(64, 1024, seed=6)  # 50K outputs: some round the other way
     assert not torch.equal(linear(x, PackedWeight(w, amx)), linear(x, PackedWeight(w, vdp)))
+
+
+@pytest.mark.parametrize("N,K", [(1, 2), (17, 62), (100, 1030), (4099, 512)])
+def test_packing_is_the_documented_permutation(ext, N, K):
+    """pack_bf16_weight: [N, K] -> [ceil(N/16), K/2, 16, 2], element [b, p, c, j] = w[16 b + c, 2 p + j], the rows
+    past N zero; also from a non-contiguous weight."""
+    w = rand(N, K, seed=N + K)
+    nblk = -(-N // 16)
+    ref = torch.zeros(nblk * 16, K, dtype=torch.bfloat16)
+    ref[:N] = w
+    ref = ref.view(nblk, 16, K // 2, 2).transpose(1, 2)
+    assert torch.equal(ext.pack_bf16_weight(w).view(torch.int16), ref.contiguous().view(torch.int16))
+    wide = rand(N, K + 6, seed=1)
+    wide[:, :K] = w
+    assert torch.equal(ext.pack_bf16_weight(wide[:, :K]).view(torch.int16), ref.contiguous().view(torch.int16))
