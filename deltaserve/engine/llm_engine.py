@@ -97,8 +97,8 @@ class _Live:
 def check_memory(path: str, mc: ModelConfig, config: EngineConfig, dtype: str, device) -> None:
     """ConfigError, before anything is loaded, where the weights as run (memory/resident.py, from the checkpoint's
     headers), the largest tensor loading holds beside them, the runtime and an explicit --kv-cache-memory add up
-    to more than the machine has available: a
-    machine too small is told the figures rather than handed to the OOM killer. Logs the figures otherwise."""
+    to more than the machine has available: a machine too small is told the figures rather than handed to the OOM
+    killer. Logs the figures otherwise."""
     from ..memory.resident import RUNTIME_BYTES, largest_tensor, weights_as_run
     from ..runner.platform import available_bytes
 
