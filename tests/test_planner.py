@@ -265,3 +265,14 @@ def test_the_runs_layout_warns_of_its_page_not_the_hybrid_block(capsys):
     assert r["block_size"] == 576
     assert any("prompts shorter than 64 tokens never hit: a hit is a whole number of 64-token pages (the runs "
                "layout)" in w for w in r["warnings"]), r["warnings"]
+
+
+def test_the_peak_while_loading_is_the_resident_figure_and_the_largest_tensor(capsys):
+    """Loading holds the largest tensor beside the placed weights (the engine's pre-load check adds it too): without
+    headers that is the embedding, vocab x hidden in the model's dtype."""
+    r = run_json(capsys, "--model", "qwen3.5-0.8b-shape", "--budget", "1G")
+    sv = r["serve"]
+    assert sv["loading_bytes"] == 248_320 * 1_024 * 2
+    assert sv["peak_loading_bytes"] == sv["resident_bytes"] + sv["loading_bytes"]
+    assert P.main(["--model", "qwen3.5-0.8b-shape", "--budget", "1G"]) == 0
+    assert f"peak while loading      {sv['peak_loading_bytes']:,} B" in capsys.readouterr().out

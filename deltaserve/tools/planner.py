@@ -167,14 +167,29 @@ def serve_weight_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str, s
     return WeightBytes(int(total), "; ".join(how))
 
 
-def _serve_report(weights: WeightBytes, budget: int | None, inputs: PlanInputs, warnings: list[str]) -> dict:
-    """The plan's "serve" key: what a `deltaserve serve` process holds resident (one rank, a CPU)."""
+def loading_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str) -> int:
+    """What loading holds beside the placed weights: the checkpoint's largest tensor (memory/resident.py
+    largest_tensor, from the headers), or without headers the embedding, these models' largest tensor."""
+    m = src.config
+    if src.model_dir is not None:
+        images = dict(inputs.limit_mm_per_prompt).get("image", 0) > 0
+        found = R.largest_tensor(src.model_dir, m, images=images, mtp=inputs.num_speculative_tokens > 0)
+        if found:
+            return found
+    return m.vocab_size * m.hidden_size * S.dtype_bytes(model_dtype)
+
+
+def _serve_report(weights: WeightBytes, budget: int | None, inputs: PlanInputs, warnings: list[str],
+                  loading: int = 0) -> dict:
+    """The plan's "serve" key: what a `deltaserve serve` process holds resident (one rank, a CPU), and its peak
+    while loading (resident + the largest tensor: the engine's own check before loading adds the same)."""
     resident = None if budget is None else weights.bytes + budget + R.RUNTIME_BYTES
     if resident is not None and inputs.host_memory is not None and resident > inputs.host_memory:
         warnings.append(f"deltaserve serve would hold {resident:,} B resident, more than --host-memory "
                         f"{int(inputs.host_memory):,}")
     return {"weight_bytes": weights.bytes, "weight_source": weights.source, "pool_bytes": budget,
-            "runtime_bytes": R.RUNTIME_BYTES, "resident_bytes": resident,
+            "runtime_bytes": R.RUNTIME_BYTES, "resident_bytes": resident, "loading_bytes": loading,
+            "peak_loading_bytes": None if resident is None else resident + loading,
             "host_memory": None if inputs.host_memory is None else int(inputs.host_memory)}
 
 
@@ -279,7 +294,8 @@ def plan(model: str | ModelConfig | ModelSource | None = None, inputs: PlanInput
         "max_model_len": inputs.max_model_len, "max_num_seqs": inputs.max_num_seqs,
         "num_slots": inputs.max_num_seqs, "slot_bytes": shape.geometry.gdn_state_bytes_per_seq,
         "layout": inputs.layout, **pools,
-        "serve": _serve_report(serve_weights, budget, inputs, warnings),
+        "serve": _serve_report(serve_weights, budget, inputs, warnings,
+                               loading_bytes(src, inputs, shape.dtypes.model)),
         "warnings": warnings,
     }
 
@@ -593,6 +609,8 @@ def format_table(r: dict[str, Any]) -> str:
         row("resident", f"{sv['resident_bytes']:,} B ({_mib(sv['resident_bytes'])}) = weights as run + pool "
                         f"{sv['pool_bytes']:,} + runtime {sv['runtime_bytes']:,}"
                         + (f" (of --host-memory {_mib(sv['host_memory'])})" if sv["host_memory"] else ""))
+        row("peak while loading", f"{sv['peak_loading_bytes']:,} B ({_mib(sv['peak_loading_bytes'])}) = resident + "
+                                  f"the largest tensor {sv['loading_bytes']:,}, held beside the placed weights")
     if r["warnings"]:
         out.append("")
         out.append("warnings:")
