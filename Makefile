@@ -4,6 +4,7 @@
 # The environment is $(VENV) (default .venv beside this file); .ci/run points it at a fresh temporary one.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest -q -n 2 --dist worksteal
 PIP := $(PY) -m pip
 
 .PHONY: install install-test kernels serve generate test test-all
@@ -34,7 +35,7 @@ kernels: install-test
 # two worker processes (pytest-xdist): most of the suite's time is one core's (servers starting, HTTP, Python), so
 # two of them fill a 2-core machine; a test file alone still runs as `pytest tests/test_x.py`
 test: kernels
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PYTEST)
 
 test-all: kernels
-	DELTASERVE_SLOW=1 $(PY) -m pytest -q -n 2 --dist worksteal
+	DELTASERVE_SLOW=1 $(PYTEST)

@@ -28,7 +28,10 @@ def made_apart(preset: str, quantize: str | None = None) -> str:
 
 
 class ArmsDoNotFit(RuntimeError):
-    figures = ""  # the figures alone, without the advice
+    def __init__(self, figures: str):
+        super().__init__(f"{figures}: run fewer arms (--cpu-isas, --fp8, --fp8-head, --speculative) or give a "
+                         "smaller --kv-cache-memory")
+        self.figures = figures  # the figures alone, without the advice
 
 
 @dataclass(frozen=True)
@@ -60,10 +63,6 @@ def check_arms_fit(arms: list[ArmMemory], available: int) -> str:
              + (f" + {a.loading / 1e9:.2f} GB loading" if a.loading else "") for a in arms]
     line = f"{'; '.join(parts)}; runtime {RUNTIME_BYTES / 1e9:.2f} GB: {total / 1e9:.2f} GB in all"
     if total > available:
-        figures = (f"the deltaserve arms do not fit together ({line}), and this machine has {available / 1e9:.2f} GB "
-                   "available")
-        err = ArmsDoNotFit(f"{figures}: run fewer arms (--cpu-isas, --fp8, --fp8-head, --speculative) or give a "
-                           "smaller --kv-cache-memory")
-        err.figures = figures
-        raise err
+        raise ArmsDoNotFit(f"the deltaserve arms do not fit together ({line}), and this machine has "
+                           f"{available / 1e9:.2f} GB available")
     return line

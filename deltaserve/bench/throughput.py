@@ -417,12 +417,12 @@ def _arm_groups(args, res: Results, peers: list[str], grid: Grid) -> list[tuple[
     --one-arm-at-a-time, each deltaserve arm alone, one after another, the first with the speculative arms (they
     share its engine) and the peers (their own processes), each checked before it loads (SystemExit with the
     figures where one alone does not fit). res.info["arms_apart"] notes which presets ran so."""
-    try:
-        if not getattr(args, "one_arm_at_a_time", False):
+    if not getattr(args, "one_arm_at_a_time", False):
+        try:
             _arms_fit(args, grid)
             return [(args, peers)]
-    except ArmsDoNotFit as e:
-        _progress(f"{grid.preset}: {e.figures}: each arm is loaded alone, one after another")
+        except ArmsDoNotFit as e:
+            _progress(f"{grid.preset}: {e.figures}: each arm is loaded alone, one after another")
     none = {"no_bf16": True, "fp8": False, "fp8_head": False, "int4": [], "speculative": 0}
     groups = [] if getattr(args, "no_bf16", False) else [{**none, "no_bf16": False, "speculative": args.speculative}]
     groups += [{**none, flag: True} for flag in ("fp8", "fp8_head") if getattr(args, flag, False)]

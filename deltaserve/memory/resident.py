@@ -108,15 +108,11 @@ def weights_as_run(model_dir: str, m: ModelConfig, model_dtype: str, *, images: 
     int4 = {n[:-len(".qweight")] for h in headers for n in h if n.endswith(".qweight")}  # across the shards
     for header in headers:
         for name, info in header.items():
-            if name == "__metadata__":
-                continue
             if name.endswith("_scale_inv"):
                 fp8 = True  # counted with their weight, in the kernel's layout
                 continue
-            if (name.startswith(MTP_PREFIXES) and not mtp) or (name.startswith(VISION_PREFIXES) and not images):
+            if not _loaded(name, m, images, mtp):
                 continue
-            if name == "lm_head.weight" and m.tie_word_embeddings:
-                continue  # the loader ignores it: the embedding is the head
             module, _, leaf = name.rpartition(".")
             if module in int4 and leaf in GPTQ_PARTS:  # GPTQ-Int4: the weight packed for linear_int4
                 gptq = True
@@ -145,13 +141,19 @@ def largest_tensor(model_dir: str, m: ModelConfig, *, images: bool = True, mtp: 
     largest = 0
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         for name, info in safetensors_header(path).items():
-            if name == "__metadata__" or (name.startswith(MTP_PREFIXES) and not mtp) \
-                    or (name.startswith(VISION_PREFIXES) and not images) \
-                    or (name == "lm_head.weight" and m.tie_word_embeddings):
-                continue
-            start, end = info["data_offsets"]
-            largest = max(largest, end - start)
+            if _loaded(name, m, images, mtp):
+                start, end = info["data_offsets"]
+                largest = max(largest, end - start)
     return largest
+
+
+def _loaded(name: str, m: ModelConfig, images: bool, mtp: bool) -> bool:
+    """Whether the loader reads header entry `name`: not the metadata, the MTP layers only for speculative
+    decoding, the vision encoder only while images are on, and never a tied checkpoint's lm_head.weight (the
+    embedding is the head)."""
+    return not (name == "__metadata__" or (name.startswith(MTP_PREFIXES) and not mtp)
+                or (name.startswith(VISION_PREFIXES) and not images)
+                or (name == "lm_head.weight" and m.tie_word_embeddings))
 
 
 GPTQ_PARTS = ("qweight", "qzeros", "scales", "g_idx")
