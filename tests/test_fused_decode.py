@@ -14,10 +14,11 @@ DECODE_STEP = program.decode_step  # what the spies wrap (a run after another wr
 from tests.test_cpu_kernels import kern_any  # noqa: F401 - the fixture: every instruction set this CPU executes
 
 
-@pytest.fixture(scope="module", params=["bf16", "fp8"])
+@pytest.fixture(scope="module", params=["bf16", "fp8", "fp8-head", "int4-head"])
 def model(request, kern_any):  # noqa: F811
     """The tiny model on this set's kernels, its linears packed by this set's build (as the loader does): bf16, or
-    the block-FP8 checkpoint (fp8 projections, and the GDN in_proj split into fp8 rows and bf16 b / a rows)."""
+    the block-FP8 checkpoint (fp8 projections, and the GDN in_proj split into fp8 rows and bf16 b / a rows), or bf16
+    with its tied head quantized (--quantize-head fp8 / int4: the program's embedding is then the staging rows)."""
     from deltaserve.embedded.model import ensure_model
     from deltaserve.model.loader import load_model
     from deltaserve.model.ops.fp8 import Fp8Weight, SplitWeight
@@ -25,7 +26,9 @@ def model(request, kern_any):  # noqa: F811
     path = request.getfixturevalue("fp8_tiny") if request.param == "fp8" else ensure_model("tiny", seed=0)
     m = load_model(path, dtype="bfloat16", prepack=False)
     m.select_decode_kernels("cpp", kern_any.isa)
-    assert m.prepack_linears() and m.linear_kind == "cpp"
+    head = request.param[:-5] if request.param.endswith("-head") else "none"
+    assert m.prepack_linears(quantize_head=head) and m.linear_kind == "cpp"
+    assert m.embed_tokens is None  # tiny is tied: the packed or quantized head is the embedding too
     if request.param == "fp8":
         gdn = next(layer for layer in m.layers if layer.is_gdn)
         assert isinstance(gdn.mlp.down, Fp8Weight) and isinstance(gdn.linear_attn.in_proj, SplitWeight)

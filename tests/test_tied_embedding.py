@@ -1,6 +1,8 @@
 """A tied embedding held once: where the head is packed for the compiled linear_bf16, that packing is the
 embedding too (ops/packed.py embedding_packed, the fused decode program's lookup), bit for bit the rows of the
-weight it was packed from, and the model keeps no [V, H] copy beside it."""
+weight it was packed from, and the model keeps no [V, H] copy beside it; where the head is quantized
+(--quantize-head fp8 / int4), the lookups read its rows dequantized (embedding_fp8 / embedding_int4), bit for bit
+the dequantized weight's rows, from every build's packing."""
 from __future__ import annotations
 
 import pytest
@@ -8,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from deltaserve.model.ops import cpu_kernels
+from deltaserve.model.ops import fp8
+from deltaserve.model.ops.int4 import Int4Weight, embedding_int4
 from deltaserve.model.ops.packed import PackedWeight, embedding_packed
 from tests.util import make_llm, run, signature
 
@@ -30,6 +34,77 @@ def test_rows_read_from_the_packing_are_the_embeddings(ext, V, H):
     assert embedding_packed(ids.view(1, -1), pw).shape == (1, 5, H)
     with pytest.raises(IndexError, match=f"outside the vocabulary of {V}"):
         embedding_packed(torch.tensor([V]), pw)
+
+
+@pytest.mark.parametrize("build", fp8.BUILDS)
+@pytest.mark.parametrize("V,H", [(1, 32), (17, 64), (1000, 96), (300, 200), (4099, 256)])
+def test_rows_read_from_a_quantized_head_are_its_dequantized_rows(build, V, H):
+    """embedding_int4 (groups of 32 and 128, a partial last group) and embedding_fp8 (partial 128-k blocks and
+    k pairs) give dequantize's rows bit for bit, from the unpacked codes and from each build's packing (the AVX2
+    build packs fp8 k-major, the others in the AVX-512 lane order); an id past the vocabulary is an IndexError."""
+    if build not in fp8.executable_builds():
+        pytest.skip(f"this CPU does not execute the {build} build")
+    ext = fp8.load_fp8_extension(build)
+    w = torch.randn(V, H, generator=torch.Generator().manual_seed(V)).to(torch.bfloat16)
+    ids = torch.tensor([[0, V - 1, V // 2], [min(16, V - 1), 0, V - 1]])
+    bits = lambda t: t.reshape(-1, H).view(torch.int16)
+    for group in (32, 128):
+        iw = Int4Weight.quantize(w, group, sym=False)
+        want = iw.dequantize(torch.bfloat16)[ids.reshape(-1)]
+        assert torch.equal(bits(embedding_int4(ids, iw)), bits(want))
+        iw.pack(ext)
+        got = embedding_int4(ids, iw)
+        assert got.shape == (2, 3, H) and torch.equal(bits(got), bits(want))
+    with pytest.raises(IndexError, match=f"outside the vocabulary of {V}"):
+        embedding_int4(torch.tensor([V]), iw)
+    fw = fp8.Fp8Weight.from_block_scales(*fp8.quantize_fp8(w))
+    want = fw.dequantize(torch.bfloat16)[ids.reshape(-1)]
+    assert torch.equal(bits(fp8.embedding_fp8(ids, fw)), bits(want))
+    fw.pack(ext)
+    got = fp8.embedding_fp8(ids, fw)
+    assert got.shape == (2, 3, H) and torch.equal(bits(got), bits(want))
+    with pytest.raises(IndexError, match=f"outside the vocabulary of {V}"):
+        fp8.embedding_fp8(torch.tensor([-1]), fw)
+
+
+@pytest.mark.parametrize("head", ["fp8", "int4"])
+def test_a_quantized_tied_head_is_the_embedding_held_once(head, monkeypatch):
+    """tiny (tied) with --quantize-head: no embed_tokens, the held bytes are the planner's (memory/resident.py
+    weights_as_run: the quantized head in place of the bf16 table), and an engine generates the same tokens through
+    the fused decode program (the staged lookups) as through the op-table path."""
+    from deltaserve.config import ModelConfig
+    from deltaserve.embedded.model import ensure_model
+    from deltaserve.memory.resident import weights_as_run
+    from deltaserve.model.loader import load_model
+    import deltaserve.model.fused as fused
+
+    path = ensure_model("tiny")
+    model = load_model(path, vision=False, quantize_head=head)
+    assert model.tied and model.embed_tokens is None and "embed_tokens" not in model.state_dict()
+    mc = ModelConfig.from_path(path)
+    assert model.held_weight_bytes()["total"] == weights_as_run(path, mc, "bfloat16", images=False,
+                                                                  quantize_head=head)
+    rng = torch.Generator().manual_seed(4)
+    V = model.config.vocab_size
+    prompts = [[int(t) for t in torch.randint(0, V, (n,), generator=rng)] for n in (40, 130)]
+    sigs = []
+    taken = []
+    real = fused.decode_step
+    for fused_on in (True, False):
+        monkeypatch.setattr(fused, "decode_step", lambda *a: taken.append(real(*a)) or taken[-1] if fused_on else None)
+        llm = make_llm(model=path, quantize_head=head)
+        sigs.append([signature(o) for o in run(llm, prompts)])  # prefills, then decode steps
+    assert sigs[0] == sigs[1]
+    assert any(t is not None for t in taken) or not model.decode_kernels.compiled  # the program ran the decode steps
+    # the staging rows grow with a step's rows: a new tensor, and the program is built again around it
+    model.__dict__.pop("_embed_stage", None)
+    first = fused.decode_program(model, 3)
+    if first is not None:
+        assert model._embed_stage.shape[0] == 64 and fused.decode_program(model, 64) is first
+        assert fused.decode_program(model, 65) is not first and model._embed_stage.shape[0] == 128
+        ids = torch.tensor([5, 0, V - 1])
+        assert fused.stage_ids(model, ids).tolist() == [0, 1, 2]
+        assert torch.equal(model._embed_stage[:3], model.embed(ids))
 
 
 def test_a_loaded_tied_model_holds_its_embedding_once():

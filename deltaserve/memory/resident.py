@@ -78,16 +78,16 @@ def packing_padding(m: ModelConfig, dtype_bytes: int, mlp: bool = True) -> int:
 
 def head_extra(m: ModelConfig, model_dtype: str, quantize_head: str = "none") -> int:
     """Bytes the head adds to the stored weights as run: a tied bf16 head's packing, which serves as the
-    embedding too (its zero rows up to a multiple of 16 only), or the head in block-FP8 / int4 (--quantize-head:
-    beside a tied embedding, or in place of an untied bf16 head)."""
-    dtype_bytes = S.dtype_bytes(model_dtype)
-    head = m.vocab_size * m.hidden_size
+    embedding too (its zero rows up to a multiple of 16 only), or the head in block-FP8 / int4 (--quantize-head) in
+    place of the bf16 head: of an untied lm_head, or of a tied embedding, whose lookups then read the quantized
+    rows (HybridModel.embed): held once either way."""
+    bf16_head = m.vocab_size * m.hidden_size * S.dtype_bytes(model_dtype)
     if quantize_head == "fp8":
-        return fp8_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
+        return fp8_run_bytes(m.vocab_size, m.hidden_size) - bf16_head
     if quantize_head == "int4":
-        return S.int4_run_bytes(m.vocab_size, m.hidden_size) - (0 if m.tie_word_embeddings else head * dtype_bytes)
+        return S.int4_run_bytes(m.vocab_size, m.hidden_size) - bf16_head
     if model_dtype == "bfloat16" and m.tie_word_embeddings:
-        return (S.cdiv(m.vocab_size, 16) * 16 - m.vocab_size) * m.hidden_size * dtype_bytes
+        return (S.cdiv(m.vocab_size, 16) * 16 - m.vocab_size) * m.hidden_size * S.dtype_bytes(model_dtype)
     return 0
 
 

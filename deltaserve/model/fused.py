@@ -78,12 +78,40 @@ def _versions(sources: tuple) -> tuple:
     return tuple(t._version for t in sources)
 
 
-def decode_program(model):
-    """The model's DecodeModel, or None: it does not qualify. Built on first use, and again when the kernels, the
+def _staging(model, rows: int) -> torch.Tensor:
+    """The model's staging rows for a program that cannot look a token's embedding up itself: [R, H] bf16, R >= rows
+    (grown by doubling: a new tensor, so the program is built again around it)."""
+    stage = model.__dict__.get("_embed_stage")
+    if stage is None or stage.shape[0] < rows:
+        n = max(64, rows, 2 * stage.shape[0] if stage is not None else 0)
+        stage = torch.zeros(n, model.config.hidden_size, dtype=torch.bfloat16)
+        model._embed_stage = stage
+    return stage
+
+
+def stage_ids(model, ids: torch.Tensor) -> torch.Tensor:
+    """The ids the program looks up: ids as they are, or, where the program's embedding is the staging rows, row i
+    for token i after model.embed(ids) (the quantized head's rows, dequantized) is written there."""
+    stage = model.__dict__.get("_embed_stage")
+    if model.embed_tokens is not None or isinstance(model.packed_head, PackedWeight) or stage is None:
+        return ids
+    n = ids.numel()
+    stage[:n].copy_(model.embed(ids))
+    return torch.arange(n, dtype=torch.long)
+
+
+def decode_program(model, rows: int = 0):
+    """The model's DecodeModel, or None: it does not qualify. rows: the step's, for a program whose embedding is
+    staged (stage_ids). Built on first use, and again when the kernels, the
     packing, or the embedding or final norm tensor changed, or a source of its derived weights (the conv weights
     it holds tap-major, the A_log it holds as -exp(A_log)) was changed in place."""
-    # the embedding: embed_tokens, or a tied head's packing where that is the embedding (model.embed)
-    embed = model.embed_tokens if model.embed_tokens is not None else model.packed_head.packed
+    # the embedding: embed_tokens, a tied head's bf16 packing where that is the embedding, or, for a tied head
+    # quantized with --quantize-head (rows the program cannot read), the staging rows model.embed fills (stage_ids)
+    embed = model.embed_tokens if model.embed_tokens is not None else model.packed_head
+    if isinstance(embed, PackedWeight):
+        embed = embed.packed
+    elif not isinstance(embed, torch.Tensor):
+        embed = _staging(model, rows)
     base = (id(model.decode_kernels), model.linear_kind, id(embed), id(model.norm))
     cached = model.__dict__.get("_decode_program")  # (base, sources, their versions, program)
     if cached is not None and cached[0] == base and cached[2] == _versions(cached[1]):
@@ -119,7 +147,7 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
         return None
     if any(s.length != 1 for s in spans):
         return _verify_step(model, batch, caches)
-    program = decode_program(model)
+    program = decode_program(model, len(spans))
     if program is None:
         return None
     batch.check(caches.block_size)  # every span a one-token decode span now
@@ -128,7 +156,7 @@ def decode_step(model, batch, caches) -> torch.Tensor | None:
     slots = long_tensor([s.slot for s in spans])
     lengths = long_tensor([s.pos + 1 for s in spans])
     cos, sin = model.rotary(batch.positions, batch.rope_end or max(s.pos for s in spans) + 1)
-    return program.run(batch.input_ids, caches.conv, caches.ssm, caches.kv, slots, cos, sin,
+    return program.run(stage_ids(model, batch.input_ids), caches.conv, caches.ssm, caches.kv, slots, cos, sin,
                        batch.decode_page_table(), lengths)
 
 
@@ -139,7 +167,7 @@ def _verify_step(model, batch, caches) -> torch.Tensor | None:
     recurrence's inputs of the later waves logged into the caches' state log, each slot's recurrent state left after
     its span's first token (runner/cache.py CacheStore.log_states). None where the op-table path must run it (no
     program, no state log)."""
-    program = decode_program(model)
+    program = decode_program(model, batch.input_ids.numel())
     n = len(caches.conv)
     if program is None or not n or any(len(t) != n for t in (caches.log_conv, caches.log_x, caches.log_g,
                                                                caches.log_beta)):
@@ -167,6 +195,6 @@ def _verify_step(model, batch, caches) -> torch.Tensor | None:
         ids, positions = batch.input_ids.index_select(0, rows), batch.positions.index_select(0, rows)
     table = batch.decode_page_table().index_select(0, long_tensor(table_rows))
     cos, sin = model.rotary(positions, batch.rope_end or max(pos) + 1)
-    return program.run_verify(ids, caches.conv, caches.ssm, caches.kv, long_tensor(slots), cos, sin, table,
+    return program.run_verify(stage_ids(model, ids), caches.conv, caches.ssm, caches.kv, long_tensor(slots), cos, sin, table,
                               long_tensor([p + 1 for p in pos]), waves, rows, caches.log_conv, caches.log_x,
                               caches.log_g, caches.log_beta)

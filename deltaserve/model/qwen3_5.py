@@ -26,8 +26,8 @@ from .mrope import mrope_cos_sin
 from .mtp import MTPHead
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
-from .ops.fp8 import Fp8Weight, fp8_kernel, path_for, quantize_fp8
-from .ops.int4 import Int4Weight, cat_int4, int4_path_for
+from .ops.fp8 import Fp8Weight, embedding_fp8, fp8_kernel, path_for, quantize_fp8
+from .ops.int4 import Int4Weight, cat_int4, embedding_int4, int4_path_for
 from .ops.linear import linear
 from .ops.packed import PackedWeight, can_prepack, embedding_packed
 from .ops.table import Ops
@@ -71,7 +71,8 @@ def _consecutive(xs: list[int]) -> tuple[int, int] | None:
 
 class HybridModel(nn.Module):
     """Parameters (state_dict names): embed_tokens [V, H] (None once a tied head is packed for the compiled
-    linear_bf16, whose packing then serves the lookups: embed()); layers.{i}.*; norm [H]; lm_head [V, H] unless tied.
+    linear_bf16 or quantized, the head then serving the lookups: embed()); layers.{i}.*; norm [H]; lm_head [V, H]
+    unless tied.
 
     dtype: the weight / activation / KV / conv-state dtype. The GDN recurrent state is always float32.
     """
@@ -114,10 +115,17 @@ class HybridModel(nn.Module):
         return self.norm.device
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """The embedding rows of ids: from embed_tokens, or, once a tied head is packed for the compiled
-        linear_bf16 (pack_head), from that packing (ops/packed.py embedding_packed: the same bits, held once)."""
+        """The embedding rows of ids: from embed_tokens, or, once a tied head is packed (pack_head), from the head
+        as it is held: the compiled linear_bf16's packing (ops/packed.py embedding_packed: the same bits), or a head
+        quantized with --quantize-head (embedding_fp8 / embedding_int4: the quantized rows, dequantized to bf16, as
+        llama.cpp reads a quantized token_embd). Either way the [V, H] weight is held once."""
         if self.embed_tokens is None:
-            return embedding_packed(ids, self.packed_head)
+            head = self.packed_head
+            if isinstance(head, Int4Weight):
+                return embedding_int4(ids, head)
+            if isinstance(head, Fp8Weight):
+                return embedding_fp8(ids, head)
+            return embedding_packed(ids, head)
         return F.embedding(ids, self.embed_tokens)
 
     @property
@@ -274,8 +282,8 @@ class HybridModel(nn.Module):
         state_dict; the embedding stays for lookups). Returns whether it packed; call once, after loading,
         before serving. self.linear_kind says which packing ("cpp", "onednn" or None).
         quantize_head "fp8": the head is quantized to block-FP8 (ops/fp8.py quantize_fp8, the rule a -FP8
-        model's linears were made by) and multiplied by the compiled linear_fp8; a tied embedding stays bf16
-        for the lookups beside it. ConfigError where there is no compiled fp8 kernel.
+        model's linears were made by) and multiplied by the compiled linear_fp8; a tied one is the embedding too
+        (embed() reads its rows dequantized). ConfigError where there is no compiled fp8 kernel.
         quantize "int4" / "int4-g32": every projection of the text model (and the MTP layer) quantized to int4 at
         load (ops/int4.py, groups of 128 / 32 k with a zero point), multiplied by the compiled linear_int4;
         quantize_head "int4" does the same to the head."""
@@ -341,7 +349,8 @@ class HybridModel(nn.Module):
     def pack_head(self, packing: Packing, quantize_head: str = "none") -> None:
         """Pack the head (an untied lm_head leaves the parameters; a tied one packed for the compiled
         linear_bf16 becomes the embedding too, embed_tokens None, and stays the embedding beside any other copy),
-        or quantize it to block-FP8 / int4 (quantize_head "fp8" / "int4")."""
+        or quantize it to block-FP8 / int4 (quantize_head "fp8" / "int4"; a tied one is then the embedding too:
+        the lookups read its rows dequantized, embed())."""
         ext, fp8_ext, fp8_path, _, int4_path = packing
         head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
         if quantize_head == "none":
@@ -366,3 +375,5 @@ class HybridModel(nn.Module):
             self.packed_head.pack(fp8_ext, fp8_path)
             log.info("LM head quantized to block-FP8 (%s MB, was %s MB in bf16)",
                      f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
+        if quantize_head != "none" and self.tied:  # the quantized head is the embedding too: held once
+            self.embed_tokens = None

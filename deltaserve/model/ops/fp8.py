@@ -246,6 +246,35 @@ class Fp8Weight:
         return y.view(*x.shape[:-1], self.shape[0])
 
 
+def _group_offsets(kmajor: bool) -> torch.Tensor:
+    """[16, 4]: the byte of column c's k kk (0..3) inside a 64-byte group of pack_fp8_weight's layout (its
+    group_offset: the AVX2 build packs k-major, the others in the AVX-512 path's lane order)."""
+    out = torch.empty(16, 4, dtype=torch.long)
+    for c in range(16):
+        for kk in range(4):
+            q, word = kk // 2, 2 * c + (kk & 1)
+            out[c, kk] = (2 * q + (word & 1)) * 16 + word // 2 if kmajor else (word // 8) * 16 + q * 8 + word % 8
+    return out
+
+
+def embedding_fp8(ids: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """Rows ids of w's stored weight in bf16, dequantize_rows' bits, read from the packing where w is packed
+    ([ceil(N/16), ceil(K/4), 64] bytes, scales per 16 rows and 128 k: csrc/linear_fp8.cpp pack_fp8_weight, in its
+    build's byte order) or from the codes. A tied head quantized with --quantize-head is the embedding too this way,
+    held once. ids of any shape -> [*ids.shape, K]."""
+    flat = ids.reshape(-1)
+    N, K = w.shape
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= N):
+        raise IndexError(f"token id outside the vocabulary of {N}")
+    if w.packed is None:
+        return dequantize_rows(w.q[flat], w.row_scale[flat], torch.bfloat16).reshape(*ids.shape, K)
+    offsets = _group_offsets("avx2" in w.ext.fp8_paths())  # only the AVX2 build has the avx2 path
+    b = flat // 16
+    codes = w.packed[b[:, None], :, offsets[flat % 16]]  # [n, 4, groups]: advanced dims first
+    codes = codes.transpose(1, 2).reshape(flat.numel(), -1)[:, :K].contiguous()
+    return dequantize_rows(codes.view(FP8), w.scales[b], torch.bfloat16).reshape(*ids.shape, K)
+
+
 class SplitWeight:
     """A fused projection held as parts (Fp8Weight, Int4Weight, bf16 tensor or its PackedWeight), stacked along the
     output rows: y = cat(part products). Used where the parts cannot share one quantized weight."""

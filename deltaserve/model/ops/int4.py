@@ -9,6 +9,7 @@ at load (quantize_int4: round to nearest, symmetric with zero 8 or with a zero p
     dequantize_int4(codes, zeros, scales, group, dtype)   # the stored weight: (code - zero) * scale in fp32, rounded once
     linear_int4_reference(x, codes, zeros, scales, group) # the compiled kernel's terms in plain torch: its very bits
     Int4Weight(codes, zeros, scales, group).pack(ext)     # packed once for csrc/linear_int4.cpp
+    embedding_int4(ids, w)                        # rows of the dequantized weight, read from the packing (a tied head)
 
 The kernel (csrc/linear_int4.cpp) quantizes each activation row to int8 per min(group, 128) k (that row's own absmax / 127,
 round half to even), sums code x activation in integers (exact), and scales per 32 k and per group in fp32 in one
@@ -173,6 +174,28 @@ class Int4Weight:
         else:
             y = linear_int4_reference(x2.to(torch.bfloat16), self.codes, self.zeros, self.scales, self.group)
         return y.to(x.dtype).view(*x.shape[:-1], self.shape[0])
+
+
+def embedding_int4(ids: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """Rows ids of w's stored weight in bf16, dequantize_int4's bits, read from the packing where w is packed (the
+    layout of csrc/linear_int4.cpp's pack_int4_weight: per 16-row column block and group, 16 zero bytes, then 8 k
+    per 64-byte chunk, byte 4 * col + i holding k 8c + i low and 8c + 4 + i high) or from the codes. A tied head
+    quantized with --quantize-head is the embedding too this way, held once. ids of any shape -> [*ids.shape, K]."""
+    flat = ids.reshape(-1)
+    N, K = w.shape
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= N):
+        raise IndexError(f"token id outside the vocabulary of {N}")
+    if w.packed is None:
+        rows = dequantize_int4(w.codes[flat], w.zeros[flat], w.scales[flat], w.group)
+        return rows.reshape(*ids.shape, K)
+    gs = w.group
+    NB, G, _ = w.packed.shape
+    b, c = flat // COLS, flat % COLS
+    zeros = w.packed[b, :, c]  # [n, G]: the two advanced indices' dim comes first
+    scales = w.packed_scales[b, :, c]
+    body = w.packed[:, :, COLS:].view(NB, G, gs // 8, COLS, 4)[b, :, :, c, :]  # [n, G, chunks, 4]
+    codes = torch.stack((body & 15, body >> 4), dim=3).reshape(flat.numel(), G * gs)[:, :K]
+    return dequantize_int4(codes, zeros, scales, gs).reshape(*ids.shape, K)
 
 
 def int4_path_for(ext, isa: str | None) -> str:
