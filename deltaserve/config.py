@@ -459,7 +459,8 @@ class EngineConfig:
     prefill_merge_tokens: int = _flag(256, "a waiting prompt joins a step only while the step's prefill tokens "
                                       "are below this (0 = no limit)", int, metavar="N", replica=True)
     kv_cache_memory: int | None = _flag(None, "bytes for the whole cache pool (pages + GDN slots), e.g. 2G, 512MiB, "
-                                        "20GB; default: --memory-utilization of the device's memory",
+                                        "20GB; default: --memory-utilization of the device's memory (at most 2 GiB "
+                                        "on a CPU), or what --max-model-len needs where that is more",
                                         parse_bytes, metavar="BYTES", replica=True)
     memory_utilization: float = _flag(0.5, "fraction of device memory for the pool when --kv-cache-memory is "
                                       "not given", float, metavar="FRACTION", aliases=("--gpu-memory-utilization",))

@@ -191,3 +191,39 @@ def test_loading_is_counted_at_its_largest_tensor(tiny_dir):
     text = max(v for k, v in nbytes.items() if not k.startswith(("model.visual.", "mtp.")))
     assert largest_tensor(tiny_dir, m, images=False) == text > 0
     assert largest_tensor(tiny_dir, m, images=True) == max(v for k, v in nbytes.items() if not k.startswith("mtp."))
+
+
+def test_max_model_len_sizes_the_default_pool(tiny_dir, monkeypatch):
+    """--max-model-len without --kv-cache-memory: a default pool that cannot hold one request of that length grows
+    to the pool it needs (scheduler/build.py context_budget: exactly, the runs layout holding that many tokens and
+    not one page more), where that fits in 90% of the memory available after loading; else a ConfigError naming the
+    figures. A default that holds it stays."""
+    from deltaserve import LLM
+    from deltaserve.config import ConfigError, EngineConfig, ModelConfig
+    from deltaserve.runner import platform
+    from deltaserve.scheduler.build import build, context_budget
+
+    mc = ModelConfig.from_path(tiny_dir)
+    for layout in ("runs", "in-page"):
+        cfg = EngineConfig(model=tiny_dir, max_model_len=50_000, max_num_seqs=4, cache_layout=layout)
+        need = context_budget(mc, cfg, 50_000, "bfloat16")
+        shape, memory, _ = build(mc, cfg, need, "bfloat16")
+        assert memory.max_request_tokens() >= 50_000 and shape.max_model_len == 50_000
+        with pytest.raises(ConfigError, match="exceeds what one request can hold"):
+            build(mc, cfg, need - shape.pool.group_size * shape.pool.page_bytes - shape.pool.per_page_state_bytes,
+                  "bfloat16")  # a page less
+        if layout == "runs":
+            assert memory.max_request_tokens() == 50_048  # whole 64-token pages
+    monkeypatch.setattr(platform, "default_kv_budget", lambda *a: 8 << 20)  # a default that holds ~1.5k tokens
+    llm = LLM(model=tiny_dir, max_model_len=50_000, max_num_seqs=4)
+    assert llm.engine.max_model_len == 50_000
+    assert llm.engine.memory.max_request_tokens() >= 50_000
+    llm = LLM(model=tiny_dir, max_model_len=1_000, max_num_seqs=4)  # the default holds it: unchanged
+    assert llm.engine.pool.num_pages == build(ModelConfig.from_path(tiny_dir), llm.engine.config, 8 << 20,
+                                              "bfloat16")[0].pool.num_pages
+    real = platform.available_bytes
+    monkeypatch.setattr(platform, "available_bytes", lambda device: 15 * 10**8)  # passes the pre-load check
+    with pytest.raises(ConfigError, match=r"--max-model-len 4,000,000 needs a KV pool of \d+\.\d\d GB and this "
+                                          r"machine has 1\.50 GB available after loading the weights"):
+        LLM(model=tiny_dir, max_model_len=4_000_000, max_num_seqs=4)
+    monkeypatch.setattr(platform, "available_bytes", real)

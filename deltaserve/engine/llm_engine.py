@@ -123,6 +123,29 @@ def check_memory(path: str, mc: ModelConfig, config: EngineConfig, dtype: str, d
     log.info("memory: %s of %.2f GB available", figures, free / 1e9)
 
 
+def pool_for_context(mc: ModelConfig, config: EngineConfig, dtype: str, default: int, device) -> int:
+    """The cache budget for an explicit --max-model-len without --kv-cache-memory: the default budget where that
+    holds one request of the length, else the pool the length needs (scheduler/build.py context_budget), if it
+    fits in 90% of the memory available now (the weights loaded); ConfigError with the figures otherwise."""
+    from ..runner.platform import available_bytes
+    from ..scheduler.build import context_budget
+
+    need = context_budget(mc, config, config.max_model_len, dtype)
+    if need <= default:
+        log.info("KV pool sized from the memory free after loading: %.2f GB, which holds --max-model-len %s (%.2f "
+                 "GB would)", default / 1e9, f"{config.max_model_len:,}", need / 1e9)
+        return default
+    free = available_bytes(device)
+    if need > 0.9 * free:
+        raise ConfigError(f"--max-model-len {config.max_model_len:,} needs a KV pool of {need / 1e9:.2f} GB and this "
+                          f"machine has {free / 1e9:.2f} GB available after loading the weights (the pool may take "
+                          f"90% of it): lower --max-model-len or --max-num-seqs, or serve a smaller checkpoint "
+                          f"(block-FP8, --quantize int4)")
+    log.info("KV pool sized for --max-model-len %s: %.2f GB (the default, %.2f GB, holds less; %.2f GB available)",
+             f"{config.max_model_len:,}", need / 1e9, default / 1e9, free / 1e9)
+    return need
+
+
 class LLMEngine:
     """Synchronous engine. Not thread-safe: one thread calls add_request/abort_request/step.
 
@@ -188,10 +211,12 @@ class LLMEngine:
 
         # config -> sizing -> memory + scheduler (the builder a simulated replica uses too) -> runner
         budget = config.kv_cache_memory or default_kv_budget(self.device, config.memory_utilization, self.model)
-        if not config.kv_cache_memory:
+        if not config.kv_cache_memory and config.max_model_len and self.parallel is None:
+            budget = pool_for_context(mc, config, self.dtype, budget, self.device)
+        elif not config.kv_cache_memory:
             log.info("KV pool sized from the memory free after loading: %.2f GB (--memory-utilization %s of what is "
-                     "available%s); --kv-cache-memory chooses it", budget / 1e9, config.memory_utilization,
-                     ", at most 2 GiB on a CPU" if self.device.type == "cpu" else "")
+                     "available%s); --kv-cache-memory or --max-model-len chooses it", budget / 1e9,
+                     config.memory_utilization, ", at most 2 GiB on a CPU" if self.device.type == "cpu" else "")
         if self.parallel:
             budget = self.parallel.agree_budget(budget)  # per rank: the smallest rank's
         shape, self.memory, self.scheduler = build(mc, config, budget, self.dtype)

@@ -13,7 +13,7 @@ model dtype and the recurrent state float32.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..config import ENGINE_DEFAULTS, ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from ..memory.layouts import layout_for
@@ -118,6 +118,25 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
                                         encoder_budget=cfg.max_num_encoder_input_tokens,
                                         resume_points=resume_point_budget(cfg, shape.pool.slot_bytes))
     return shape, memory, scheduler
+
+
+def context_budget(mc: ModelConfig, cfg: EngineConfig, tokens: int, dtype: str | None = None) -> int:
+    """The smallest cache budget (bytes) in which build() makes a pool that holds one request of `tokens` tokens
+    (what --max-model-len asks for): the GDN slots of --max-num-seqs, the request's pages, the two checkpoints a
+    sequence may hold in the pool (MemoryManager.max_request_tokens), and the speculative state log where
+    decoding drafts. build() at that budget is the check."""
+    dt = resolve_dtype(dtype or cfg.dtype, mc)
+    geom = geometry(mc, kv_dtype=dt, conv_dtype=dt, ssm_dtype="float32", tp=cfg.tensor_parallel_size)
+    layout = layout_for(cfg.cache_layout)
+    bs = engine_block_size(geom, cfg.block_size, layout)
+    pool = size_pool(geom, 0, bs, cfg.max_num_seqs, layout)  # no pages: the per-page and per-slot figures
+    per_page = pool.group_size * pool.page_bytes + pool.per_page_state_bytes
+    checkpoints = pool.checkpoint_pages if cfg.enable_prefix_caching else 0
+    budget = pool.num_slots * pool.slot_bytes + (-(-tokens // bs) + 2 * checkpoints) * per_page
+    if cfg.speculative_config is not None:
+        budget += state_log_bytes(EngineShape(dt, geom, bs, pool, 0), mc, cfg.speculative_config.num_speculative_tokens)
+    build(mc, replace(cfg, max_model_len=tokens), budget, dtype)  # ConfigError if it did not hold them
+    return budget
 
 
 def resume_point_budget(cfg: EngineConfig, checkpoint_bytes: int) -> int:
