@@ -123,12 +123,16 @@ def serve_memory(model_dir: str, *flags: str, timeout: float = 1200) -> dict:
     return {"loaded": loaded, "after": after, "mapped": mapped, "screen": out}
 
 
-def _check_serve(model_dir: str) -> None:
-    r = serve_memory(model_dir, "--kv-cache-memory", "1G")
-    serve = plan(model_dir, budget_bytes=POOL)["serve"]
+def _check_serve(model_dir: str, quantize: str = "none") -> None:
+    """quantize: --quantize and --quantize-head (int4 at load: the bound and the plan at the run format's bytes)."""
+    flags = ("--quantize", quantize, "--quantize-head", quantize) if quantize != "none" else ()
+    r = serve_memory(model_dir, "--kv-cache-memory", "1G", *flags)
+    serve = plan(model_dir, budget_bytes=POOL, quantization=None if quantize == "none" else quantize,
+                 quantize_head=quantize)["serve"]
     bound = 1.10 * (serve["weight_bytes"] + POOL) + 0.8 * GB
     figures = (f"{model_dir}: weights as run {serve['weight_bytes'] / GB:.2f} GB, bound {bound / GB:.2f} GB, "
                f"after load {r['loaded']}, after a request {r['after']}, planner {serve['resident_bytes']}")
+    print(figures)  # docs/planner.md's table (pytest -s)
     assert not r["mapped"], r["mapped"]
     for key in ("VmHWM", "VmRSS"):
         assert r["after"][key] <= bound, figures
@@ -144,8 +148,10 @@ def shape_08b() -> str:
 
 
 @pytest.mark.skipif(not LINUX, reason="reads /proc/PID/status")
-def test_serve_memory_08b_shape(shape_08b):
-    _check_serve(shape_08b)
+@pytest.mark.parametrize("quantize", ["none", "int4"])
+def test_serve_memory_08b_shape(shape_08b, quantize):
+    """bf16 as stored, and int4 at load with the head (and so the tied embedding) in int4."""
+    _check_serve(shape_08b, quantize)
 
 
 @pytest.mark.slow

@@ -103,9 +103,20 @@ class _Weights:
         _, _, _, start, end = self._index[key]
         return end - start
 
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self._index[key][2]
+
     def get(self, key: str) -> torch.Tensor:
         """The stored tensor, read into new memory (a tensor no one else references)."""
+        return self.get_rows(key)
+
+    def get_rows(self, key: str, r0: int = 0, r1: int | None = None) -> torch.Tensor:
+        """Rows r0..r1 (along the first dim; all by default) of the stored tensor, read into new memory."""
         fname, dtype, shape, start, end = self._index[key]
+        if r1 is not None or r0:
+            row = (end - start) // shape[0] if shape and shape[0] else 0
+            r1 = shape[0] if r1 is None else r1
+            start, end, shape = start + r0 * row, start + r1 * row, (r1 - r0, *shape[1:])
         n = end - start
         out = torch.empty(n, dtype=torch.uint8)
         fd = self._fds.get(fname)
@@ -134,7 +145,7 @@ class _Weights:
 # bytes read between trims: each trim hands back the freed pages, which the next groups then fault in afresh
 # (a few us per 4 KiB page), so trimming after every layer costs load time; this bounds what the holes add to
 # the peak to about this much read (and its conversion copies)
-TRIM_EVERY = 512 << 20
+TRIM_EVERY = 64 << 20
 
 
 def _release_free_heap() -> None:
@@ -406,7 +417,7 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
             module._parameters[attr] = torch.nn.Parameter(t.contiguous(), requires_grad=False)
         quant.install(model, quantized)
 
-    place({"embed_tokens": take("model.embed_tokens.weight"), "norm": take("model.norm.weight")})
+    place({"norm": take("model.norm.weight")})  # the model's device is its norm's
     model.select_decode_kernels()  # once, at start-up: compiled CPU decode kernels or plain torch (logged)
     for flag, value in (("--quantize-head", quantize_head), ("--quantize", quantize)):
         if value != "none" and (prepack is False or tdtype != torch.bfloat16 or model.device.type != "cpu"):
@@ -418,6 +429,22 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
         raise ConfigError(f"--quantize {quantize}: this model cannot be packed here (bf16 weights on a CPU are needed)")
     if gptq and packing is None:
         fp8 = None  # nothing would pack the int4 weights: dequantized (place reads fp8 as each group comes)
+    # a tied head packed for the compiled linear_bf16 or quantized is the embedding too (HybridModel.embed): it is
+    # made at the end from the checkpoint a band of rows at a time (pack_head), never held whole beside its packing
+    stored_embed = by_text.get("model.embed_tokens.weight")
+    head_rows = None
+    if (cfg.tie_word_embeddings and packing is not None and stored_embed is not None
+            and "model.embed_tokens.weight_scale_inv" not in by_text
+            and (quantize_head != "none" or (packing.ext is not None and cfg.hidden_size % 2 == 0))):
+        if weights.shape(stored_embed) != expected["embed_tokens"]:
+            raise WeightsError(f"tensor for embed_tokens has shape {weights.shape(stored_embed)}, config implies "
+                               f"{expected['embed_tokens']}")
+        head_rows = lambda r0, r1: weights.get_rows(stored_embed, r0, r1).to(tdtype)  # noqa: E731
+        placed.add("embed_tokens")  # by pack_head, from the file
+        weights.used.add(stored_embed)
+        model.embed_tokens = None  # its meta placeholder: the head will be the embedding
+    else:
+        place({"embed_tokens": take("model.embed_tokens.weight")})
     if spec is not None:
         kept = "linears kept in fp8 for the compiled linear_fp8" if not gptq else \
             "MLP / expert linears kept in int4 for the compiled linear_int4"
@@ -476,7 +503,7 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
     _release_free_heap()
     if packing is not None:
         pack(model)  # anything a group above left unpacked (none today): the state prepack_linears leaves
-        model.pack_head(packing, quantize_head)
+        model.pack_head(packing, quantize_head, rows=head_rows)
         _release_free_heap()
         log.info("bf16 projections and head packed for %s", f"the compiled linear_bf16 ({model.decode_kernels.isa})"
                  if model.linear_kind == "cpp" else "oneDNN" if model.linear_kind == "onednn" else "F.linear")

@@ -26,10 +26,10 @@ from .mrope import mrope_cos_sin
 from .mtp import MTPHead
 from .ops.attention import RotaryTable, rotary_inv_freq
 from .ops.cpu_kernels import DecodeKernels, select_decode_kernels
-from .ops.fp8 import Fp8Weight, embedding_fp8, fp8_kernel, path_for, quantize_fp8
-from .ops.int4 import Int4Weight, cat_int4, embedding_int4, int4_path_for
+from .ops.fp8 import Fp8Weight, embedding_fp8, fp8_kernel, path_for, quantize_fp8_packed
+from .ops.int4 import Int4Weight, embedding_int4, int4_path_for, quantize_int4_packed
 from .ops.linear import linear
-from .ops.packed import PackedWeight, can_prepack, embedding_packed
+from .ops.packed import PackedWeight, can_prepack, embedding_packed, pack_bf16_rows
 from .ops.table import Ops
 
 log = logging.getLogger("deltaserve")
@@ -346,34 +346,37 @@ class HybridModel(nn.Module):
         if packing.fp8_ext is not None:
             quant.pack(module, packing.fp8_ext, packing.ext, packing.fp8_path, packing.int4_path)
 
-    def pack_head(self, packing: Packing, quantize_head: str = "none") -> None:
+    def pack_head(self, packing: Packing, quantize_head: str = "none", rows=None) -> None:
         """Pack the head (an untied lm_head leaves the parameters; a tied one packed for the compiled
         linear_bf16 becomes the embedding too, embed_tokens None, and stays the embedding beside any other copy),
         or quantize it to block-FP8 / int4 (quantize_head "fp8" / "int4"; a tied one is then the embedding too:
-        the lookups read its rows dequantized, embed())."""
+        the lookups read its rows dequantized, embed()). Packed or quantized a band of rows at a time.
+        rows(r0, r1) -> the head's rows r0..r1 in bf16: a tied head the loader streams from the checkpoint (never
+        held whole beside its packing; only where it is packed "cpp" or quantized); None: the model's own tensor."""
         ext, fp8_ext, fp8_path, _, int4_path = packing
-        head = self.embed_tokens if self.tied else self._parameters.pop("lm_head")
+        shape = (self.config.vocab_size, self.config.hidden_size)
+        if rows is None:
+            head = (self.embed_tokens if self.tied else self._parameters.pop("lm_head")).detach()
+            rows = lambda r0, r1: head[r0:r1]  # noqa: E731
+        else:
+            assert self.tied and (quantize_head != "none" or (ext is not None and shape[1] % 2 == 0))
+            head = None
+        bf16_mb = f"{shape[0] * shape[1] * 2 / 1e6:,.1f}"
         if quantize_head == "none":
-            self.packed_head = PackedWeight(head, ext)
+            if ext is not None and shape[1] % 2 == 0:  # the compiled linear_bf16's packing, band by band
+                self.packed_head = pack_bf16_rows(rows, shape, ext)
+            else:
+                self.packed_head = PackedWeight(head, ext)  # oneDNN's reordering (or F.linear's) of the whole
             self.linear_kind = self.packed_head.kind
-            if self.tied and self.packed_head.kind == "cpp":  # the packing holds the embedding's rows: held once
-                self.embed_tokens = None
         elif quantize_head == "int4":  # groups of 128 k with a zero point, the --quantize int4 rule
             self.linear_kind = "cpp" if ext is not None else "onednn"
-            rows = 64 * 128  # row blocks at a time: the quantizer's fp32 copies stay small for a large vocab
-            parts = [Int4Weight.quantize(head.detach()[r: r + rows], 128, sym=False)
-                     for r in range(0, head.shape[0], rows)]
-            self.packed_head = cat_int4(parts)
-            self.packed_head.pack(fp8_ext, int4_path)
-            log.info("LM head quantized to int4 (%s MB, was %s MB in bf16)",
-                     f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
+            self.packed_head = quantize_int4_packed(rows, shape, 128, False, fp8_ext, int4_path)
+            log.info("LM head quantized to int4 (%s MB, was %s MB in bf16)", f"{self.packed_head.nbytes / 1e6:,.1f}",
+                     bf16_mb)
         else:  # the projections' packing names linear_kind; the head is not packed in bf16 at all
             self.linear_kind = "cpp" if ext is not None else "onednn"
-            q, scale = quantize_fp8(head.detach())  # a band of block rows at a time: fp32 copies stay small
-            self.packed_head = Fp8Weight.from_block_scales(q, scale, "lm_head")
-            del q
-            self.packed_head.pack(fp8_ext, fp8_path)
+            self.packed_head = quantize_fp8_packed(rows, shape, fp8_ext, fp8_path)
             log.info("LM head quantized to block-FP8 (%s MB, was %s MB in bf16)",
-                     f"{self.packed_head.nbytes / 1e6:,.1f}", f"{head.numel() * 2 / 1e6:,.1f}")
-        if quantize_head != "none" and self.tied:  # the quantized head is the embedding too: held once
-            self.embed_tokens = None
+                     f"{self.packed_head.nbytes / 1e6:,.1f}", bf16_mb)
+        if self.tied and (quantize_head != "none" or self.packed_head.kind == "cpp"):  # the head is the embedding
+            self.embed_tokens = None  # too, held once (embed() reads its rows)

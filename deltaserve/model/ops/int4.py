@@ -24,7 +24,8 @@ import torch
 SUB = 32  # the smallest group and activation sub-block
 SUB_MAX = 128  # the largest activation sub-block: one int8 scale per row and min(group, 128) k
 COLS = 16  # output rows per packed column block
-GROUPS = (32, 64, 128, 256)  # group sizes the kernel takes (any multiple of 32 would do; these are what formats use)
+GROUPS = (32, 64, 128, 256)
+BAND_BYTES = 32 << 20  # quantize_int4's fp32 working set, per copy  # group sizes the kernel takes (any multiple of 32 would do; these are what formats use)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -47,6 +48,21 @@ def quantize_int4(w: torch.Tensor, group: int = 128, sym: bool = True) -> tuple[
     assert w.dim() == 2 and group % SUB == 0, (w.shape, group)
     N, K = w.shape
     G = cdiv(K, group)
+    codes = torch.empty(N, K, dtype=torch.uint8)
+    zeros = torch.empty(N, G, dtype=torch.uint8)
+    scales = torch.empty(N, G, dtype=torch.float32)
+    # a band of rows at a time: a row's codes depend on that row alone, and the fp32 temporaries (several copies)
+    # stay a band's, not the weight's
+    step = max(1, BAND_BYTES // (G * group * 4))
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        codes[r0:r1], zeros[r0:r1], scales[r0:r1] = _quantize_rows(w[r0:r1], group, sym)
+    return codes, zeros, scales
+
+
+def _quantize_rows(w: torch.Tensor, group: int, sym: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    N, K = w.shape
+    G = cdiv(K, group)
     wf = torch.zeros(N, G * group, dtype=torch.float32)
     wf[:, :K] = w.float()
     blocks = wf.view(N, G, group)
@@ -62,8 +78,8 @@ def quantize_int4(w: torch.Tensor, group: int = 128, sym: bool = True) -> tuple[
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         zero = torch.round(-lo / scale).clamp(0, 15).to(torch.int32)
     codes = (torch.round(blocks / scale[:, :, None]) + zero[:, :, None]).clamp(0, 15)
-    codes = codes.to(torch.uint8).view(N, G * group)[:, :K].contiguous()
-    return codes, zero.to(torch.uint8), scale.contiguous()
+    codes = codes.to(torch.uint8).view(N, G * group)[:, :K]
+    return codes, zero.to(torch.uint8), scale
 
 
 def check_int4(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, group: int, name: str = "weight") -> None:
@@ -196,6 +212,31 @@ def embedding_int4(ids: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     body = w.packed[:, :, COLS:].view(NB, G, gs // 8, COLS, 4)[b, :, :, c, :]  # [n, G, chunks, 4]
     codes = torch.stack((body & 15, body >> 4), dim=3).reshape(flat.numel(), G * gs)[:, :K]
     return dequantize_int4(codes, zeros, scales, gs).reshape(*ids.shape, K)
+
+
+def quantize_int4_packed(rows, shape: tuple[int, int], group: int, sym: bool, ext, path: str = "int4",
+                         band: int = 8192) -> Int4Weight:
+    """Int4Weight.quantize(w, group, sym) packed for ext (.pack(ext, path)), made from rows(r0, r1) -> w[r0:r1] a
+    band of `band` rows at a time straight into the packing: the same bytes (the packing is per 16-row column
+    block, each row its own groups), without the whole weight, its unpacked codes (a byte a weight) or its fp32
+    copies held at once (a large head, streamed from the checkpoint by the loader)."""
+    assert band % COLS == 0
+    N = shape[0]
+    out, packed, scales, zs, ss = None, None, None, [], []
+    for r in range(0, N, band):
+        part = Int4Weight.quantize(rows(r, min(N, r + band)), group, sym)
+        zs.append(part.zeros)
+        ss.append(part.scales)
+        part.pack(ext, path)
+        if out is None:
+            out = part
+            packed = torch.empty(cdiv(N, COLS), *part.packed.shape[1:], dtype=part.packed.dtype)
+            scales = torch.empty(cdiv(N, COLS), *part.packed_scales.shape[1:], dtype=part.packed_scales.dtype)
+        packed[r // COLS: r // COLS + part.packed.shape[0]] = part.packed
+        scales[r // COLS: r // COLS + part.packed.shape[0]] = part.packed_scales
+    out.shape, out.packed, out.packed_scales = tuple(shape), packed, scales
+    out.zeros, out.scales = torch.cat(zs), torch.cat(ss)
+    return out
 
 
 def int4_path_for(ext, isa: str | None) -> str:

@@ -42,6 +42,21 @@ class PackedWeight:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
+def pack_bf16_rows(rows, shape: tuple[int, int], ext, band: int = 8192) -> PackedWeight:
+    """PackedWeight(w, ext) of the compiled linear_bf16 ("cpp"), made from rows(r0, r1) -> w[r0:r1] (bf16) a band
+    of `band` rows at a time into the packing: the same bytes (the packing is per 16-row column block), without
+    the whole [N, K] weight held beside it (a tied head streamed from the checkpoint: the loader)."""
+    N, K = shape
+    assert band % 16 == 0 and K % 2 == 0, (band, K)
+    out = PackedWeight.__new__(PackedWeight)
+    out.shape, out.dtype, out.device, out.kind, out.ext = (N, K), torch.bfloat16, torch.device("cpu"), "cpp", ext
+    out.packed = torch.empty(-(-N // 16), K // 2, 16, 2, dtype=torch.bfloat16)
+    for r in range(0, N, band):
+        part = ext.pack_bf16_weight(rows(r, min(N, r + band)).to(torch.bfloat16).contiguous())
+        out.packed[r // 16: r // 16 + part.shape[0]] = part
+    return out
+
+
 def embedding_packed(ids: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """F.embedding(ids, the weight w was packed from), read from the "cpp" packing [ceil(V/16), H/2, 16, 2]:
     row r is packed[r // 16, :, r % 16, :]. The same bits (a copy). ids of any shape -> [*ids.shape, H]."""
