@@ -145,7 +145,7 @@ class _Weights:
 # bytes read between trims: each trim hands back the freed pages, which the next groups then fault in afresh
 # (a few us per 4 KiB page), so trimming after every layer costs load time; this bounds what the holes add to
 # the peak to about this much read (and its conversion copies)
-TRIM_EVERY = 64 << 20
+TRIM_EVERY = 512 << 20
 
 
 def _release_free_heap() -> None:
