@@ -2,7 +2,9 @@
 the deltaserve arm on the tiny preset with a very small grid and prints its table."""
 from __future__ import annotations
 
+import json
 import os
+import re
 
 import pytest
 
@@ -123,24 +125,43 @@ def test_llama_cpp_speculative_flags():
     assert (t.draft_n, t.draft_n_accepted, t.cache_n) == (6, 4, 0)
 
 
-def test_throughput_image_rows(tmp_path, capsys):
-    """--images alone (no throughput rows): the encoder's images/s, and TTFT with 1 and 2 images cold and hit,
-    the hit served from the prefix cache without running the encoder, its token and logprobs the cold run's;
-    the hit's images from the processed-image cache, and the same hit with them processed anew."""
+def test_throughput_image_rows(tmp_path, capsys, monkeypatch):
+    """--images alone (no throughput rows): in-process, the encoder's images/s, and TTFT with 1 and 2 images cold
+    and hit, the hit served from the prefix cache without running the encoder, its token and logprobs the cold
+    run's, the hit's images from the processed-image cache, and the same hit with them processed anew; over HTTP
+    (`deltaserve serve`), the cold and hit rows of the same Chat Completions bodies every engine gets, the hit
+    reading the cache. Every engine gets the same bodies, as many times: the bodies each server was sent are
+    recorded and compared."""
+    from deltaserve.bench import vision
+
+    sent: dict[str, list[str]] = {}
+    real = vision.http_ttft
+
+    def spy(server, body):
+        sent.setdefault(type(server).__name__, []).append(json.dumps(body, sort_keys=True))
+        return real(server, body)
+
+    monkeypatch.setattr(vision, "http_ttft", spy)
     rc = main(["throughput", "--preset", "tiny", "--peers", "none", "--prefill-lens=", "--streams=", "--images", "1,2",
                "--image-size", "64", "--repeats", "1", "--bandwidth-gib", "0", "--log-dir", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
+    row = lambda label: next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | {label} | deltaserve |"))  # noqa: E731
     assert "Images (--images" in text and "| tiny | encoder@64 | deltaserve |" in text, text
     for n in (1, 2):
-        cold = next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | ttft@{n} cold | deltaserve |"))
-        hit = next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | ttft@{n} hit | deltaserve |"))
-        again = next(ln for ln in text.splitlines()
-                     if ln.startswith(f"| tiny | ttft@{n} hit, images reprocessed | deltaserve |"))
+        cold, hit = row(f"ttft@{n} cold, in-process"), row(f"ttft@{n} hit, in-process")
+        again = row(f"ttft@{n} hit, images reprocessed, in-process")
         assert "encoder ran 1x" in cold and "encoder ran 0x" in hit and "bit-identical to cold" in hit, text
         assert f"{n} of {n} images from the processed-image cache" in hit, text
         assert "encoder ran 0x" in again and "decoded, preprocessed and hashed again" in again, text
+        http_cold, http_hit = row(f"ttft@{n} cold, HTTP"), row(f"ttft@{n} hit, HTTP")
+        assert "| 0 of " in http_cold and "best of 1 request " in http_cold, text
+        cached, prompt = map(int, re.search(r"\| (\d+) of (\d+) prompt tokens", http_hit).groups())
+        assert 0 < cached < prompt and f"best of {vision.HIT_PAIRS} requests" in http_hit, text
     assert "failed" not in text, text
+    assert list(sent) == ["DeltaserveServer"] and len(sent["DeltaserveServer"]) == 2 + 2 * (1 + vision.HIT_PAIRS)
+    # what llama-server's arm would be sent: the same bodies, built by the same function (no engine field)
+    assert all('"cache_prompt"' not in b and '"model"' not in b for b in sent["DeltaserveServer"])
 
 
 def test_weight_bytes_per_token_counts_tied_head_once():

@@ -337,10 +337,10 @@ def _run_preset(args, res: Results, peers: list[str], preset: str, t_run: float)
     if grid.rows:
         for group_args, group_peers in _arm_groups(args, res, peers, grid):
             _run_rows(group_args, res, group_peers, grid, t_run)
-    if args.images:  # its own engine, once the throughput arms have closed
-        vision.measure(args, res, grid, _progress)
-        if "llama.cpp" in peers:
-            vision.measure_llama_cpp(args, res, grid, _progress)
+    if args.images:  # engines of their own, one after another, once the throughput arms have closed
+        vision.measure(args, res, grid, _progress)  # ours in-process: the encoder, the hits' checks
+        for engine in ("deltaserve", *(["llama.cpp-bf16"] if "llama.cpp" in peers else [])):
+            vision.measure_http(args, res, grid, _progress, engine)  # the same bodies over HTTP
 
 
 def _run_rows(args, res: Results, peers: list[str], grid: Grid, t_run: float) -> None:
