@@ -146,7 +146,8 @@ def test_throughput_image_rows(tmp_path, capsys, monkeypatch):
                "--image-size", "64", "--repeats", "1", "--bandwidth-gib", "0", "--log-dir", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
-    row = lambda label: next(ln for ln in text.splitlines() if ln.startswith(f"| tiny | {label} | deltaserve |"))  # noqa: E731
+    lines = text.splitlines()
+    row = lambda label: next(ln for ln in lines if ln.startswith(f"| tiny | {label} | deltaserve |"))  # noqa: E731
     assert "Images (--images" in text and "| tiny | encoder@64 | deltaserve |" in text, text
     for n in (1, 2):
         cold, hit = row(f"ttft@{n} cold, in-process"), row(f"ttft@{n} hit, in-process")

@@ -156,7 +156,8 @@ def http_ttft(server, body: dict) -> tuple[float, dict]:
     r = server.post("/v1/chat/completions", body)
     dt = time.perf_counter() - t
     usage, timings = r.get("usage") or {}, r.get("timings")
-    cached = timings.get("cache_n", 0) if timings else (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    details = usage.get("prompt_tokens_details") or {}
+    cached = timings.get("cache_n", 0) if timings else details.get("cached_tokens", 0)
     return dt, {"cached": int(cached or 0), "prompt": int(usage.get("prompt_tokens", 0))}
 
 

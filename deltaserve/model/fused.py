@@ -195,6 +195,6 @@ def _verify_step(model, batch, caches) -> torch.Tensor | None:
         ids, positions = batch.input_ids.index_select(0, rows), batch.positions.index_select(0, rows)
     table = batch.decode_page_table().index_select(0, long_tensor(table_rows))
     cos, sin = model.rotary(positions, batch.rope_end or max(pos) + 1)
-    return program.run_verify(stage_ids(model, ids), caches.conv, caches.ssm, caches.kv, long_tensor(slots), cos, sin, table,
-                              long_tensor([p + 1 for p in pos]), waves, rows, caches.log_conv, caches.log_x,
-                              caches.log_g, caches.log_beta)
+    return program.run_verify(stage_ids(model, ids), caches.conv, caches.ssm, caches.kv, long_tensor(slots), cos,
+                              sin, table, long_tensor([p + 1 for p in pos]), waves, rows, caches.log_conv,
+                              caches.log_x, caches.log_g, caches.log_beta)
