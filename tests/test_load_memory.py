@@ -156,11 +156,12 @@ def test_serve_memory_08b_shape(shape_08b, quantize):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LINUX or os.environ.get("DELTASERVE_SLOW") != "1", reason="DELTASERVE_SLOW=1: 4B shape")
-@pytest.mark.parametrize("quantize", [None, "fp8"])
-def test_serve_memory_4b_shape(quantize):
+@pytest.mark.parametrize("checkpoint,at_load", [(None, "none"), ("fp8", "none"), (None, "int4")],
+                         ids=["bf16", "fp8", "int4-at-load"])
+def test_serve_memory_4b_shape(checkpoint, at_load):
     from deltaserve.embedded.model import ensure_model
 
-    _check_serve(ensure_model("qwen3.5-4b-shape", quantize=quantize))
+    _check_serve(ensure_model("qwen3.5-4b-shape", quantize=checkpoint), at_load)
 
 
 def test_a_machine_too_small_is_refused_with_the_figures_before_loading(tiny_dir, monkeypatch):
