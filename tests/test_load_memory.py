@@ -198,6 +198,10 @@ def test_loading_is_counted_at_its_largest_tensor(tiny_dir):
     text = max(v for k, v in nbytes.items() if not k.startswith(("model.visual.", "mtp.")))
     assert largest_tensor(tiny_dir, m, images=False) == text > 0
     assert largest_tensor(tiny_dir, m, images=True) == max(v for k, v in nbytes.items() if not k.startswith("mtp."))
+    # a tied head quantized at load is streamed from the file a band at a time: the embedding no longer counts
+    streamed = max(v for k, v in nbytes.items()
+                   if not k.startswith(("model.visual.", "mtp.")) and not k.endswith("embed_tokens.weight"))
+    assert m.tie_word_embeddings and largest_tensor(tiny_dir, m, images=False, quantize_head="int4") == streamed < text
 
 
 def test_max_model_len_sizes_the_default_pool(tiny_dir, monkeypatch):

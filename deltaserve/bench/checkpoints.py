@@ -50,7 +50,8 @@ def arm_memory(name: str, model_dir: str, pool: int, *, mtp: bool = False, quant
     m = ModelConfig.from_path(model_dir)
     weights = weights_as_run(model_dir, m, "bfloat16", images=False, mtp=mtp, quantize_head=quantize_head,
                              quantize=quantize) or 0
-    return ArmMemory(name, weights, pool, largest_tensor(model_dir, m, images=False, mtp=mtp))
+    return ArmMemory(name, weights, pool, largest_tensor(model_dir, m, images=False, mtp=mtp,
+                                                         quantize_head=quantize_head))
 
 
 def check_arms_fit(arms: list[ArmMemory], available: int) -> str:

@@ -110,7 +110,8 @@ def check_memory(path: str, mc: ModelConfig, config: EngineConfig, dtype: str, d
     if weights is None:
         return
     pool, free = config.kv_cache_memory or 0, available_bytes(device)
-    loading = largest_tensor(path, mc, images=images, mtp=mtp)  # held beside the placed weights while loading
+    loading = largest_tensor(path, mc, images=images, mtp=mtp,  # held beside the placed weights while loading
+                             quantize_head=config.quantize_head)
     need = weights + loading + RUNTIME_BYTES + pool
     figures = (f"weights as run {weights / 1e9:.2f} GB + loading's largest tensor {loading / 1e9:.2f} GB + runtime "
                f"{RUNTIME_BYTES / 1e9:.2f} GB" + (f" + --kv-cache-memory {pool / 1e9:.2f} GB" if pool else "")

@@ -133,14 +133,19 @@ def weights_as_run(model_dir: str, m: ModelConfig, model_dtype: str, *, images: 
     return total + head_extra(m, model_dtype, quantize_head)
 
 
-def largest_tensor(model_dir: str, m: ModelConfig, *, images: bool = True, mtp: bool = False) -> int:
-    """The bytes (as stored) of the largest tensor the loader reads from model_dir: loading holds one such tensor
-    beside what it has placed (the head's packing is a copy of it), so the peak while loading is the resident
-    figure plus about this much (the 4B shape: 1.3-1.5 GB above it measured, its head 1.27 GB). 0 without
-    safetensors files."""
+def largest_tensor(model_dir: str, m: ModelConfig, *, images: bool = True, mtp: bool = False,
+                   quantize_head: str = "none") -> int:
+    """The bytes (as stored) of the largest tensor the loader reads whole from model_dir: loading holds one such
+    tensor beside what it has placed, so the peak while loading is the resident figure plus about this much. A tied
+    embedding the loader streams a band of rows at a time (model/loader.py: a head quantized with --quantize-head;
+    also one packed for the compiled linear_bf16, which this count leaves in: an upper bound) does not count. 0
+    without safetensors files."""
+    streamed = m.tie_word_embeddings and quantize_head != "none"
     largest = 0
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         for name, info in safetensors_header(path).items():
+            if streamed and name.endswith("embed_tokens.weight"):
+                continue
             if _loaded(name, m, images, mtp):
                 start, end = info["data_offsets"]
                 largest = max(largest, end - start)

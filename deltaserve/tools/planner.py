@@ -173,7 +173,8 @@ def loading_bytes(src: ModelSource, inputs: PlanInputs, model_dtype: str) -> int
     m = src.config
     if src.model_dir is not None:
         images = dict(inputs.limit_mm_per_prompt).get("image", 0) > 0
-        found = R.largest_tensor(src.model_dir, m, images=images, mtp=inputs.num_speculative_tokens > 0)
+        found = R.largest_tensor(src.model_dir, m, images=images, mtp=inputs.num_speculative_tokens > 0,
+                                 quantize_head=inputs.quantize_head)
         if found:
             return found
     return m.vocab_size * m.hidden_size * S.dtype_bytes(model_dtype)
