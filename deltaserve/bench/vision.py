@@ -203,7 +203,6 @@ def measure_http(args, res, grid, progress, engine: str) -> None:
         res.vision[(grid.preset, "images, HTTP", engine)] = {"error": str(e)[:300]}
         progress(f"{grid.preset}: {engine}'s server for the image rows could not start: {e}")
         return
-    res.arm_info[(grid.preset, f"{engine}-images")] = {"startup_s": getattr(server, "startup_s", None)}
     try:
         warm = chat_body(1, 999, args.image_size)
         http_ttft(server, warm)
