@@ -27,8 +27,8 @@ def ext():
 
 
 def build_paths() -> list[str]:
-    """"build/path" for every int4 path of every build this CPU executes (avx512: vnni and scalar; avx2: avx2 and
-    scalar; generic: scalar)."""
+    """"build/path" for every int4 path of every build this CPU executes (avx512: vnni, amx where it may run, and
+    scalar; avx2: avx-vnni where the CPU has AVX-VNNI, avx2 and scalar; generic: scalar)."""
     return [f"{b}/{p}" for b in fp8.executable_builds() for p in fp8.load_fp8_extension(b).int4_paths()]
 
 
@@ -272,3 +272,16 @@ def test_refusals():
         load_model(ensure_model("tiny"), dtype="float32", quantize="int4")
     with pytest.raises(ConfigError, match="--quantize int4 needs bf16 weights on the CPU"):
         load_model(ensure_model("tiny"), prepack=False, quantize="int4")
+
+
+def test_bench_linear_runs_an_int4_arm_per_path():
+    """`deltaserve bench linear --int4-paths`: an arm per build/path this CPU has (every projection and the head in
+    int4 on it), timed beside the bf16 arms; a path this CPU lacks is refused, naming the ones it has."""
+    from deltaserve.bench import linear as bench_linear
+
+    paths = build_paths()
+    results = bench_linear.run("tiny", [1, 3], 1, int4_paths=paths)
+    assert [list(r["int4"]) for r in results] == [paths, paths] and all(ms > 0 for ms in results[0]["int4"].values())
+    assert all(f"int4 {bp} ms" in bench_linear.render("tiny", results) for bp in paths)
+    with pytest.raises(SystemExit, match="not a path here; this CPU has"):
+        bench_linear.run("tiny", [1], 1, int4_paths=["generic/int4:nonesuch"])

@@ -20,7 +20,8 @@ import torch
 from ..embedded.model import ensure_model
 from ..model.loader import load_model
 from ..model.ops.cpu_kernels import ISAS, load_extension, resolve_isa
-from ..model.ops.fp8 import Fp8Weight, build_for, load_fp8_extension, path_for, quantize_fp8
+from ..model.ops.fp8 import Fp8Weight, build_for, executable_builds, load_fp8_extension, path_for, quantize_fp8
+from ..model.ops.int4 import Int4Weight
 from ..model.ops.linear import linear
 from ..model.ops.packed import PackedWeight
 from ..runner.platform import tune_allocator
@@ -57,10 +58,28 @@ def _fp8_arm(weights, ext) -> list:
     return arm
 
 
+def _int4_arm(weights, build_path: str) -> list:
+    """An int4 arm's weights: each projection and the head quantized as --quantize int4 --quantize-head int4 does
+    (groups of 128 with a zero point), packed by the fp8 / int4 build `build` and run on its linear_int4 path
+    (`build/path`, e.g. avx2/int4:avx-vnni; fp8.executable_builds() and each build's int4_paths() list them)."""
+    build, _, path = build_path.partition("/")
+    ext = load_fp8_extension(build)
+    if path not in ext.int4_paths():
+        raise SystemExit(f"--int4-paths: {build_path} is not a path here; this CPU has "
+                         + ", ".join(f"{b}/{q}" for b in executable_builds() for q in load_fp8_extension(b).int4_paths()))
+    arm = []
+    for _, w in weights:
+        q = Int4Weight.quantize(w, 128, sym=False)
+        q.pack(ext, path)
+        arm.append(q)
+    return arm
+
+
 def run(preset: str, rows: list[int], repeats: int, fp8: bool = False,
-        isa: str | list[str] | None = None) -> list[dict]:
+        isa: str | list[str] | None = None, int4_paths: list[str] = ()) -> list[dict]:
     """isa: the compiled kernels' instruction set, or several (cpu_kernels.load_extension's; None = this CPU's
-    choice); the first is "compiled" in the results, every one is in r["arms"] (ms per pass)."""
+    choice); the first is "compiled" in the results, every one is in r["arms"] (ms per pass). int4_paths: an int4
+    arm per `build/path` (_int4_arm), in r["int4"] (ms per pass)."""
 
 
     tune_allocator()  # as the engine: the head's output at 512 rows (254 MB) is not mmapped and faulted per call
@@ -73,6 +92,8 @@ def run(preset: str, rows: list[int], repeats: int, fp8: bool = False,
     arms.update({i: [PackedWeight(w, e) for _, w in weights] for i, e in exts.items()})
     if fp8:
         arms["fp8"] = _fp8_arm(weights, exts[isas[0]])
+    for bp in int4_paths:
+        arms[f"int4 {bp}"] = _int4_arm(weights, bp)
     gbytes = sum(w.numel() * 2 for _, w in weights) / 1e9
     params = sum(w.numel() for _, w in weights)
     results = []
@@ -92,6 +113,7 @@ def run(preset: str, rows: list[int], repeats: int, fp8: bool = False,
              "arms": {a: 1e3 * best[a] for a in ["onednn", *isas]}}
         if fp8:
             r.update(fp8_ms=1e3 * best["fp8"], fp8_ratio=first / best["fp8"])
+        r["int4"] = {bp: 1e3 * best[f"int4 {bp}"] for bp in int4_paths}
         results.append(r)
     return results
 
@@ -103,8 +125,9 @@ def render(preset: str, results: list[dict]) -> str:
              f"for {', '.join(isas)}; {r0['threads']} torch threads; ms per pass (GFLOP/s, weight GB/s))", "",
              "| rows | oneDNN prepacked |" + "".join(f" compiled {i} |" for i in isas)
              + "".join(f" oneDNN / {i} |" for i in isas)
-             + (f" fp8 (linear_fp8, bf16 head) ms | fp8 speed / {isas[0]} |" if fp8 else ""),
-             "|---|---|" + "---|" * (2 * len(isas)) + ("---|---|" if fp8 else "")]
+             + (f" fp8 (linear_fp8, bf16 head) ms | fp8 speed / {isas[0]} |" if fp8 else "")
+             + "".join(f" int4 {bp} ms |" for bp in r0["int4"]),
+             "|---|---|" + "---|" * (2 * len(isas)) + ("---|---|" if fp8 else "") + "---|" * len(r0["int4"])]
 
     def cell(ms: float, r: dict) -> str:
         return f"{ms:.1f} ({r['gflop'] / ms * 1e3:.0f}, {r['weights_gb'] / ms * 1e3:.1f})"
@@ -113,7 +136,8 @@ def render(preset: str, results: list[dict]) -> str:
         arms = r["arms"]
         lines.append(f"| {r['rows']} | {cell(arms['onednn'], r)} |" + "".join(f" {cell(arms[i], r)} |" for i in isas)
                      + "".join(f" {arms['onednn'] / arms[i]:.2f}x |" for i in isas)
-                     + (f" {r['fp8_ms']:.1f} | {r['fp8_ratio']:.2f}x |" if fp8 else ""))
+                     + (f" {r['fp8_ms']:.1f} | {r['fp8_ratio']:.2f}x |" if fp8 else "")
+                     + "".join(f" {ms:.1f} |" for ms in r["int4"].values()))
     return "\n".join(lines)
 
 
@@ -135,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="the compiled linear's instruction set, or several comma-separated (amx,avx512bf16): one "
                         "arm each, the first compared with --fp8 (default: the one the engine picks on this CPU)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--int4-paths", default="", help="int4 arms, comma-separated build/path (avx2/int4:avx-vnni, "
+                   "avx2/int4:avx2, avx512/int4:amx, ...): every projection and the head in int4 on that path")
     a = p.parse_args(argv)
     rows = [int(x) for x in a.rows.split(",") if x]
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(render(a.preset, run(a.preset, rows, a.repeats, a.fp8, a.cpu_isa)))
+    int4 = [x.strip() for x in a.int4_paths.split(",") if x.strip()]
+    print(render(a.preset, run(a.preset, rows, a.repeats, a.fp8, a.cpu_isa, int4)))
     return 0

@@ -28,7 +28,8 @@
 // tiles: TDPBSSD takes the activations as A (signed, row-major, read in place) and a panel's unpacked codes less
 // their zeros as B, whose VNNI row layout is this packing's with the nibbles split; fewer rows: the avx512-vnni tiles), "avx2"
 // (vpmaddubsw + vpmaddwd: the same integer sums: a pair of products is at most 2 * 15 * 127, no int16 saturation),
-// "scalar". Every path makes the same integer sums and the same fp32 steps, so a path may be chosen by row count. Decode reads a
+// "avx-vnni" (the AVX2 build on a CPU with AVX-VNNI, its default there: the VEX vpdpbusd in place of those two, the
+// same sums), "scalar". Every path makes the same integer sums and the same fp32 steps, so a path may be chosen by row count. Decode reads a
 // little over half a byte a weight (4.125 bits + the scales: 4.38 bits at gs = 128, 5.5 at gs = 32).
 
 #include <torch/extension.h>
@@ -316,14 +317,27 @@ DS_INT4_AMX_TARGET void release_int8_tiles() { _tile_release(); }
 
 #if defined(DS_INT4_AVX2)
 // u8 x s8 dot products of 4 k, added to acc: vpmaddubsw (pairs, int16, never saturating here) then vpmaddwd by ones
-inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
-}
+struct Dot4Avx2 {
+  static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  }
+};
 
-// MT rows x one column block, as two halves of 8 columns
-template <int MT>
-void tile_avx2(const Acts& a, int64_t m0, const uint8_t* w, const float* s, int64_t G, int64_t gs, at::BFloat16* y,
-               int64_t ys, int64_t ncols) {
+// the same sums in one instruction where the CPU has AVX-VNNI (the VEX vpdpbusd: Alder Lake and later, Zen 5):
+// exact integer sums either way, so the avx-vnni path has the avx2 path's bits
+#define DS_AVX_VNNI_TARGET __attribute__((target("avxvnni")))
+struct Dot4AvxVnni {
+  DS_AVX_VNNI_TARGET static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+  }
+};
+
+// MT rows x one column block, as two halves of 8 columns; D: the dot product. Compiled with AVX-VNNI allowed so
+// that Dot4AvxVnni inlines; Dot4Avx2's instantiation holds no AVX-VNNI instruction (the compiler makes vpdpbusd
+// only from its intrinsic), and the avx-vnni path runs only where the CPU has it (has_avx_vnni)
+template <int MT, class D>
+DS_AVX_VNNI_TARGET void tile_avx2(const Acts& a, int64_t m0, const uint8_t* w, const float* s, int64_t G, int64_t gs,
+                                  at::BFloat16* y, int64_t ys, int64_t ncols) {
   const int64_t gbytes = kZeros + gs / 8 * kChunk, nsub = gs / a.sub, nch = a.sub / 8;
   const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 tot[MT][2];
@@ -352,8 +366,8 @@ void tile_avx2(const Acts& a, int64_t m0, const uint8_t* w, const float* s, int6
           std::memcpy(&x0, xr, 4);
           std::memcpy(&x1, xr + 4, 4);
           const __m256i xb0 = _mm256_set1_epi32(x0), xb1 = _mm256_set1_epi32(x1);
-          acc[i][0] = dot4(dot4(acc[i][0], lo0, xb0), hi0, xb1);
-          acc[i][1] = dot4(dot4(acc[i][1], lo1, xb0), hi1, xb1);
+          acc[i][0] = D::dot4(D::dot4(acc[i][0], lo0, xb0), hi0, xb1);
+          acc[i][1] = D::dot4(D::dot4(acc[i][1], lo1, xb0), hi1, xb1);
         }
       }
 #pragma GCC unroll 8
@@ -375,17 +389,23 @@ void tile_avx2(const Acts& a, int64_t m0, const uint8_t* w, const float* s, int6
 using Avx2Tile = void (*)(const Acts&, int64_t, const uint8_t*, const float*, int64_t, int64_t, at::BFloat16*,
                           int64_t, int64_t);
 constexpr int kRowsAvx2 = 2;
-constexpr Avx2Tile kAvx2Tiles[kRowsAvx2] = {&tile_avx2<1>, &tile_avx2<2>};
+constexpr Avx2Tile kAvx2Tiles[kRowsAvx2] = {&tile_avx2<1, Dot4Avx2>, &tile_avx2<2, Dot4Avx2>};
+constexpr Avx2Tile kAvxVnniTiles[kRowsAvx2] = {&tile_avx2<1, Dot4AvxVnni>, &tile_avx2<2, Dot4AvxVnni>};
+
+bool has_avx_vnni() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avxvnni");
+}
 #endif  // DS_INT4_AVX2
 
-enum class Path { kScalar, kAvx512, kAmx, kAvx2 };
+enum class Path { kScalar, kAvx512, kAmx, kAvx2, kAvxVnni };
 
 Path path_named(const std::string& name) {
   if (name.empty() || name == "int4") {
 #if defined(DS_INT4_AVX512)
     return Path::kAvx512;
 #elif defined(DS_INT4_AVX2)
-    return Path::kAvx2;
+    return has_avx_vnni() ? Path::kAvxVnni : Path::kAvx2;
 #else
     return Path::kScalar;
 #endif
@@ -403,6 +423,10 @@ Path path_named(const std::string& name) {
 #endif
 #if defined(DS_INT4_AVX2)
   if (name == "int4:avx2") return Path::kAvx2;
+  if (name == "int4:avx-vnni") {
+    TORCH_CHECK(has_avx_vnni(), "linear_int4: path int4:avx-vnni needs a CPU with AVX-VNNI");
+    return Path::kAvxVnni;
+  }
 #endif
   TORCH_CHECK(false, "linear_int4: path ", name, " is not in this build (int4_paths() lists them)");
 }
@@ -418,6 +442,7 @@ std::vector<std::string> int4_paths() {
   if (ds_amx::amx_permission_errno() == 0) p.push_back("int4:amx");  // asked for by name (the engine's amx set)
 #endif
 #if defined(DS_INT4_AVX2)
+  if (has_avx_vnni()) p.push_back("int4:avx-vnni");  // the build's default where the CPU has it
   p.push_back("int4:avx2");
 #endif
   p.push_back("int4:scalar");
@@ -541,14 +566,15 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& packed, c
     }
 #endif
 #if defined(DS_INT4_AVX2)
-    if (which == Path::kAvx2) {
+    if (which == Path::kAvx2 || which == Path::kAvxVnni) {
+      const Avx2Tile* tiles = which == Path::kAvxVnni ? kAvxVnniTiles : kAvx2Tiles;
       for (int64_t b0 = t0; b0 < t1; b0 += kPanel) {
         const int64_t b1 = std::min(t1, b0 + kPanel);
         for (int64_t m0 = 0; m0 < M; m0 += kRowsAvx2) {
           const int mt = static_cast<int>(std::min<int64_t>(kRowsAvx2, M - m0));
           for (int64_t b = b0; b < b1; ++b)
-            kAvx2Tiles[mt - 1](a, m0, wp + b * wstride, sp + b * sstride, G, gs, yp + m0 * N + b * kCols, N,
-                               N - b * kCols);
+            tiles[mt - 1](a, m0, wp + b * wstride, sp + b * sstride, G, gs, yp + m0 * N + b * kCols, N,
+                          N - b * kCols);
         }
       }
       return;
