@@ -525,3 +525,37 @@ def test_roofline_shares_never_pass_the_fastest_stream():
     assert line.split("|")[3:7] == [" 100% of 3,200 MB ", " 80% of 2,270 MB ", " 47% of 2,700 MB ", " n/a "]
     r.bandwidth["read_Bps"] = 30e9  # a probe above every stream: the probe is the ceiling
     assert [c.split(" of ")[0] for c in _roofline_row(r, cols, "p")[0].split("|")[3:6]] == [" 78%", " 62%", " 37%"]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGILL", "SIGSEGV"])
+def test_a_start_up_crash_is_retried_without_repacking(tmp_path, signal_name):
+    """A llama-server that dies of SIGILL or SIGSEGV at start-up (ggml's AMX kernels on some VMs) is started again
+    once with --no-repack, which keeps it off that path; another exit is not retried."""
+    root = tmp_path / "llama"
+    binary = root / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text(f"""#!{sys.executable}
+import http.server, os, signal, sys
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.{signal_name})
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(b"{{}}")
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+    binary.chmod(0o755)
+    server = lc.LlamaServer(str(tmp_path / "m.gguf"), ctx=512, slots=1, threads=1, log_path=str(tmp_path / "log"),
+                            root=str(root), startup_timeout=30)
+    try:
+        assert server.no_repack and lc.NO_REPACK in server.cmd
+    finally:
+        server.close()
+    binary.write_text(f"#!{sys.executable}\nimport sys\nsys.exit(3)\n")
+    with pytest.raises(PeerUnavailable):
+        lc.LlamaServer(str(tmp_path / "m.gguf"), ctx=512, slots=1, threads=1, log_path=str(tmp_path / "log"),
+                       root=str(root), startup_timeout=30)

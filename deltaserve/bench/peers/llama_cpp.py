@@ -218,15 +218,17 @@ def parse_timings(resp: dict) -> Timings:
 
 
 NO_REPACK = "--no-repack"
+RETRY_SIGNALS = (-4, -11)  # SIGILL, SIGSEGV at start-up: retried with NO_REPACK (LlamaServer)
 
 
 class LlamaServer:
     """A llama-server process on 127.0.0.1: started, waited for (/health), stopped by close().
 
-    A start-up that dies of SIGILL is retried once with --no-repack: on a VM whose CPU advertises AMX,
-    ggml's AMX q8_0 kernel (an "extra buffer type", which --no-repack turns off) hit an illegal
-    instruction (`tilezero`) during the warm-up decode, while bf16 never takes that path. `self.no_repack`
-    says whether the retry happened."""
+    A start-up that dies of SIGILL or SIGSEGV is retried once with --no-repack: on VMs whose CPU advertises AMX,
+    ggml's AMX kernels (an "extra buffer type", which --no-repack turns off) hit an illegal instruction
+    (`tilezero`) during the warm-up decode on one, and crashed with SIGSEGV right after the thread pool started
+    on another (the 4-bit GGUFs), while bf16 never takes that path. `self.no_repack` says whether the retry
+    happened."""
 
     def __init__(self, gguf: str, *, ctx: int, slots: int, threads: int, log_path: str, root: str | None = None,
                  extra: tuple[str, ...] = (), startup_timeout: float = 300.0, env: dict[str, str] | None = None):
@@ -236,7 +238,7 @@ class LlamaServer:
                         startup_timeout=startup_timeout)
             self.no_repack = NO_REPACK in extra
         except PeerUnavailable:
-            if getattr(self, "proc", None) is None or self.proc.returncode != -4 or NO_REPACK in extra:
+            if getattr(self, "proc", None) is None or self.proc.returncode not in RETRY_SIGNALS or NO_REPACK in extra:
                 raise
             self._start(gguf, ctx=ctx, slots=slots, threads=threads, log_path=log_path, root=root,
                         extra=(*extra, NO_REPACK), startup_timeout=startup_timeout)
