@@ -305,7 +305,7 @@ def _llama_cpp_line(res: Results) -> list[str]:
             f"{li[0][2].get('slots')}, timed by the client as deltaserve is (prefill: a one-token request's wall time; "
             "decode: the streamed tokens' arrivals): "
             + ", ".join(f"{p} {e[len('llama.cpp-'):]} GGUF {v.get('gguf_bytes', 0) / 1e6:,.1f} MB"
-                        + (" (--no-repack: SIGILL in its AMX kernel otherwise)" if v.get("no_repack") else "")
+                        + (" (--no-repack: its AMX kernels crashed at start-up otherwise)" if v.get("no_repack") else "")
                         for p, e, v in li)
             + "."]
 
