@@ -3,15 +3,12 @@ from the same keyword arguments an in-process arm takes (config.engine_argv), wa
 its process group. A peer served over HTTP is measured against this, not against an in-process engine."""
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 from ..config import engine_argv
-from .peers import stop_group, wait_healthy
+from .peers import post_json, stop_group, wait_healthy
 from .peers.llama_cpp import free_port
 
 
@@ -33,14 +30,7 @@ class DeltaserveServer:
             raise RuntimeError(f"deltaserve {why} at start-up (log: {log_path})")
 
     def post(self, path: str, body: dict, timeout: float = 3600.0) -> dict:
-        """POST a JSON body, the JSON answer (RuntimeError with the status and the start of the body otherwise)."""
-        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"deltaserve {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+        return post_json(self.base, path, body, "deltaserve", timeout)
 
     def close(self) -> None:
         stop_group(self.proc)

@@ -18,6 +18,20 @@ class PeerUnavailable(RuntimeError):
     """The peer cannot run here; str(exc) is the reason printed in the table."""
 
 
+def post_json(base: str, path: str, body: dict, who: str, timeout: float = 3600.0) -> dict:
+    """POST a JSON body to a benchmark's server, its JSON answer; RuntimeError naming `who`, the status and the start
+    of the body otherwise."""
+    import json
+
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"{who} {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+
+
 def wait_healthy(p: subprocess.Popen, url: str, timeout: float) -> str | None:
     """Wait until the server process p answers GET url 200: None, or why not ("exited (rc)", "not ready within
     N s"). Every server a benchmark starts (llama-server, deltaserve serve) is waited for here."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ...home import home
 from ..decode_phase import decode_phase
-from . import PeerUnavailable, stop_group, wait_healthy
+from . import PeerUnavailable, post_json, stop_group, wait_healthy
 from .gguf_bytes import decode_bytes_per_token
 
 BUILD = "b11434"
@@ -276,13 +276,7 @@ class LlamaServer:
             return ""
 
     def post(self, path: str, body: dict, timeout: float = 3600.0) -> dict:
-        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
-        except urllib.error.HTTPError as e:
-            raise RuntimeError(f"llama-server {path}: HTTP {e.code}: {e.read()[:300]!r}") from None
+        return post_json(self.base, path, body, "llama-server", timeout)
 
     def _body(self, prompt: list[int], n_predict: int, cache_prompt: bool, stream: bool) -> dict:
         return {"prompt": list(prompt), "n_predict": n_predict, "ignore_eos": True, "temperature": 0.0, "top_k": 1,
