@@ -919,3 +919,19 @@ def test_a_server_on_a_read_only_or_full_file_system_serves(fault, small_tmpfs):
     why = "Read-only file system" if fault == "read-only" else "No space left on device"
     assert srv.log().count(f"cannot write ({why})") == 1, srv.log()
     assert not [n for n in os.listdir(d) if n.startswith(".tmp")]
+
+
+def test_the_fingerprint_names_a_quantized_head_as_the_embedding():
+    """A head quantized with --quantize-head is a tied model's embedding too: its fingerprint says so, unlike the
+    bf16-head one and unlike a record of an engine whose lookups read a bf16 table beside the quantized head (the
+    "quantize_head": "fp8" of earlier versions), so such records are misses, not restored states of another model."""
+    from deltaserve.embedded.model import ensure_model
+    from deltaserve.runner.disk_store import fingerprint
+
+    class Pool:
+        block_size, page_bytes, group_size, pages_per_state = 64, 4096, 2, 1
+
+    path = ensure_model("tiny")
+    plain, fp8 = (fingerprint(path, "bfloat16", Pool, "runs", "amx", head, "cpu") for head in ("none", "fp8"))
+    assert plain["quantize_head"] == "none" and fp8["quantize_head"] not in ("none", "fp8")
+    assert "embedding" in fp8["quantize_head"]

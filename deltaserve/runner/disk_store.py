@@ -78,10 +78,13 @@ def model_digest(path: str) -> str:
 
 def fingerprint(model_path: str, dtype: str, pool, layout: str, kernels: str, quantize_head: str,
                 device: str, quantize: str = "none") -> dict:
-    """Everything that changes a record's bits (module docstring): int4 at load (--quantize) changes every one."""
+    """Everything that changes a record's bits (module docstring): int4 at load (--quantize) changes every one. A
+    quantized head is the embedding too where the model ties them (HybridModel.embed; before, the lookups read a
+    bf16 table beside it): "quantize_head" names that, so records an engine made with the bf16 table are misses."""
+    head = quantize_head if quantize_head == "none" else f"{quantize_head} (the embedding of a tied model)"
     return {"format": FORMAT, "model": model_digest(model_path), "dtype": dtype, "layout": layout,
             "block_size": pool.block_size, "page_bytes": pool.page_bytes, "group_size": pool.group_size,
-            "pages_per_state": pool.pages_per_state, "kernels": kernels, "quantize_head": quantize_head,
+            "pages_per_state": pool.pages_per_state, "kernels": kernels, "quantize_head": head,
             "quantize": quantize, "device": device}
 
 
