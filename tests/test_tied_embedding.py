@@ -137,3 +137,24 @@ def test_a_loaded_tied_model_holds_its_embedding_once():
                                                                requires_grad=False)
         sigs.append([signature(o) for o in run(llm, prompts)])  # prefills, then fused decode steps
     assert sigs[0] == sigs[1]
+
+
+def test_packing_in_bands_gives_the_whole_packing(ext):
+    """pack_in_bands (the loader streams a tied head through it): bf16, fp8 and int4 packings made band by band,
+    several bands and a partial last one, have the bytes of the whole weight packed at once."""
+    from deltaserve.model.ops.packed import pack_bf16_rows
+
+    w = torch.randn(1000, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    rows = lambda r0, r1: w[r0:r1]  # noqa: E731
+    assert torch.equal(pack_bf16_rows(rows, w.shape, ext, band=64).packed.view(torch.int16),
+                       PackedWeight(w, ext).packed.view(torch.int16))
+    q8 = fp8.load_fp8_extension(fp8.build_for(ext.kernel_isa()))
+    a, b = fp8.quantize_fp8_packed(rows, w.shape, q8, band=256), fp8.Fp8Weight.from_block_scales(*fp8.quantize_fp8(w))
+    b.pack(q8)
+    assert torch.equal(a.packed, b.packed) and torch.equal(a.scales, b.scales) and torch.equal(a.row_scale, b.row_scale)
+    from deltaserve.model.ops.int4 import quantize_int4_packed
+
+    a, b = quantize_int4_packed(rows, w.shape, 128, False, q8, band=128), Int4Weight.quantize(w, 128, sym=False)
+    b.pack(q8)
+    assert a.shape == b.shape and torch.equal(a.packed, b.packed) and torch.equal(a.packed_scales, b.packed_scales)
+    assert torch.equal(a.zeros, b.zeros) and torch.equal(a.scales, b.scales)

@@ -78,6 +78,15 @@ def _versions(sources: tuple) -> tuple:
     return tuple(t._version for t in sources)
 
 
+def _lookup_table(model) -> torch.Tensor | None:
+    """The tensor the program looks a token's embedding up in: embed_tokens, or a tied head's bf16 packing where that
+    is the embedding; None for a tied head quantized with --quantize-head (rows the program cannot read: staged)."""
+    if model.embed_tokens is not None:
+        return model.embed_tokens
+    head = model.packed_head
+    return head.packed if isinstance(head, PackedWeight) else None
+
+
 def _staging(model, rows: int) -> torch.Tensor:
     """The model's staging rows for a program that cannot look a token's embedding up itself: [R, H] bf16, R >= rows
     (grown by doubling: a new tensor, so the program is built again around it)."""
@@ -92,11 +101,10 @@ def _staging(model, rows: int) -> torch.Tensor:
 def stage_ids(model, ids: torch.Tensor) -> torch.Tensor:
     """The ids the program looks up: ids as they are, or, where the program's embedding is the staging rows, row i
     for token i after model.embed(ids) (the quantized head's rows, dequantized) is written there."""
-    stage = model.__dict__.get("_embed_stage")
-    if model.embed_tokens is not None or isinstance(model.packed_head, PackedWeight) or stage is None:
+    if _lookup_table(model) is not None:
         return ids
     n = ids.numel()
-    stage[:n].copy_(model.embed(ids))
+    model._embed_stage[:n].copy_(model.embed(ids))
     return torch.arange(n, dtype=torch.long)
 
 
@@ -105,12 +113,8 @@ def decode_program(model, rows: int = 0):
     staged (stage_ids). Built on first use, and again when the kernels, the
     packing, or the embedding or final norm tensor changed, or a source of its derived weights (the conv weights
     it holds tap-major, the A_log it holds as -exp(A_log)) was changed in place."""
-    # the embedding: embed_tokens, a tied head's bf16 packing where that is the embedding, or, for a tied head
-    # quantized with --quantize-head (rows the program cannot read), the staging rows model.embed fills (stage_ids)
-    embed = model.embed_tokens if model.embed_tokens is not None else model.packed_head
-    if isinstance(embed, PackedWeight):
-        embed = embed.packed
-    elif not isinstance(embed, torch.Tensor):
+    embed = _lookup_table(model)
+    if embed is None:
         embed = _staging(model, rows)
     base = (id(model.decode_kernels), model.linear_kind, id(embed), id(model.norm))
     cached = model.__dict__.get("_decode_program")  # (base, sources, their versions, program)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import ConfigError, ModelConfig, VisionConfig
+from ..memory.resident import head_streamed
 from ..safetensors_header import read_header
 from . import fused, quant
 from .errors import WeightsError
@@ -433,9 +434,8 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
     # made at the end from the checkpoint a band of rows at a time (pack_head), never held whole beside its packing
     stored_embed = by_text.get("model.embed_tokens.weight")
     head_rows = None
-    if (cfg.tie_word_embeddings and packing is not None and stored_embed is not None
-            and "model.embed_tokens.weight_scale_inv" not in by_text
-            and (quantize_head != "none" or (packing.ext is not None and cfg.hidden_size % 2 == 0))):
+    if (packing is not None and stored_embed is not None and "model.embed_tokens.weight_scale_inv" not in by_text
+            and head_streamed(cfg, quantize_head, compiled_linear=packing.ext is not None)):
         if weights.shape(stored_embed) != expected["embed_tokens"]:
             raise WeightsError(f"tensor for embed_tokens has shape {weights.shape(stored_embed)}, config implies "
                                f"{expected['embed_tokens']}")

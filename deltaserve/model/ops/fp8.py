@@ -19,6 +19,7 @@ is a SplitWeight: one product per part, concatenated (a column's bits do not dep
 """
 from __future__ import annotations
 
+import functools
 import logging
 import platform
 import threading
@@ -248,26 +249,28 @@ class Fp8Weight:
 
 def quantize_fp8_packed(rows, shape: tuple[int, int], ext, path: str = "", band: int = 8192) -> Fp8Weight:
     """Fp8Weight.from_block_scales(*quantize_fp8(w)) packed for ext (.pack(ext, path)), made from rows(r0, r1) ->
-    w[r0:r1] a band of `band` rows (whole 128-row scale blocks) at a time straight into the packing: the same bytes
-    (a block's codes depend on that block alone, the packing is per 16-row column block), without the whole weight
-    or its codes held beside the packing (a large head, streamed from the checkpoint by the loader)."""
+    w[r0:r1] a band of rows (whole 128-row scale blocks) at a time (packed.pack_in_bands: a block's codes depend on
+    that block alone): without the whole weight or its codes held beside the packing (a large head, streamed from
+    the checkpoint by the loader)."""
+    from .packed import pack_in_bands
+
     assert band % BLOCK == 0
-    N = shape[0]
-    out, packed, scales, row_scale = None, None, None, []
-    for r in range(0, N, band):
-        part = Fp8Weight.from_block_scales(*quantize_fp8(rows(r, min(N, r + band))))
-        row_scale.append(part.row_scale)
+
+    first: list[Fp8Weight] = []  # the first band's weight becomes the whole's
+
+    def pack(w):
+        part = Fp8Weight.from_block_scales(*quantize_fp8(w))
         part.pack(ext, path)
-        if out is None:
-            out = part
-            packed = torch.empty(cdiv(N, 16), *part.packed.shape[1:], dtype=part.packed.dtype)
-            scales = torch.empty(cdiv(N, 16), *part.scales.shape[1:], dtype=part.scales.dtype)
-        packed[r // 16: r // 16 + part.packed.shape[0]] = part.packed
-        scales[r // 16: r // 16 + part.scales.shape[0]] = part.scales
-    out.shape, out.packed, out.scales, out.row_scale = tuple(shape), packed, scales, torch.cat(row_scale)
+        first[:] = first or [part]
+        return (part.packed, part.scales), part.row_scale
+
+    (packed, scales), row_scales = pack_in_bands(rows, shape[0], band, pack)
+    out = first[0]
+    out.shape, out.packed, out.scales, out.row_scale = tuple(shape), packed, scales, torch.cat(row_scales)
     return out
 
 
+@functools.cache
 def _group_offsets(kmajor: bool) -> torch.Tensor:
     """[16, 4]: the byte of column c's k kk (0..3) inside a 64-byte group of pack_fp8_weight's layout (its
     group_offset: the AVX2 build packs k-major, the others in the AVX-512 path's lane order)."""

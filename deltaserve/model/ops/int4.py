@@ -24,8 +24,8 @@ import torch
 SUB = 32  # the smallest group and activation sub-block
 SUB_MAX = 128  # the largest activation sub-block: one int8 scale per row and min(group, 128) k
 COLS = 16  # output rows per packed column block
-GROUPS = (32, 64, 128, 256)
-BAND_BYTES = 32 << 20  # quantize_int4's fp32 working set, per copy  # group sizes the kernel takes (any multiple of 32 would do; these are what formats use)
+GROUPS = (32, 64, 128, 256)  # group sizes the kernel takes (any multiple of 32 would do; these are what formats use)
+BAND_BYTES = 32 << 20  # quantize_int4's fp32 working set, per copy
 
 
 def cdiv(a: int, b: int) -> int:
@@ -217,25 +217,22 @@ def embedding_int4(ids: torch.Tensor, w: Int4Weight) -> torch.Tensor:
 def quantize_int4_packed(rows, shape: tuple[int, int], group: int, sym: bool, ext, path: str = "int4",
                          band: int = 8192) -> Int4Weight:
     """Int4Weight.quantize(w, group, sym) packed for ext (.pack(ext, path)), made from rows(r0, r1) -> w[r0:r1] a
-    band of `band` rows at a time straight into the packing: the same bytes (the packing is per 16-row column
-    block, each row its own groups), without the whole weight, its unpacked codes (a byte a weight) or its fp32
-    copies held at once (a large head, streamed from the checkpoint by the loader)."""
-    assert band % COLS == 0
-    N = shape[0]
-    out, packed, scales, zs, ss = None, None, None, [], []
-    for r in range(0, N, band):
-        part = Int4Weight.quantize(rows(r, min(N, r + band)), group, sym)
-        zs.append(part.zeros)
-        ss.append(part.scales)
+    band of rows at a time (packed.pack_in_bands): without the whole weight, its unpacked codes (a byte a weight) or
+    its fp32 copies held at once (a large head, streamed from the checkpoint by the loader)."""
+    from .packed import pack_in_bands
+
+    first: list[Int4Weight] = []  # the first band's weight becomes the whole's
+
+    def pack(w):
+        part = Int4Weight.quantize(w, group, sym)
         part.pack(ext, path)
-        if out is None:
-            out = part
-            packed = torch.empty(cdiv(N, COLS), *part.packed.shape[1:], dtype=part.packed.dtype)
-            scales = torch.empty(cdiv(N, COLS), *part.packed_scales.shape[1:], dtype=part.packed_scales.dtype)
-        packed[r // COLS: r // COLS + part.packed.shape[0]] = part.packed
-        scales[r // COLS: r // COLS + part.packed.shape[0]] = part.packed_scales
-    out.shape, out.packed, out.packed_scales = tuple(shape), packed, scales
-    out.zeros, out.scales = torch.cat(zs), torch.cat(ss)
+        first[:] = first or [part]
+        return (part.packed, part.packed_scales), (part.zeros, part.scales)
+
+    (packed, packed_scales), extras = pack_in_bands(rows, shape[0], band, pack)
+    out = first[0]
+    out.shape, out.packed, out.packed_scales = tuple(shape), packed, packed_scales
+    out.zeros, out.scales = torch.cat([z for z, _ in extras]), torch.cat([s for _, s in extras])
     return out
 
 

@@ -42,18 +42,33 @@ class PackedWeight:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, None)
 
 
+def pack_in_bands(rows, n: int, band: int, pack) -> list:
+    """Pack an [n, ...] weight a band of `band` rows (a multiple of 16) at a time: pack(w[r0:r1]) -> a tuple of
+    tensors whose first dim counts 16-row column blocks (every compiled linear's packing), each band's written
+    straight into tensors of ceil(n / 16) blocks made at the first band. rows(r0, r1) -> w[r0:r1]. The same bytes as
+    packing the whole, without the whole weight (or its unpacked form) held beside the packing. Returns the tensors
+    and, per band, what pack returned past them (a band's own small figures: scales, zeros)."""
+    assert band % 16 == 0, band
+    whole, extras = None, []
+    for r in range(0, n, band):
+        parts, extra = pack(rows(r, min(n, r + band)))
+        if whole is None:
+            whole = [torch.empty(-(-n // 16), *t.shape[1:], dtype=t.dtype) for t in parts]
+        for t, part in zip(whole, parts):
+            t[r // 16: r // 16 + part.shape[0]] = part
+        extras.append(extra)
+    return [whole, extras]
+
+
 def pack_bf16_rows(rows, shape: tuple[int, int], ext, band: int = 8192) -> PackedWeight:
     """PackedWeight(w, ext) of the compiled linear_bf16 ("cpp"), made from rows(r0, r1) -> w[r0:r1] (bf16) a band
-    of `band` rows at a time into the packing: the same bytes (the packing is per 16-row column block), without
-    the whole [N, K] weight held beside it (a tied head streamed from the checkpoint: the loader)."""
+    of rows at a time (pack_in_bands): a tied head streamed from the checkpoint by the loader."""
     N, K = shape
-    assert band % 16 == 0 and K % 2 == 0, (band, K)
+    assert K % 2 == 0, K
     out = PackedWeight.__new__(PackedWeight)
     out.shape, out.dtype, out.device, out.kind, out.ext = (N, K), torch.bfloat16, torch.device("cpu"), "cpp", ext
-    out.packed = torch.empty(-(-N // 16), K // 2, 16, 2, dtype=torch.bfloat16)
-    for r in range(0, N, band):
-        part = ext.pack_bf16_weight(rows(r, min(N, r + band)).to(torch.bfloat16).contiguous())
-        out.packed[r // 16: r // 16 + part.shape[0]] = part
+    (out.packed,), _ = pack_in_bands(rows, N, band, lambda w: ((ext.pack_bf16_weight(
+        w.to(torch.bfloat16).contiguous()),), None))
     return out
 
 
