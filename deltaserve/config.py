@@ -676,3 +676,12 @@ def env_engine_args(environ: dict[str, str] | None = None) -> dict[str, Any]:
             raise ConfigError(f"{env_var(name)}={text!r} (--{name.replace('_', '-')}): {e}") from None
         out[name] = value
     return out
+
+
+def tied_head_streamed(m: ModelConfig, quantize_head: str, compiled_linear: bool) -> bool:
+    """Whether the loader (model/loader.py, by this rule) streams a tied embedding from the file a band of rows at a
+    time instead of reading it whole: where the head is quantized (--quantize-head), or packed for the compiled
+    linear_bf16 (compiled_linear; an even hidden size), the head then being the embedding too. Before loading,
+    whether the compiled linear will be there is not known: memory/resident.py largest_tensor assumes it is not (an
+    upper bound)."""
+    return m.tie_word_embeddings and (quantize_head != "none" or (compiled_linear and m.hidden_size % 2 == 0))

@@ -14,7 +14,7 @@ import glob
 import json
 import os
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, tied_head_streamed
 from ..safetensors_header import read_header
 from . import sizing as S
 
@@ -140,7 +140,7 @@ def largest_tensor(model_dir: str, m: ModelConfig, *, images: bool = True, mtp: 
     embedding the loader streams a band of rows at a time (model/loader.py: a head quantized with --quantize-head;
     also one packed for the compiled linear_bf16, which this count leaves in: an upper bound) does not count. 0
     without safetensors files."""
-    streamed = head_streamed(m, quantize_head, compiled_linear=False)
+    streamed = tied_head_streamed(m, quantize_head, compiled_linear=False)
     largest = 0
     for path in sorted(glob.glob(os.path.join(model_dir, "*.safetensors"))):
         for name, info in safetensors_header(path).items():
@@ -150,14 +150,6 @@ def largest_tensor(model_dir: str, m: ModelConfig, *, images: bool = True, mtp: 
                 start, end = info["data_offsets"]
                 largest = max(largest, end - start)
     return largest
-
-
-def head_streamed(m: ModelConfig, quantize_head: str, compiled_linear: bool) -> bool:
-    """Whether the loader (model/loader.py, by this rule) streams a tied embedding from the file a band of rows at a
-    time instead of reading it whole: where the head is quantized (--quantize-head), or packed for the compiled
-    linear_bf16 (compiled_linear; an even hidden size), the head then being the embedding too. Before loading,
-    whether the compiled linear will be there is not known: largest_tensor assumes it is not (an upper bound)."""
-    return m.tie_word_embeddings and (quantize_head != "none" or (compiled_linear and m.hidden_size % 2 == 0))
 
 
 def _loaded(name: str, m: ModelConfig, images: bool, mtp: bool) -> bool:

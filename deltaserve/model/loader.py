@@ -27,8 +27,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..config import ConfigError, ModelConfig, VisionConfig
-from ..memory.resident import head_streamed
+from ..config import ConfigError, ModelConfig, VisionConfig, tied_head_streamed
 from ..safetensors_header import read_header
 from . import fused, quant
 from .errors import WeightsError
@@ -435,7 +434,7 @@ def _load(path: str, cfg: ModelConfig, spec, tdtype: torch.dtype, device: torch.
     stored_embed = by_text.get("model.embed_tokens.weight")
     head_rows = None
     if (packing is not None and stored_embed is not None and "model.embed_tokens.weight_scale_inv" not in by_text
-            and head_streamed(cfg, quantize_head, compiled_linear=packing.ext is not None)):
+            and tied_head_streamed(cfg, quantize_head, compiled_linear=packing.ext is not None)):
         if weights.shape(stored_embed) != expected["embed_tokens"]:
             raise WeightsError(f"tensor for embed_tokens has shape {weights.shape(stored_embed)}, config implies "
                                f"{expected['embed_tokens']}")
