@@ -4,7 +4,6 @@ demand (load slowly, fail a step)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,13 +12,18 @@ from types import SimpleNamespace
 
 import httpx
 
+from deltaserve.bench.peers import free_port  # noqa: F401 - the tests pick ports the benchmarks' way
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TRIES = 3  # starts of a server whose port another process took between the pick and the bind
+
+
+def port_taken(log: str) -> bool:
+    """The server's log says its port (HTTP or KV events) was taken before it could bind: start it again on
+    another; any other failure is the test's to report."""
+    return "already in use" in log
 
 
 def wait_healthy(base: str, timeout: float = 240.0, proc: subprocess.Popen | None = None) -> None:
@@ -37,10 +41,22 @@ def wait_healthy(base: str, timeout: float = 240.0, proc: subprocess.Popen | Non
 
 
 class RealServer:
-    """`python -m deltaserve.server` on a free 127.0.0.1 port (the real engine, the embedded tiny model)."""
+    """`python -m deltaserve.server` on a free 127.0.0.1 port (the real engine, the embedded tiny model);
+    kv_events: it publishes KV events on tcp://127.0.0.1:events_port, a free port too."""
 
-    def __init__(self, *args: str, env: dict | None = None):
+    def __init__(self, *args: str, env: dict | None = None, kv_events: bool = False):
+        for attempt in range(TRIES):
+            try:
+                return self._start(args, env, kv_events)
+            except RuntimeError:
+                if attempt == TRIES - 1 or not port_taken(self.log_text):
+                    raise
+
+    def _start(self, args: tuple[str, ...], env: dict | None, kv_events: bool) -> None:
         self.port = free_port()
+        if kv_events:
+            self.events_port = free_port()
+            args = ("--kv-events-endpoint", f"tcp://127.0.0.1:{self.events_port}", *args)
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"deltaserve-test-{self.port}.log")
         self._log = open(self.log_path, "w")
@@ -56,6 +72,7 @@ class RealServer:
         try:
             wait_healthy(self.base, proc=self.proc)
         except BaseException:
+            self.log_text = self.log()
             self.stop()
             raise
 

@@ -5,6 +5,8 @@ import os
 import shlex
 from types import SimpleNamespace
 
+import pytest
+
 from deltaserve.config import EngineConfig, ModelConfig
 from deltaserve.model.ops import build_notice
 from deltaserve.server.banner import client_base, client_lines, startup_screen
@@ -86,3 +88,21 @@ def test_a_build_is_announced_with_the_last_time_and_recorded(tmp_path, monkeypa
     with build_notice.build_notice("fake_ext", [str(src)], "the fake kernels"):
         pass
     assert "build" not in caplog.text
+
+
+def test_a_taken_port_ends_serve_before_the_model_loads(capsys, monkeypatch):
+    """The listening socket is bound before the load: a port in use is one line and status 2, and nothing was
+    loaded (uvicorn alone would bind after the lifespan, with the screen already claiming the server ready)."""
+    import socket
+
+    from deltaserve.server import app as app_module
+    from deltaserve.server.cli import listen_socket, main
+
+    monkeypatch.setattr(app_module, "build_app", lambda *a, **k: pytest.fail("the app was built"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["--port", str(port), "--log-level", "warning"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"127.0.0.1:{port}" in err and "--port" in err, err
+    with listen_socket("127.0.0.1", 0) as s:  # port 0: a free one, which the screen then shows
+        assert s.getsockname()[1] > 0

@@ -11,10 +11,9 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 
 from deltaserve.tools.cluster import Cluster, find_router, metric
-from tests.server_support import free_port
+from tests.server_support import TRIES, free_port, port_taken
 from tests.test_kv_events import BlockRemoved, BlockStored, KVEventBatch, session_messages
 
 # vllm-router is in the test extra: missing, the test fails (router_command says so) rather than skipping
@@ -116,11 +115,21 @@ def simulate(rows: list[dict], num_pages: int) -> list:
     return sim.run(trace)
 
 
+def start_cluster() -> Cluster:
+    """Two replicas and the router on free ports, started again on others when one was taken before its bind."""
+    for attempt in range(TRIES):
+        n_ports = [free_port() for _ in range(6)]
+        try:
+            return Cluster(2, n_ports[0:2], n_ports[2:4], n_ports[4], n_ports[5],
+                           ["--log-level", "warning", "--kv-cache-memory", "16M", "--max-num-seqs", "4"],
+                           env={"OMP_NUM_THREADS": "1"})
+        except RuntimeError as e:
+            if attempt == TRIES - 1 or not port_taken(str(e)):
+                raise
+
+
 def test_next_turn_lands_where_its_prefix_is_cached():
-    n_ports = [free_port() for _ in range(6)]
-    c = Cluster(2, n_ports[0:2], n_ports[2:4], n_ports[4], n_ports[5],
-                ["--log-level", "warning", "--kv-cache-memory", "16M", "--max-num-seqs", "4"],
-                env={"OMP_NUM_THREADS": "1"})
+    c = start_cluster()
     a, b = c.urls
     ev = Events(c.event_endpoints[1])
     log = Log(c)

@@ -247,12 +247,9 @@ def recv_batches(sub, decoder, until, timeout=30.0):
 
 @pytest.fixture(scope="module")
 def evented_server():
-    from tests.server_support import RealServer, free_port
+    from tests.server_support import RealServer
 
-    port = free_port()
-    srv = RealServer("--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-cache-memory", "16M",
-                     "--max-num-seqs", "4")
-    srv.events_port = port
+    srv = RealServer("--kv-cache-memory", "16M", "--max-num-seqs", "4", kv_events=True)
     yield srv
     srv.stop()
 

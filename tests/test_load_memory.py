@@ -11,7 +11,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import urllib.request
 
 import pytest
 
+from deltaserve.bench.peers import free_port
 from deltaserve.model.loader import load_model
 from deltaserve.model.make import make_random_model
 from deltaserve.presets import load_preset
@@ -80,12 +80,6 @@ def test_planner_weights_as_run_are_what_the_model_holds(tmp_path, quantize):
 
 # ---- the serving process ------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _memory(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/status") as f:
         text = f.read()
@@ -95,7 +89,7 @@ def _memory(pid: int) -> dict[str, int]:
 def serve_memory(model_dir: str, *flags: str, timeout: float = 1200) -> dict:
     """Start `deltaserve serve` on model_dir, wait until /health answers, send one completion; the server's VmHWM
     and VmRSS after load and after the request, its start-up screen, and whether the file is still mapped."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "deltaserve", "serve", "--model", model_dir, "--port", str(port),
                              "--log-level", "warning", *flags], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

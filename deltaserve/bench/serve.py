@@ -8,8 +8,7 @@ import sys
 import time
 
 from ..config import engine_argv
-from .peers import post_json, stop_group, wait_healthy
-from .peers.llama_cpp import free_port
+from .peers import free_port, post_json, stop_group, wait_healthy
 
 
 class DeltaserveServer:

@@ -29,7 +29,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=os.environ.get("DELTASERVE_HOST", "127.0.0.1"),
                    help="the address to bind (default: $DELTASERVE_HOST, else 127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=os.environ.get("DELTASERVE_PORT") or 8000,
-                   help="(default: $DELTASERVE_PORT, else 8000)")
+                   help="(default: $DELTASERVE_PORT, else 8000; 0 takes a free port, which the start-up screen shows)")
     p.add_argument("--api-key", default=os.environ.get("DELTASERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $DELTASERVE_API_KEY)")
     p.add_argument("--served-model-name", nargs="+", default=None, help="name(s) the API answers to")
@@ -114,9 +114,27 @@ def _print_screen(eng, args: argparse.Namespace, served_name: str) -> None:
         logging.getLogger("deltaserve").exception("could not draw the start-up screen")
 
 
+def listen_socket(host: str, port: int):
+    """The server's listening socket, bound before the model loads: a port in use ends the process at once with
+    a line that says so (uvicorn would find out only after the load, and the start-up screen would already claim
+    the server ready). Port 0 takes a free port; the screen shows the one taken."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)  # SO_REUSEADDR, as uvicorn binds
+    except OSError as e:
+        hint = "another process listens there: stop it or give another --port" if e.errno == errno.EADDRINUSE else \
+            "give a --host this machine has"
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise OSError(f"cannot listen on {host}:{port}: {why} ({hint})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        force=True)  # `deltaserve serve` arrives with the top-level command's INFO set
     from ..config import ConfigError
 
     try:
@@ -132,7 +150,9 @@ def main(argv: list[str] | None = None) -> int:
             from .kv_events import KVEventPublisher
 
             publisher = KVEventPublisher(events)  # opens its sockets now: a bad endpoint fails here
-    except (ConfigError, ValueError, TypeError) as e:
+        sock = listen_socket(args.host, args.port)
+        args.port = sock.getsockname()[1]
+    except (ConfigError, ValueError, TypeError, OSError) as e:
         print(f"deltaserve serve: {e}", file=sys.stderr)
         return 2
     import uvicorn
@@ -155,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     names.append(app.state.serving.model_name)
     logging.getLogger("deltaserve").info("loading %s for http://%s:%d (/health answers 503 until it is ready)",
                                          names[0], args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_keep_alive=30,
-                access_log=args.log_level == "debug")
-    return 0
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_keep_alive=30, access_log=args.log_level == "debug"))
+    server.run(sockets=[sock])
+    return 0 if server.started else 3  # uvicorn's own status for a server that never started

@@ -95,8 +95,8 @@ class Cluster:
                 cmd = [sys.executable, "-m", "deltaserve.server", "--host", HOST, "--port", port,
                        "--kv-events-endpoint", ep, *serve_args]
                 self._spawn(cmd, os.path.join(log_dir, f"deltaserve-replica-{port}.log"), e)
-            for url, proc in zip(self.urls, self.procs):
-                wait_healthy(url, proc, timeout)
+            for k, url in enumerate(self.urls):
+                self._wait(k, url, timeout)
             metrics = _get(self.urls[0] + "/metrics")[1]
             self.block_size = int(metric(metrics, "deltaserve_kv_event_block_size") or 0)
             self.model = json.loads(_get(self.urls[0] + "/v1/models")[1])["data"][0]["id"]
@@ -105,10 +105,20 @@ class Cluster:
             cmd = router_command(self.urls, self.event_endpoints, self.block_size, self.model, router_port,
                                  prometheus_port, policy)
             self._spawn(cmd, os.path.join(log_dir, f"vllm-router-{router_port}.log"), e)
-            wait_healthy(self.router_url, self.procs[-1], 60.0)
+            self._wait(len(self.procs) - 1, self.router_url, 60.0)
         except BaseException:
             self.stop()
             raise
+
+    def _wait(self, k: int, url: str, timeout: float) -> None:
+        """Wait for process k to answer at url; one that exits fails with the end of its log (why it stopped: a
+        port in use, a bad flag)."""
+        try:
+            wait_healthy(url, self.procs[k], timeout)
+        except RuntimeError as e:
+            with open(self.logs[k], errors="replace") as f:
+                tail = "".join(f.readlines()[-5:])
+            raise RuntimeError(f"{e}; the end of its log ({self.logs[k]}):\n{tail}") from None
 
     def _spawn(self, cmd: list[str], log_path: str, env: dict) -> None:
         f = open(log_path, "w")

@@ -7,7 +7,9 @@ tokens)` (decode phase only: from the step where every stream has its first toke
 from __future__ import annotations
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -16,6 +18,34 @@ import urllib.request
 
 class PeerUnavailable(RuntimeError):
     """The peer cannot run here; str(exc) is the reason printed in the table."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a server this process is about to start. Picked below the kernel's
+    ephemeral range where there is room: a port from bind(0) is one the kernel also hands to outgoing connections,
+    and a busy neighbour's HTTP clients (another test worker) took such a port between the pick and the server's
+    bind. Nothing can hold a port for another process, so a caller that starts a server still checks it came up."""
+    lo, _ = _ephemeral_range()
+    if lo > 12000:
+        for port in random.sample(range(10000, lo), 50):
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue
+                return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def post_json(base: str, path: str, body: dict, who: str, timeout: float = 3600.0) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 from ...home import home
 from ..decode_phase import decode_phase
-from . import PeerUnavailable, post_json, stop_group, wait_healthy
+from . import PeerUnavailable, free_port, post_json, stop_group, wait_healthy
 from .gguf_bytes import decode_bytes_per_token
 
 BUILD = "b11434"
@@ -185,12 +184,6 @@ def server_command(binary: str, gguf: str, *, port: int, ctx: int, slots: int, t
         raise ValueError(f"llama-server needs slots >= 1, threads >= 1 and ctx >= slots (got {slots}, {threads}, {ctx})")
     return [binary, "-m", gguf, "--host", host, "--port", str(port), "-c", str(ctx), "-np", str(slots),
             "-t", str(threads), "--no-webui", *extra]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)
