@@ -170,3 +170,46 @@ def test_the_report_divides_by_what_each_servers_own_tokens_share(tok):
     assert "- llama.cpp: the prompt it ran (tokens: its /slots text through its /tokenize)" in text
     assert "could not be read in its tokens (left out of the shares): 1." in text
     assert "- deltaserve: its own rendering" in text and "x-anthropic-billing-header" in text
+
+
+def test_the_report_gives_the_checkpoints_each_deltaserve_turn_saved(tok):
+    """The checkpoints a turn saved (read off /metrics around it) per turn and as a client's mean per kind of turn;
+    a server that publishes none (llama-server) shows '-'."""
+    spend = [{"by_kind": {"structural": 3, "prompt": 1}, "count": 4, "mb": 80.0},
+             {"by_kind": {"learned": 1}, "count": 1, "mb": 20.0}, {"by_kind": {}, "count": 0, "mb": 0.0}]
+    ours = [{**_row(s, t, _req("1 2 3", 0, False, f"000{s}{t}")), "checkpoints": c}
+            for (s, t), c in zip(((0, 0), (1, 0), (0, 1)), spend)]
+    peer = [_row(0, 0, _req("1 2 3", 0, True, "0001"))]
+    result = analyse({"deltaserve": ours, "llama.cpp": peer}, tok)
+    assert result["servers"]["deltaserve"]["codex"]["checkpoint_mb"] == {"session1": 80.0, "first": 20.0,
+                                                                         "later": 0.0}
+    text = format_report(result, {"sessions": 2, "turns": 2, "model": "m", "model_dir": "-", "max_output_tokens": 16})
+    assert "| 80.0, 20.0, 0.0 |" in text and "| 4 (structural 3, prompt 1), 80.0 MB |" in text
+    assert text.count("| llama.cpp | codex | 1/1 |") == 1 and "| - |" in text.split("| llama.cpp | codex | 1/1 |")[1]
+
+
+def test_a_turns_checkpoints_are_read_off_the_servers_metrics():
+    """bench agents' reading of deltaserve's /metrics around a turn: the checkpoints saved by kind and their bytes
+    (each the kept checkpoints' bytes over their count), against the real engine."""
+    from deltaserve.bench.clis import checkpoints
+    from deltaserve.config import EngineConfig
+    from deltaserve.server import build_app
+    from tests.server_support import InProcessServer, wait_healthy
+
+    srv = InProcessServer(build_app(EngineConfig(kv_cache_memory=16 << 20), accept_any_model_name=True))
+    try:
+        wait_healthy(srv.base, timeout=240)
+        before = checkpoints.read(srv.base)
+        assert before == {"saved": {}, "bytes_each": None} or sum(before["saved"].values()) == 0
+        words = " ".join(f"word{i}" for i in range(400))
+        r = httpx.post(srv.base + "/v1/chat/completions", timeout=120, json={
+            "model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "You help."},
+                                                         {"role": "user", "content": words}]})
+        assert r.status_code == 200, r.text
+        after = checkpoints.read(srv.base)
+        spent = checkpoints.spent(before, after)
+        assert spent["count"] >= 2 and spent["count"] == sum(after["saved"].values())
+        assert after["bytes_each"] > 0 and spent["mb"] == round(spent["count"] * after["bytes_each"] / 1e6, 1)
+        assert checkpoints.spent(after, checkpoints.read(srv.base)) == {"by_kind": {}, "count": 0, "mb": 0.0}
+    finally:
+        srv.stop()

@@ -101,7 +101,7 @@ def _client(crow: list[dict], ids, tok) -> dict:
              "requests": len(r["requests"]), "main": len(mains), "prompt": u.get("prompt"),
              "cached": u.get("cached"), "output": u.get("output"),
              "ttft_s": round(head["first_content_s"], 3) if answered and head.get("first_content_s") is not None
-             else None, "share": None, "base": None,
+             else None, "share": None, "base": None, "checkpoints": r.get("checkpoints"),
              "error": None if answered or head is None else f"{head.get('status')}: {str(head.get('response_body'))[-160:]}"}
         for q in mains:
             qu = q.get("usage") or {}
@@ -139,6 +139,9 @@ def _client(crow: list[dict], ids, tok) -> dict:
             "later_turn_ttft_s": _mean([t["ttft_s"] for t in later]),
             "first_turn_share_min": _min([t["share"] for t in first_later]),
             "later_turn_share_min": _min([t["share"] for t in later]),
+            "checkpoint_mb": {k: _mean([t["checkpoints"]["mb"] for t in ts if t["checkpoints"]])
+                              for k, ts in (("session1", [t for t in turns if t["turn"] == 0 and t["session"] == 0]),
+                                            ("first", first_later), ("later", later))},
             "divergences": divergences}
 
 
@@ -163,6 +166,21 @@ def _div(r: dict, u: dict, ideal: int, d, against: str) -> dict:
             "before": d.before, "after": d.after}
 
 
+def _mb(s: dict) -> str:
+    """A client's mean checkpoint MB per turn: session 1's first turn, sessions 2..N's, later turns."""
+    m = s.get("checkpoint_mb") or {}
+    return "-" if all(v is None for v in m.values()) else ", ".join(
+        f"{v:.1f}" if v is not None else "-" for v in (m.get("session1"), m.get("first"), m.get("later")))
+
+
+def _saved(c: dict | None) -> str:
+    if not c:
+        return "-"
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(c["by_kind"].items(), key=lambda kv: -kv[1]))
+    mb = "? MB" if c["mb"] is None else f"{c['mb']:.1f} MB"
+    return f"{c['count']} ({kinds}), {mb}" if c["count"] else "0"
+
+
 def _f(v, pct: bool = False) -> str:
     if v is None:
         return "-"
@@ -174,13 +192,14 @@ def format_report(result: dict, args: dict) -> str:
              f"{args['model']} ({args['model_dir']}), answers capped at {args['max_output_tokens']} tokens", ""]
     lines += ["| server | client | turns exit 0 | requests (main) | session 1 TTFT s | sessions 2..N first-turn "
               "TTFT s | later-turn TTFT s | first turn cached / shared prefix (min) | later turn cached / shared "
-              "prefix (min) |", "|---|---|---|---|---|---|---|---|---|"]
+              "prefix (min) | checkpoint MB per turn: session 1, sessions 2..N first turn, later turns (mean) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for server, clients in result["servers"].items():
         for client, s in clients.items():
             lines.append(f"| {server} | {client} | {s['turns_ok']}/{s['turns_total']} | {s['requests']} "
                          f"({s['main_requests']}) | {_f(s['session1_ttft_s'])} | {_f(s['first_turn_ttft_s'])} | "
                          f"{_f(s['later_turn_ttft_s'])} | {_f(s['first_turn_share_min'], True)} | "
-                         f"{_f(s['later_turn_share_min'], True)} |")
+                         f"{_f(s['later_turn_share_min'], True)} | {_mb(s)} |")
     for server, sides in result["peer_over_deltaserve"].items():
         lines += ["", f"{server} / deltaserve, the same client's runs (above 1.0x deltaserve is faster):", "",
                   "| client | TTFT, sessions 2..N first turn | TTFT, later turns | wall, all turns |", "|---|---|---|---|"]
@@ -194,14 +213,14 @@ def format_report(result: dict, args: dict) -> str:
                      + (f" Main requests whose prompt could not be read in its tokens (left out of the shares): "
                         f"{unmeasured}." if unmeasured else ""))
     lines += ["", "## Per turn (first main request)", "",
-              "| server | client | session | turn | exit | prompt | cached | share | TTFT s | requests |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| server | client | session | turn | exit | prompt | cached | share | TTFT s | requests | "
+              "checkpoints saved (by kind), MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for server, clients in result["servers"].items():
         for client, s in clients.items():
             for t in s["turns"]:
                 lines.append(f"| {server} | {client} | {t['session'] + 1} | {t['turn'] + 1} | {t['rc']} | "
                              f"{_f(t['prompt'])} | {_f(t['cached'])} | {_f(t['share'], True)} | {_f(t['ttft_s'])} | "
-                             f"{t['requests']} |")
+                             f"{t['requests']} | {_saved(t['checkpoints'])} |")
     errors = [(server, client, t) for server, clients in result["servers"].items() for client, s in clients.items()
               for t in s["turns"] if t.get("error")]
     if errors:
