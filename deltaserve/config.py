@@ -472,7 +472,7 @@ class EngineConfig:
     checkpoint_grid: int = _flag(128, "also checkpoint every N tokens inside prefill chunks while the pool has free "
                                  "pages, so later requests that share a prefix hit near its end (rounded up to "
                                  "a multiple of the page; 0 = off)", int, metavar="N", replica=True)
-    resume_points: int = _flag(64, "the most resume points one request keeps: checkpoints where a later request may "
+    resume_points: int = _flag(48, "the most resume points one request keeps: checkpoints where a later request may "
                                "resume, taken by source priority (client-declared, structural, learned, then the "
                                "grid, spread over the prompt); docs/design.md", int, metavar="N", replica=True)
     resume_point_bytes: int = _flag(0, "also at most this many bytes of resume-point checkpoints per request (0 = "

@@ -60,7 +60,7 @@ def test_the_budget_in_count_and_bytes():
     from deltaserve.scheduler.build import resume_point_budget
 
     ckpt = 786_432  # the embedded default's checkpoint
-    assert resume_point_budget(EngineConfig(), ckpt) == 64
+    assert resume_point_budget(EngineConfig(), ckpt) == 48
     assert resume_point_budget(EngineConfig(resume_point_bytes=10 << 20), ckpt) == 13
     assert resume_point_budget(EngineConfig(resume_points=4, resume_point_bytes=10 << 20), ckpt) == 4
     with pytest.raises(ConfigError, match="--resume-points must be >= 0"):
