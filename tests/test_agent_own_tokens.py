@@ -191,7 +191,7 @@ def test_the_report_gives_the_checkpoints_each_deltaserve_turn_saved(tok):
 def test_a_turns_checkpoints_are_read_off_the_servers_metrics():
     """bench agents' reading of deltaserve's /metrics around a turn: the checkpoints saved by kind and their bytes
     (each the kept checkpoints' bytes over their count), against the real engine."""
-    from deltaserve.bench.clis import checkpoints
+    from deltaserve.bench.clis import saved
     from deltaserve.config import EngineConfig
     from deltaserve.server import build_app
     from tests.server_support import InProcessServer, wait_healthy
@@ -199,17 +199,17 @@ def test_a_turns_checkpoints_are_read_off_the_servers_metrics():
     srv = InProcessServer(build_app(EngineConfig(kv_cache_memory=16 << 20), accept_any_model_name=True))
     try:
         wait_healthy(srv.base, timeout=240)
-        before = checkpoints.read(srv.base)
+        before = saved.read(srv.base)
         assert before == {"saved": {}, "bytes_each": None} or sum(before["saved"].values()) == 0
         words = " ".join(f"word{i}" for i in range(400))
         r = httpx.post(srv.base + "/v1/chat/completions", timeout=120, json={
             "model": "m", "max_tokens": 1, "messages": [{"role": "system", "content": "You help."},
                                                          {"role": "user", "content": words}]})
         assert r.status_code == 200, r.text
-        after = checkpoints.read(srv.base)
-        spent = checkpoints.spent(before, after)
+        after = saved.read(srv.base)
+        spent = saved.spent(before, after)
         assert spent["count"] >= 2 and spent["count"] == sum(after["saved"].values())
         assert after["bytes_each"] > 0 and spent["mb"] == round(spent["count"] * after["bytes_each"] / 1e6, 1)
-        assert checkpoints.spent(after, checkpoints.read(srv.base)) == {"by_kind": {}, "count": 0, "mb": 0.0}
+        assert saved.spent(after, saved.read(srv.base)) == {"by_kind": {}, "count": 0, "mb": 0.0}
     finally:
         srv.stop()

@@ -30,8 +30,8 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..config import ENGINE_DEFAULTS, EVICTIONS, LAYOUT_NAMES, EngineConfig, add_engine_args, engine_args
-from ..engine.llm_engine import LLMEngine
+from ..config import ENGINE_DEFAULTS, EVICTIONS, LAYOUT_NAMES, add_engine_args, engine_args
+from .serve import in_process
 from ..engine.sampling_params import SamplingParams
 from .agent.workload import TurnResult
 from .progress import progress_for
@@ -66,7 +66,7 @@ def run_arm(engine_flags: dict, wl: Workload, label: str, think_time: float = 0.
     turn think_time seconds after its answer is complete (the client runs a tool meanwhile; the engine is free to
     do its background work). Returns its summary."""
 
-    eng = LLMEngine(EngineConfig.from_kwargs(**engine_flags))
+    eng = in_process(engine_flags).engine
     params = SamplingParams(temperature=0.0, max_tokens=wl.output_tokens, ignore_eos=True)
     warm = [random.Random(7).randrange(10, 3000) for _ in range(200)]  # first calls into every kernel
     eng.add_request("warm", {"prompt_token_ids": warm, "cache_salt": "warm"}, params)

@@ -14,11 +14,12 @@ import types
 
 def run(preset: str, tokens: int, repeats: int, cpu_isa: str = "auto", fp8: bool = False) -> dict:
     from ..embedded.model import ensure_model
-    from ..engine.llm import LLM
     from ..profile.profiler import Profiler
+    from .serve import in_process
 
-    llm = LLM(ensure_model(preset, quantize="fp8" if fp8 else None), dtype="bfloat16", kv_cache_memory=1 << 30,
-              max_num_seqs=4, max_num_batched_tokens=tokens, enable_prefix_caching=False, cpu_isa=cpu_isa)
+    llm = in_process({"model": ensure_model(preset, quantize="fp8" if fp8 else None), "dtype": "bfloat16",
+                      "kv_cache_memory": 1 << 30, "max_num_seqs": 4, "max_num_batched_tokens": tokens,
+                      "enable_prefix_caching": False, "cpu_isa": cpu_isa})
     prof = Profiler(llm.engine, types.SimpleNamespace(repeats=repeats), progress=False, timer="wall")
     ev, total_us = prof.forward_profile(prof.work([(tokens, 0, False)]))
     kernels = sorted(prof.by_kernel(ev).items(), key=lambda kv: -kv[1])

@@ -29,7 +29,7 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 from ..config import ENGINE_DEFAULTS, add_engine_args, engine_args
-from ..engine.llm import LLM
+from .serve import in_process
 from ..engine.sampling_params import SamplingParams
 from .progress import progress_for
 
@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _serve_here(flags: dict, prompt: list[int], params: SamplingParams) -> dict:
     """One request on a fresh engine, closed after it (which ends its disk writes): what the report reads of it."""
-    llm = LLM(**flags)
+    llm = in_process(flags)
     try:
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         s = llm.engine.stats()

@@ -1,6 +1,8 @@
-"""deltaserve as a server for a benchmark: `python -m deltaserve serve` in a process of its own, its engine flags
-from the same keyword arguments an in-process arm takes (config.engine_argv), waited for on /health, stopped with
-its process group. A peer served over HTTP is measured against this, not against an in-process engine."""
+"""deltaserve as every benchmark runs it, from one dict of EngineConfig keyword arguments (model, preset,
+kv_cache_memory, ...): in this process (`in_process`: the LLM, its engine at .engine, for the arms that time
+engine steps) or as a server (`DeltaserveServer`: `python -m deltaserve serve` in a process of its own, the same
+dict as flags through config.engine_argv, waited for on /health, stopped with its process group). A peer served
+over HTTP is measured against the server, not against an in-process engine."""
 from __future__ import annotations
 
 import subprocess
@@ -9,6 +11,13 @@ import time
 
 from ..config import engine_argv
 from .peers import free_port, post_json, stop_group, wait_healthy
+
+
+def in_process(engine: dict):
+    """deltaserve in this process: the LLM (engine/llm.py) of these EngineConfig keyword arguments."""
+    from ..engine.llm import LLM  # imports torch: only once the caller has set its OMP_* environment
+
+    return LLM(**engine)
 
 
 class DeltaserveServer:

@@ -76,14 +76,15 @@ class DeltaservePeer:
     def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
                  cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none",
                  speculative_config: dict | None = None, quantize: str = "none"):
-        from ..engine.llm import LLM  # imports torch: only once main has set OMP_WAIT_POLICY
+        from .serve import in_process  # imports torch: only once main has set OMP_WAIT_POLICY
 
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         t0 = time.perf_counter()
-        self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False, cpu_isa=cpu_isa,
-                       quantize_head=quantize_head, speculative_config=speculative_config, quantize=quantize,
-                       limit_mm_per_prompt='{"image": 0}')  # text rows: the vision encoder is never read
+        self.llm = in_process({"model": model_dir, "dtype": "bfloat16", "kv_cache_memory": kv_cache_memory,
+                               "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+                               "enable_prefix_caching": False, "cpu_isa": cpu_isa, "quantize_head": quantize_head,
+                               "speculative_config": speculative_config, "quantize": quantize,
+                               "limit_mm_per_prompt": '{"image": 0}'})  # text rows: the vision encoder is never read
         self.engine = self.llm.engine
         self._n = 0
         self.step_s: list[float] = []  # wall time of each engine step of the latest decode() (all streams decoding)

@@ -62,11 +62,12 @@ class ImageArm:
 
     def __init__(self, model_dir: str, *, max_images: int, max_num_batched_tokens: int, kv_cache_memory: int,
                  lo: int, hi: int):
-        from ..engine.llm import LLM
+        from .serve import in_process
 
-        self.llm = LLM(model_dir, dtype="bfloat16", kv_cache_memory=kv_cache_memory, max_num_seqs=1,
-                       max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=True,
-                       limit_mm_per_prompt=json.dumps({"image": max_images, "video": 0}))
+        self.llm = in_process({"model": model_dir, "dtype": "bfloat16", "kv_cache_memory": kv_cache_memory,
+                               "max_num_seqs": 1, "max_num_batched_tokens": max_num_batched_tokens,
+                               "enable_prefix_caching": True,
+                               "limit_mm_per_prompt": json.dumps({"image": max_images, "video": 0})})
         self.engine = self.llm.engine
         if self.engine.vision is None:
             raise RuntimeError(f"{model_dir} has no vision encoder")

@@ -8,14 +8,12 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ...config import EngineConfig
-from ...engine.llm_engine import LLMEngine
 from ...engine.sampling_params import SamplingParams
 from ..peers.hf import TransformersPeer
 from ..peers.llama_cpp import BUILD, LlamaServer, ensure_gguf
 from ..peers.vllm_peer import VllmPeer
 from ..progress import progress_for
-from ..serve import DeltaserveServer
+from ..serve import DeltaserveServer, in_process
 from .workload import Turn, TurnResult, prompts_of
 
 _progress = progress_for("agent")
@@ -29,7 +27,7 @@ class EngineDriver:
 
     def __init__(self, arm: str, engine_args: dict):
         self.name = arm
-        self.eng = LLMEngine(EngineConfig.from_kwargs(**engine_args))
+        self.eng = in_process(engine_args).engine
         self.info = {"pool_tokens": self.eng.pool.pool_tokens, "block_size": self.eng.block_size}
         self._n = 0
 

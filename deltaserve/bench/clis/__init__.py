@@ -52,7 +52,7 @@ from ..capture import Recorder, make_handler
 from ..peers import PeerUnavailable
 from ..peers.llama_cpp import LlamaServer, ensure_gguf
 from ..serve import DeltaserveServer
-from . import checkpoints
+from . import saved
 from .own_tokens import ENV as SLOTS_ENV, SlotWatch
 from .peer_template import write_peer_template
 from ..progress import progress_for
@@ -147,7 +147,7 @@ def _install(names: list[str], no_install: bool) -> list[str]:
 
 def run_client(client, metered: Metered, a, folder: Path, metrics_base: str | None = None) -> list[dict]:
     """N sessions x K turns of one CLI through the metered server: one row per turn with its requests; with
-    metrics_base (deltaserve's URL), the checkpoints each turn saved (bench/clis/checkpoints.py)."""
+    metrics_base (deltaserve's URL), the checkpoints each turn saved (bench/clis/saved.py)."""
     rows = []
     home_dir = str(folder / "home") if client.shares_home else None
     envs = {s: client.prepare(metered.base, str(folder / f"session{s}"), home_dir) for s in range(a.sessions)}
@@ -155,7 +155,7 @@ def run_client(client, metered: Metered, a, folder: Path, metrics_base: str | No
         for s in range(a.sessions):
             prompt = FIRST[s % len(FIRST)] if t == 0 else LATER[(t - 1) % len(LATER)]
             mark = len(metered.recorder.records)
-            before = checkpoints.read(metrics_base) if metrics_base else None
+            before = saved.read(metrics_base) if metrics_base else None
             t0 = time.monotonic()
             try:
                 r = subprocess.run(client.argv(prompt, continued=t > 0), cwd=folder / f"session{s}" / "work",
@@ -167,7 +167,7 @@ def run_client(client, metered: Metered, a, folder: Path, metrics_base: str | No
             requests = metered.recorder.records[mark:]
             rows.append({"client": client.name, "session": s, "turn": t, "rc": rc, "wall_s": round(wall, 2),
                          "stderr": err if rc != 0 else "", "requests": requests,
-                         "checkpoints": checkpoints.spent(before, checkpoints.read(metrics_base)) if before else None})
+                         "checkpoints": saved.spent(before, saved.read(metrics_base)) if before else None})
             _say(f"{client.name} session {s} turn {t}: exit {rc}, {len(requests)} requests, {wall:.1f} s")
     return rows
 
