@@ -421,7 +421,7 @@ def _speculative(text: str) -> "SpeculativeConfig | None":
 _AT_LEAST = (("max_num_seqs", 1, ""), ("max_num_batched_tokens", 1, ""), ("prefill_merge_tokens", 0, " (0 = no limit)"),
              ("block_size", 1, ""), ("checkpoint_grid", 0, " (0 = off)"), ("reprefill_job_tokens", 1, ""),
              ("max_model_len", 2, ""), ("num_threads", 1, ""), ("max_output_tokens", 0, " (0 = no cap)"),
-             ("resume_points", 0, ""), ("resume_point_bytes", 0, " (0 = no bound)"))
+             ("resume_points", 0, ""), ("resume_point_bytes", 0, " (0 = an eighth of the pool)"))
 
 
 @dataclass(frozen=True)
@@ -475,8 +475,8 @@ class EngineConfig:
     resume_points: int = _flag(48, "the most resume points one request keeps: checkpoints where a later request may "
                                "resume, taken by source priority (client-declared, structural, learned, then the "
                                "grid, spread over the prompt); docs/design.md", int, metavar="N", replica=True)
-    resume_point_bytes: int = _flag(0, "also at most this many bytes of resume-point checkpoints per request (0 = "
-                                    "no bound)", parse_bytes, metavar="BYTES", replica=True)
+    resume_point_bytes: int = _flag(0, "also at most this many bytes of resume-point checkpoints per request (0: "
+                                    "an eighth of the pool)", parse_bytes, metavar="BYTES", replica=True)
     resume_point_path_lines: bool = _flag(False, "a text heuristic, off by default: also resume where the system "
                                           "text's last lines holding an absolute path begin (docs/design.md: what "
                                           "it catches on a second session that the learned source finds from the "

@@ -106,7 +106,7 @@ def simulate(rows: list[dict], num_pages: int) -> list:
 
     pinned = {f"r{i}": row["sent"] for i, row in enumerate(rows) if row["sent"] is not None}
     bundle = load_bundle(synthetic_bundle(tempfile.mkdtemp(prefix="ds-cluster-bundle-")))
-    flags = {"kv_cache_memory": 16 << 20, "max_num_seqs": 4}
+    flags = {"kv_cache_memory": 16 << 20, "resume_point_bytes": 64 << 20, "max_num_seqs": 4}
     sim = Simulation(ClusterConfig([ReplicaConfig.from_dict(flags) for _ in range(2)], "kv-aware", bundle.path),
                      bundle, router=Pinned())
     assert sim.replicas[0].shape.pool.num_pages == num_pages, "the simulated pool is not the real one"
@@ -116,12 +116,15 @@ def simulate(rows: list[dict], num_pages: int) -> list:
 
 
 def start_cluster() -> Cluster:
-    """Two replicas and the router on free ports, started again on others when one was taken before its bind."""
+    """Two replicas and the router on free ports, started again on others when one was taken before its bind. Their
+    16 MB pools would hold two resume points a request by default (an eighth of the pool): the grid, which the
+    replicas announce, gets its count back with --resume-point-bytes."""
     for attempt in range(TRIES):
         n_ports = [free_port() for _ in range(6)]
         try:
             return Cluster(2, n_ports[0:2], n_ports[2:4], n_ports[4], n_ports[5],
-                           ["--log-level", "warning", "--kv-cache-memory", "16M", "--max-num-seqs", "4"],
+                           ["--log-level", "warning", "--kv-cache-memory", "16M", "--resume-point-bytes", "64M",
+                            "--max-num-seqs", "4"],
                            env={"OMP_NUM_THREADS": "1"})
         except RuntimeError as e:
             if attempt == TRIES - 1 or not port_taken(str(e)):

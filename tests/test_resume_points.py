@@ -56,13 +56,18 @@ def test_choose_resume_points(wanted, n, budget, grid, want):
 
 
 def test_the_budget_in_count_and_bytes():
-    """--resume-points is the count; --resume-point-bytes lowers it to the checkpoints it holds (0 = no bound)."""
+    """--resume-points is the count; --resume-point-bytes lowers it to the checkpoints it holds, by default (0) an
+    eighth of the pool: the 0.8B shape's 19.5 MB checkpoints in its default pool (2,333 pages) make 11, not 48."""
     from deltaserve.scheduler.build import resume_point_budget
 
     ckpt = 786_432  # the embedded default's checkpoint
     assert resume_point_budget(EngineConfig(), ckpt) == 48
+    assert resume_point_budget(EngineConfig(), ckpt, 2 << 30) == 48  # 341 fit in an eighth: the count binds
+    assert resume_point_budget(EngineConfig(), ckpt, 32 << 20) == 5  # 4 MiB
     assert resume_point_budget(EngineConfig(resume_point_bytes=10 << 20), ckpt) == 13
+    assert resume_point_budget(EngineConfig(resume_point_bytes=10 << 20), ckpt, 2 << 30) == 13  # given: it rules
     assert resume_point_budget(EngineConfig(resume_points=4, resume_point_bytes=10 << 20), ckpt) == 4
+    assert resume_point_budget(EngineConfig(), 19_537_920, 2_333 * 786_432) == 11
     with pytest.raises(ConfigError, match="--resume-points must be >= 0"):
         EngineConfig(resume_points=-1)
 

@@ -108,6 +108,7 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
     shape = shape_for(kv_cache_memory)
     if cfg.speculative_config is not None:
         shape = shape_for(kv_cache_memory - state_log_bytes(shape, mc, cfg.speculative_config.num_speculative_tokens))
+    pool_bytes = shape.pool.num_pages * shape.pool.bytes_per_page
     memory, scheduler = build_scheduler(shape, max_num_seqs=cfg.max_num_seqs,
                                         max_num_batched_tokens=cfg.max_num_batched_tokens,
                                         enable_prefix_caching=cfg.enable_prefix_caching,
@@ -116,7 +117,7 @@ def build(mc: ModelConfig, cfg: EngineConfig, kv_cache_memory: int,
                                         reprefill_outputs=cfg.reprefill_outputs,
                                         reprefill_job_tokens=cfg.reprefill_job_tokens, eviction=cfg.eviction,
                                         encoder_budget=cfg.max_num_encoder_input_tokens,
-                                        resume_points=resume_point_budget(cfg, shape.pool.slot_bytes))
+                                        resume_points=resume_point_budget(cfg, shape.pool.slot_bytes, pool_bytes))
     return shape, memory, scheduler
 
 
@@ -139,10 +140,19 @@ def context_budget(mc: ModelConfig, cfg: EngineConfig, tokens: int, dtype: str |
     return budget
 
 
-def resume_point_budget(cfg: EngineConfig, checkpoint_bytes: int) -> int:
-    """How many resume points one request keeps: --resume-points, fewer when --resume-point-bytes (0 = no bound)
-    holds fewer checkpoints of checkpoint_bytes (every GDN layer's state, one sequence's slot)."""
+# A request's resume points take at most this share of the pool unless --resume-point-bytes says otherwise: a
+# checkpoint of every GDN layer weighs as much as ~1,600 tokens of KV on the 0.8B shape, so a count alone would let
+# one long prompt's grid fill half a 2 GiB pool, and the next prompt's later points (the ones nearest where
+# sessions part) then find no free page
+RESUME_POOL_SHARE = 8
+
+
+def resume_point_budget(cfg: EngineConfig, checkpoint_bytes: int, pool_bytes: int = 0) -> int:
+    """How many resume points one request keeps: --resume-points, fewer when their checkpoints (checkpoint_bytes
+    each: every GDN layer's state, one sequence's slot) would take more than --resume-point-bytes, or by default
+    (0) more than 1 / RESUME_POOL_SHARE of the pool's pool_bytes."""
     n = cfg.resume_points
-    if cfg.resume_point_bytes and checkpoint_bytes:
-        n = min(n, cfg.resume_point_bytes // checkpoint_bytes)
+    bound = cfg.resume_point_bytes or pool_bytes // RESUME_POOL_SHARE
+    if bound and checkpoint_bytes:
+        n = min(n, bound // checkpoint_bytes)
     return n
