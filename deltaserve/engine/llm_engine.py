@@ -267,10 +267,10 @@ class LLMEngine:
         self.step_failures = 0  # steps that raised (see _recover)
         log.info("model %s (%s), dtype %s, device %s", self.model_name, mc.model_type, self.dtype, self.device)
         log.info("KV pool %s tokens (%s pages of %d tokens, layout %s, prefix caching %s); KV %s bytes/token; "
-                 "GDN slot %s bytes x %d; max model len %d",
+                 "GDN slot %s bytes x %d; max model len %d; up to %d resume points a request",
                  f"{pool.pool_tokens:,}", f"{pool.num_pages:,}", self.block_size, config.cache_layout,
                  "on" if caching else "off", f"{shape.geometry.kv_bytes_per_token:,}", f"{pool.slot_bytes:,}",
-                 pool.num_slots, self.max_model_len)
+                 pool.num_slots, self.max_model_len, self.scheduler.resume_points)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "LLMEngine":
