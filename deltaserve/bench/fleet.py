@@ -31,10 +31,10 @@ import time
 from dataclasses import dataclass
 
 from ..config import ENGINE_DEFAULTS, EVICTIONS, LAYOUT_NAMES, add_engine_args, engine_args
-from .serve import in_process
 from ..engine.sampling_params import SamplingParams
 from .agent.workload import TurnResult
 from .progress import progress_for
+from .serve import in_process
 
 DEFAULTS = {  # per preset: sessions, turns, output tokens, the cache pool
     "tiny": {"sessions": 4, "turns": 4, "output_tokens": 32, "kv_cache_memory": 512 << 20},

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 import types
 
+from .serve import in_process
+
 
 def run(preset: str, tokens: int, repeats: int, cpu_isa: str = "auto", fp8: bool = False) -> dict:
     from ..embedded.model import ensure_model
     from ..profile.profiler import Profiler
-    from .serve import in_process
 
     llm = in_process({"model": ensure_model(preset, quantize="fp8" if fp8 else None), "dtype": "bfloat16",
                       "kv_cache_memory": 1 << 30, "max_num_seqs": 4, "max_num_batched_tokens": tokens,

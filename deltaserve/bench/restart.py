@@ -29,9 +29,9 @@ import tempfile
 from concurrent.futures import ProcessPoolExecutor
 
 from ..config import ENGINE_DEFAULTS, add_engine_args, engine_args
-from .serve import in_process
 from ..engine.sampling_params import SamplingParams
 from .progress import progress_for
+from .serve import in_process
 
 _say = progress_for("restart")
 

@@ -56,6 +56,7 @@ from .peers.llama_cpp import OUTTYPES, QUANT_TYPES, LlamaCppPeer, speculative_fl
 from .peers.vllm_peer import VllmPeer, default_vllm_python
 from . import vision
 from .progress import progress_for
+from .serve import in_process  # the LLM, and torch with it, only when an arm is made
 from .throughput_report import Results, render, write_csv
 
 PRESETS = ("tiny", "qwen3.5-0.8b-shape")  # run by default
@@ -76,8 +77,6 @@ class DeltaservePeer:
     def __init__(self, model_dir: str, *, max_num_seqs: int, max_num_batched_tokens: int, kv_cache_memory: int,
                  cpu_isa: str = "auto", name: str = "deltaserve", quantize_head: str = "none",
                  speculative_config: dict | None = None, quantize: str = "none"):
-        from .serve import in_process  # imports torch: only once main has set OMP_WAIT_POLICY
-
         self.name = name  # "deltaserve", or "deltaserve-<isa>" for an arm with its kernels forced (--cpu-isas)
         t0 = time.perf_counter()
         self.llm = in_process({"model": model_dir, "dtype": "bfloat16", "kv_cache_memory": kv_cache_memory,

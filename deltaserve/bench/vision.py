@@ -38,6 +38,8 @@ import json
 import random
 import time
 
+from .serve import in_process
+
 BATCH = 4  # images per encoder call in the encoder@S row
 HIT_PAIRS = 3  # (hit, hit with the images reprocessed) pairs after each cold run; each row keeps its best
 
@@ -62,8 +64,6 @@ class ImageArm:
 
     def __init__(self, model_dir: str, *, max_images: int, max_num_batched_tokens: int, kv_cache_memory: int,
                  lo: int, hi: int):
-        from .serve import in_process
-
         self.llm = in_process({"model": model_dir, "dtype": "bfloat16", "kv_cache_memory": kv_cache_memory,
                                "max_num_seqs": 1, "max_num_batched_tokens": max_num_batched_tokens,
                                "enable_prefix_caching": True,
