@@ -47,7 +47,8 @@ def _plausible_fit(s: _Steps) -> dict[str, float]:
 
     Features: compute scales (the prefill and the decode parts of the tables), per sequence, per prefill span,
     decode_fixed and after_prefill; the overheads must not be negative and a scale must stay plausible (a
-    negative overhead or a wild scale is noise being fitted): such a feature is dropped (a scale then stays 1)."""
+    negative overhead or a wild scale is noise being fitted): such a feature is dropped (a scale then stays 1).
+    What comes back is always plausible: where every feature was dropped, nothing (the tables alone)."""
     y = s.meas - s.base
     # decode_fixed may be negative (the tables carry the per-op timers' cost, which a decode step's ~100 small
     # ops make visible) but not by more than half a decode step
@@ -66,16 +67,15 @@ def _plausible_fit(s: _Steps) -> dict[str, float]:
             return abs(c) > dec_bound
         return c < 0
 
-    coef: dict[str, float] = {}
     while active:
         fixed_part = sum(v for f, v in scales.items() if f not in active)
         beta = _lad(np.stack([feats[f] for f in active], 1), y - fixed_part)
         coef = dict(zip(active, (float(b) for b in beta)))
         bad = [f for f in active if implausible(f, coef[f])]
         if not bad:
-            break
+            return coef
         active.remove(min(bad, key=lambda f: coef[f] if f not in scales else -1e18))
-    return coef
+    return {}  # every feature was noise: the tables alone (the last fit's coefficients were all implausible)
 
 
 def fit_calibration(rows: list[dict], model, timer: str = "cpu") -> dict:
