@@ -477,10 +477,6 @@ class EngineConfig:
                                "grid, spread over the prompt); docs/design.md", int, metavar="N", replica=True)
     resume_point_bytes: int = _flag(0, "also at most this many bytes of resume-point checkpoints per request (0: "
                                     "an eighth of the pool)", parse_bytes, metavar="BYTES", replica=True)
-    resume_point_path_lines: bool = _flag(False, "a text heuristic, off by default: also resume where the system "
-                                          "text's last lines holding an absolute path begin (docs/design.md: what "
-                                          "it catches on a second session that the learned source finds from the "
-                                          "third on)", None, replica=True)
     eviction: str = _flag("lru", "which cached page goes first under pressure: lru (least recently released; "
                           "checkpoints replaced and never hit before all) or value (the least recompute spared per "
                           "page, weighed with hits and recency)", choices=EVICTIONS, replica=True)

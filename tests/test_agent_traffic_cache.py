@@ -148,7 +148,7 @@ def test_the_newest_user_turns_part_boundaries_are_checkpointed():
 def test_the_next_request_reads_up_to_the_part_boundary():
     """The engine's side of the above, on the embedded model with the grid off: the second request reads up to the
     date reminder's page, from the part-boundary checkpoint the first request left."""
-    from deltaserve.server.resume_points import first_difference, part_hints
+    from deltaserve.server.resume_points import part_hints
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -182,44 +182,55 @@ def opencode_body(workdir: str | None = None) -> dict:
     return {**sent, "stream": False, "max_tokens": 1}
 
 
-def test_the_system_texts_path_lines_are_checkpointed():
-    """opencode ends its one-string system text with an <env> block holding the session's working directory, and
-    Qwen Code names the project's memory folder after it, so two sessions in other directories part inside the
-    system text, before the end of the system prefix (whose hint no other session reads). The route hints where
-    the system text's lines holding a path begin (system_hints): within a page of where the sessions part."""
+def test_sessions_in_other_directories_part_near_the_system_prefix_end():
+    """opencode ends its one-string system text with an <env> block holding the session's working directory, Qwen
+    Code names the project's memory folder after it, and Codex its home (instructions hold what every session shares
+    first and the session's own last), so two sessions in other directories part inside the system text, a little
+    before the end of the system prefix (whose point no other session reads). The back-off points before that end
+    (backoff_points) leave one less than max(x, 256) tokens before where they part, x tokens before the end."""
     import copy
 
-    from deltaserve.server.resume_points import first_difference, system_hints, system_prefix_end
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
+    from deltaserve.server.resume_points import backoff_points, first_difference, resume_points, system_prefix_end
+    from deltaserve.server.responses.input import input_messages, with_instructions
+    from deltaserve.server.responses.protocol import ResponsesRequest
+    from deltaserve.server.responses.routes import responses_spec
+    from deltaserve.server.responses.tools import collect_tools
+
+    def codex(n):  # as the Responses route builds its chat request
+        with open(os.path.join(FIXTURES, f"codex-{n}.json")) as f:
+            req = ResponsesRequest.model_validate(json.load(f)["body"])
+        return responses_spec(req, with_instructions(req.instructions, input_messages(req.input, set())),
+                              collect_tools(req.tools, req.input, req.tool_choice))
 
     qwen = qwen_body(2)
     other = copy.deepcopy(qwen)
     other["messages"][0]["content"] = qwen["messages"][0]["content"].replace("-tmp-cap-proj-qwen", "-home-b-proj")
     tok = load_tokenizer(None)
-    for bodies in ((opencode_body(None), opencode_body("/home/b/project")), (qwen, other)):
-        specs = [chat_spec(ChatCompletionRequest.model_validate(b)) for b in bodies]
+    pairs = [[chat_spec(ChatCompletionRequest.model_validate(b)) for b in bodies]
+             for bodies in ((opencode_body(None), opencode_body("/home/b/project")), (qwen, other))]
+    pairs.append([codex(1), codex(2)])  # Codex's home folder, named in its instructions' skills paths
+    for specs in pairs:
         texts = [render_prompt(tok, s) for s in specs]
         (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
         parted = first_difference(a, b)
-        hints = system_hints(tok, specs[0], texts[0], a, ends)
-        assert 1 <= len(hints) <= 4 and any(parted - PAGE < h <= parted for h in hints), (hints, parted)
-        assert system_prefix_end(tok, specs[0], a) > parted  # the system prefix's own hint lies past it
-        assert all(h - 2 <= c <= h + 2 for h, c in zip(hints, system_hints(tok, specs[0], texts[0], a, None)))
-    plain = chat_spec(ChatCompletionRequest.model_validate({"model": "m", "messages": [
-        {"role": "system", "content": "No paths here.\n\nSee https://example.com/a/b."},
-        {"role": "user", "content": "hi"}]}))
-    text = render_prompt(tok, plain)
-    assert system_hints(tok, plain, text, *tok.encode_with_ends(text)) == ()  # no path line (a URL is none), no hint
+        end = system_prefix_end(tok, specs[0], a)
+        assert end > parted > 0.9 * end  # inside the system text, near its end
+        points = resume_points(tok, specs[0], texts[0], a, ends)["structural"]
+        assert set(backoff_points(end)) < set(points)
+        resume = max(p for p in backoff_points(end) if p <= parted)
+        assert parted - resume < max(end - parted, 256) and resume // PAGE * PAGE >= 0.95 * parted, (resume, parted)
 
 
 def test_opencode_sessions_read_up_to_the_env_block():
     """The engine's side, with the grid off (as under a full pool): sessions in other directories part inside
-    opencode's one-string system text, at its <env> block, where no message or part boundary lies. The second
-    session's request learns that junction (the learned source: requests without a key form one group) and keeps a
-    checkpoint there, so the third session reads the tools and the system text up to the working directory's line.
-    With --resume-point-path-lines the first session already kept one there, and the second reads it."""
-    from deltaserve.server.resume_points import first_difference, system_hints
+    opencode's one-string system text, at its <env> block, where no message or part boundary lies, a little before
+    the system prefix's end. The first session keeps the structural points before that end (backoff_points), so
+    the second reads up to the nearest one, >= 95% of what it shares; the second session's request learns the
+    junction (the learned source: requests without a key form one group) and keeps a checkpoint there, so the third
+    reads the tools and the system text up to the working directory's line."""
+    from deltaserve.server.resume_points import backoff_points, first_difference, system_prefix_end
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -227,25 +238,20 @@ def test_opencode_sessions_read_up_to_the_env_block():
     dirs = (None, "/home/b/project", "/srv/c/work")
     specs = [chat_spec(ChatCompletionRequest.model_validate(opencode_body(w))) for w in dirs]
     texts = [render_prompt(tok, s) for s in specs]
-    (a, ends), b = tok.encode_with_ends(texts[0]), tok.encode(texts[1])
+    a, b = tok.encode(texts[0]), tok.encode(texts[1])
     shared = first_difference(a, b)
-    (hint,) = system_hints(tok, specs[0], texts[0], a, ends)  # the working directory's line
-    for path_lines in (False, True):
-        srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0, resume_point_path_lines=path_lines),
-                                        accept_any_model_name=True))
-        try:
-            wait_healthy(srv.base, timeout=240)
-            got = []
-            for w in dirs:
-                r = httpx.post(f"{srv.base}/v1/chat/completions", json=opencode_body(w), timeout=600)
-                assert r.status_code == 200, r.text
-                got.append(r.json()["usage"])
-            cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in got]
-            assert cached[0] == 0 and got[1]["prompt_tokens"] == len(b)
-            assert cached[2] == shared // PAGE * PAGE >= 0.95 * shared, (cached, shared)  # learned from traffic
-            if path_lines:
-                assert cached[1] == hint // PAGE * PAGE >= 0.95 * shared, (cached, hint, shared)
-            else:  # the second session reads only to the system text's end of its own structure
-                assert cached[1] < 0.95 * shared, (cached, shared)
-        finally:
-            srv.stop()
+    at = max(p for p in backoff_points(system_prefix_end(tok, specs[0], a)) if p <= shared)
+    srv = InProcessServer(build_app(EngineConfig(checkpoint_grid=0), accept_any_model_name=True))
+    try:
+        wait_healthy(srv.base, timeout=240)
+        got = []
+        for w in dirs:
+            r = httpx.post(f"{srv.base}/v1/chat/completions", json=opencode_body(w), timeout=600)
+            assert r.status_code == 200, r.text
+            got.append(r.json()["usage"])
+        cached = [(u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in got]
+        assert cached[0] == 0 and got[1]["prompt_tokens"] == len(b)
+        assert cached[1] == at // PAGE * PAGE >= 0.95 * shared, (cached, at, shared)  # a back-off point
+        assert cached[2] == shared // PAGE * PAGE > cached[1], (cached, shared)  # learned from traffic
+    finally:
+        srv.stop()

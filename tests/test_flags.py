@@ -25,7 +25,6 @@ SAMPLES = {
     "checkpoint_grid": ("512", 512),
     "resume_points": ("8", 8),
     "resume_point_bytes": ("1G", 1 << 30),
-    "resume_point_path_lines": (None, False),  # --no-resume-point-path-lines
     "reprefill_outputs": (None, False),  # --no-reprefill-outputs
     "reprefill_job_tokens": ("512", 512),
     "strict_max_tokens": (True, True),  # --strict-max-tokens

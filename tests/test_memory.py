@@ -183,6 +183,40 @@ def test_fork_and_resume_point_checkpoints_replaced_keep_their_place(kind):
     m.check_integrity()
 
 
+def test_a_junction_is_renewed_by_the_hits_that_pass_it():
+    """A checkpoint two requests resumed from (a shared prefix's end, where sessions part) moves to the young end of
+    the eviction order whenever a deeper hit passes it, as that hit's attention pages do; one read once (a turn's
+    end, read by the next turn) keeps its place, so a long conversation does not keep one checkpoint per turn."""
+    m = MemoryManager(24, 4, BS, 1, caching=True, layout="in-page")
+    S = [1, 2, 3, 4]  # the shared prefix: one block
+    B, C = S + [5, 6, 7, 8, 9], S + [15, 16, 17, 18, 19]  # two sessions parting after it
+    m.admit("a")
+    m.append_pages("a", 4)  # page 0
+    m.reserve_checkpoint("a", 4, "declared")  # (1,)
+    m.publish("a", keys(S)[1])
+    m.commit_checkpoints("a")
+    m.free("a")
+    for sid, T in (("b", B), ("c", C)):  # each resumes from (1,): two reads make it a junction
+        m.admit(sid, lookup(m, T))
+        compute(m, sid, T, 8)  # b: page 2, checkpoint (3,); c: page 4, checkpoint (5,)
+        m.free(sid)
+    assert list(m._evictor) == [2, 3, 1, 4, 0, 5]
+    D = B + [10, 11, 12, 13]  # b's next turn: resumes from (3,), passing (1,)
+    hit = lookup(m, D)
+    assert (hit.num_blocks, hit.checkpoint) == (2, (3,))
+    m.admit("d", hit)
+    assert list(m._evictor) == [4, 5, 1]  # without the renewal (1,) would go first: [1, 4, 5]
+    assert m.stats.checkpoints_renewed == 1
+    compute(m, "d", D, 12)  # page 6, checkpoint (7,)
+    m.free("d")
+    assert list(m._evictor) == [4, 5, 1, 3, 6, 2, 0, 7]
+    E = D + [20, 21, 22, 23, 24]  # passes (1,), read three times, and (3,), read once
+    m.admit("e", lookup(m, E))
+    assert list(m._evictor) == [4, 5, 3, 1]  # (1,) renewed, (3,) kept its place
+    assert m.stats.checkpoints_renewed == 2
+    m.check_integrity()
+
+
 @pytest.mark.parametrize("layout", ["in-page", "per-block"])
 def test_salt_isolation(layout):
     m = MemoryManager(16, 3, BS, 2, caching=True, layout=layout)

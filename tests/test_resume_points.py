@@ -120,13 +120,13 @@ def _tok():
     return load_tokenizer(None)
 
 
-def _points(tok, spec, path_lines=True):
+def _points(tok, spec):
     from deltaserve.server.chat_spec import render_prompt
     from deltaserve.server.resume_points import resume_points
 
     text = render_prompt(tok, spec)
     ids, ends = tok.encode_with_ends(text)
-    return text, ids, ends, resume_points(tok, spec, text, ids, ends, path_lines)
+    return text, ids, ends, resume_points(tok, spec, text, ids, ends)
 
 
 def _at_block_end(text, ends, p, block_end):
@@ -206,8 +206,8 @@ def test_resume_points_field_on_all_three_apis():
 
 
 def test_structural_points_come_from_the_render():
-    """Knowing no client: the system prefix's end, where the newest turn's messages and the newest user message's
-    last parts begin. The path-line option adds the system text's lines holding an absolute path."""
+    """Knowing no client: the system prefix's end and the points before it, where the newest turn's messages and the
+    newest user message's last parts begin. A line of the system text is no point of its own, path or not."""
     from deltaserve.server.openai.protocol import ChatCompletionRequest
     from deltaserve.server.openai.routes import chat_spec
 
@@ -218,7 +218,7 @@ def test_structural_points_come_from_the_render():
         {"role": "user", "content": [{"type": "text", "text": "reminder " + LONG},
                                      {"type": "text", "text": "typed " + LONG}]}]})
     spec = chat_spec(req)
-    text, ids, ends, points = _points(tok, spec, path_lines=False)
+    text, ids, ends, points = _points(tok, spec)
     s = points["structural"]
     user_at = text.index("reminder ")
     typed_at = text.index("typed ")
@@ -226,8 +226,29 @@ def test_structural_points_come_from_the_render():
     assert any(_at_block_end(text, ends, p, typed_at - 1) or _at_block_end(text, ends, p, typed_at) for p in s)
     assert "declared" not in points
     line = text.index("Working directory")
-    with_lines = _points(tok, spec, path_lines=True)[3]["structural"]
-    assert any(_at_block_end(text, ends, p, line) for p in with_lines) and set(s) < set(with_lines)
+    assert not any(_at_block_end(text, ends, p, line) for p in s)
+    from deltaserve.server.resume_points import backoff_points, system_prefix_end
+    assert s[0] == system_prefix_end(tok, spec, ids) and set(backoff_points(s[0])) < set(s)
+
+
+@pytest.mark.parametrize("prefix_end, parts_at, expected", [
+    (None, None, []),  # no system prefix: no point
+    (300, None, [44]),  # only the distances that stay inside the prompt
+    (10_000, 9_900, [9_744, 9_488, 8_976, 7_952]),  # parts 100 before the end: resumes 156 before it
+    (10_000, 9_500, [9_744, 9_488, 8_976, 7_952]),  # 500 before: resumes 12 before (at 9,488)
+    (10_000, 8_200, [9_744, 9_488, 8_976, 7_952]),  # 1,800 before: resumes 248 before (at 7,952)
+])
+def test_backoff_points_bound_the_loss_of_a_parting_before_the_system_prefix_end(prefix_end, parts_at, expected):
+    """Points at 256, 512, 1,024 and 2,048 tokens before the system prefix's end, nearest first: a session that parts
+    x tokens before the end (x <= 2,048) resumes less than max(x, 256) tokens before where it parts."""
+    from deltaserve.server.resume_points import backoff_points
+
+    pts = backoff_points(prefix_end)
+    assert pts == expected
+    if parts_at is not None:
+        x = prefix_end - parts_at
+        resume = max(p for p in pts if p <= parts_at)
+        assert parts_at - resume < max(x, 256)
 
 
 # ---------------------------------------------------------------- a point changes no output
@@ -330,7 +351,8 @@ CLIENTS = [
     (_messages, "cache_control", 2),  # declared
     (_messages, "second system message", 2),  # structural: where a message begins
     (_chat, "own content part", 2),  # structural: where a part begins
-    (_chat, "working directory of one segment", 3),  # learned: inside one text, no boundary marks it
+    # structural: inside one text, no boundary marks it, but near the system prefix's end (backoff_points)
+    (_chat, "working directory of one segment", 2),
     (_chat, "~/ path", 3),
     (_chat, "date and directory in the first user message", 3),
     (_chat, "tool description", 3),

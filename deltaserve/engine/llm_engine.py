@@ -46,6 +46,7 @@ class EngineStats:
     checkpoints_evicted_unread_by_kind: dict[str, int] = field(default_factory=dict)
     checkpoints_kept: int = 0  # checkpoints in the cache or held by requests now
     checkpoint_bytes: int = 0  # the memory they take (pool pages, or the per-block layout's side tensor rows)
+    checkpoints_renewed: int = 0  # junctions renewed in the eviction order (memory/manager.py)
     reprefill_tokens: int = 0  # generated tokens recomputed through the prefill path (background jobs)
     reprefill_jobs: int = 0  # jobs finished
     reprefill_dropped: int = 0  # jobs dropped: a request needed their seat, slot or pages, or all was cached

@@ -42,6 +42,12 @@ Choices (and why)
     one and never hit goes first, so a running sequence's stale checkpoints are evicted before the
     resume point of a sequence it just preempted; or, by value, the page that spares the least recompute
     per page held (_value), weighed with hits and recency.
+  * A junction renews with its path (_renew_junctions): a checkpoint that JUNCTION_READS requests have
+    resumed from (a shared system prompt's end, where sessions part) is renewed in the eviction order
+    whenever a hit passes it, as that hit's attention pages are. Without it the attention pages of a shared
+    prefix stay young (every turn of every session reads them) while the one checkpoint that makes them
+    usable to the next session ages and goes. A checkpoint read once (a turn's end, read by the next turn)
+    is not renewed, so a long conversation does not keep one checkpoint per turn alive.
   * A sequence that computes a block already cached by someone else keeps its own copy uncached (the
     "duplicate"). When it frees, its duplicates are published if their hash has left the cache
     meanwhile (and so is its orphaned latest checkpoint), so concurrent identical prefixes survive the
@@ -70,6 +76,7 @@ from .sizing import Pool
 
 ATTN = -1  # owner kind of an attention page; GDN group g is owner kind g >= 0
 VALUE_WALK = 256  # blocks a checkpoint's value looks back for the previous checkpoint
+JUNCTION_READS = 2  # requests that resumed from a checkpoint before a hit passing it renews it (a junction)
 DISK_GO, DISK_READING, DISK_ROOM = "go", "reading", "room"  # prepare_from_disk's answers
 
 
@@ -119,6 +126,7 @@ class MemoryStats:
 
     checkpoints_saved: int = 0  # saves that ran (counted when their step is committed)
     checkpoints_restored: int = 0  # restores planned
+    checkpoints_renewed: int = 0  # junctions a hit passed and renewed in the eviction order (_renew_junctions)
     evictions: int = 0  # cached pages whose content was dropped (including sibling checkpoint pages)
     # by SaveKind value
     checkpoints_saved_by_kind: dict[str, int] = field(default_factory=zero_by_kind)
@@ -482,6 +490,8 @@ class MemoryManager:
                         self._ref_cached(q)
                     seq.ckpt, seq.ckpt_block, seq.ckpt_kind = location, hit.num_blocks - 1, last.checkpoint_kind
                 self.stats.checkpoints_restored += 1
+                if self._pooled:
+                    self._renew_junctions(hit.hashes[:-1])
         return seq.slot, location
 
     def append_pages(self, seq_id: str, num_tokens: int) -> list[int]:
@@ -709,6 +719,19 @@ class MemoryManager:
                 break
             n, parent = n + 1, pe.parent
         return n * self.block_size * (1 + e.hits)
+
+    def _renew_junctions(self, passed: Sequence[BlockHash]) -> None:
+        """The checkpoints a hit passes (not its last) that JUNCTION_READS requests resumed from move to the young
+        end of the eviction order, as the hit's attention pages do when it releases them."""
+        for h in passed:
+            e = self._cache[h]
+            if e.checkpoint is None or e.hits < JUNCTION_READS:
+                continue
+            for q in e.checkpoint:
+                if self._ref[q] == 0:
+                    self._evictor.remove(q)
+                    self._evictor.push(q, False, self._value(q) if self._evictor.wants_value else 0.0)
+            self.stats.checkpoints_renewed += 1
 
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: SaveKind | None) -> None:
         old, old_kind = seq.ckpt, seq.ckpt_kind

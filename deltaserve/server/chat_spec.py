@@ -203,8 +203,7 @@ def _chat_jobs(core: ServingCore, eng, tok, spec: ChatSpec) -> tuple[str, str, l
     tools = spec.template_tools
     rid = f"{spec.id_prefix}{uuid.uuid4().hex}"
     images = spec.images
-    config = getattr(eng, "config", None)  # a stand-in engine (the fake ones of the tests) has none: the default
-    hints = resume_points(tok, spec, prompt_text, ids, ends, getattr(config, "resume_point_path_lines", False))
+    hints = resume_points(tok, spec, prompt_text, ids, ends)
     jobs: list[Job] = []
     for s in range(spec.n):
         seed = None if spec.seed is None else spec.seed + s

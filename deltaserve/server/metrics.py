@@ -40,6 +40,8 @@ _COUNTERS = (
     ("vllm:num_preemptions", "preemptions", "Cumulative number of preemptions."),
     ("deltaserve_checkpoints_saved", "checkpoints_saved", "GDN state checkpoints saved into pages."),
     ("deltaserve_checkpoints_restored", "checkpoints_restored", "GDN state checkpoints restored on a hit."),
+    ("deltaserve_checkpoints_renewed", "checkpoints_renewed", "Checkpoints two or more requests resumed from, renewed "
+     "in the eviction order by a prefix hit passing them."),
     ("deltaserve_evictions", "evictions", "Cached pages evicted."),
     ("deltaserve_reprefill_tokens", "reprefill_tokens", "Generated tokens recomputed through the prefill path."),
     ("deltaserve_reprefill_jobs", "reprefill_jobs", "Finished requests whose outputs were recomputed and cached."),

@@ -11,8 +11,8 @@ of kinds), each source's positions most likely read first:
   structural  what the render's structure shows, knowing no client: the end of the tools and leading system
               messages (system_prefix_end), where each message of the newest turn (those after the last
               assistant message) begins, where the newest user message's last parts begin, where the system
-              text's last part begins; with --resume-point-path-lines (off by default) also where its last lines
-              holding an absolute path begin (system_hints, a text heuristic kept as a named option: docs/design.md).
+              text's last part begins, and points before the system prefix's end at doubling distances (256 to
+              2,048 tokens: backoff_points).
 
 Every position is found from the render itself: the messages' texts are located in order in the rendered prompt
 (a cursor that only moves forward, so a short text cannot match inside an earlier message), and a character
@@ -26,7 +26,6 @@ from __future__ import annotations
 import bisect
 import functools
 import json
-import re
 
 from ..memory.save_kind import SaveKind
 from ..text.tokenizer import TokenizerError
@@ -69,8 +68,7 @@ def mark_end(message: dict) -> None:
         message["content"] = out
 
 
-def resume_points(tok, spec, prompt_text: str, ids: list[int], ends: list[int] | None,
-                  path_lines: bool = False) -> dict[str, list[int]]:
+def resume_points(tok, spec, prompt_text: str, ids: list[int], ends: list[int] | None) -> dict[str, list[int]]:
     """The candidate resume points of a rendered chat request, by source value ({"declared": [...], "structural":
     [...]}, the engine's "cache_hints" dict); a source with none is left out."""
     located = _locate(spec.messages, prompt_text)
@@ -87,7 +85,8 @@ def resume_points(tok, spec, prompt_text: str, ids: list[int], ends: list[int] |
     turn = [i for i in range(last_assistant + 1, len(spec.messages)) if i in located]
     structural += _positions(tok, prompt_text, 0, [located[i] for i in turn], ids, ends)
     structural += part_hints(tok, spec, prompt_text, ids, ends, located)
-    structural += system_hints(tok, spec, prompt_text, ids, ends, path_lines, located)
+    structural += system_hints(tok, spec, prompt_text, ids, ends, located)
+    structural += backoff_points(prefix_end)
     out = {SaveKind.DECLARED.value: declared, SaveKind.STRUCTURAL.value: structural}
     return {k: list(dict.fromkeys(v)) for k, v in out.items() if v}
 
@@ -136,9 +135,23 @@ def leading_system(spec) -> int:
     return k
 
 
+BACKOFF = (256, 512, 1024, 2048)  # distances before the system prefix's end that are structural points
+
+
+def backoff_points(prefix_end: int | None) -> list[int]:
+    """Points before the system prefix's end at doubling distances (BACKOFF), nearest first. Instructions open with
+    what every session of a client shares and end with what is the session's own (its working directory, the date,
+    a memory folder named after the project), so a second session in another place parts inside the system text a
+    little before its end, where no message or part boundary is. With a point at each doubling distance, a session
+    that parts x tokens before the end (x up to 2,048) resumes less than max(x, 256) tokens before where it parts
+    (a block's rounding aside): 95% of a 10,000-token shared prefix for x up to 500, whatever the client writes
+    there. Four checkpoints, taken where the pool has room like every structural point."""
+    if prefix_end is None:
+        return []
+    return [prefix_end - d for d in BACKOFF if prefix_end - d > 0]
+
+
 PART_HINTS = 2  # the last part boundaries of the newest user message that are structural points
-SYSTEM_HINTS = 4  # the last lines of the system text holding a path that are points (--resume-point-path-lines)
-_PATH = re.compile(r"(?<![\w.~:/])/(?:[\w.@+-]+/)+[\w.@+-]*")  # an absolute path of two parts or more
 
 
 def part_hints(tok, spec, prompt_text: str, ids: list[int], ends: list[int] | None,
@@ -154,21 +167,15 @@ def part_hints(tok, spec, prompt_text: str, ids: list[int], ends: list[int] | No
     return _positions(tok, prompt_text, located.get(i, -1) if starts else -1, starts, ids, ends)
 
 
-def system_hints(tok, spec, prompt_text: str, ids: list[int], ends: list[int] | None, path_lines: bool = True,
+def system_hints(tok, spec, prompt_text: str, ids: list[int], ends: list[int] | None,
                  located: dict[int, int] | None = None) -> tuple[int, ...]:
-    """Where the system text's last part begins when the client sent it as parts, and, with path_lines, where its
-    lines that hold an absolute path begin (the last SYSTEM_HINTS), in tokens. Agents write what differs between
-    sessions of one client into their instructions: the working directory (opencode's <env> block after its long
-    prompt), a project folder named after it (Qwen Code's project memory). Sessions in other directories part inside
-    the system text, before the system prefix's end; no message or part boundary is there, so only a learned point
-    or this text heuristic finds it for the second session (docs/design.md has the measurement)."""
+    """Where the system text's last part begins when the client sent it as parts (a Messages system of blocks), in
+    tokens: clients put what differs between sessions after what they share."""
     k = leading_system(spec)
     content = spec.messages[k - 1].get("content") if k else None
     if not isinstance(content, str) or not content:
         return ()
-    lines = sorted({content.rfind("\n", 0, m.start()) + 1 for m in _PATH.finditer(content)} - {0}) \
-        if path_lines else []
-    starts = sorted(set(lines[-SYSTEM_HINTS:]) | set(getattr(content, "starts", ())[-1:]))
+    starts = getattr(content, "starts", ())[-1:]
     located = _locate(spec.messages, prompt_text) if located is None else located
     return _positions(tok, prompt_text, located.get(k - 1, -1) if starts else -1, starts, ids, ends)
 
