@@ -470,6 +470,7 @@ class MemoryManager:
         if hit is not None and hit.num_blocks:
             if not self.caching or hit.block_size != self.block_size:
                 raise CheckpointError("prefix hit on a pool without caching or with another block size")
+            passed = []  # the junctions the hit passes (_renew_junctions)
             for j, (h, p) in enumerate(zip(hit.hashes, hit.page_ids)):
                 e = self._cache.get(h)
                 if e is None or e.page != p:
@@ -477,6 +478,8 @@ class MemoryManager:
                 self._ref_cached(p)
                 seq.pages.append(p)
                 seq.keys.append((e.hash, e.parent, e.tokens))
+                if e.checkpoint is not None and e.hits >= JUNCTION_READS and j < hit.num_blocks - 1:
+                    passed.append(e)
             last = self._cache[hit.hashes[-1]]
             last.hits += 1
             if self.num_gdn_groups and last.checkpoint_kind is not None:
@@ -489,9 +492,8 @@ class MemoryManager:
                     for q in location:
                         self._ref_cached(q)
                     seq.ckpt, seq.ckpt_block, seq.ckpt_kind = location, hit.num_blocks - 1, last.checkpoint_kind
+                    self._renew_junctions(passed)
                 self.stats.checkpoints_restored += 1
-                if self._pooled:
-                    self._renew_junctions(hit.hashes[:-1])
         return seq.slot, location
 
     def append_pages(self, seq_id: str, num_tokens: int) -> list[int]:
@@ -696,7 +698,7 @@ class MemoryManager:
         assert self._ref[p] >= 0, f"page {p} released more often than taken"
         if self._ref[p] == 0:
             if p in self._role:
-                self._evictor.push(p, low_value, self._value(p) if self._evictor.wants_value else 0.0)
+                self._push_evictable(p, low_value)
             else:
                 self._free.append(p)
                 self._kind[p] = None
@@ -720,18 +722,19 @@ class MemoryManager:
             n, parent = n + 1, pe.parent
         return n * self.block_size * (1 + e.hits)
 
-    def _renew_junctions(self, passed: Sequence[BlockHash]) -> None:
+    def _push_evictable(self, p: int, low_value: bool = False) -> None:
+        self._evictor.push(p, low_value, self._value(p) if self._evictor.wants_value else 0.0)
+
+    def _renew_junctions(self, passed: list[CacheEntry]) -> None:
         """The checkpoints a hit passes (not its last) that JUNCTION_READS requests resumed from move to the young
-        end of the eviction order, as the hit's attention pages do when it releases them."""
-        for h in passed:
-            e = self._cache[h]
-            if e.checkpoint is None or e.hits < JUNCTION_READS:
-                continue
-            for q in e.checkpoint:
-                if self._ref[q] == 0:
-                    self._evictor.remove(q)
-                    self._evictor.push(q, False, self._value(q) if self._evictor.wants_value else 0.0)
-            self.stats.checkpoints_renewed += 1
+        end of the eviction order, as the hit's attention pages do when it releases them; one some sequence holds
+        is not in that order and stays as it is (not counted)."""
+        for e in passed:
+            free = [q for q in e.checkpoint if self._ref[q] == 0]
+            for q in free:
+                self._evictor.remove(q)
+                self._push_evictable(q)
+            self.stats.checkpoints_renewed += bool(free)
 
     def _hold_ckpt(self, seq: _Seq, loc: tuple[int, ...], k: int, kind: SaveKind | None) -> None:
         old, old_kind = seq.ckpt, seq.ckpt_kind
