@@ -10,6 +10,14 @@ import pytest
 # another process get the avx2 kernels (DELTASERVE_CPU_ISA) but keep this CPU's oneDNN.
 AS_CPU = os.environ.get("DELTASERVE_TEST_AS_CPU", "")
 
+# Each pytest-xdist worker gets its share of the cores: two workers of two threads each on two cores oversubscribe
+# them, and OpenMP's spin-waits then take time from the other worker (the default suite on 2 cores: about 10% less
+# time with one thread a worker). Set before torch loads; the servers the tests start inherit it. An explicit
+# OMP_NUM_THREADS wins.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 
 def pytest_configure(config):
     if AS_CPU in ("", "native"):
