@@ -22,7 +22,9 @@
 // 64-byte vector (the linear_bf16 weight layout), V as (key j, key j + 1) x 16 dims (avx2: both widened to fp32
 // as they are packed, K as 16 keys per dim, V row-major); work items are 8 query rows (avx2: 6; head-minor within
 // a position) of one kv head, dealt out to the threads round-robin so each thread gets short and long rows alike
-// under the causal mask.
+// under the causal mask. The avx2 build's K and V are fp32 (twice the bytes) and its items small, so a thread takes
+// its items 16 at a time through the key blocks a range of 128 KB at a time, the range read from memory once for the
+// 16 (each item's running max, sum and output kept between ranges: the same operations, the same bits).
 
 #include "aten_lite.h"
 #include "kernels.h"
@@ -249,23 +251,41 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// One work item's online softmax between calls: the running max and sum of each row (its output rows and widened
+// queries live in the caller's ob and qf). Held in memory between key ranges, exactly as in registers.
+struct State {
+  float mx[kRows];
+  alignas(32) float lsum[kRows][8];
+};
+
+// The item's key blocks [b0, b1) (clipped to its own last block): the first range (b0 == 0) starts the item, the
+// range that reaches its last block finishes it. Every row runs the same operations on the same blocks in the same
+// order whatever the ranges, so the ranges leave the bits as one call over every block would.
 template <int M>
-void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob, float* qf) {
-  const int64_t blocks = blocks_for(r, M);
+void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, float scale, float* ob, float* qf,
+            State& st, int64_t b0, int64_t b1) {
+  const int64_t blocks = blocks_for(r, M), bend = std::min(b1, blocks);
   const float ninf = -std::numeric_limits<float>::infinity();
   float mx[M], alpha[M];
   __m256 lsum[M];
   alignas(32) float pf[M][kKeys];
   const float* kf = reinterpret_cast<const float*>(kp);  // fp32 here: pack_keys_f32, pack_values_f32
   const float* vf = reinterpret_cast<const float*>(vp);
-  for (int i = 0; i < M; ++i) {
-    mx[i] = ninf;
-    lsum[i] = _mm256_setzero_ps();
+  if (b0 == 0) {
+    for (int i = 0; i < M; ++i) {
+      mx[i] = ninf;
+      lsum[i] = _mm256_setzero_ps();
+    }
+    widen_queries(r, M, D, qf);
+    std::fill(ob, ob + M * D, 0.f);
+  } else {
+    for (int i = 0; i < M; ++i) {
+      mx[i] = st.mx[i];
+      lsum[i] = _mm256_load_ps(st.lsum[i]);
+    }
   }
-  widen_queries(r, M, D, qf);
-  std::fill(ob, ob + M * D, 0.f);
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = b0; b < bend; ++b) {
     __m256 s0[M], s1[M];
     for (int i = 0; i < M; ++i) s0[i] = s1[i] = _mm256_setzero_ps();
     const float* kc = kf + b * D * 16;
@@ -317,6 +337,13 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
       }
     }
   }
+  if (bend < blocks) {  // more ranges to come
+    for (int i = 0; i < M; ++i) {
+      st.mx[i] = mx[i];
+      _mm256_store_ps(st.lsum[i], lsum[i]);
+    }
+    return;
+  }
   for (int i = 0; i < M; ++i) {
     const float inv = 1.f / hsum8(lsum[i]);
     for (int64_t d = 0; d < D; ++d) r.out[i][d] = static_cast<c10::BFloat16>(ob[i * D + d] * inv).x;
@@ -325,8 +352,8 @@ void attend(const Rows& r, const uint32_t* kp, const uint32_t* vp, int64_t D, fl
 
 #endif
 
-using AttendFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*, float*);
 #if defined(__AVX512F__)
+using AttendFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*, float*);
 constexpr AttendFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>,
                                          attend<5>, attend<6>, attend<7>, attend<8>};
 // per 16-key column: packed K and V words
@@ -338,7 +365,11 @@ void pack(const u16* k, int64_t ks, const u16* v, int64_t vs, int64_t L, int64_t
   pack_values(v, vs, L, D, vp, c * 8, c * 8 + 8);
 }
 #else
-constexpr AttendFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>};
+using RangeFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*, float*, State&, int64_t,
+                         int64_t);
+constexpr RangeFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>};
+constexpr int kGroup = 16;                  // work items of a thread that take each range of key blocks in turn
+constexpr int64_t kRangeBytes = 128 << 10;  // K and V of a range (fp32): in L2 while the group's items read it
 constexpr int64_t k_words(int64_t D) { return D * 16; }
 constexpr int64_t v_words(int64_t D) { return 16 * D; }
 void pack(const u16* k, int64_t ks, const u16* v, int64_t vs, int64_t L, int64_t D, uint32_t* kp, uint32_t* vp,
@@ -388,23 +419,59 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
   const int64_t items = Hkv * per_head;
   const int64_t threads = work < kSerialBelow ? 1 : std::min<int64_t>(at::get_num_threads(), items);
   const float sc = float(scale);
+  // a work item: kRows query rows of one kv head
+  auto rows_of = [&](int64_t it, Rows& rows) -> int {
+    const int64_t h = it / per_head, r0 = (it % per_head) * kRows;
+    const int M = int(std::min<int64_t>(kRows, n * G - r0));
+    for (int i = 0; i < M; ++i) {
+      const int64_t row = r0 + i, p = row / G, head = h * G + row % G;
+      rows.q[i] = reinterpret_cast<const uint32_t*>(qd + p * q.stride(0) + head * q.stride(1));
+      rows.out[i] = od + (p * Hq + head) * D;
+      rows.pos[i] = pos + p;
+    }
+    return M;
+  };
+#if defined(__AVX512F__)
   at::parallel_for(0, threads, 1, [&](int64_t a, int64_t e) {
     ds::LineBuffer ob(size_t(kRows * D)), qf(size_t(kRows * D));  // on 64-byte lines (kernels.h)
     for (int64_t t = a; t < e; ++t) {
       for (int64_t it = t; it < items; it += threads) {  // round-robin: early and late rows on every thread
-        const int64_t h = it / per_head, r0 = (it % per_head) * kRows;
-        const int M = int(std::min<int64_t>(kRows, n * G - r0));
         Rows rows;
-        for (int i = 0; i < M; ++i) {
-          const int64_t row = r0 + i, p = row / G, head = h * G + row % G;
-          rows.q[i] = reinterpret_cast<const uint32_t*>(qd + p * q.stride(0) + head * q.stride(1));
-          rows.out[i] = od + (p * Hq + head) * D;
-          rows.pos[i] = pos + p;
-        }
-        kAttend[M](rows, kpd + h * kw, vpd + h * vw, D, sc, ob.data(), qf.data());
+        const int M = rows_of(it, rows);
+        kAttend[M](rows, kpd + (it / per_head) * kw, vpd + (it / per_head) * vw, D, sc, ob.data(), qf.data());
       }
     }
   });
+#else
+  // A thread's items (round-robin: early and late rows on every thread) in groups of kGroup, each group taking the
+  // key blocks a range at a time: a range's widened K and V (1 KB a key at head dim 128) come from memory once for
+  // the group, not once per item, which is what bounds this kernel past a few thousand keys.
+  const int64_t range = std::max<int64_t>(1, kRangeBytes / (kKeys * D * 8));  // key blocks a range
+  at::parallel_for(0, threads, 1, [&](int64_t a, int64_t e) {
+    ds::LineBuffer ob(size_t(kGroup * kRows * D)), qf(size_t(kGroup * kRows * D));  // on 64-byte lines (kernels.h)
+    std::vector<State> st(kGroup);
+    Rows rows[kGroup];
+    int Ms[kGroup];
+    int64_t heads[kGroup], blocks[kGroup];
+    for (int64_t t = a; t < e; ++t) {
+      for (int64_t g0 = t; g0 < items; g0 += threads * kGroup) {
+        int m = 0;
+        int64_t most = 0;
+        for (int64_t it = g0; it < items && m < kGroup; it += threads, ++m) {
+          Ms[m] = rows_of(it, rows[m]);
+          heads[m] = it / per_head;
+          blocks[m] = blocks_for(rows[m], Ms[m]);
+          most = std::max(most, blocks[m]);
+        }
+        for (int64_t b0 = 0; b0 < most; b0 += range)
+          for (int j = 0; j < m; ++j)
+            if (b0 < blocks[j])
+              kAttend[Ms[j]](rows[j], kpd + heads[j] * kw, vpd + heads[j] * vw, D, sc, ob.data() + j * kRows * D,
+                             qf.data() + j * kRows * D, st[j], b0, b0 + range);
+      }
+    }
+  });
+#endif
   return out;
 }
 
