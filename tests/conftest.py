@@ -16,7 +16,8 @@ AS_CPU = os.environ.get("DELTASERVE_TEST_AS_CPU", "")
 # OMP_NUM_THREADS wins.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
-    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # Linux: ours
+    os.environ["OMP_NUM_THREADS"] = str(max(1, _cores // _WORKERS))
 
 
 def pytest_configure(config):

@@ -35,7 +35,6 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <vector>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -365,9 +364,9 @@ void pack(const u16* k, int64_t ks, const u16* v, int64_t vs, int64_t L, int64_t
   pack_values(v, vs, L, D, vp, c * 8, c * 8 + 8);
 }
 #else
-using RangeFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*, float*, State&, int64_t,
-                         int64_t);
-constexpr RangeFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>};
+using AttendFn = void (*)(const Rows&, const uint32_t*, const uint32_t*, int64_t, float, float*, float*, State&,
+                          int64_t, int64_t);
+constexpr AttendFn kAttend[kRows + 1] = {nullptr, attend<1>, attend<2>, attend<3>, attend<4>, attend<5>, attend<6>};
 constexpr int kGroup = 16;                  // work items of a thread that take each range of key blocks in turn
 constexpr int64_t kRangeBytes = 128 << 10;  // K and V of a range (fp32): in L2 while the group's items read it
 constexpr int64_t k_words(int64_t D) { return D * 16; }
@@ -443,13 +442,11 @@ at::Tensor prefill_attention_bf16(const at::Tensor& q, const at::Tensor& k, cons
     }
   });
 #else
-  // A thread's items (round-robin: early and late rows on every thread) in groups of kGroup, each group taking the
-  // key blocks a range at a time: a range's widened K and V (1 KB a key at head dim 128) come from memory once for
-  // the group, not once per item, which is what bounds this kernel past a few thousand keys.
+  // a thread's round-robin items kGroup at a time, through the key blocks a range at a time (the header says why)
   const int64_t range = std::max<int64_t>(1, kRangeBytes / (kKeys * D * 8));  // key blocks a range
   at::parallel_for(0, threads, 1, [&](int64_t a, int64_t e) {
     ds::LineBuffer ob(size_t(kGroup * kRows * D)), qf(size_t(kGroup * kRows * D));  // on 64-byte lines (kernels.h)
-    std::vector<State> st(kGroup);
+    State st[kGroup];
     Rows rows[kGroup];
     int Ms[kGroup];
     int64_t heads[kGroup], blocks[kGroup];
