@@ -235,11 +235,13 @@ def test_quantize_int4_at_load_and_its_tolerance(ext):
     assert g32.layers[0].mlp.gate_up.group == 32
 
 
-def test_hit_equals_cold_on_int4():
-    """The prefix cache's gate on --quantize int4 (with the head in int4): the compiled linear_int4 is batch-invariant."""
+@pytest.mark.parametrize("head", ["int4", "fp8"])
+def test_hit_equals_cold_on_int4(head):
+    """The prefix cache's gate on --quantize int4 with the head in int4 or in FP8 (the pair of llama.cpp's 4-bit
+    files with a head at least as fine as theirs): the compiled linear_int4 and linear_fp8 are batch-invariant."""
     from test_prefix_cache import _hit_equals_cold
 
-    _hit_equals_cold("in-page", 3 * 128 + 64, quantize="int4", quantize_head="int4")
+    _hit_equals_cold("in-page", 3 * 128 + 64, quantize="int4", quantize_head=head)
 
 
 def test_drafted_equals_plain_on_int4(tmp_path):

@@ -116,8 +116,7 @@ def _columns(res: Results) -> Columns:
     engines = ["deltaserve"] + [f"deltaserve-{i}" for i in res.info.get("cpu_isas", [])[1:]] + [
         e for e in ("transformers", "vllm-cpu") if e.split("-")[0] in res.info.get("peers", [])]
     for arm in ("deltaserve-int4-g32-head", "deltaserve-int4-g32", "deltaserve-int4-fp8-head", "deltaserve-int4-head",
-                "deltaserve-int4",
-                "deltaserve-fp8-head", "deltaserve-fp8"):
+                "deltaserve-int4", "deltaserve-fp8-head", "deltaserve-fp8"):
         if any(e == arm for (_, e) in res.arm_info) or any(e == arm for (_, e) in res.unavailable):
             engines.insert(1, arm)
     # the speculative arms (--speculative K, one per drafter acceptance), after plain deltaserve, in run order
