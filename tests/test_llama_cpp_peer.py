@@ -257,12 +257,13 @@ def test_render_int4_arms_against_llama_cpp_4bit():
     for arm, v in tok.items():
         r.best[("tiny", "decode@1", arm)] = v
         r.arm_info[("tiny", arm)] = {"gguf_bytes": 5e5} if arm.startswith("llama") else {}
-    head = render(r).splitlines()[0]
+    text = render(r)
+    head = text.splitlines()[0]
     assert head.index("deltaserve-int4 tok/s") < head.index("deltaserve-int4-head tok/s") \
         < head.index("deltaserve-int4-fp8-head tok/s") < head.index("llama.cpp-q4_k_m tok/s"), head
     assert head.endswith("| deltaserve-int4-head/llama.cpp-q4_k_m | deltaserve-int4-fp8-head/llama.cpp-q4_k_m "
                          "| deltaserve-int4/llama.cpp-q4_k_m |"), head
-    assert "| 1.20x | 1.10x | 0.80x |" in render(r)
+    assert "| 1.20x | 1.10x | 0.80x |" in text, text
     assert llama_cpp_targets(r) == [
         "- tiny decode@1: deltaserve-int4-head / llama.cpp-q4_k_m 1.20x (met, target >= 1.15x)",
         "- tiny decode@1: deltaserve-int4-fp8-head / llama.cpp-q4_k_m 1.10x (missed, target >= 1.15x)"]
